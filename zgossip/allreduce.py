@@ -1,0 +1,480 @@
+"""Butterfly all-reduce inside one group: reduce-scatter, then all-gather, with failure semantics.
+
+Member i owns span i of the flattened vector (`partition.make_plan`). Every member
+streams its parts of span i to member i; the owner sums them *in the fixed member
+order* (parts that arrive early wait, so arrival order never changes the bits),
+weighted by each member's weight, divides by the weight sum and streams the averaged
+part back to everyone whose data it contains. The two phases overlap part by part.
+
+Failure semantics (see README, "What a step guarantees"):
+
+* every element of a member's buffer ends either as a weighted mean over a set of
+  contributors that includes that member, or unchanged — never a partial sum;
+* a member silent for ``part_timeout`` while it owes an owner data is excluded from
+  that owner's remaining parts; an owner silent for ``2*part_timeout`` while others
+  wait for results is declared lost, and its unresolved parts are *re-reduced* by a
+  substitute (the next live member in ring order) among the survivors that still
+  need them. If the substitute fails too, or ``deadline`` passes, what is left stays
+  unchanged;
+* the outcome lists, per span, how many parts were averaged and over whom.
+
+This module never touches sockets, threads or clocks: it is driven by `on_*` calls
+with the current time and sends through the callable it is given.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Callable
+
+import numpy as np
+
+from .errors import ProtocolError
+from .matchmaking import GroupSpec
+from .partition import PartPlan, make_plan, ordered_weighted_sum
+from .wire import Message, MsgType
+
+__all__ = ["AllReduceRound", "RoundOutcome", "SpanOutcome", "RoundPhase"]
+
+log = logging.getLogger(__name__)
+
+_WAITING, _AVERAGED, _UNCHANGED = 0, 1, 2
+
+
+class RoundPhase(Enum):
+    RUNNING = "running"
+    DONE = "done"
+
+
+@dataclass(frozen=True)
+class SpanOutcome:
+    owner: str  # peer id of the member that owned the span
+    parts: int
+    averaged: int  # parts of this span that were averaged here
+    rescued: int  # of which re-reduced by a substitute after the owner was lost
+    contributors: tuple[str, ...]  # peers whose data is in at least one averaged part
+
+
+@dataclass
+class RoundOutcome:
+    group_id: str
+    key: str
+    members: tuple[str, ...]
+    rank: int
+    gathered: dict[str, Any]
+    weights: dict[str, float]
+    spans: tuple[SpanOutcome, ...]
+    updated: list[tuple[int, int]]  # element ranges of the buffer that now hold averages
+    lost: tuple[str, ...]  # members excluded or declared lost during the round
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    @property
+    def complete(self) -> bool:
+        """True when every element was averaged over every member."""
+        n = len(self.members)
+        return not self.lost and all(s.averaged == s.parts and len(s.contributors) == n for s in self.spans)
+
+    @property
+    def contributors(self) -> tuple[str, ...]:
+        out = set()
+        for s in self.spans:
+            out.update(s.contributors)
+        return tuple(p for p in self.members if p in out)
+
+
+class _Reduce:
+    """Reduction of one span: as its owner, or as the substitute of a lost owner (rescue)."""
+
+    def __init__(self, owner: int, plan: PartPlan, dtype: np.dtype, n: int, rescue: bool) -> None:
+        lo, hi = plan.span(owner)
+        self.owner, self.lo, self.rescue, self.n = owner, lo, rescue, n
+        self.nparts = plan.num_parts(owner)
+        self.acc = np.empty(hi - lo, dtype=dtype)
+        self.pos = [0] * self.nparts
+        self.wsum = [0.0] * self.nparts
+        self.contrib: list[list[int]] = [[] for _ in range(self.nparts)]
+        self.pending: dict[tuple[int, int], tuple[np.ndarray, float]] = {}
+        self.finished = [False] * self.nparts
+        self.left = self.nparts
+        self.excluded: set[int] = set()
+        self.declared: dict[int, frozenset[int]] = {}  # rescue only: member -> parts it needs
+
+    def owes(self, member: int) -> bool:
+        """Does the reduction still wait for something from `member`?"""
+        if member in self.excluded:
+            return False
+        if self.rescue and member not in self.declared:
+            return True
+        return any(not self.finished[p] and self.pos[p] <= member for p in range(self.nparts))
+
+
+class AllReduceRound:
+    def __init__(
+        self,
+        spec: GroupSpec,
+        buffer: np.ndarray,
+        weight: float,
+        gather: Any,
+        send: Callable[[str, Message], None],
+        now: float,
+        *,
+        part_elems: int,
+        part_timeout: float,
+        deadline: float,
+        on_done: Callable[["AllReduceRound", float], None],
+    ) -> None:
+        if buffer.ndim != 1:
+            raise ProtocolError("the all-reduce buffer must be flat")
+        self.spec = spec
+        self.members = spec.members
+        self.n = len(spec.members)
+        self.rank = spec.rank
+        self.me = spec.members[spec.rank]
+        self.buf = buffer
+        self.weight = float(weight)
+        self._send_raw = send
+        self._on_done = on_done
+        self.part_timeout = part_timeout
+        self.deadline = deadline
+        self.started = now
+        self.phase = RoundPhase.RUNNING
+        self.plan = make_plan(buffer.size, [m.bandwidth for m in spec.members], part_elems)
+        self.index = {m.peer_id: i for i, m in enumerate(spec.members)}
+        self.last_heard = [now] * self.n
+        self.lost: set[int] = set()
+        self.gathered: dict[int, Any] = {self.rank: gather}
+        self.weights: dict[int, float] = {self.rank: self.weight}
+        self.status = [[_WAITING] * self.plan.num_parts(o) for o in range(self.n)]
+        self.part_contrib: list[list[tuple[int, ...]]] = [[()] * self.plan.num_parts(o) for o in range(self.n)]
+        self.rescued = [0] * self.n
+        self.unresolved = sum(len(s) for s in self.status)
+        self.own = _Reduce(self.rank, self.plan, buffer.dtype, self.n, rescue=False)
+        self.rescues: dict[int, _Reduce] = {}  # spans I re-reduce as a substitute
+        self.rescue_target: dict[int, int] = {}  # lost owner -> substitute I declared to
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    # ------------------------------------------------------------------ helpers
+    def _msg(self, mtype: MsgType, payload: tuple = (), **body: Any) -> Message:
+        return Message(mtype, self.me.peer_id, self.me.endpoint, {"gid": self.spec.group_id, **body}, payload)
+
+    def _send(self, member: int, msg: Message) -> None:
+        for arr in msg.payload:
+            self.bytes_sent += arr.nbytes
+        self._send_raw(self.members[member].endpoint, msg)
+
+    def _others(self) -> list[int]:
+        return [i for i in range(self.n) if i != self.rank and i not in self.lost]
+
+    # ------------------------------------------------------------------ start
+    def start(self, now: float) -> None:
+        gather_msg = self._msg(MsgType.GATHER, w=self.weight, data=self.gathered[self.rank])
+        for j in self._others():
+            self._send(j, gather_msg)
+        # interleave owners part by part, starting after our own rank, so that all
+        # owners receive their first parts early and the reductions overlap
+        order = [(self.rank + k) % self.n for k in range(1, self.n)]
+        most = max((self.plan.num_parts(o) for o in order), default=0)
+        for p in range(most):
+            for o in order:
+                if p < self.plan.num_parts(o):
+                    lo, hi = self.plan.part(o, p)
+                    self._send(o, self._msg(MsgType.PART, (self.buf[lo:hi],), owner=o, part=p, w=self.weight, resc=0))
+        for p in range(self.own.nparts):
+            self._advance(self.own, p, now)
+        self._check_done(now)
+
+    # ------------------------------------------------------------------ reduction
+    def _advance(self, r: _Reduce, p: int, now: float) -> None:
+        if r.finished[p]:
+            return
+        while r.pos[p] < self.n:
+            j = r.pos[p]
+            if j in r.excluded or (r.rescue and j == r.owner):
+                r.pos[p] += 1
+                continue
+            if r.rescue:
+                need = r.declared.get(j)
+                if need is None:
+                    return  # wait for j's declaration (or its exclusion)
+                if p not in need:
+                    r.pos[p] += 1
+                    continue
+            lo, hi = self.plan.part(r.owner, p)
+            if j == self.rank:
+                data, w = self.buf[lo:hi], self.weight
+            else:
+                item = r.pending.pop((j, p), None)
+                if item is None:
+                    return  # wait for j's part
+                data, w = item
+            a = r.acc[lo - r.lo : hi - r.lo]
+            ordered_weighted_sum(a, data, w, first=not r.contrib[p])
+            r.wsum[p] += w
+            r.contrib[p].append(j)
+            r.pos[p] += 1
+        self._finish_part(r, p, now)
+
+    def _finish_part(self, r: _Reduce, p: int, now: float) -> None:
+        r.finished[p] = True
+        r.left -= 1
+        contrib = tuple(r.contrib[p])
+        if not contrib:
+            return
+        lo, hi = self.plan.part(r.owner, p)
+        a = r.acc[lo - r.lo : hi - r.lo]
+        np.divide(a, a.dtype.type(r.wsum[p]), out=a)
+        msg = self._msg(MsgType.RESULT, (a,), owner=r.owner, part=p, contrib=list(contrib), resc=int(r.rescue))
+        for j in contrib:
+            if j != self.rank:
+                self._send(j, msg)
+        if self.rank in contrib:
+            self._resolve(r.owner, p, contrib, a, rescued=r.rescue)
+
+    def _resolve(self, owner: int, p: int, contrib: tuple[int, ...] | None, data: np.ndarray | None, rescued: bool = False) -> None:
+        if self.status[owner][p] != _WAITING:
+            return
+        if contrib is not None and data is not None:
+            lo, hi = self.plan.part(owner, p)
+            self.buf[lo:hi] = data
+            self.status[owner][p] = _AVERAGED
+            self.part_contrib[owner][p] = contrib
+            self.rescued[owner] += int(rescued)
+        else:
+            self.status[owner][p] = _UNCHANGED
+        self.unresolved -= 1
+
+    def _exclude(self, j: int, now: float) -> None:
+        for r in [self.own, *self.rescues.values()]:
+            if j in r.excluded:
+                continue
+            r.excluded.add(j)
+            for key in [k for k in r.pending if k[0] == j]:
+                del r.pending[key]
+            for p in range(r.nparts):
+                self._advance(r, p, now)
+
+    # ------------------------------------------------------------------ failures
+    def _unresolved_parts(self, owner: int) -> list[int]:
+        return [p for p, s in enumerate(self.status[owner]) if s == _WAITING]
+
+    def _substitute_for(self, owner: int) -> int | None:
+        for k in range(1, self.n):
+            s = (owner + k) % self.n
+            if s not in self.lost and self.members[s].bandwidth > 0:
+                return s
+        return None
+
+    def _member_lost(self, j: int, now: float, substitute: int | None = None) -> None:
+        if j == self.rank:
+            return
+        first = j not in self.lost
+        self.lost.add(j)
+        if first:
+            log.info("%s: round %s: member %s lost", self.me.peer_id[:8], self.spec.group_id[:8], self.members[j].peer_id[:8])
+            self._exclude(j, now)
+            # parts I had declared to j as a substitute will not come back
+            for owner, s in self.rescue_target.items():
+                if s == j:
+                    for p in self._unresolved_parts(owner):
+                        self._resolve(owner, p, None, None)
+        if j in self.rescue_target or self.plan.num_parts(j) == 0:
+            return
+        s = substitute if substitute is not None else self._substitute_for(j)
+        need = self._unresolved_parts(j)
+        if s is None or s == j:
+            for p in need:
+                self._resolve(j, p, None, None)
+            return
+        self.rescue_target[j] = s
+        if s == self.rank:
+            r = self._start_rescue(j)
+            r.declared[self.rank] = frozenset(need)
+            for p in range(r.nparts):
+                self._advance(r, p, now)
+            return
+        self._send(s, self._msg(MsgType.RESCUE, owner=j, need=need))
+        for p in need:
+            lo, hi = self.plan.part(j, p)
+            self._send(s, self._msg(MsgType.PART, (self.buf[lo:hi],), owner=j, part=p, w=self.weight, resc=1))
+
+    def _start_rescue(self, owner: int) -> _Reduce:
+        """Become the substitute reducer of `owner`'s span and call the survivors in."""
+        r = self.rescues.get(owner)
+        if r is None:
+            r = self.rescues[owner] = _Reduce(owner, self.plan, self.buf.dtype, self.n, rescue=True)
+            r.excluded |= self.lost
+            r.declared.setdefault(self.rank, frozenset())
+            call = self._msg(MsgType.RESCUE_CALL, owner=owner)
+            for k in self._others():
+                if k != owner:
+                    self._send(k, call)
+        return r
+
+    # ------------------------------------------------------------------ messages
+    def on_message(self, msg: Message, now: float) -> None:
+        j = self.index.get(msg.sender)
+        if j is None or j == self.rank or self.members[j].endpoint != msg.endpoint:
+            log.warning("%s: dropped %s from non-member %s", self.me.peer_id[:8], msg.type.name, msg.sender[:8])
+            return
+        self.last_heard[j] = now
+        handler = getattr(self, "_on_" + msg.type.name.lower())
+        handler(j, msg, now)
+        self._check_done(now)
+
+    def _on_gather(self, j: int, msg: Message, now: float) -> None:
+        self.gathered.setdefault(j, msg["data"])
+        self.weights.setdefault(j, msg["w"])
+
+    def _bad(self, j: int, msg: Message, why: str) -> None:
+        log.warning("%s: dropped %s from %s: %s", self.me.peer_id[:8], msg.type.name, self.members[j].peer_id[:8], why)
+
+    def _part_range(self, owner: int, p: int, payload: np.ndarray) -> tuple[int, int] | None:
+        if owner >= self.n or p >= self.plan.num_parts(owner):
+            return None
+        lo, hi = self.plan.part(owner, p)
+        if payload.size != hi - lo or payload.dtype != self.buf.dtype:
+            return None
+        return lo, hi
+
+    def _on_part(self, j: int, msg: Message, now: float) -> None:
+        owner, p, arr = msg["owner"], msg["part"], msg.payload[0]
+        if self._part_range(owner, p, arr) is None:
+            return self._bad(j, msg, "part index, length or dtype does not match the group's plan")
+        if msg["resc"]:
+            r = self.rescues.get(owner)
+            if r is None or p not in r.declared.get(j, ()):
+                return self._bad(j, msg, "rescue part that was not declared")
+        else:
+            if owner != self.rank:
+                return self._bad(j, msg, "part of a span this member does not own")
+            r = self.own
+        if j in r.excluded or r.finished[p] or r.pos[p] > j or (j, p) in r.pending:
+            return  # late or duplicate: that member's share of this part is already settled
+        self.bytes_received += arr.nbytes
+        r.pending[(j, p)] = (arr, msg["w"])
+        self._advance(r, p, now)
+
+    def _on_result(self, j: int, msg: Message, now: float) -> None:
+        owner, p, arr = msg["owner"], msg["part"], msg.payload[0]
+        rng = self._part_range(owner, p, arr)
+        if rng is None or any(c >= self.n for c in msg["contrib"]):
+            return self._bad(j, msg, "result does not match the group's plan")
+        expected = self.rescue_target.get(owner) if msg["resc"] else owner
+        if j != expected:
+            return self._bad(j, msg, "result from a member that does not reduce that span")
+        if not np.isfinite(arr).all():
+            return self._bad(j, msg, "result holds NaN or inf")
+        self.bytes_received += arr.nbytes
+        contrib = tuple(msg["contrib"])
+        if self.rank in contrib:
+            self._resolve(owner, p, contrib, arr, rescued=bool(msg["resc"]))
+        else:
+            self._resolve(owner, p, None, None)
+
+    def _on_abort(self, j: int, msg: Message, now: float) -> None:
+        log.info("%s: member %s left round: %s", self.me.peer_id[:8], self.members[j].peer_id[:8], msg["reason"])
+        self._member_lost(j, now)
+
+    def _on_rescue_call(self, j: int, msg: Message, now: float) -> None:
+        owner = msg["owner"]
+        if owner >= self.n or owner == self.rank:
+            return
+        if owner not in self.rescue_target:
+            self._member_lost(owner, now, substitute=j)
+            if owner not in self.rescue_target:  # nothing to rescue here: still answer, so j need not wait
+                self._send(j, self._msg(MsgType.RESCUE, owner=owner, need=[]))
+
+    def _on_rescue(self, j: int, msg: Message, now: float) -> None:
+        owner = msg["owner"]
+        if owner >= self.n or owner == self.rank or self.plan.num_parts(owner) == 0:
+            return
+        need = frozenset(p for p in msg["need"] if p < self.plan.num_parts(owner))
+        if owner not in self.rescue_target:
+            self._member_lost(owner, now, substitute=self.rank)  # declares my own needs too
+        r = self._start_rescue(owner)
+        r.declared.setdefault(j, need)
+        for p in range(r.nparts):
+            self._advance(r, p, now)
+
+    # ------------------------------------------------------------------ time
+    def next_deadline(self) -> float | None:
+        if self.phase is RoundPhase.DONE:
+            return None
+        t = self.deadline
+        for j in range(self.n):
+            if j != self.rank and j not in self.lost:
+                t = min(t, self.last_heard[j] + self.part_timeout)
+        return t
+
+    def on_timer(self, now: float) -> None:
+        if self.phase is RoundPhase.DONE:
+            return
+        if now >= self.deadline:
+            for o in range(self.n):
+                for p in self._unresolved_parts(o):
+                    self._resolve(o, p, None, None)
+            self._check_done(now, force=True)
+            return
+        T = self.part_timeout
+        for j in range(self.n):
+            if j == self.rank or j in self.lost:
+                continue
+            silent = now - self.last_heard[j]
+            if silent < T:
+                continue
+            owes_data = any(r.owes(j) for r in [self.own, *self.rescues.values()]) or j not in self.gathered
+            owes_results = bool(self._unresolved_parts(j)) and j not in self.rescue_target
+            waits_on_rescue = any(s == j and self._unresolved_parts(o) for o, s in self.rescue_target.items())
+            if owes_data or ((owes_results or waits_on_rescue) and silent >= 2 * T):
+                self._member_lost(j, now)
+        self._check_done(now)
+
+    def _check_done(self, now: float, force: bool = False) -> None:
+        if self.phase is RoundPhase.DONE:
+            return
+        waiting_gather = [j for j in range(self.n) if j not in self.gathered and j not in self.lost]
+        busy_rescue = any(r.left for r in self.rescues.values())
+        if not force and (self.unresolved or waiting_gather or busy_rescue or self.own.left):
+            return
+        self.phase = RoundPhase.DONE
+        self._on_done(self, now)
+
+    # ------------------------------------------------------------------ result
+    def outcome(self) -> RoundOutcome:
+        ids = tuple(m.peer_id for m in self.members)
+        spans, updated = [], []
+        for o in range(self.n):
+            contrib: set[int] = set()
+            for p, s in enumerate(self.status[o]):
+                if s == _AVERAGED:
+                    contrib.update(self.part_contrib[o][p])
+                    lo, hi = self.plan.part(o, p)
+                    if updated and updated[-1][1] == lo:
+                        updated[-1] = (updated[-1][0], hi)
+                    else:
+                        updated.append((lo, hi))
+            spans.append(
+                SpanOutcome(
+                    owner=ids[o],
+                    parts=len(self.status[o]),
+                    averaged=sum(1 for s in self.status[o] if s == _AVERAGED),
+                    rescued=self.rescued[o],
+                    contributors=tuple(ids[i] for i in sorted(contrib)),
+                )
+            )
+        return RoundOutcome(
+            group_id=self.spec.group_id,
+            key=self.spec.key,
+            members=ids,
+            rank=self.rank,
+            gathered={ids[i]: d for i, d in sorted(self.gathered.items())},
+            weights={ids[i]: w for i, w in sorted(self.weights.items())},
+            spans=tuple(spans),
+            updated=updated,
+            lost=tuple(ids[i] for i in sorted(self.lost)),
+            bytes_sent=self.bytes_sent,
+            bytes_received=self.bytes_received,
+        )

@@ -1,0 +1,353 @@
+"""Matchmaking: cut the peers that step with the same key into groups, with no fixed coordinator.
+
+Rendezvous hashing picks, for each key, the live peer with the highest
+``blake2b(peer_id | key)``: every joiner sends JOIN to that peer, which acknowledges,
+collects joiners for ``matchmaking_time`` from the first arrival (or until
+``target_group_size`` have come), cuts them into groups of at least ``min_group_size``
+and sends each member its group. Any peer can be the rendezvous for some key, and a
+dead one is simply skipped: a joiner that gets no JOIN_ACK within ``request_timeout``
+asks the next candidate. A rendezvous peer that knows a better-ranked live peer
+redirects the joiner (at most twice), which repairs disagreeing membership views.
+
+The joiner keeps a log of every attempt, so a failure can say exactly what happened
+instead of a bare "could not find a group".
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Callable
+
+import numpy as np
+
+from .errors import GroupNotFound, ProtocolError
+from .membership import Membership
+from .wire import Message, MsgType
+
+__all__ = ["MemberInfo", "GroupSpec", "Matchmaker", "rendezvous_order", "JoinPhase"]
+
+log = logging.getLogger(__name__)
+
+
+def _score(peer_id: str, key: str) -> bytes:
+    return hashlib.blake2b(f"{peer_id}|{key}".encode(), digest_size=8).digest()
+
+
+def rendezvous_order(peer_ids: list[str], key: str) -> list[str]:
+    """Peers ordered by rendezvous score for `key`, best first."""
+    return sorted(peer_ids, key=lambda p: (_score(p, key), p), reverse=True)
+
+
+@dataclass(frozen=True)
+class MemberInfo:
+    peer_id: str
+    endpoint: str
+    bandwidth: float
+    step_id: str
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    key: str
+    group_id: str
+    members: tuple[MemberInfo, ...]
+    rank: int  # this peer's index in `members`
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < len(self.members):
+            raise ProtocolError("rank outside the group")
+        if len({m.peer_id for m in self.members}) != len(self.members):
+            raise ProtocolError("a peer appears twice in one group")
+
+
+class JoinPhase(Enum):
+    ASKING = "asking"  # JOIN sent, waiting for JOIN_ACK
+    QUEUED = "queued"  # acknowledged, waiting for GROUP / NO_GROUP
+    DONE = "done"
+
+
+_PHASE_MOVES = {
+    JoinPhase.ASKING: {JoinPhase.ASKING, JoinPhase.QUEUED, JoinPhase.DONE},
+    JoinPhase.QUEUED: {JoinPhase.ASKING, JoinPhase.DONE},
+    JoinPhase.DONE: set(),
+}
+
+
+@dataclass
+class _Join:
+    step_id: str
+    key: str
+    bandwidth: float
+    layout: str
+    started: float
+    deadline: float
+    phase: JoinPhase = JoinPhase.ASKING
+    target: tuple[str, str] = ("", "")
+    hops: int = 0
+    wait_until: float = 0.0
+    silent: set = field(default_factory=set)
+    history: list = field(default_factory=list)
+    seen: int = 0
+
+    def move(self, phase: JoinPhase) -> None:
+        if phase not in _PHASE_MOVES[self.phase]:
+            raise ProtocolError(f"join {self.step_id}: illegal move {self.phase.value} -> {phase.value}")
+        self.phase = phase
+
+
+@dataclass
+class _Entry:
+    peer_id: str
+    endpoint: str
+    step_id: str
+    bandwidth: float
+    layout: str
+
+
+@dataclass
+class _Pool:
+    closes: float
+    entries: list = field(default_factory=list)
+
+
+class Matchmaker:
+    def __init__(
+        self,
+        membership: Membership,
+        send: Callable[[str, Message], None],
+        rng: np.random.Generator,
+        on_group: Callable[[GroupSpec, float], None],
+        on_fail: Callable[[str, Exception], None],
+        *,
+        target_group_size: int,
+        min_group_size: int,
+        matchmaking_time: float,
+        request_timeout: float,
+    ) -> None:
+        if not 1 <= min_group_size <= target_group_size:
+            raise ValueError("need 1 <= min_group_size <= target_group_size")
+        if matchmaking_time <= 0 or request_timeout <= 0:
+            raise ValueError("matchmaking_time and request_timeout must be positive")
+        self.membership = membership
+        self._send = send
+        self._rng = rng
+        self._on_group = on_group
+        self._on_fail = on_fail
+        self.target_group_size = target_group_size
+        self.min_group_size = min_group_size
+        self.matchmaking_time = matchmaking_time
+        self.request_timeout = request_timeout
+        self.join: _Join | None = None
+        self.pools: dict[str, _Pool] = {}
+
+    @property
+    def peer_id(self) -> str:
+        return self.membership.peer_id
+
+    @property
+    def endpoint(self) -> str:
+        return self.membership.endpoint
+
+    def _msg(self, mtype: MsgType, **body) -> Message:
+        return Message(mtype, self.peer_id, self.endpoint, body)
+
+    # ================================================================ joiner side
+    def begin(self, step_id: str, key: str, bandwidth: float, layout: str, now: float, timeout: float) -> None:
+        if self.join is not None:
+            raise ProtocolError("a join is already running")
+        self.join = _Join(step_id, key, bandwidth, layout, now, now + timeout)
+        self._ask_next(now)
+
+    def cancel(self, now: float, why: str) -> None:
+        j = self.join
+        if j is None:
+            return
+        if j.phase is JoinPhase.QUEUED:
+            self._send(j.target[1], self._msg(MsgType.LEAVE, key=j.key, step=j.step_id))
+        self.join = None
+
+    def _candidates(self, j: _Join) -> list[str]:
+        ids = self.membership.live_ids() + [self.peer_id]
+        return [p for p in rendezvous_order(ids, j.key) if p not in j.silent]
+
+    def _ask(self, j: _Join, peer_id: str, endpoint: str, now: float) -> None:
+        j.move(JoinPhase.ASKING)
+        j.target = (peer_id, endpoint)
+        j.wait_until = now + self.request_timeout
+        self._send(
+            endpoint,
+            self._msg(MsgType.JOIN, key=j.key, step=j.step_id, bw=j.bandwidth, layout=j.layout, hops=j.hops),
+        )
+
+    def _ask_next(self, now: float) -> None:
+        j = self.join
+        assert j is not None
+        cands = self._candidates(j)
+        if not cands:  # everyone went silent: start over rather than give up early
+            j.silent.clear()
+            cands = self._candidates(j)
+        j.hops = 0
+        pid = cands[0]
+        self._ask(j, pid, self.membership.endpoint_of(pid) or self.endpoint, now)
+
+    def _fail(self, now: float, reason: str) -> None:
+        j = self.join
+        assert j is not None
+        self.cancel(now, reason)
+        live = len(self.membership.live_ids())
+        steps = "; ".join(j.history[-6:]) or "no rendezvous peer answered"
+        err = GroupNotFound(
+            f"no group for key {j.key!r} after {now - j.started:.2f}s ({reason}). "
+            f"Live peers known: {live}; most peers seen with this key: {j.seen} "
+            f"(min_group_size={self.min_group_size}). What happened: {steps}. "
+            "Check that enough peers step with the same prefix and round, or lower min_group_size / "
+            "raise timeout or matchmaking_time."
+        )
+        self._on_fail(j.step_id, err)
+
+    def _current(self, msg: Message) -> _Join | None:
+        j = self.join
+        if j is None or msg["step"] != j.step_id or msg["key"] != j.key or msg.sender != j.target[0]:
+            return None
+        return j
+
+    def on_join_ack(self, msg: Message, now: float) -> None:
+        j = self._current(msg)
+        if j is None or j.phase is not JoinPhase.ASKING:
+            return
+        j.move(JoinPhase.QUEUED)
+        # the rendezvous peer closes its window at most matchmaking_time after our join
+        j.wait_until = now + self.matchmaking_time + 2 * self.request_timeout
+
+    def on_redirect(self, msg: Message, now: float) -> None:
+        j = self._current(msg)
+        if j is None:
+            return
+        j.history.append(f"{msg.sender[:8]} redirected to {msg['to_id'][:8]}")
+        j.hops += 1
+        self._ask(j, msg["to_id"], msg["to_ep"], now)
+
+    def on_no_group(self, msg: Message, now: float) -> None:
+        j = self._current(msg)
+        if j is None:
+            return
+        j.seen = max(j.seen, msg["seen"])
+        j.history.append(f"{msg.sender[:8]}: {msg['reason']}")
+        if now + self.matchmaking_time + self.request_timeout <= j.deadline:
+            self._ask_next(now)  # another window fits in the budget: try again
+        else:
+            self._fail(now, "matchmaking window closed without enough peers")
+
+    def on_group(self, msg: Message, now: float) -> None:
+        j = self.join
+        members = tuple(MemberInfo(*m) for m in msg["members"])
+        mine = [i for i, m in enumerate(members) if m.peer_id == self.peer_id and m.step_id == msg["step"]]
+        if j is None or msg["step"] != j.step_id or msg["key"] != j.key or len(mine) != 1:
+            # a group for a step we gave up on: tell its members not to wait for us
+            for m in members:
+                if m.peer_id != self.peer_id:
+                    self._send(m.endpoint, Message(MsgType.ABORT, self.peer_id, self.endpoint,
+                                                   {"gid": msg["gid"], "reason": "step no longer active"}))
+            return
+        try:
+            spec = GroupSpec(j.key, msg["gid"], members, mine[0])
+        except ProtocolError as e:
+            log.warning("%s: dropped malformed GROUP from %s: %s", self.peer_id, msg.sender, e)
+            return
+        j.move(JoinPhase.DONE)
+        self.join = None
+        self._on_group(spec, now)
+
+    # ================================================================ rendezvous side
+    def on_join(self, msg: Message, now: float) -> None:
+        key = msg["key"]
+        if msg["hops"] < 2:
+            best = rendezvous_order(self.membership.live_ids() + [self.peer_id], key)[0]
+            if best != self.peer_id and best != msg.sender:
+                ep = self.membership.endpoint_of(best)
+                assert ep is not None
+                self._send(msg.endpoint, self._msg(MsgType.REDIRECT, key=key, step=msg["step"], to_id=best, to_ep=ep))
+                return
+        pool = self.pools.get(key)
+        if pool is None:
+            pool = self.pools[key] = _Pool(closes=now + self.matchmaking_time)
+        pool.entries = [e for e in pool.entries if e.peer_id != msg.sender]
+        pool.entries.append(_Entry(msg.sender, msg.endpoint, msg["step"], msg["bw"], msg["layout"]))
+        self._send(msg.endpoint, self._msg(MsgType.JOIN_ACK, key=key, step=msg["step"]))
+        same = [e for e in pool.entries if e.layout == msg["layout"]]
+        if len(same) >= self.target_group_size:
+            chosen = same[: self.target_group_size]
+            pool.entries = [e for e in pool.entries if e not in chosen]
+            self._form(key, chosen)
+            if not pool.entries:
+                del self.pools[key]
+
+    def on_leave(self, msg: Message, now: float) -> None:
+        pool = self.pools.get(msg["key"])
+        if pool is not None:
+            pool.entries = [e for e in pool.entries if not (e.peer_id == msg.sender and e.step_id == msg["step"])]
+
+    def _form(self, key: str, entries: list[_Entry]) -> None:
+        if all(e.bandwidth == 0 for e in entries):
+            self._refuse(key, entries, f"all {len(entries)} peers with this key are clients (bandwidth 0)")
+            return
+        gid = self._rng.bytes(8).hex()
+        members = [[e.peer_id, e.endpoint, e.bandwidth, e.step_id] for e in entries]
+        for e in entries:
+            self._send(e.endpoint, self._msg(MsgType.GROUP, key=key, step=e.step_id, gid=gid, members=members))
+
+    def _refuse(self, key: str, entries: list[_Entry], reason: str) -> None:
+        for e in entries:
+            self._send(e.endpoint, self._msg(MsgType.NO_GROUP, key=key, step=e.step_id, reason=reason, seen=len(entries)))
+
+    def _close_pool(self, key: str, pool: _Pool) -> None:
+        by_layout: dict[str, list[_Entry]] = {}
+        for e in pool.entries:
+            by_layout.setdefault(e.layout, []).append(e)
+        total = len(pool.entries)
+        for layout, entries in by_layout.items():
+            n = len(entries)
+            if n < self.min_group_size:
+                why = f"window closed with {n} peer(s) for this key (min_group_size={self.min_group_size})"
+                if n < total:
+                    why += f"; {total - n} other peer(s) used this key with a different tensor layout"
+                self._refuse(key, entries, why)
+                continue
+            groups = -(-n // self.target_group_size)
+            while groups > 1 and n // groups < self.min_group_size:
+                groups -= 1
+            if groups == 1 and n > self.target_group_size:
+                self._form(key, entries[: self.target_group_size])
+                rest = entries[self.target_group_size :]
+                self._refuse(key, rest, f"window closed: {len(rest)} peer(s) left over after cutting full groups")
+                continue
+            start = 0
+            for g in range(groups):
+                size = n // groups + (1 if g < n % groups else 0)
+                self._form(key, entries[start : start + size])
+                start += size
+
+    # ================================================================ timers
+    def deadline(self) -> float | None:
+        times = [p.closes for p in self.pools.values()]
+        if self.join is not None:
+            times += [self.join.wait_until, self.join.deadline]
+        return min(times) if times else None
+
+    def on_timer(self, now: float) -> None:
+        for key in [k for k, p in self.pools.items() if p.closes <= now]:
+            self._close_pool(key, self.pools.pop(key))
+        j = self.join
+        if j is None:
+            return
+        if now >= j.deadline:
+            self._fail(now, "step timeout reached")
+        elif now >= j.wait_until:
+            what = "no JOIN_ACK" if j.phase is JoinPhase.ASKING else "no group after the window"
+            j.history.append(f"{j.target[0][:8]}: {what} within {self.request_timeout:g}s")
+            j.silent.add(j.target[0])
+            if j.phase is JoinPhase.QUEUED:
+                self._send(j.target[1], self._msg(MsgType.LEAVE, key=j.key, step=j.step_id))
+            self._ask_next(now)

@@ -1,0 +1,162 @@
+"""Membership: who is alive and where, learned by gossip; no peer is special.
+
+Gossip-style failure detection (van Renesse et al., 1998): every node increments its
+own heartbeat counter each gossip tick and pushes a digest ``[(peer_id, endpoint,
+heartbeat)]`` to a few random peers, which answer with theirs (push-pull). A peer
+whose heartbeat has not grown for ``peer_timeout`` is forgotten; a tombstone stops
+stale digests from resurrecting it, while a fresh heartbeat (it came back) does.
+Bootstrap is just gossip to ``initial_peers`` endpoints, repeated while the table is
+empty, so any running peer can serve as the entry point.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from .wire import Message, MsgType
+
+__all__ = ["PeerRecord", "Membership"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PeerRecord:
+    peer_id: str
+    endpoint: str
+    heartbeat: int
+    updated: float  # local time the heartbeat last grew, or of direct contact
+
+
+class Membership:
+    def __init__(
+        self,
+        peer_id: str,
+        endpoint: str,
+        send: Callable[[str, Message], None],
+        rng: np.random.Generator,
+        *,
+        initial_peers: Sequence[str] = (),
+        gossip_interval: float = 0.5,
+        fanout: int = 2,
+        peer_timeout: float = 5.0,
+        max_digest: int = 256,
+    ) -> None:
+        if gossip_interval <= 0 or peer_timeout <= gossip_interval:
+            raise ValueError("need 0 < gossip_interval < peer_timeout")
+        self.peer_id = peer_id
+        self.endpoint = endpoint
+        self._send = send
+        self._rng = rng
+        self.initial_peers = tuple(ep for ep in initial_peers if ep != endpoint)
+        self.gossip_interval = gossip_interval
+        self.fanout = fanout
+        self.peer_timeout = peer_timeout
+        self.max_digest = max_digest
+        self.heartbeat = 0
+        self.peers: dict[str, PeerRecord] = {}
+        self._tombstones: dict[str, tuple[int, float]] = {}
+        self._next_tick: float | None = None
+        self.forgotten: list[str] = []  # endpoints of forgotten peers, drained by the node
+
+    # -- queries ---------------------------------------------------------------------
+    def live_ids(self) -> list[str]:
+        """Known live peer ids (not including this node), sorted for determinism."""
+        return sorted(self.peers)
+
+    def endpoint_of(self, peer_id: str) -> str | None:
+        if peer_id == self.peer_id:
+            return self.endpoint
+        rec = self.peers.get(peer_id)
+        return rec.endpoint if rec else None
+
+    # -- events ------------------------------------------------------------------------
+    def start(self, now: float) -> None:
+        self._next_tick = now
+        self.on_timer(now)
+
+    def deadline(self) -> float | None:
+        return self._next_tick
+
+    def on_timer(self, now: float) -> None:
+        if self._next_tick is None or now < self._next_tick:
+            return
+        self._next_tick = now + self.gossip_interval
+        self.heartbeat += 1
+        self._expire(now)
+        targets = self._pick_targets()
+        if not self.peers or self._rng.random() < 0.1:
+            # keep knocking on the bootstrap endpoints while alone, and now and then
+            # afterwards, so that two halves that lost each other find each other again
+            targets += [ep for ep in self.initial_peers if ep not in targets]
+        if targets:
+            msg = self._digest_message(MsgType.GOSSIP)
+            for ep in targets:
+                self._send(ep, msg)
+
+    def observe(self, peer_id: str, endpoint: str, now: float) -> None:
+        """Direct contact from a peer proves it is alive."""
+        if peer_id == self.peer_id:
+            return
+        rec = self.peers.get(peer_id)
+        if rec is None:
+            tomb = self._tombstones.pop(peer_id, None)
+            hb = tomb[0] if tomb else 0
+            self.peers[peer_id] = PeerRecord(peer_id, endpoint, hb, now)
+        else:
+            rec.updated = now
+            rec.endpoint = endpoint
+
+    def on_gossip(self, msg: Message, now: float) -> None:
+        self.merge(msg["peers"], now)
+        if msg.type is MsgType.GOSSIP:
+            self._send(msg.endpoint, self._digest_message(MsgType.GOSSIP_REPLY))
+
+    def merge(self, entries: Iterable[tuple[str, str, int]], now: float) -> None:
+        for pid, ep, hb in entries:
+            if pid == self.peer_id:
+                continue
+            rec = self.peers.get(pid)
+            if rec is None:
+                tomb = self._tombstones.get(pid)
+                if tomb is not None and hb <= tomb[0]:
+                    continue  # stale news of a peer we already buried
+                self._tombstones.pop(pid, None)
+                self.peers[pid] = PeerRecord(pid, ep, hb, now)
+            elif hb > rec.heartbeat:
+                rec.heartbeat, rec.endpoint, rec.updated = hb, ep, now
+
+    def forget(self, peer_id: str, now: float) -> None:
+        rec = self.peers.pop(peer_id, None)
+        if rec is not None:
+            self._tombstones[peer_id] = (rec.heartbeat, now)
+            self.forgotten.append(rec.endpoint)
+            log.info("%s: forgot peer %s at %s", self.peer_id, peer_id, rec.endpoint)
+
+    # -- internals -----------------------------------------------------------------------
+    def _expire(self, now: float) -> None:
+        for pid in [p for p, r in self.peers.items() if now - r.updated > self.peer_timeout]:
+            self.forget(pid, now)
+        horizon = now - 10 * self.peer_timeout
+        for pid in [p for p, (_, t) in self._tombstones.items() if t < horizon]:
+            del self._tombstones[pid]
+
+    def _pick_targets(self) -> list[str]:
+        ids = self.live_ids()
+        if not ids:
+            return []
+        k = min(self.fanout, len(ids))
+        chosen = self._rng.choice(len(ids), size=k, replace=False)
+        return [self.peers[ids[i]].endpoint for i in sorted(chosen)]
+
+    def _digest_message(self, mtype: MsgType) -> Message:
+        ids = self.live_ids()
+        if len(ids) > self.max_digest - 1:
+            pick = self._rng.choice(len(ids), size=self.max_digest - 1, replace=False)
+            ids = [ids[i] for i in sorted(pick)]
+        entries = [(self.peer_id, self.endpoint, self.heartbeat)]
+        entries += [(p, self.peers[p].endpoint, self.peers[p].heartbeat) for p in ids]
+        return Message(mtype, self.peer_id, self.endpoint, {"hb": self.heartbeat, "peers": entries})

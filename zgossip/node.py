@@ -1,0 +1,334 @@
+"""The protocol node: membership + matchmaking + all-reduce, as one sans-IO state machine.
+
+A driver (ZeroMQ or SimPy) feeds it with `on_message`, `on_timer` and `submit_step`,
+always passing the current time, asks `next_deadline()` when to call again, and
+carries out the plain-data actions it drains with `take_actions()`: `Send`,
+`StepDone`, `StepFailed`, `Disconnect`. Messages a node sends to itself (it can be
+its own rendezvous peer) are delivered inside the node without touching the driver.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .allreduce import AllReduceRound, RoundOutcome, SpanOutcome
+from .errors import ProtocolError, RoundTimeout, StepInProgress
+from .grid import MoshpitGrid
+from .matchmaking import GroupSpec, Matchmaker
+from .membership import Membership
+from .wire import Message, MsgType
+
+__all__ = ["NodeConfig", "StepRequest", "StepResult", "Node", "Send", "StepDone", "StepFailed", "Disconnect", "StepPhase"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """Protocol settings. Times are in seconds of whatever clock the driver uses."""
+
+    prefix: str = "zgossip"
+    target_group_size: int = 16
+    min_group_size: int = 2
+    matchmaking_time: float = 1.0  # rendezvous window from the first join
+    request_timeout: float = 0.5  # wait for a JOIN_ACK before trying the next candidate
+    part_size_bytes: int = 4 << 20
+    part_timeout: float = 5.0  # a member silent this long while owing data is excluded
+    allreduce_timeout: float = 60.0
+    gossip_interval: float = 0.5
+    peer_timeout: float = 5.0
+    fanout: int = 2
+    bandwidth: float = 1.0  # relative share of the reduction this peer takes; 0 = client
+    grid: tuple[int, ...] = ()
+    grid_coords: tuple[int, ...] | None = None
+    early_buffer_messages: int = 512  # round messages kept while our GROUP is still on its way
+
+    def __post_init__(self) -> None:
+        if self.part_size_bytes < 64:
+            raise ValueError("part_size_bytes must be at least 64")
+        if self.bandwidth < 0:
+            raise ValueError("bandwidth must be >= 0 (0 = client)")
+        if self.part_timeout <= 0 or self.allreduce_timeout <= 0:
+            raise ValueError("timeouts must be positive")
+        if not self.prefix or len(self.prefix) > 200:
+            raise ValueError("prefix must be 1..200 characters")
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    step_id: str
+    buffer: np.ndarray  # flat snapshot; the round writes averages into it
+    weight: float
+    gather: Any
+    timeout: float  # seconds allowed for matchmaking
+    layout: str  # fingerprint of numel/dtype/shapes: only equal layouts are grouped
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step did. ``updated`` ranges of the flat buffer hold averages; the rest is unchanged."""
+
+    group_id: str
+    key: str
+    members: tuple[str, ...]
+    gathered: dict[str, Any]
+    weights: dict[str, float]
+    contributors: tuple[str, ...]
+    lost: tuple[str, ...]
+    complete: bool
+    spans: tuple[SpanOutcome, ...]
+    updated: list[tuple[int, int]]
+    timings: dict[str, float]
+    bytes_sent: int
+    bytes_received: int
+    coords: tuple[int, ...]
+
+
+class Send(NamedTuple):
+    endpoint: str
+    msg: Message
+
+
+class StepDone(NamedTuple):
+    step_id: str
+    result: StepResult
+
+
+class StepFailed(NamedTuple):
+    step_id: str
+    error: Exception
+
+
+class Disconnect(NamedTuple):
+    endpoint: str
+
+
+class StepPhase(Enum):
+    IDLE = "idle"
+    MATCHMAKING = "matchmaking"
+    AVERAGING = "averaging"
+
+
+_STEP_MOVES = {
+    StepPhase.IDLE: {StepPhase.MATCHMAKING},
+    StepPhase.MATCHMAKING: {StepPhase.AVERAGING, StepPhase.IDLE},
+    StepPhase.AVERAGING: {StepPhase.IDLE},
+}
+
+_ROUND_TYPES = {MsgType.GATHER, MsgType.PART, MsgType.RESULT, MsgType.ABORT, MsgType.RESCUE_CALL, MsgType.RESCUE}
+
+
+@dataclass
+class _Step:
+    req: StepRequest
+    started: float
+    key: str
+    grouped: float = 0.0
+    round: AllReduceRound | None = None
+
+
+class Node:
+    def __init__(
+        self,
+        peer_id: str,
+        endpoint: str,
+        config: NodeConfig,
+        rng: np.random.Generator,
+        initial_peers: tuple[str, ...] = (),
+    ) -> None:
+        self.peer_id = peer_id
+        self.endpoint = endpoint
+        self.config = config
+        self._rng = rng
+        self._actions: list = []
+        self._loopback: deque[Message] = deque()
+        self.membership = Membership(
+            peer_id, endpoint, self._send, rng,
+            initial_peers=initial_peers, gossip_interval=config.gossip_interval,
+            fanout=config.fanout, peer_timeout=config.peer_timeout,
+        )
+        self.matchmaker = Matchmaker(
+            self.membership, self._send, rng, self._on_group, self._on_match_fail,
+            target_group_size=config.target_group_size, min_group_size=config.min_group_size,
+            matchmaking_time=config.matchmaking_time, request_timeout=config.request_timeout,
+        )
+        self.grid = MoshpitGrid(config.grid)
+        self.coords = self.grid.check(config.grid_coords) if config.grid_coords is not None else self.grid.random_coords(rng)
+        self.round_index = 0
+        self.phase = StepPhase.IDLE
+        self.step: _Step | None = None
+        self._early: dict[str, list[Message]] = {}
+        self._finished: dict[str, bool] = {}  # ids of recent rounds, to answer late rescue calls
+        self.stats = {"messages": 0, "dropped": 0, "late": 0}
+
+    # ------------------------------------------------------------------ plumbing
+    def _send(self, endpoint: str, msg: Message) -> None:
+        if endpoint == self.endpoint:
+            self._loopback.append(msg)
+        else:
+            self._actions.append(Send(endpoint, msg))
+
+    def _drain_loopback(self, now: float) -> None:
+        while self._loopback:
+            self._dispatch(self._loopback.popleft(), now)
+
+    def take_actions(self) -> list:
+        out, self._actions = self._actions, []
+        for ep in self.membership.forgotten:
+            out.append(Disconnect(ep))
+        self.membership.forgotten.clear()
+        return out
+
+    def _move(self, phase: StepPhase) -> None:
+        if phase not in _STEP_MOVES[self.phase]:
+            raise ProtocolError(f"illegal step transition {self.phase.value} -> {phase.value}")
+        self.phase = phase
+
+    def current_key(self) -> str:
+        return self.grid.key(self.config.prefix, self.coords, self.round_index)
+
+    # ------------------------------------------------------------------ driver entry points
+    def start(self, now: float) -> None:
+        self.membership.start(now)
+        self._drain_loopback(now)
+
+    def submit_step(self, req: StepRequest, now: float) -> None:
+        if self.phase is not StepPhase.IDLE:
+            self._actions.append(StepFailed(req.step_id, StepInProgress("the previous step is still running")))
+            return
+        self._move(StepPhase.MATCHMAKING)
+        key = self.current_key()
+        self.step = _Step(req, now, key)
+        self.matchmaker.begin(req.step_id, key, self.config.bandwidth, req.layout, now, req.timeout)
+        self._drain_loopback(now)
+
+    def cancel_step(self, step_id: str, now: float, why: str) -> None:
+        st = self.step
+        if st is None or st.req.step_id != step_id:
+            return
+        if st.round is not None:
+            rnd = st.round
+            abort = Message(MsgType.ABORT, self.peer_id, self.endpoint, {"gid": rnd.spec.group_id, "reason": why})
+            for i, m in enumerate(rnd.members):
+                if i != rnd.rank:
+                    self._send(m.endpoint, abort)
+        else:
+            self.matchmaker.cancel(now, why)
+        self._end_step(StepFailed(step_id, RoundTimeout(why)))
+        self._drain_loopback(now)
+
+    def on_message(self, msg: Message, now: float) -> None:
+        self.stats["messages"] += 1
+        self._dispatch(msg, now)
+        self._drain_loopback(now)
+
+    def on_timer(self, now: float) -> None:
+        self.membership.on_timer(now)
+        self.matchmaker.on_timer(now)
+        if self.step is not None and self.step.round is not None:
+            self.step.round.on_timer(now)
+        self._drain_loopback(now)
+
+    def next_deadline(self) -> float | None:
+        times = [self.membership.deadline(), self.matchmaker.deadline()]
+        if self.step is not None and self.step.round is not None:
+            times.append(self.step.round.next_deadline())
+        times = [t for t in times if t is not None]
+        return min(times) if times else None
+
+    # ------------------------------------------------------------------ dispatch
+    def _dispatch(self, msg: Message, now: float) -> None:
+        if msg.sender != self.peer_id:
+            self.membership.observe(msg.sender, msg.endpoint, now)
+        t = msg.type
+        if t in (MsgType.GOSSIP, MsgType.GOSSIP_REPLY):
+            self.membership.on_gossip(msg, now)
+        elif t in _ROUND_TYPES:
+            self._round_message(msg, now)
+        else:
+            mm = self.matchmaker
+            {
+                MsgType.JOIN: mm.on_join,
+                MsgType.LEAVE: mm.on_leave,
+                MsgType.JOIN_ACK: mm.on_join_ack,
+                MsgType.REDIRECT: mm.on_redirect,
+                MsgType.NO_GROUP: mm.on_no_group,
+                MsgType.GROUP: mm.on_group,
+            }[t](msg, now)
+
+    def _round_message(self, msg: Message, now: float) -> None:
+        gid = msg["gid"]
+        st = self.step
+        if st is not None and st.round is not None and st.round.spec.group_id == gid:
+            st.round.on_message(msg, now)
+            return
+        done = self._finished.get(gid)
+        if done is not None:
+            if msg.type is MsgType.RESCUE_CALL:
+                # we finished already, so we need nothing: say so, so the substitute need not wait
+                reply = Message(MsgType.RESCUE, self.peer_id, self.endpoint, {"gid": gid, "owner": msg["owner"], "need": []})
+                self._send(msg.endpoint, reply)
+            else:
+                self.stats["late"] += 1
+            return
+        if self.phase is StepPhase.MATCHMAKING and msg.type is not MsgType.ABORT:
+            # a groupmate may start before our GROUP message arrives: keep its messages briefly
+            early = self._early.setdefault(gid, [])
+            if len(self._early) <= 4 and len(early) < self.config.early_buffer_messages:
+                early.append(msg)
+                return
+        self.stats["dropped"] += 1
+        log.debug("%s: dropped %s for unknown round %s", self.peer_id[:8], msg.type.name, gid[:8])
+
+    # ------------------------------------------------------------------ step lifecycle
+    def _on_group(self, spec: GroupSpec, now: float) -> None:
+        st = self.step
+        assert st is not None
+        self._move(StepPhase.AVERAGING)
+        st.grouped = now
+        cfg = self.config
+        itemsize = st.req.buffer.dtype.itemsize
+        st.round = AllReduceRound(
+            spec, st.req.buffer, st.req.weight, st.req.gather, self._send, now,
+            part_elems=max(1, cfg.part_size_bytes // itemsize), part_timeout=cfg.part_timeout,
+            deadline=now + cfg.allreduce_timeout, on_done=self._on_round_done,
+        )
+        st.round.start(now)
+        for msg in self._early.pop(spec.group_id, []):
+            if st.round is not None and st.round.spec.group_id == spec.group_id:
+                st.round.on_message(msg, now)
+        self._early.clear()
+
+    def _on_match_fail(self, step_id: str, err: Exception) -> None:
+        self.round_index += 1  # stay in step with the swarm's axis even when this round failed
+        self._end_step(StepFailed(step_id, err))
+
+    def _on_round_done(self, rnd: AllReduceRound, now: float) -> None:
+        st = self.step
+        assert st is not None and st.round is rnd
+        out: RoundOutcome = rnd.outcome()
+        coords_before = self.coords
+        self.coords = self.grid.next_coords(self.coords, self.round_index, rnd.spec.group_id, rnd.rank)
+        self.round_index += 1
+        self._finished[rnd.spec.group_id] = True
+        while len(self._finished) > 8:
+            self._finished.pop(next(iter(self._finished)))
+        result = StepResult(
+            group_id=out.group_id, key=out.key, members=out.members, gathered=out.gathered,
+            weights=out.weights, contributors=out.contributors, lost=out.lost, complete=out.complete,
+            spans=out.spans, updated=out.updated,
+            timings={"matchmaking": st.grouped - st.started, "allreduce": now - st.grouped, "total": now - st.started},
+            bytes_sent=out.bytes_sent, bytes_received=out.bytes_received, coords=coords_before,
+        )
+        self._end_step(StepDone(st.req.step_id, result))
+
+    def _end_step(self, action: StepDone | StepFailed) -> None:
+        self.step = None
+        self._early.clear()
+        self._move(StepPhase.IDLE)
+        self._actions.append(action)

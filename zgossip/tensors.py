@@ -1,0 +1,107 @@
+"""The user's tensors <-> the flat buffer the protocol averages.
+
+A `FlatLayout` records shapes and offsets of a list of numpy arrays / CPU torch
+tensors, copies them into one flat buffer (the snapshot a step averages) and writes
+averaged ranges back. The wire dtype is float64 when every tensor is float64, else
+float32. Only the element ranges a step reports as averaged are written, so
+elements whose span was lost stay exactly as they were.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+__all__ = ["FlatLayout", "as_array"]
+
+_FLOATS = (np.dtype("float16"), np.dtype("float32"), np.dtype("float64"))
+
+
+def as_array(t: Any) -> np.ndarray:
+    """A numpy view of a numpy array or a CPU torch tensor (no copy). Raises TypeError otherwise."""
+    if isinstance(t, np.ndarray):
+        arr = t
+    elif type(t).__module__.startswith("torch"):
+        if t.device.type != "cpu":
+            raise TypeError(f"only CPU torch tensors can be averaged (got one on {t.device})")
+        if t.requires_grad:
+            t = t.detach()
+        try:
+            arr = t.numpy()
+        except TypeError as e:  # e.g. bfloat16 has no numpy dtype
+            raise TypeError(f"torch dtype {t.dtype} cannot be averaged yet: {e}") from None
+    else:
+        raise TypeError(f"expected numpy arrays or torch tensors, got {type(t).__name__}")
+    if arr.dtype not in _FLOATS:
+        raise TypeError(f"only float16/32/64 tensors can be averaged, got {arr.dtype}")
+    if not arr.flags.c_contiguous:
+        raise TypeError("tensors must be C-contiguous to be averaged in place")
+    if not arr.flags.writeable:
+        raise TypeError("tensors must be writeable to be averaged in place")
+    return arr
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    offsets: tuple[int, ...]  # len(shapes)+1 boundaries in the flat buffer
+    dtype: np.dtype
+
+    @classmethod
+    def of(cls, tensors: Sequence[Any]) -> "FlatLayout":
+        arrays = [as_array(t) for t in tensors]
+        if not arrays:
+            raise ValueError("need at least one tensor to average")
+        offsets = [0]
+        for a in arrays:
+            offsets.append(offsets[-1] + a.size)
+        all64 = all(a.dtype == np.float64 for a in arrays)
+        return cls(
+            tuple(a.shape for a in arrays),
+            tuple(a.dtype.str for a in arrays),
+            tuple(offsets),
+            np.dtype("<f8" if all64 else "<f4"),
+        )
+
+    @property
+    def numel(self) -> int:
+        return self.offsets[-1]
+
+    @property
+    def fingerprint(self) -> str:
+        """Equal only for layouts that can be averaged together (shapes, dtypes)."""
+        text = repr((self.shapes, self.dtypes, self.dtype.str))
+        return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
+
+    def describe(self) -> str:
+        return f"{len(self.shapes)} tensors, {self.numel} elements as {self.dtype}"
+
+    def check(self, arrays: Sequence[np.ndarray]) -> None:
+        if tuple(a.shape for a in arrays) != self.shapes or tuple(a.dtype.str for a in arrays) != self.dtypes:
+            raise ValueError("tensors changed shape or dtype since the averager was created")
+
+    def new_buffer(self) -> np.ndarray:
+        return np.empty(self.numel, dtype=self.dtype)
+
+    def snapshot(self, arrays: Sequence[np.ndarray], out: np.ndarray) -> np.ndarray:
+        for a, lo, hi in zip(arrays, self.offsets, self.offsets[1:]):
+            out[lo:hi] = a.reshape(-1)
+        return out
+
+    def apply(self, arrays: Sequence[np.ndarray], buf: np.ndarray, ranges: Sequence[tuple[int, int]], alpha: float = 1.0) -> None:
+        """``local += alpha * (avg - local)`` on the averaged `ranges` (alpha=1 copies exactly)."""
+        for lo, hi in ranges:
+            for k, a in enumerate(arrays):
+                t_lo, t_hi = self.offsets[k], self.offsets[k + 1]
+                s, e = max(lo, t_lo), min(hi, t_hi)
+                if s >= e:
+                    continue
+                dst = a.reshape(-1)[s - t_lo : e - t_lo]
+                src = buf[s:e]
+                if alpha == 1.0:
+                    dst[...] = src
+                else:
+                    dst += (alpha * (src.astype(np.float64) - dst)).astype(dst.dtype)
