@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .allreduce import AllReduceRound, RoundOutcome, SpanOutcome
-from .errors import ProtocolError, RoundTimeout, StepInProgress
+from .errors import PeerLost, ProtocolError, RoundTimeout, StepInProgress
 from .grid import MoshpitGrid
 from .matchmaking import GroupSpec, Matchmaker
 from .membership import Membership
@@ -325,6 +325,11 @@ class Node:
             timings={"matchmaking": st.grouped - st.started, "allreduce": now - st.grouped, "total": now - st.started},
             bytes_sent=out.bytes_sent, bytes_received=out.bytes_received, coords=coords_before,
         )
+        if not set(out.contributors) - {self.peer_id}:
+            self._end_step(StepFailed(st.req.step_id, PeerLost(
+                f"group {out.group_id[:8]} of {len(out.members)} formed, but no other member's data arrived "
+                f"(lost: {', '.join(p[:8] for p in out.lost) or 'none'}); tensors left unchanged")))
+            return
         self._end_step(StepDone(st.req.step_id, result))
 
     def _end_step(self, action: StepDone | StepFailed) -> None:

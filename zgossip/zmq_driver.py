@@ -1,0 +1,225 @@
+"""ZeroMQ driver: runs one protocol `Node` on real sockets, from one I/O thread.
+
+That thread owns every socket (zmq sockets are not thread-safe): a ROUTER bound at
+the node's endpoint receives everything; one DEALER per remote endpoint sends to
+that peer's ROUTER (messages are one-way; replies travel on the replier's own
+DEALER). User threads hand work in through `call`, which queues a function and
+pokes an inproc PAIR socket the loop also polls. The loop sleeps until a socket is
+readable or the node's next deadline.
+
+Every socket has linger 0 so shutdown never hangs (the default linger makes
+``ctx.term()`` wait forever for unsent messages to dead peers). The ROUTER sets
+MAXMSGSIZE, so an oversize frame drops that connection inside libzmq before a byte
+reaches Python; everything else that arrives goes through `wire.decode`, and an
+invalid message is logged and counted, never raised.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+from typing import Any, Callable
+
+import zmq
+
+from . import wire
+from .node import Disconnect, Node, Send, StepDone, StepFailed
+
+__all__ = ["ZmqDriver"]
+
+log = logging.getLogger(__name__)
+
+_TRACK_BYTES = 1 << 16  # payloads at least this large are sent zero-copy and tracked
+
+
+def _advertised(endpoint: str, announce_host: str | None) -> str:
+    if not endpoint.startswith("tcp://"):
+        return endpoint
+    host, port = endpoint[6:].rsplit(":", 1)
+    if announce_host:
+        host = announce_host
+    elif host in ("0.0.0.0", "*"):
+        host = socket.gethostbyname(socket.gethostname())
+    return f"tcp://{host}:{port}"
+
+
+class ZmqDriver:
+    def __init__(
+        self,
+        make_node: Callable[[str], Node],
+        listen: str,
+        on_result: Callable[[StepDone | StepFailed], None],
+        *,
+        limits: wire.WireLimits = wire.WireLimits(),
+        announce_host: str | None = None,
+        name: str = "zgossip",
+    ) -> None:
+        self.limits = limits
+        self._on_result = on_result
+        self._ctx = zmq.Context.instance()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.MAXMSGSIZE, max(limits.max_frame_bytes, limits.max_header_bytes))
+        self._router.setsockopt(zmq.RCVHWM, 0)
+        bind_to = listen
+        if listen.startswith("tcp://") and listen.endswith(":0"):
+            bind_to = listen[:-2] + ":*"
+        self._router.bind(bind_to)
+        bound = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.endpoint = _advertised(bound, announce_host)
+        self.node = make_node(self.endpoint)
+        self._dealers: dict[str, zmq.Socket] = {}
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        wake_addr = f"inproc://zgossip-wake-{id(self)}"
+        self._wake_in = self._ctx.socket(zmq.PAIR)
+        self._wake_in.setsockopt(zmq.LINGER, 0)
+        self._wake_in.bind(wake_addr)
+        self._wake_out = self._ctx.socket(zmq.PAIR)
+        self._wake_out.setsockopt(zmq.LINGER, 0)
+        self._wake_out.connect(wake_addr)
+        self._wake_lock = threading.Lock()
+        self._trackers: list[zmq.MessageTracker] = []
+        self._trackers_lock = threading.Lock()
+        self._stopping = False
+        self.stats = {"received": 0, "invalid": 0, "sent": 0, "send_errors": 0, "errors": 0}
+        self._thread = threading.Thread(target=self._run, name=f"{name}-io", daemon=True)
+        self._started = threading.Event()
+        self._thread.start()
+        if not self._started.wait(10):
+            raise RuntimeError("zgossip I/O thread did not start")
+
+    # ---------------------------------------------------------------- user-thread side
+    def call(self, fn: Callable[[float], Any]) -> None:
+        """Run ``fn(now)`` on the I/O thread (where the node lives)."""
+        if self._stopping:
+            raise RuntimeError("driver is stopped")
+        self._commands.put(fn)
+        with self._wake_lock:
+            self._wake_out.send(b"", zmq.NOBLOCK)
+
+    def sends_pending(self) -> bool:
+        """True while a zero-copy payload handed to libzmq has not been transmitted yet."""
+        with self._trackers_lock:
+            self._trackers = [t for t in self._trackers if not t.done]
+            return bool(self._trackers)
+
+    def close(self, timeout: float = 5.0) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        with self._wake_lock:
+            try:
+                self._wake_out.send(b"", zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        self._thread.join(timeout)
+        self._wake_out.close(0)
+
+    # ---------------------------------------------------------------- I/O thread
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_in, zmq.POLLIN)
+        try:
+            self._guard(self.node.start, time.monotonic())
+            self._execute()
+            self._started.set()
+            while not self._stopping:
+                now = time.monotonic()
+                dl = self.node.next_deadline()
+                wait_ms = 1000 if dl is None else min(1000, max(0, int((dl - now) * 1000) + 1))
+                events = dict(poller.poll(wait_ms))
+                if self._wake_in in events:
+                    self._drain_commands()
+                if self._router in events:
+                    self._drain_router()
+                now = time.monotonic()
+                dl = self.node.next_deadline()
+                if dl is not None and now >= dl:
+                    self._guard(self.node.on_timer, now)
+                self._execute()
+        finally:
+            self._started.set()
+            for s in self._dealers.values():
+                s.close(0)
+            self._router.close(0)
+            self._wake_in.close(0)
+
+    def _guard(self, fn: Callable, *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception:  # a bug must not take the node down: log it loudly and keep serving
+            self.stats["errors"] += 1
+            log.exception("zgossip node %s: internal error", self.endpoint)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                self._wake_in.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+        while True:
+            try:
+                fn = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            self._guard(fn, time.monotonic())
+            self._execute()
+
+    def _drain_router(self) -> None:
+        for _ in range(256):  # bounded, so timers and commands still get their turn
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.stats["received"] += 1
+            try:
+                msg = wire.decode([f.buffer for f in frames[1:]], self.limits)
+            except wire.InvalidMessage as e:
+                self.stats["invalid"] += 1
+                log.warning("zgossip node %s: dropped invalid message: %s", self.endpoint, e)
+                continue
+            self._guard(self.node.on_message, msg, time.monotonic())
+            self._execute()
+
+    def _dealer(self, endpoint: str) -> zmq.Socket:
+        sock = self._dealers.get(endpoint)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)  # never drop: payloads are zero-copy, queueing costs no copy
+            sock.connect(endpoint)
+            self._dealers[endpoint] = sock
+        return sock
+
+    def _execute(self) -> None:
+        for act in self.node.take_actions():
+            if isinstance(act, Send):
+                self._transmit(act.endpoint, act.msg)
+            elif isinstance(act, (StepDone, StepFailed)):
+                try:
+                    self._on_result(act)
+                except Exception:
+                    log.exception("zgossip: result callback failed")
+            elif isinstance(act, Disconnect):
+                sock = self._dealers.pop(act.endpoint, None)
+                if sock is not None:
+                    sock.close(0)
+
+    def _transmit(self, endpoint: str, msg: wire.Message) -> None:
+        try:
+            frames = wire.encode(msg)
+            sock = self._dealer(endpoint)
+            big = bool(msg.payload) and msg.payload[-1].nbytes >= _TRACK_BYTES
+            if big:
+                tracker = sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False, track=True)
+                with self._trackers_lock:
+                    self._trackers.append(tracker)
+            else:
+                sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=len(frames) == 1)
+            self.stats["sent"] += 1
+        except (zmq.ZMQError, ValueError) as e:
+            self.stats["send_errors"] += 1
+            log.warning("zgossip node %s: could not send %s to %s: %s", self.endpoint, msg.type.name, endpoint, e)
