@@ -1,0 +1,26 @@
+"""The ``zgossip`` command: ``demo``, ``peer`` and ``bench``."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="zgossip", description="Decentralized tensor averaging over ZeroMQ.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from . import bench, demo, peer
+
+    demo.add_arguments(sub.add_parser("demo", help="8 local peers average random tensors on a Moshpit grid"))
+    peer.add_arguments(sub.add_parser("peer", help="run one peer for real (multi-host) use"))
+    bench.add_arguments(sub.add_parser("bench", help="time the all-reduce, optionally against torch.distributed gloo"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", "WARNING"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return {"demo": demo.run, "peer": peer.run, "bench": bench.run}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""A swarm of local peer processes, each running one `Averager`, driven from the parent.
+
+Used by ``zgossip demo``, ``zgossip bench`` and the multi-process tests. Each child
+builds its tensor from ``seed + index`` (so the parent can compute the true mean
+without shipping data), binds tcp on loopback with an ephemeral port, bootstraps
+from peer 0 (or from `initial_peers`), and then serves commands over a pipe. Every
+wait is bounded; `close` stops every child it started, killing the ones that do not
+stop in time.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+__all__ = ["LocalSwarm", "peer_data"]
+
+
+def peer_data(seed: int, index: int, numel: int, dtype: str = "float32") -> np.ndarray:
+    return np.random.default_rng([seed, index]).standard_normal(numel).astype(dtype)
+
+
+def _summary(result: Any, t0: float, t1: float) -> dict:
+    return {
+        "ok": True,
+        "group_id": result.group_id,
+        "group_size": len(result.members),
+        "members": list(result.members),
+        "contributors": list(result.contributors),
+        "lost": list(result.lost),
+        "complete": result.complete,
+        "gathered": result.gathered,
+        "timings": dict(result.timings, wall=t1 - t0),
+        "bytes_sent": result.bytes_sent,
+        "bytes_received": result.bytes_received,
+        "coords": list(result.coords),
+        "updated": [list(r) for r in result.updated],
+    }
+
+
+def _child(index: int, conn: Any, numel: int, seed: int, dtype: str, kwargs: dict, initial: Sequence[str]) -> None:
+    import logging
+
+    logging.basicConfig(level=os.environ.get("ZGOSSIP_LOG", "WARNING"))
+    from .averager import Averager
+
+    data = peer_data(seed, index, numel, dtype)
+    avg = Averager([data], initial_peers=list(initial), seed=seed * 1000 + index, **kwargs)
+    conn.send({"endpoint": avg.endpoint, "peer_id": avg.peer_id, "pid": os.getpid()})
+    try:
+        while True:
+            cmd, args = conn.recv()
+            if cmd == "stop":
+                break
+            try:
+                if cmd == "step":
+                    t0 = time.perf_counter()
+                    res = avg.step(**args)
+                    conn.send(_summary(res, t0, time.perf_counter()))
+                elif cmd == "peers":
+                    conn.send({"ok": True, "peers": avg.peers()})
+                elif cmd == "tensor":
+                    with avg.get_tensors() as ts:
+                        conn.send({"ok": True, "tensor": np.array(ts[0])})
+                elif cmd == "set":
+                    with avg.get_tensors() as ts:
+                        ts[0][...] = args["value"]
+                    conn.send({"ok": True})
+                elif cmd == "stats":
+                    conn.send({"ok": True, "stats": avg.stats})
+                else:
+                    conn.send({"ok": False, "error": f"unknown command {cmd}", "type": "ValueError"})
+            except Exception as e:  # report, keep serving
+                conn.send({"ok": False, "error": str(e), "type": type(e).__name__})
+    except (EOFError, KeyboardInterrupt):
+        pass
+    finally:
+        avg.shutdown()
+
+
+@dataclass
+class LocalSwarm:
+    n: int
+    numel: int
+    seed: int = 0
+    dtype: str = "float32"
+    averager_kwargs: dict = field(default_factory=dict)
+    per_peer_kwargs: Sequence[dict] | None = None
+    initial_peers: Sequence[str] = ()
+    start_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.procs: list[Any] = []
+        self.conns: list[Any] = []
+        self.info: list[dict] = []
+        try:
+            # peer 0 first (the others bootstrap from it), then the rest in parallel
+            self._spawn(ctx, 0, list(self.initial_peers))
+            self._hello(0)
+            first = list(self.initial_peers) or [self.info[0]["endpoint"]]
+            for i in range(1, self.n):
+                self._spawn(ctx, i, first)
+            for i in range(1, self.n):
+                self._hello(i)
+        except BaseException:
+            self.close()
+            raise
+
+    def _spawn(self, ctx: Any, i: int, initial: list) -> None:
+        kw = dict(self.averager_kwargs)
+        if self.per_peer_kwargs is not None:
+            kw.update(self.per_peer_kwargs[i])
+        kw.setdefault("prefix", "swarm")
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_child, args=(i, child, self.numel, self.seed, self.dtype, kw, initial), daemon=True)
+        p.start()
+        child.close()
+        self.procs.append(p)
+        self.conns.append(parent)
+
+    def _hello(self, i: int) -> None:
+        if not self.conns[i].poll(self.start_timeout):
+            raise TimeoutError(f"peer {i} did not start within {self.start_timeout}s")
+        try:
+            self.info.append(self.conns[i].recv())
+        except EOFError:
+            raise RuntimeError(f"peer {i} exited during start-up (exit code {self.procs[i].exitcode})") from None
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [i["endpoint"] for i in self.info]
+
+    def truth(self, indices: Sequence[int] | None = None, weights: Sequence[float] | None = None) -> np.ndarray:
+        idx = list(range(self.n)) if indices is None else list(indices)
+        w = np.ones(len(idx)) if weights is None else np.asarray(weights, dtype=np.float64)
+        acc = np.zeros(self.numel, dtype=np.float64)
+        for k, i in enumerate(idx):
+            acc += w[k] * peer_data(self.seed, i, self.numel, self.dtype)
+        return acc / w.sum()
+
+    def send(self, i: int, cmd: str, **args: Any) -> None:
+        self.conns[i].send((cmd, args))
+
+    def recv(self, i: int, timeout: float) -> dict:
+        try:
+            if not self.conns[i].poll(timeout):
+                raise TimeoutError(f"peer {i} did not answer within {timeout}s")
+            return self.conns[i].recv()
+        except (EOFError, OSError):
+            return {"ok": False, "error": f"peer {i} is gone", "type": "PeerGone"}
+
+    def call(self, i: int, cmd: str, timeout: float = 30.0, **args: Any) -> dict:
+        self.send(i, cmd, **args)
+        return self.recv(i, timeout)
+
+    def alive(self) -> list[int]:
+        return [i for i, p in enumerate(self.procs) if p.is_alive()]
+
+    def wait_membership(self, timeout: float = 20.0) -> None:
+        """Until every live peer knows every other live peer."""
+        deadline = time.monotonic() + timeout
+        while True:
+            live = self.alive()
+            counts = [len(self.call(i, "peers", timeout=5)["peers"]) for i in live]
+            if all(c >= len(live) - 1 for c in counts):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"membership did not converge: {counts}")
+            time.sleep(0.05)
+
+    def step_all(self, timeout: float = 60.0, indices: Sequence[int] | None = None, **step_args: Any) -> list[dict]:
+        idx = self.alive() if indices is None else list(indices)
+        for i in idx:
+            self.send(i, "step", **step_args)
+        return [self.recv(i, timeout) for i in idx]
+
+    def kill(self, i: int) -> None:
+        p = self.procs[i]
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGKILL)
+        p.join(5)
+
+    def close(self, timeout: float = 10.0) -> None:
+        for conn, p in zip(self.conns, self.procs):
+            if p.is_alive():
+                try:
+                    conn.send(("stop", {}))
+                except (OSError, BrokenPipeError):
+                    pass
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for conn in self.conns:
+            conn.close()
+
+    def __enter__(self) -> "LocalSwarm":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
