@@ -92,6 +92,23 @@ class SimPeer:
         self.pump()
         return ev
 
+    def step_tensors(self, *, weight: float = 1.0, gather: Any = None, timeout: float = 10.0,
+                     alpha: float = 1.0) -> simpy.Event:
+        """Like `zgossip.Averager.step`: snapshot this peer's tensors, average, write back the averaged ranges."""
+        if self.tensors is None:
+            raise ValueError("this peer was created without tensors")
+        layout = FlatLayout.of(self.tensors)
+        arrays = [np.asarray(t) for t in self.tensors]
+        buf = layout.snapshot(arrays, layout.new_buffer())
+        ev = self.step(buf, weight=weight, gather=gather, timeout=timeout, layout=layout.fingerprint)
+
+        def apply(e: simpy.Event) -> None:
+            if isinstance(e.value, StepDone):
+                layout.apply(arrays, buf, e.value.result.updated, alpha)
+
+        ev.callbacks.insert(0, apply)
+        return ev
+
     def crash(self) -> None:
         self.alive = False
 

@@ -74,7 +74,9 @@ class RoundOutcome:
     def complete(self) -> bool:
         """True when every element was averaged over every member."""
         n = len(self.members)
-        return not self.lost and all(s.averaged == s.parts and len(s.contributors) == n for s in self.spans)
+        return not self.lost and all(
+            s.parts == 0 or (s.averaged == s.parts and len(s.contributors) == n) for s in self.spans
+        )
 
     @property
     def contributors(self) -> tuple[str, ...]:

@@ -81,6 +81,7 @@ class _Join:
     key: str
     bandwidth: float
     layout: str
+    want: int
     started: float
     deadline: float
     phase: JoinPhase = JoinPhase.ASKING
@@ -104,6 +105,7 @@ class _Entry:
     step_id: str
     bandwidth: float
     layout: str
+    want: int
 
 
 @dataclass
@@ -154,10 +156,14 @@ class Matchmaker:
         return Message(mtype, self.peer_id, self.endpoint, body)
 
     # ================================================================ joiner side
-    def begin(self, step_id: str, key: str, bandwidth: float, layout: str, now: float, timeout: float) -> None:
+    def begin(self, step_id: str, key: str, bandwidth: float, layout: str, now: float, timeout: float,
+              want: int | None = None) -> None:
+        """Start looking for a group. `want` is how many peers the key can hold at most (a
+        full Moshpit line); the rendezvous peer closes the group as soon as that many came."""
         if self.join is not None:
             raise ProtocolError("a join is already running")
-        self.join = _Join(step_id, key, bandwidth, layout, now, now + timeout)
+        want = self.target_group_size if want is None else max(1, min(want, self.target_group_size))
+        self.join = _Join(step_id, key, bandwidth, layout, want, now, now + timeout)
         self._ask_next(now)
 
     def cancel(self, now: float, why: str) -> None:
@@ -178,7 +184,7 @@ class Matchmaker:
         j.wait_until = now + self.request_timeout
         self._send(
             endpoint,
-            self._msg(MsgType.JOIN, key=j.key, step=j.step_id, bw=j.bandwidth, layout=j.layout, hops=j.hops),
+            self._msg(MsgType.JOIN, key=j.key, step=j.step_id, bw=j.bandwidth, layout=j.layout, hops=j.hops, want=j.want),
         )
 
     def _ask_next(self, now: float) -> None:
@@ -274,11 +280,12 @@ class Matchmaker:
         if pool is None:
             pool = self.pools[key] = _Pool(closes=now + self.matchmaking_time)
         pool.entries = [e for e in pool.entries if e.peer_id != msg.sender]
-        pool.entries.append(_Entry(msg.sender, msg.endpoint, msg["step"], msg["bw"], msg["layout"]))
+        pool.entries.append(_Entry(msg.sender, msg.endpoint, msg["step"], msg["bw"], msg["layout"], msg["want"]))
         self._send(msg.endpoint, self._msg(MsgType.JOIN_ACK, key=key, step=msg["step"]))
         same = [e for e in pool.entries if e.layout == msg["layout"]]
-        if len(same) >= self.target_group_size:
-            chosen = same[: self.target_group_size]
+        enough = max(self.min_group_size, min([self.target_group_size] + [e.want for e in same]))
+        if len(same) >= enough:
+            chosen = same[:enough]
             pool.entries = [e for e in pool.entries if e not in chosen]
             self._form(key, chosen)
             if not pool.entries:

@@ -49,8 +49,8 @@ class NodeConfig:
     early_buffer_messages: int = 512  # round messages kept while our GROUP is still on its way
 
     def __post_init__(self) -> None:
-        if self.part_size_bytes < 64:
-            raise ValueError("part_size_bytes must be at least 64")
+        if self.part_size_bytes < 16:
+            raise ValueError("part_size_bytes must be at least 16")
         if self.bandwidth < 0:
             raise ValueError("bandwidth must be >= 0 (0 = client)")
         if self.part_timeout <= 0 or self.allreduce_timeout <= 0:
@@ -204,7 +204,9 @@ class Node:
         self._move(StepPhase.MATCHMAKING)
         key = self.current_key()
         self.step = _Step(req, now, key)
-        self.matchmaker.begin(req.step_id, key, self.config.bandwidth, req.layout, now, req.timeout)
+        axis = self.grid.axis(self.round_index)
+        want = self.grid.shape[axis] if axis is not None else None
+        self.matchmaker.begin(req.step_id, key, self.config.bandwidth, req.layout, now, req.timeout, want)
         self._drain_loopback(now)
 
     def cancel_step(self, step_id: str, now: float, why: str) -> None:

@@ -151,7 +151,7 @@ SCHEMAS: dict[MsgType, tuple[dict[str, Validator], int]] = {
     MsgType.GOSSIP: ({"hb": _BIG, "peers": _list(_PEER, 4096)}, 0),
     MsgType.GOSSIP_REPLY: ({"hb": _BIG, "peers": _list(_PEER, 4096)}, 0),
     MsgType.JOIN: (
-        {"key": _KEY, "step": _ID, "bw": _float(0.0, 1e18), "layout": _str(128), "hops": _int(0, 16)},
+        {"key": _KEY, "step": _ID, "bw": _float(0.0, 1e18), "layout": _str(128), "hops": _int(0, 16), "want": _IDX},
         0,
     ),
     MsgType.JOIN_ACK: ({"key": _KEY, "step": _ID}, 0),

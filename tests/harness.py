@@ -1,0 +1,93 @@
+"""Run the same protocol scenario on either transport: SimPy (virtual time) or ZeroMQ (real sockets)."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+import zgossip
+from sim import SimCluster
+from zgossip.node import NodeConfig, StepDone, StepFailed
+
+TRANSPORTS = ["sim", "zmq"]
+
+FAST = dict(gossip_interval=0.05, peer_timeout=2.0, matchmaking_time=0.5, request_timeout=0.3, part_timeout=2.0)
+
+
+class SimHarness:
+    def __init__(self, tensors: Sequence[Sequence[np.ndarray]], per_peer: Sequence[dict] | None = None, seed: int = 0, **cfg: Any) -> None:
+        self.cluster = SimCluster(seed=seed)
+        self.peers = []
+        for i, ts in enumerate(tensors):
+            kw = {**FAST, **cfg, **(per_peer[i] if per_peer else {})}
+            kw.setdefault("prefix", "test")
+            initial = [self.peers[0].endpoint] if self.peers else []
+            self.peers.append(self.cluster.add_peer(NodeConfig(**kw), initial_peers=initial, tensors=ts))
+        self.cluster.run(until=self.cluster.env.now + 1.0)  # gossip converges
+        for p in self.peers:
+            assert len(p.node.membership.live_ids()) == len(self.peers) - 1
+
+    def tensors(self, i: int) -> list[np.ndarray]:
+        return self.peers[i].tensors
+
+    def step_all(self, weights: Sequence[float] | None = None, gathers: Sequence[Any] | None = None,
+                 timeout: float = 5.0, indices: Sequence[int] | None = None) -> list[Any]:
+        idx = range(len(self.peers)) if indices is None else indices
+        evs = []
+        for i in idx:
+            w = 1.0 if weights is None else weights[i]
+            g = None if gathers is None else gathers[i]
+            evs.append(self.peers[i].step_tensors(weight=w, gather=g, timeout=timeout))
+        self.cluster.run(until=self.cluster.env.all_of(evs))
+        return [e.value.result if isinstance(e.value, StepDone) else e.value.error for e in evs]
+
+    def close(self) -> None:
+        pass
+
+
+class ZmqHarness:
+    def __init__(self, tensors: Sequence[Sequence[np.ndarray]], per_peer: Sequence[dict] | None = None, seed: int = 0, **cfg: Any) -> None:
+        self.avgs: list[zgossip.Averager] = []
+        self._tensors = [list(ts) for ts in tensors]
+        try:
+            for i, ts in enumerate(tensors):
+                kw = {**FAST, **cfg, **(per_peer[i] if per_peer else {})}
+                kw.setdefault("prefix", "test")
+                initial = [self.avgs[0].endpoint] if self.avgs else []
+                self.avgs.append(zgossip.Averager(list(ts), initial_peers=initial, seed=seed * 100 + i, **kw))
+            deadline = time.monotonic() + 10
+            while any(len(a.peers()) < len(self.avgs) - 1 for a in self.avgs):
+                assert time.monotonic() < deadline, "membership did not converge"
+                time.sleep(0.02)
+        except BaseException:
+            self.close()
+            raise
+
+    def tensors(self, i: int) -> list[np.ndarray]:
+        return self._tensors[i]
+
+    def step_all(self, weights: Sequence[float] | None = None, gathers: Sequence[Any] | None = None,
+                 timeout: float = 5.0, indices: Sequence[int] | None = None) -> list[Any]:
+        idx = range(len(self.avgs)) if indices is None else indices
+        futs = []
+        for i in idx:
+            w = 1.0 if weights is None else weights[i]
+            g = None if gathers is None else gathers[i]
+            futs.append(self.avgs[i].step(weight=w, gather=g, timeout=timeout, wait=False))
+        out = []
+        for f in futs:
+            try:
+                out.append(f.result(timeout + 30))
+            except (zgossip.ZGossipError, cf.TimeoutError) as e:
+                out.append(e)
+        return out
+
+    def close(self) -> None:
+        for a in self.avgs:
+            a.shutdown()
+
+
+def make(transport: str, tensors, per_peer=None, seed: int = 0, **cfg):
+    return (SimHarness if transport == "sim" else ZmqHarness)(tensors, per_peer, seed, **cfg)

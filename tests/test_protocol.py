@@ -1,0 +1,132 @@
+"""One protocol suite, run on both transports: SimPy virtual time and real ZeroMQ sockets."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import zgossip
+from harness import TRANSPORTS, make
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _random_tensors(rng, n, shapes=((7, 5), (13,), (3, 2, 2))):
+    return [[rng.standard_normal(s).astype(np.float32) for s in shapes] for _ in range(n)]
+
+
+def _weighted_mean(tensors, weights, k):
+    w = np.asarray(weights, dtype=np.float64)
+    return sum(wi * t[k].astype(np.float64) for wi, t in zip(w, tensors)) / w.sum()
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request):
+    return request.param
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 8, 16])
+def test_weighted_average_equals_numpy(transport, n):
+    rng = np.random.default_rng(n)
+    tensors = _random_tensors(rng, n)
+    original = [[t.copy() for t in ts] for ts in tensors]
+    weights = list(rng.uniform(0.1, 5.0, n))
+    h = make(transport, tensors, target_group_size=n, min_group_size=n, part_size_bytes=64)
+    try:
+        results = h.step_all(weights=weights)
+        for r in results:
+            assert isinstance(r, zgossip.StepResult), r
+            assert len(r.members) == n and r.complete and len(r.contributors) == n
+        for i in range(n):
+            for k in range(3):
+                np.testing.assert_allclose(h.tensors(i)[k], _weighted_mean(original, weights, k), rtol=1e-5, atol=1e-6)
+        # every peer ends with the same bits: the reduction order is fixed, not arrival order
+        for i in range(1, n):
+            for k in range(3):
+                assert np.array_equal(h.tensors(i)[k], h.tensors(0)[k])
+    finally:
+        h.close()
+
+
+def test_gather_returns_every_members_data(transport):
+    n = 4
+    rng = np.random.default_rng(7)
+    h = make(transport, _random_tensors(rng, n), target_group_size=n)
+    try:
+        gathers = [{"rank": i, "loss": float(i) / 3, "tags": ["a", i]} for i in range(n)]
+        results = h.step_all(gathers=gathers, weights=[1, 2, 3, 4])
+        for r in results:
+            assert sorted(d["rank"] for d in r.gathered.values()) == list(range(n))
+            assert {tuple(d["tags"]) for d in r.gathered.values()} == {("a", i) for i in range(n)}
+            assert sorted(r.weights.values()) == [1.0, 2.0, 3.0, 4.0]
+            assert set(r.gathered) == set(r.members)
+    finally:
+        h.close()
+
+
+def test_clients_reduce_nothing_but_get_the_average(transport):
+    n = 5
+    rng = np.random.default_rng(11)
+    tensors = _random_tensors(rng, n)
+    original = [[t.copy() for t in ts] for ts in tensors]
+    per_peer = [{"bandwidth": 0.0 if i in (1, 3) else float(i + 1)} for i in range(n)]
+    h = make(transport, tensors, per_peer=per_peer, target_group_size=n, min_group_size=n, part_size_bytes=32)
+    try:
+        results = h.step_all()
+        for r in results:
+            assert r.complete
+            assert sum(1 for s in r.spans if s.parts == 0) == 2  # the two clients own no span
+        for i in range(n):
+            for k in range(3):
+                np.testing.assert_allclose(h.tensors(i)[k], _weighted_mean(original, [1] * n, k), rtol=1e-5, atol=1e-6)
+    finally:
+        h.close()
+
+
+def test_moshpit_4x4_grid_exact_after_two_rounds(transport):
+    n, side = 16, 4
+    rng = np.random.default_rng(3)
+    tensors = [[rng.standard_normal(10).astype(np.float64)] for _ in range(n)]
+    truth = np.mean([t[0] for t in tensors], axis=0)
+    per_peer = [{"grid_coords": (i % side, i // side)} for i in range(n)]
+    h = make(transport, tensors, per_peer=per_peer, grid=(side, side), target_group_size=side, min_group_size=side)
+    try:
+        first = h.step_all()
+        assert all(isinstance(r, zgossip.StepResult) and len(r.members) == side for r in first)
+        assert len({r.group_id for r in first}) == side
+        errs = [np.abs(h.tensors(i)[0] - truth).max() for i in range(n)]
+        assert max(errs) > 1e-3  # one round along one axis is not the global mean yet
+        second = h.step_all()
+        assert all(isinstance(r, zgossip.StepResult) and len(r.members) == side for r in second)
+        for i in range(n):
+            np.testing.assert_allclose(h.tensors(i)[0], truth, rtol=0, atol=1e-12)
+    finally:
+        h.close()
+
+
+def test_group_not_found_says_why(transport):
+    rng = np.random.default_rng(5)
+    h = make(transport, _random_tensors(rng, 2), target_group_size=4, min_group_size=3, matchmaking_time=0.3)
+    try:
+        results = h.step_all(timeout=1.0)
+        for r in results:
+            assert isinstance(r, zgossip.GroupNotFound)
+            text = str(r)
+            assert "min_group_size=3" in text and "2 peer(s)" in text and "Live peers known: 1" in text
+    finally:
+        h.close()
+
+
+def test_mismatched_layouts_are_never_averaged_together(transport):
+    rng = np.random.default_rng(9)
+    tensors = [[rng.standard_normal(8).astype(np.float32)] for _ in range(2)]
+    tensors.append([rng.standard_normal(9).astype(np.float32)])
+    before = tensors[2][0].copy()
+    h = make(transport, tensors, target_group_size=3, min_group_size=2, matchmaking_time=0.3)
+    try:
+        results = h.step_all(timeout=1.0)
+        assert isinstance(results[0], zgossip.StepResult) and len(results[0].members) == 2
+        assert isinstance(results[2], zgossip.GroupNotFound)
+        assert "different tensor layout" in str(results[2])
+        assert np.array_equal(h.tensors(2)[0], before)
+    finally:
+        h.close()
