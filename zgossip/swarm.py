@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["LocalSwarm", "peer_data"]
+__all__ = ["LocalSwarm", "peer_data", "proc_memory"]
 
 
 def peer_data(seed: int, index: int, numel: int, dtype: str = "float32") -> np.ndarray:
@@ -41,6 +41,33 @@ def _summary(result: Any, t0: float, t1: float) -> dict:
         "coords": list(result.coords),
         "updated": [list(r) for r in result.updated],
     }
+
+
+def proc_memory(reset: bool = False) -> dict:
+    """This process's resident memory from /proc/self/status, in bytes (Linux).
+
+    ``VmHWM`` is the peak resident set. With ``reset``, the peak is first reset to the
+    current RSS by writing 5 to /proc/self/clear_refs, so a later reading is the peak
+    since this call (``reset`` in the answer says whether that worked).
+    """
+    done = False
+    if reset:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            done = True
+        except OSError:
+            pass
+    out: dict = {"reset": done}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    out[key] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
 
 
 def _child(index: int, conn: Any, numel: int, seed: int, dtype: str, kwargs: dict, initial: Sequence[str]) -> None:
@@ -73,6 +100,8 @@ def _child(index: int, conn: Any, numel: int, seed: int, dtype: str, kwargs: dic
                     conn.send({"ok": True})
                 elif cmd == "stats":
                     conn.send({"ok": True, "stats": avg.stats})
+                elif cmd == "rss":
+                    conn.send({"ok": True, **proc_memory(bool(args.get("reset")))})
                 else:
                     conn.send({"ok": False, "error": f"unknown command {cmd}", "type": "ValueError"})
             except Exception as e:  # report, keep serving
