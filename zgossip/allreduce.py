@@ -109,7 +109,10 @@ class _Reduce:
             return False
         if self.rescue and member not in self.declared:
             return True
-        return any(not self.finished[p] and self.pos[p] <= member for p in range(self.nparts))
+        need = self.declared[member] if self.rescue else range(self.nparts)
+        return any(
+            not self.finished[p] and self.pos[p] <= member and (member, p) not in self.pending for p in need
+        )
 
 
 class AllReduceRound:
@@ -141,6 +144,7 @@ class AllReduceRound:
         self.part_timeout = part_timeout
         self.deadline = deadline
         self.started = now
+        self._now = now  # time of the event being handled
         self.phase = RoundPhase.RUNNING
         self.plan = make_plan(buffer.size, [m.bandwidth for m in spec.members], part_elems)
         self.index = {m.peer_id: i for i, m in enumerate(spec.members)}
@@ -291,6 +295,7 @@ class AllReduceRound:
                 self._resolve(j, p, None, None)
             return
         self.rescue_target[j] = s
+        self._asked(s)
         if s == self.rank:
             r = self._start_rescue(j)
             r.declared[self.rank] = frozenset(need)
@@ -301,6 +306,10 @@ class AllReduceRound:
         for p in need:
             lo, hi = self.plan.part(j, p)
             self._send(s, self._msg(MsgType.PART, (self.buf[lo:hi],), owner=j, part=p, w=self.weight, resc=1))
+
+    def _asked(self, k: int) -> None:
+        """We just asked k for something: its silence is measured from now, not from its last message."""
+        self.last_heard[k] = max(self.last_heard[k], self._now)
 
     def _start_rescue(self, owner: int) -> _Reduce:
         """Become the substitute reducer of `owner`'s span and call the survivors in."""
@@ -313,6 +322,7 @@ class AllReduceRound:
             for k in self._others():
                 if k != owner:
                     self._send(k, call)
+                    self._asked(k)
         return r
 
     # ------------------------------------------------------------------ messages
@@ -321,6 +331,7 @@ class AllReduceRound:
         if j is None or j == self.rank or self.members[j].endpoint != msg.endpoint:
             log.warning("%s: dropped %s from non-member %s", self.me.peer_id[:8], msg.type.name, msg.sender[:8])
             return
+        self._now = now
         self.last_heard[j] = now
         handler = getattr(self, "_on_" + msg.type.name.lower())
         handler(j, msg, now)
@@ -402,18 +413,33 @@ class AllReduceRound:
             self._advance(r, p, now)
 
     # ------------------------------------------------------------------ time
+    def _waiting_on(self, j: int) -> tuple[bool, bool]:
+        """(owes us data, owes us results): what we still expect from member j."""
+        owes_data = any(r.owes(j) for r in [self.own, *self.rescues.values()]) or j not in self.gathered
+        owes_results = (bool(self._unresolved_parts(j)) and j not in self.rescue_target) or any(
+            s == j and self._unresolved_parts(o) for o, s in self.rescue_target.items()
+        )
+        return owes_data, owes_results
+
     def next_deadline(self) -> float | None:
         if self.phase is RoundPhase.DONE:
             return None
         t = self.deadline
         for j in range(self.n):
-            if j != self.rank and j not in self.lost:
+            if j == self.rank or j in self.lost:
+                continue
+            data, results = self._waiting_on(j)
+            if data:
                 t = min(t, self.last_heard[j] + self.part_timeout)
+            elif results:
+                # an owner may be silent while it waits for a slow sender: give it twice as long
+                t = min(t, self.last_heard[j] + 2 * self.part_timeout)
         return t
 
     def on_timer(self, now: float) -> None:
         if self.phase is RoundPhase.DONE:
             return
+        self._now = now
         if now >= self.deadline:
             for o in range(self.n):
                 for p in self._unresolved_parts(o):
@@ -424,13 +450,11 @@ class AllReduceRound:
         for j in range(self.n):
             if j == self.rank or j in self.lost:
                 continue
-            silent = now - self.last_heard[j]
-            if silent < T:
+            # compare exactly as next_deadline computes (last + T), or float rounding spins the timer
+            if now < self.last_heard[j] + T:
                 continue
-            owes_data = any(r.owes(j) for r in [self.own, *self.rescues.values()]) or j not in self.gathered
-            owes_results = bool(self._unresolved_parts(j)) and j not in self.rescue_target
-            waits_on_rescue = any(s == j and self._unresolved_parts(o) for o, s in self.rescue_target.items())
-            if owes_data or ((owes_results or waits_on_rescue) and silent >= 2 * T):
+            data, results = self._waiting_on(j)
+            if data or (results and now >= self.last_heard[j] + 2 * T):
                 self._member_lost(j, now)
         self._check_done(now)
 

@@ -1,0 +1,141 @@
+"""Failure semantics of the all-reduce, in virtual time (SimPy) where a crash can land exactly mid-round.
+
+The guarantee under test: for every surviving member, every element ends either as a
+weighted mean over a set of contributors that includes that member, or unchanged; the
+elements outside `result.updated` are bit-for-bit unchanged; and a lost owner's span
+is re-reduced by a substitute (rescued) when time allows.
+"""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+import zgossip
+from sim import NetworkModel, SimCluster
+from zgossip.node import NodeConfig, StepDone, StepFailed
+
+N, NUMEL = 4, 4096
+
+
+def _cluster(seed=0, bandwidth=2e6, **cfg):
+    net = NetworkModel(latency=0.001, bandwidth=bandwidth)
+    cl = SimCluster(seed=seed, network=net)
+    kw = dict(prefix="f", target_group_size=N, min_group_size=2, part_size_bytes=1024, part_timeout=0.5,
+              gossip_interval=0.05, peer_timeout=3.0, matchmaking_time=0.3, request_timeout=0.2)
+    kw.update(cfg)
+    rng = np.random.default_rng(seed)
+    weights = rng.uniform(0.5, 2.0, N)
+    peers = []
+    for i in range(N):
+        ts = [rng.standard_normal(NUMEL).astype(np.float64)]
+        peers.append(cl.add_peer(NodeConfig(**kw), tensors=ts, known=peers))
+    return cl, peers, weights
+
+
+def _check_semantics(before, weights, after, me, result):
+    """Each element: unchanged, or the weighted mean over some subset of members that contains `me`."""
+    candidates = [before[me]]
+    for k in range(1, N):
+        for subset in itertools.combinations([i for i in range(N) if i != me], k):
+            s = (me, *subset)
+            w = weights[list(s)]
+            candidates.append(sum(w[j] * before[i] for j, i in enumerate(s)) / w.sum())
+    cand = np.stack(candidates)
+    ok = np.isclose(cand, after[None, :], rtol=0, atol=1e-12).any(axis=0)
+    assert ok.all(), f"{(~ok).sum()} elements are neither unchanged nor a mean over a set containing this peer"
+    mask = np.zeros(NUMEL, bool)
+    if result is not None:
+        for lo, hi in result.updated:
+            mask[lo:hi] = True
+    assert np.array_equal(after[~mask], before[me][~mask]), "an element outside result.updated changed"
+
+
+@pytest.mark.parametrize("crash_at", [0.0005, 0.004, 0.008, 0.012])
+@pytest.mark.parametrize("victim", [0, 2])
+def test_crash_mid_allreduce_keeps_the_guarantee(crash_at, victim):
+    cl, peers, weights = _cluster()
+    before = [p.tensors[0].copy() for p in peers]
+    evs = [p.step_tensors(weight=float(w)) for p, w in zip(peers, weights)]
+    start = cl.env.now
+    # run until the group formed and the round is in flight, then crash the victim
+    cl.run(until=cl.env.timeout(0))
+    while not all(p.node.step is not None and p.node.step.round is not None for p in peers):
+        cl.run(until=cl.env.now + 0.0005)
+        assert cl.env.now - start < 2
+    cl.run(until=cl.env.now + crash_at)
+    peers[victim].crash()
+    survivors = [i for i in range(N) if i != victim]
+    cl.run(until=cl.env.all_of([evs[i] for i in survivors]))
+    assert cl.env.now - start < 10, "survivors must finish within their timeouts"
+    for i in survivors:
+        act = evs[i].value
+        if isinstance(act, StepFailed):
+            assert isinstance(act.error, zgossip.PeerLost)
+            result = None
+        else:
+            assert isinstance(act, StepDone)
+            result = act.result
+            assert peers[victim].peer_id in result.lost or peers[victim].peer_id in result.contributors
+            assert peers[i].peer_id in result.contributors
+        _check_semantics(before, weights, peers[i].tensors[0], i, result)
+
+
+def test_lost_owner_span_is_rescued_by_survivors():
+    """The victim dies right after sending its data: its span is re-reduced among the survivors."""
+    cl, peers, weights = _cluster()
+    before = [p.tensors[0].copy() for p in peers]
+    victim = 1
+    evs = [p.step_tensors(weight=float(w)) for p, w in zip(peers, weights)]
+    while not all(p.node.step is not None and p.node.step.round is not None for p in peers):
+        cl.run(until=cl.env.now + 0.0005)
+    cl.run(until=cl.env.now + 0.004)
+    peers[victim].crash()
+    survivors = [i for i in range(N) if i != victim]
+    cl.run(until=cl.env.all_of([evs[i] for i in survivors]))
+    for i in survivors:
+        res = evs[i].value.result
+        span = next(s for s in res.spans if s.owner == peers[victim].peer_id)
+        assert span.rescued > 0, "the lost owner's span should have been re-reduced"
+        assert span.averaged == span.parts, "with time to spare, nothing of the lost span stays unchanged"
+        _check_semantics(before, weights, peers[i].tensors[0], i, res)
+        # after a successful rescue every element of every survivor was averaged
+        assert res.updated == [(0, NUMEL)]
+
+
+def test_next_round_among_survivors_is_exact():
+    cl, peers, weights = _cluster(min_group_size=3)
+    evs = [p.step_tensors() for p in peers]
+    while not all(p.node.step is not None and p.node.step.round is not None for p in peers):
+        cl.run(until=cl.env.now + 0.0005)
+    peers[3].crash()
+    cl.run(until=cl.env.all_of(evs[:3]))
+    cl.run(until=cl.env.now + 4.0)  # the crashed peer expires from membership
+    now_vals = [peers[i].tensors[0].copy() for i in range(3)]
+    ev2 = [peers[i].step_tensors() for i in range(3)]
+    cl.run(until=cl.env.all_of(ev2))
+    truth = np.mean(now_vals, axis=0)
+    for i in range(3):
+        assert isinstance(ev2[i].value, StepDone), ev2[i].value
+        np.testing.assert_allclose(peers[i].tensors[0], truth, atol=1e-12)
+
+
+def test_message_loss_never_corrupts():
+    """With 2% of messages lost, steps may average less, never wrongly."""
+    net = NetworkModel(latency=0.001, bandwidth=5e6, loss=0.02)
+    cl = SimCluster(seed=4, network=net)
+    rng = np.random.default_rng(4)
+    kw = dict(prefix="l", target_group_size=N, min_group_size=2, part_size_bytes=1024, part_timeout=0.3,
+              gossip_interval=0.05, peer_timeout=3.0, matchmaking_time=0.3, request_timeout=0.2)
+    peers = []
+    for i in range(N):
+        peers.append(cl.add_peer(NodeConfig(**kw), tensors=[rng.standard_normal(NUMEL)], known=peers))
+    weights = np.ones(N)
+    for _ in range(3):
+        before = [p.tensors[0].copy() for p in peers]
+        evs = [p.step_tensors(timeout=3.0) for p in peers]
+        cl.run(until=cl.env.all_of(evs))
+        for i, e in enumerate(evs):
+            res = e.value.result if isinstance(e.value, StepDone) else None
+            _check_semantics(before, weights, peers[i].tensors[0], i, res)

@@ -1,0 +1,68 @@
+"""Property tests of the partition and reduction math."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zgossip.partition import make_plan, ordered_weighted_sum, span_sizes
+
+bandwidths = st.lists(st.one_of(st.just(0.0), st.floats(0.01, 1000.0)), min_size=1, max_size=24).filter(lambda b: sum(b) > 0)
+
+
+@given(numel=st.integers(0, 10_000), bws=bandwidths)
+def test_spans_cover_everything_in_proportion(numel, bws):
+    sizes = span_sizes(numel, bws)
+    assert sum(sizes) == numel and all(s >= 0 for s in sizes)
+    total = sum(bws)
+    for s, b in zip(sizes, bws):
+        if b == 0:
+            assert s == 0  # clients reduce nothing
+        assert abs(s - numel * b / total) < 1.0 + 1e-9  # largest remainder: off by less than one element
+
+
+@given(numel=st.integers(0, 5000), bws=bandwidths, part=st.integers(1, 700))
+def test_parts_tile_each_span_exactly(numel, bws, part):
+    plan = make_plan(numel, bws, part)
+    covered = np.zeros(numel, dtype=np.int64)
+    for o in range(plan.size):
+        lo, hi = plan.span(o)
+        prev = lo
+        for p in range(plan.num_parts(o)):
+            a, b = plan.part(o, p)
+            assert a == prev and 0 < b - a <= part
+            covered[a:b] += 1
+            prev = b
+        assert prev == hi
+    assert (covered == 1).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 12),
+    numel=st.integers(1, 400),
+    part=st.integers(1, 64),
+    seed=st.integers(0, 2**32 - 1),
+    data=st.data(),
+)
+def test_partitioned_ordered_reduction_equals_weighted_mean(n, numel, part, seed, data):
+    bws = data.draw(st.lists(st.floats(0.0, 10.0), min_size=n, max_size=n).filter(lambda b: sum(b) > 0))
+    rng = np.random.default_rng(seed)
+    xs = rng.standard_normal((n, numel))
+    w = rng.uniform(0.01, 10.0, n)
+    plan = make_plan(numel, bws, part)
+    out = np.empty(numel)
+    for o in range(plan.size):
+        for p in range(plan.num_parts(o)):
+            a, b = plan.part(o, p)
+            acc = np.empty(b - a)
+            for j in range(n):  # fixed member order, as the owner does
+                ordered_weighted_sum(acc, xs[j, a:b], w[j], first=j == 0)
+            out[a:b] = acc / w.sum()
+    np.testing.assert_allclose(out, (w[:, None] * xs).sum(0) / w.sum(), rtol=1e-12, atol=1e-12)
+
+
+def test_all_clients_is_an_error():
+    with pytest.raises(ValueError, match="clients"):
+        span_sizes(10, [0.0, 0.0])
