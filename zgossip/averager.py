@@ -88,6 +88,7 @@ class Averager:
         self._rng = np.random.default_rng(seed)
         self.peer_id = self._rng.bytes(8).hex()
         self._lock = threading.RLock()
+        self._inside = threading.local()  # set while the calling thread is inside get_tensors()
         self._buffer: np.ndarray | None = None
         self._futures: dict[str, tuple[cf.Future, np.ndarray]] = {}
         self._busy = threading.Lock()  # held from step() until its result is applied
@@ -106,7 +107,11 @@ class Averager:
     def get_tensors(self) -> Iterator[list]:
         """The averaged tensors; the averager does not write them while you are inside."""
         with self._lock:
-            yield self._tensors
+            self._inside.active = getattr(self._inside, "active", 0) + 1
+            try:
+                yield self._tensors
+            finally:
+                self._inside.active -= 1
 
     def step(self, weight: float = 1.0, gather: Any = None, timeout: float | None = None,
              wait: bool = True) -> StepResult | cf.Future:
@@ -119,6 +124,9 @@ class Averager:
         """
         if self._closed:
             raise AveragerClosed("this averager was shut down")
+        if wait and getattr(self._inside, "active", 0):
+            raise ZGossipError("step(wait=True) inside get_tensors() would deadlock: the averaged tensors "
+                               "are written under that lock; leave the block first or use wait=False")
         weight = float(weight)
         if not (weight > 0.0 and np.isfinite(weight)):
             raise ValueError("weight must be a finite number > 0")
