@@ -139,3 +139,25 @@ def test_message_loss_never_corrupts():
         for i, e in enumerate(evs):
             res = e.value.result if isinstance(e.value, StepDone) else None
             _check_semantics(before, weights, peers[i].tensors[0], i, res)
+
+
+def test_peer_down_notice_excludes_at_once():
+    """A transport-level disconnect (what the ZeroMQ driver reports on SIGKILL) skips the timeouts."""
+    cl, peers, weights = _cluster(part_timeout=5.0)
+    before = [p.tensors[0].copy() for p in peers]
+    evs = [p.step_tensors(weight=float(w)) for p, w in zip(peers, weights)]
+    while not all(p.node.step is not None and p.node.step.round is not None for p in peers):
+        cl.run(until=cl.env.now + 0.0005)
+    t_crash = cl.env.now + 0.002
+    cl.run(until=t_crash)
+    victim = peers[3]
+    victim.crash()
+    for p in peers[:3]:
+        p.node.on_peer_down(victim.endpoint, cl.env.now)
+        p.pump()
+    cl.run(until=cl.env.all_of(evs[:3]))
+    assert cl.env.now - t_crash < 1.0  # far below part_timeout=5 s
+    for i in range(3):
+        res = evs[i].value.result
+        assert victim.peer_id in res.lost
+        _check_semantics(before, weights, peers[i].tensors[0], i, res)

@@ -412,6 +412,13 @@ class AllReduceRound:
         for p in range(r.nparts):
             self._advance(r, p, now)
 
+    def peer_down(self, endpoint: str, now: float) -> None:
+        self._now = now
+        for j, m in enumerate(self.members):
+            if j != self.rank and m.endpoint == endpoint and j not in self.lost:
+                self._member_lost(j, now)
+        self._check_done(now)
+
     # ------------------------------------------------------------------ time
     def _waiting_on(self, j: int) -> tuple[bool, bool]:
         """(owes us data, owes us results): what we still expect from member j."""

@@ -336,6 +336,14 @@ class Matchmaker:
                 self._form(key, entries[start : start + size])
                 start += size
 
+    def peer_down(self, endpoint: str, now: float) -> None:
+        """The rendezvous peer we wait on is gone: ask the next candidate now."""
+        j = self.join
+        if j is not None and j.target[1] == endpoint and j.target[0] != self.peer_id:
+            j.history.append(f"{j.target[0][:8]}: connection lost")
+            j.silent.add(j.target[0])
+            self._ask_next(now)
+
     # ================================================================ timers
     def deadline(self) -> float | None:
         times = [p.closes for p in self.pools.values()]

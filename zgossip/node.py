@@ -229,6 +229,18 @@ class Node:
         self._dispatch(msg, now)
         self._drain_loopback(now)
 
+    def on_peer_down(self, endpoint: str, now: float) -> None:
+        """The transport saw the connection to `endpoint` drop (e.g. its process died).
+
+        Messages in flight on a dropped connection may be lost, so a groupmate at that
+        endpoint is declared lost at once instead of after its timeout.
+        """
+        st = self.step
+        if st is not None and st.round is not None:
+            st.round.peer_down(endpoint, now)
+        self.matchmaker.peer_down(endpoint, now)
+        self._drain_loopback(now)
+
     def on_timer(self, now: float) -> None:
         self.membership.on_timer(now)
         self.matchmaker.on_timer(now)
