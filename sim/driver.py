@@ -16,7 +16,8 @@ import numpy as np
 import simpy
 
 from zgossip import wire
-from zgossip.node import Disconnect, Node, NodeConfig, Send, StepDone, StepFailed, StepRequest, StepResult
+from zgossip.node import (Disconnect, DownloadDone, DownloadFailed, Node, NodeConfig, Send, ServeState, StepDone,
+                          StepFailed, StepRequest, StepResult)
 from zgossip.tensors import FlatLayout
 
 from .network import NetworkModel
@@ -36,6 +37,8 @@ class SimPeer:
         self._timer_gen = 0
         self._waiters: dict[str, simpy.Event] = {}
         self._step_seq = 0
+        self.crashed_at: float | None = None
+        self.state_provider: Any = None  # callable -> (metadata, arrays); default: copies of `tensors`
 
     @property
     def peer_id(self) -> str:
@@ -56,6 +59,18 @@ class SimPeer:
                 ev = self._waiters.pop(act.step_id, None)
                 if ev is not None:
                     ev.succeed(act)
+            elif isinstance(act, (DownloadDone, DownloadFailed)):
+                ev = self._waiters.pop(act.req, None)
+                if ev is not None:
+                    ev.succeed(act)
+            elif isinstance(act, ServeState):
+                # a donor answers from its current tensors (or `state_provider`), like Averager.get_current_state
+                if self.state_provider is not None:
+                    meta, arrays = self.state_provider()
+                else:
+                    meta, arrays = None, [np.array(t) for t in (self.tensors or [])]
+                self.node.serve_state(act.req, act.endpoint, meta, arrays, env.now)
+                self.pump()
             elif isinstance(act, Disconnect):
                 pass
         dl = self.node.next_deadline()
@@ -109,8 +124,19 @@ class SimPeer:
         ev.callbacks.insert(0, apply)
         return ev
 
+    def load_state(self, *, timeout: float = 30.0, chunk_timeout: float = 1.0) -> simpy.Event:
+        """Download state from the best donor; the event's value is DownloadDone or DownloadFailed."""
+        self._step_seq += 1
+        req = f"{self.peer_id[:8]}-s{self._step_seq}"
+        ev = self.cluster.env.event()
+        self._waiters[req] = ev
+        self.node.begin_download(req, self.cluster.env.now, timeout, chunk_timeout)
+        self.pump()
+        return ev
+
     def crash(self) -> None:
         self.alive = False
+        self.crashed_at = self.cluster.env.now
 
 
 @dataclass
@@ -162,11 +188,13 @@ class SimCluster:
             self.lost += 1
             return
         ev = self.env.timeout(d.at - self.env.now)
-        ev.callbacks.append(lambda _e: self._arrive(src, dst, payload))
+        ev.callbacks.append(lambda _e: self._arrive(src, dst, payload, d.sent))
 
-    def _arrive(self, src: SimPeer, dst: SimPeer, payload: Any) -> None:
+    def _arrive(self, src: SimPeer, dst: SimPeer, payload: Any, sent: float) -> None:
         if not dst.alive:
             return
+        if src.crashed_at is not None and src.crashed_at < sent:
+            return  # the sender died while this message still sat in its uplink queue
         msg = wire.decode(payload) if self.encode else payload
         self.delivered += 1
         self._trace.update(f"{self.env.now!r}|{src.endpoint}|{dst.endpoint}|{int(msg.type)}|{sorted(msg.body.items())!r}".encode())

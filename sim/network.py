@@ -22,8 +22,9 @@ __all__ = ["NetworkModel", "Delivery"]
 
 @dataclass
 class Delivery:
-    at: float  # virtual time of arrival, or None if lost
+    at: float  # virtual time of arrival
     lost: bool
+    sent: float  # when the last byte left the sender: a sender that dies before then never sent it
 
 
 @dataclass
@@ -56,4 +57,4 @@ class NetworkModel:
         at = max(rx_end, self._last.get((src, dst), 0.0))  # in order per pair
         self._last[(src, dst)] = at
         lost = self.loss > 0 and rng.random() < self.loss
-        return Delivery(at, lost)
+        return Delivery(at, lost, tx_end)

@@ -11,6 +11,7 @@ from .errors import (
     PeerLost,
     ProtocolError,
     RoundTimeout,
+    StateUnavailable,
     StepInProgress,
     ZGossipError,
 )
@@ -30,5 +31,6 @@ __all__ = [
     "PeerLost",
     "AveragerClosed",
     "StepInProgress",
+    "StateUnavailable",
     "__version__",
 ]

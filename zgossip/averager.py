@@ -22,14 +22,23 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from . import wire
-from .errors import AveragerClosed, RoundTimeout, StepInProgress, ZGossipError
-from .node import Node, NodeConfig, StepDone, StepFailed, StepRequest, StepResult
+from .errors import AveragerClosed, RoundTimeout, StateUnavailable, StepInProgress, ZGossipError
+from .node import (DownloadDone, DownloadFailed, Node, NodeConfig, ServeState, StepDone, StepFailed, StepRequest,
+                   StepResult)
 from .tensors import FlatLayout, as_array
 from .zmq_driver import ZmqDriver
 
 __all__ = ["Averager"]
 
 log = logging.getLogger(__name__)
+
+
+def _to_numpy(a: Any) -> np.ndarray:
+    if isinstance(a, np.ndarray):
+        return a
+    if type(a).__module__.startswith("torch"):
+        return a.detach().cpu().numpy()
+    return np.asarray(a)
 
 
 class Averager:
@@ -67,6 +76,8 @@ class Averager:
         peer_timeout: float = 5.0,
         max_message_bytes: int | None = None,
         announce_host: str | None = None,
+        allow_state_sharing: bool = True,
+        state_sharing_priority: float = 0.0,
         seed: int | None = None,
     ) -> None:
         if not 0.0 < averaging_alpha <= 1.0:
@@ -101,6 +112,10 @@ class Averager:
             announce_host=announce_host, name=f"zgossip-{self.peer_id[:8]}",
         )
         self.endpoint = self._driver.endpoint
+        self._downloads: dict[str, cf.Future] = {}
+        self._allow_sharing = bool(allow_state_sharing)
+        self._priority = float(state_sharing_priority)
+        self._declare_sharing()
 
     # ------------------------------------------------------------------ public API
     @contextlib.contextmanager
@@ -158,6 +173,74 @@ class Averager:
             self._driver.call(lambda now: self._driver.node.cancel_step(step_id, now, "caller gave up"))
             raise RoundTimeout(f"step did not finish within {bound:.0f}s") from None
 
+    # ------------------------------------------------------------------ state sharing
+    @property
+    def allow_state_sharing(self) -> bool:
+        """Whether other peers may download this peer's state (`get_current_state`)."""
+        return self._allow_sharing
+
+    @allow_state_sharing.setter
+    def allow_state_sharing(self, value: bool) -> None:
+        self._allow_sharing = bool(value)
+        self._declare_sharing()
+
+    @property
+    def state_sharing_priority(self) -> float:
+        """Downloaders prefer donors with a higher priority (e.g. a newer epoch or model version)."""
+        return self._priority
+
+    @state_sharing_priority.setter
+    def state_sharing_priority(self, value: float) -> None:
+        self._priority = float(value)
+        self._declare_sharing()
+
+    def _declare_sharing(self) -> None:
+        prio = self._priority if self._allow_sharing else None
+        self._driver.call(lambda now: self._driver.node.set_state_sharing(prio))
+
+    def get_current_state(self) -> tuple[Any, list[np.ndarray]]:
+        """What a peer downloading from us receives: ``(metadata, tensors)``. Override to add
+        optimizer state or metadata (any msgpack-able object). Called on a worker thread."""
+        with self._lock:
+            return None, [np.array(a) for a in self._arrays]
+
+    def load_state_from_peers(self, timeout: float = 60.0, chunk_timeout: float = 5.0,
+                              apply: bool = True) -> tuple[Any, list[np.ndarray]]:
+        """Download ``(metadata, tensors)`` from the best-priority peer that shares its state.
+
+        Donors are tried in priority order (random among equals); a donor that refuses,
+        stalls for `chunk_timeout`, sends a bad chunk or a wrong checksum is replaced by the
+        next. Nothing is written until a complete, verified state arrived. With ``apply``
+        the tensors are copied into this averager's tensors, after checking every shape and
+        dtype (a mismatch raises and writes nothing). Raises `StateUnavailable`.
+        """
+        if self._closed:
+            raise AveragerClosed("this averager was shut down")
+        req = f"{self.peer_id[:8]}-s{next(self._seq)}"
+        fut: cf.Future = cf.Future()
+        self._downloads[req] = fut
+        self._driver.call(lambda now: self._driver.node.begin_download(req, now, timeout, chunk_timeout))
+        try:
+            meta, arrays = fut.result(timeout + 10.0)
+        except cf.TimeoutError:
+            raise StateUnavailable(f"state download did not finish within {timeout + 10:.0f}s") from None
+        finally:
+            self._downloads.pop(req, None)
+        if apply:
+            self.set_tensors(arrays)
+        return meta, arrays
+
+    def set_tensors(self, arrays: Sequence[np.ndarray]) -> None:
+        """Overwrite the averaged tensors with `arrays` (all shapes are checked before any write)."""
+        if len(arrays) != len(self._arrays):
+            raise ZGossipError(f"state holds {len(arrays)} tensors, this averager has {len(self._arrays)}")
+        for i, (src, dst) in enumerate(zip(arrays, self._arrays)):
+            if tuple(src.shape) != dst.shape:
+                raise ZGossipError(f"tensor {i}: peer state has shape {tuple(src.shape)}, local tensor {dst.shape}")
+        with self._lock:
+            for src, dst in zip(arrays, self._arrays):
+                np.copyto(dst, src, casting="same_kind")
+
     def peers(self) -> list[str]:
         """Peer ids this averager currently believes alive (a snapshot, for monitoring)."""
         return list(self._driver.node.membership.live_ids())
@@ -178,6 +261,9 @@ class Averager:
             if not fut.done():
                 fut.set_exception(AveragerClosed("averager shut down during the step"))
         self._futures.clear()
+        for dfut in self._downloads.values():
+            if not dfut.done():
+                dfut.set_exception(AveragerClosed("averager shut down during a state download"))
         if self._busy.locked():
             try:
                 self._busy.release()
@@ -197,7 +283,31 @@ class Averager:
             pass
 
     # ------------------------------------------------------------------ I/O-thread callbacks
-    def _on_result(self, act: StepDone | StepFailed) -> None:
+    def _serve(self, act: ServeState) -> None:
+        try:
+            meta, arrays = self.get_current_state()
+            arrays = [_to_numpy(a) for a in arrays]
+            err = ""
+        except Exception as e:
+            log.exception("get_current_state failed")
+            meta, arrays, err = None, None, f"donor could not produce its state: {type(e).__name__}"
+        try:
+            self._driver.call(lambda now: self._driver.node.serve_state(act.req, act.endpoint, meta, arrays, now, err))
+        except RuntimeError:
+            pass  # shutting down
+
+    def _on_result(self, act: Any) -> None:
+        if isinstance(act, ServeState):
+            self._applier.submit(self._serve, act)
+            return
+        if isinstance(act, (DownloadDone, DownloadFailed)):
+            dfut = self._downloads.get(act.req)
+            if dfut is not None and not dfut.done():
+                if isinstance(act, DownloadDone):
+                    dfut.set_result((act.meta, act.arrays))
+                else:
+                    dfut.set_exception(act.error)
+            return
         entry = self._futures.pop(act.step_id, None)
         if entry is None:
             return

@@ -14,6 +14,7 @@ __all__ = [
     "PeerLost",
     "AveragerClosed",
     "StepInProgress",
+    "StateUnavailable",
 ]
 
 
@@ -47,3 +48,7 @@ class AveragerClosed(ZGossipError):
 
 class StepInProgress(ZGossipError):
     """step() was called while the previous step of this averager is still running."""
+
+
+class StateUnavailable(ZGossipError):
+    """No peer could provide its state (none shares it, all failed, or the download timed out)."""

@@ -29,6 +29,7 @@ class PeerRecord:
     endpoint: str
     heartbeat: int
     updated: float  # local time the heartbeat last grew, or of direct contact
+    share: float | None = None  # state-sharing priority it declared, None = does not share
 
 
 class Membership:
@@ -57,6 +58,7 @@ class Membership:
         self.peer_timeout = peer_timeout
         self.max_digest = max_digest
         self.heartbeat = 0
+        self.share: float | None = None  # this node's state-sharing priority, gossiped with its heartbeat
         self.peers: dict[str, PeerRecord] = {}
         self._tombstones: dict[str, tuple[int, float]] = {}
         self._next_tick: float | None = None
@@ -115,8 +117,13 @@ class Membership:
         if msg.type is MsgType.GOSSIP:
             self._send(msg.endpoint, self._digest_message(MsgType.GOSSIP_REPLY))
 
-    def merge(self, entries: Iterable[tuple[str, str, int]], now: float) -> None:
-        for pid, ep, hb in entries:
+    def donors(self) -> list[PeerRecord]:
+        """Live peers that declared they share state, best priority first (ties in id order)."""
+        recs = [r for r in self.peers.values() if r.share is not None]
+        return sorted(recs, key=lambda r: (-r.share, r.peer_id))
+
+    def merge(self, entries: Iterable[tuple[str, str, int, float | None]], now: float) -> None:
+        for pid, ep, hb, share in entries:
             if pid == self.peer_id:
                 continue
             rec = self.peers.get(pid)
@@ -125,9 +132,9 @@ class Membership:
                 if tomb is not None and hb <= tomb[0]:
                     continue  # stale news of a peer we already buried
                 self._tombstones.pop(pid, None)
-                self.peers[pid] = PeerRecord(pid, ep, hb, now)
+                self.peers[pid] = PeerRecord(pid, ep, hb, now, share)
             elif hb > rec.heartbeat:
-                rec.heartbeat, rec.endpoint, rec.updated = hb, ep, now
+                rec.heartbeat, rec.endpoint, rec.updated, rec.share = hb, ep, now, share
 
     def forget(self, peer_id: str, now: float) -> None:
         rec = self.peers.pop(peer_id, None)
@@ -157,6 +164,6 @@ class Membership:
         if len(ids) > self.max_digest - 1:
             pick = self._rng.choice(len(ids), size=self.max_digest - 1, replace=False)
             ids = [ids[i] for i in sorted(pick)]
-        entries = [(self.peer_id, self.endpoint, self.heartbeat)]
-        entries += [(p, self.peers[p].endpoint, self.peers[p].heartbeat) for p in ids]
+        entries = [(self.peer_id, self.endpoint, self.heartbeat, self.share)]
+        entries += [(p, self.peers[p].endpoint, self.peers[p].heartbeat, self.peers[p].share) for p in ids]
         return Message(mtype, self.peer_id, self.endpoint, {"hb": self.heartbeat, "peers": entries})

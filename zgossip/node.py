@@ -21,9 +21,13 @@ from .errors import PeerLost, ProtocolError, RoundTimeout, StepInProgress
 from .grid import MoshpitGrid
 from .matchmaking import GroupSpec, Matchmaker
 from .membership import Membership
+from .state import StateDonor, StateDownload
 from .wire import Message, MsgType
 
-__all__ = ["NodeConfig", "StepRequest", "StepResult", "Node", "Send", "StepDone", "StepFailed", "Disconnect", "StepPhase"]
+__all__ = [
+    "NodeConfig", "StepRequest", "StepResult", "Node", "Send", "StepDone", "StepFailed", "Disconnect", "StepPhase",
+    "ServeState", "DownloadDone", "DownloadFailed",
+]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +51,7 @@ class NodeConfig:
     grid: tuple[int, ...] = ()
     grid_coords: tuple[int, ...] | None = None
     early_buffer_messages: int = 512  # round messages kept while our GROUP is still on its way
+    max_state_bytes: int = 1 << 36  # largest state a download accepts
 
     def __post_init__(self) -> None:
         if self.part_size_bytes < 16:
@@ -108,6 +113,24 @@ class Disconnect(NamedTuple):
     endpoint: str
 
 
+class ServeState(NamedTuple):
+    """A peer asked for our state: the driver obtains a snapshot and calls `Node.serve_state`."""
+
+    req: str
+    endpoint: str
+
+
+class DownloadDone(NamedTuple):
+    req: str
+    meta: Any
+    arrays: list
+
+
+class DownloadFailed(NamedTuple):
+    req: str
+    error: Exception
+
+
 class StepPhase(Enum):
     IDLE = "idle"
     MATCHMAKING = "matchmaking"
@@ -120,6 +143,7 @@ _STEP_MOVES = {
     StepPhase.AVERAGING: {StepPhase.IDLE},
 }
 
+_STATE_TYPES = {MsgType.STATE_REQ, MsgType.STATE_META, MsgType.STATE_CHUNK}
 _ROUND_TYPES = {MsgType.GATHER, MsgType.PART, MsgType.RESULT, MsgType.ABORT, MsgType.RESCUE_CALL, MsgType.RESCUE}
 
 
@@ -164,6 +188,8 @@ class Node:
         self.step: _Step | None = None
         self._early: dict[str, list[Message]] = {}
         self._finished: dict[str, bool] = {}  # ids of recent rounds, to answer late rescue calls
+        self.donor = StateDonor(peer_id, endpoint, self._send, config.part_size_bytes)
+        self.downloads: dict[str, StateDownload] = {}
         self.stats = {"messages": 0, "dropped": 0, "late": 0}
 
     # ------------------------------------------------------------------ plumbing
@@ -229,6 +255,45 @@ class Node:
         self._dispatch(msg, now)
         self._drain_loopback(now)
 
+    # ------------------------------------------------------------------ state sharing
+    def set_state_sharing(self, priority: float | None) -> None:
+        """Declare (by gossip) that we share state with this priority; None stops sharing."""
+        self.membership.share = None if priority is None else float(priority)
+
+    def serve_state(self, req: str, endpoint: str, meta: Any, arrays: list | None, now: float,
+                    error: str = "") -> None:
+        if arrays is None:
+            self.donor.refuse(req, endpoint, error or "state unavailable")
+        else:
+            self.donor.serve(req, endpoint, meta, arrays)
+        self._drain_loopback(now)
+
+    def begin_download(self, req: str, now: float, timeout: float, chunk_timeout: float) -> None:
+        dl = StateDownload(req, self.membership, self._send, self._rng, now, now + timeout, chunk_timeout,
+                           self.config.max_state_bytes, self._on_download_done)
+        self.downloads[req] = dl
+        dl.start(now)
+        self._drain_loopback(now)
+
+    def _on_download_done(self, dl: StateDownload, meta: Any, arrays: list | None, err: Exception | None) -> None:
+        self.downloads.pop(dl.req, None)
+        self._actions.append(DownloadFailed(dl.req, err) if err is not None else DownloadDone(dl.req, meta, arrays))
+
+    def _state_message(self, msg: Message, now: float) -> None:
+        if msg.type is MsgType.STATE_REQ:
+            if self.membership.share is None:
+                self.donor.refuse(msg["req"], msg.endpoint, "this peer does not share its state")
+            else:
+                self._actions.append(ServeState(msg["req"], msg.endpoint))
+            return
+        dl = self.downloads.get(msg["req"])
+        if dl is None:
+            self.stats["late"] += 1
+        elif msg.type is MsgType.STATE_META:
+            dl.on_meta(msg, now)
+        else:
+            dl.on_chunk(msg, now)
+
     def on_peer_down(self, endpoint: str, now: float) -> None:
         """The transport saw the connection to `endpoint` drop (e.g. its process died).
 
@@ -239,6 +304,8 @@ class Node:
         if st is not None and st.round is not None:
             st.round.peer_down(endpoint, now)
         self.matchmaker.peer_down(endpoint, now)
+        for dl in list(self.downloads.values()):
+            dl.peer_down(endpoint, now)
         self._drain_loopback(now)
 
     def on_timer(self, now: float) -> None:
@@ -246,12 +313,15 @@ class Node:
         self.matchmaker.on_timer(now)
         if self.step is not None and self.step.round is not None:
             self.step.round.on_timer(now)
+        for dl in list(self.downloads.values()):
+            dl.on_timer(now)
         self._drain_loopback(now)
 
     def next_deadline(self) -> float | None:
         times = [self.membership.deadline(), self.matchmaker.deadline()]
         if self.step is not None and self.step.round is not None:
             times.append(self.step.round.next_deadline())
+        times += [dl.next_deadline() for dl in self.downloads.values()]
         times = [t for t in times if t is not None]
         return min(times) if times else None
 
@@ -264,6 +334,8 @@ class Node:
             self.membership.on_gossip(msg, now)
         elif t in _ROUND_TYPES:
             self._round_message(msg, now)
+        elif t in _STATE_TYPES:
+            self._state_message(msg, now)
         else:
             mm = self.matchmaker
             {

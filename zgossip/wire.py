@@ -62,6 +62,9 @@ class MsgType(IntEnum):
     ABORT = 23  # member -> members: I left this round
     RESCUE_CALL = 24  # substitute -> members: send me your unresolved parts of a lost span
     RESCUE = 25  # member -> substitute: which parts of the lost span I still need
+    STATE_REQ = 30  # newcomer -> donor: send me your state
+    STATE_META = 31  # donor -> newcomer: refusal, or what the state holds and its checksum
+    STATE_CHUNK = 32  # donor -> newcomer: one chunk of one tensor's bytes
 
 
 @dataclass(frozen=True)
@@ -143,7 +146,12 @@ _KEY = _str(512)
 _IDX = _int(0, 1 << 16)
 _BIG = _int(0, 1 << 62)
 _WEIGHT = _float(0.0, 1e30)
-_PEER = _record(_ID, _EP, _BIG)
+def _opt_float(v: Any) -> float | None:
+    return None if v is None else _float(-1e300, 1e300)(v)
+
+
+_PEER = _record(_ID, _EP, _BIG, _opt_float)  # peer id, endpoint, heartbeat, state-sharing priority
+_SPEC = _record(_str(4), _list(_int(0, 1 << 40), 32))  # dtype code, shape
 _MEMBER = _record(_ID, _EP, _float(0.0, 1e18), _ID)
 
 #: body schema of each message type: field -> validator; plus the number of payload frames.
@@ -168,6 +176,13 @@ SCHEMAS: dict[MsgType, tuple[dict[str, Validator], int]] = {
     MsgType.ABORT: ({"gid": _ID, "reason": _str(4000)}, 0),
     MsgType.RESCUE_CALL: ({"gid": _ID, "owner": _IDX}, 0),
     MsgType.RESCUE: ({"gid": _ID, "owner": _IDX, "need": _list(_BIG, 1 << 20)}, 0),
+    MsgType.STATE_REQ: ({"req": _ID}, 0),
+    MsgType.STATE_META: (
+        {"req": _ID, "ok": _int(0, 1), "reason": _str(4000), "meta": _any, "specs": _list(_SPEC, 1 << 16),
+         "chunk_bytes": _int(1, 1 << 40), "digest": _str(64)},
+        0,
+    ),
+    MsgType.STATE_CHUNK: ({"req": _ID, "idx": _BIG, "tensor": _IDX, "offset": _BIG}, 1),
 }
 
 
