@@ -198,7 +198,7 @@ class ZmqDriver:
         for act in self.node.take_actions():
             if isinstance(act, Send):
                 self._transmit(act.endpoint, act.msg)
-            elif isinstance(act, (StepDone, StepFailed)):
+            elif not isinstance(act, Disconnect):  # StepDone, StepFailed, ServeState, Download*: for the owner
                 try:
                     self._on_result(act)
                 except Exception:
