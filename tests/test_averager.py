@@ -100,3 +100,17 @@ def test_group_of_three_with_one_silent_late_joiner():
         with pytest.raises(zgossip.GroupNotFound):
             c.step(timeout=1.0)
         np.testing.assert_allclose(xs[2], 2.0)
+
+
+def test_published_info_reaches_peers():
+    a, b = _pair([np.zeros(2)], [np.zeros(2)])
+    with a, b:
+        a.publish(epoch=3, samples=128, rate=17.5, name="a")
+        with pytest.raises(ValueError):
+            a.publish(bad=[1, 2])
+        deadline = time.monotonic() + 5
+        while b.peer_infos().get(a.peer_id, {}).get("epoch") != 3:
+            assert time.monotonic() < deadline, "info did not propagate"
+            time.sleep(0.02)
+        assert b.peer_infos()[a.peer_id] == {"epoch": 3, "samples": 128, "rate": 17.5, "name": "a"}
+        assert a.peer_infos()[a.peer_id]["name"] == "a"

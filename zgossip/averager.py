@@ -241,6 +241,20 @@ class Averager:
             for src, dst in zip(arrays, self._arrays):
                 np.copyto(dst, src, casting="same_kind")
 
+    def publish(self, **info: Any) -> None:
+        """Gossip a small public record about this peer (at most 16 scalar entries), e.g. training
+        progress; others read it with `peer_infos()` within a few gossip intervals."""
+        from .wire import check_info
+
+        record = check_info(dict(info))
+        self._driver.call(lambda now: self._driver.node.set_info(record))
+
+    def peer_infos(self) -> dict[str, dict]:
+        """The latest record every live peer published (this peer's included), by peer id."""
+        done: cf.Future = cf.Future()
+        self._driver.call(lambda now: done.set_result(self._driver.node.peer_infos()))
+        return done.result(10)
+
     def peers(self) -> list[str]:
         """Peer ids this averager currently believes alive (a snapshot, for monitoring)."""
         return list(self._driver.node.membership.live_ids())

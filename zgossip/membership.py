@@ -11,7 +11,7 @@ empty, so any running peer can serve as the entry point.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
@@ -30,6 +30,7 @@ class PeerRecord:
     heartbeat: int
     updated: float  # local time the heartbeat last grew, or of direct contact
     share: float | None = None  # state-sharing priority it declared, None = does not share
+    info: dict = field(default_factory=dict)  # small public record it gossips (e.g. training progress)
 
 
 class Membership:
@@ -59,6 +60,7 @@ class Membership:
         self.max_digest = max_digest
         self.heartbeat = 0
         self.share: float | None = None  # this node's state-sharing priority, gossiped with its heartbeat
+        self.info: dict = {}  # this node's public record, gossiped with its heartbeat
         self.peers: dict[str, PeerRecord] = {}
         self._tombstones: dict[str, tuple[int, float]] = {}
         self._next_tick: float | None = None
@@ -122,8 +124,8 @@ class Membership:
         recs = [r for r in self.peers.values() if r.share is not None]
         return sorted(recs, key=lambda r: (-r.share, r.peer_id))
 
-    def merge(self, entries: Iterable[tuple[str, str, int, float | None]], now: float) -> None:
-        for pid, ep, hb, share in entries:
+    def merge(self, entries: Iterable[tuple[str, str, int, float | None, dict]], now: float) -> None:
+        for pid, ep, hb, share, info in entries:
             if pid == self.peer_id:
                 continue
             rec = self.peers.get(pid)
@@ -132,9 +134,9 @@ class Membership:
                 if tomb is not None and hb <= tomb[0]:
                     continue  # stale news of a peer we already buried
                 self._tombstones.pop(pid, None)
-                self.peers[pid] = PeerRecord(pid, ep, hb, now, share)
+                self.peers[pid] = PeerRecord(pid, ep, hb, now, share, info)
             elif hb > rec.heartbeat:
-                rec.heartbeat, rec.endpoint, rec.updated, rec.share = hb, ep, now, share
+                rec.heartbeat, rec.endpoint, rec.updated, rec.share, rec.info = hb, ep, now, share, info
 
     def forget(self, peer_id: str, now: float) -> None:
         rec = self.peers.pop(peer_id, None)
@@ -164,6 +166,6 @@ class Membership:
         if len(ids) > self.max_digest - 1:
             pick = self._rng.choice(len(ids), size=self.max_digest - 1, replace=False)
             ids = [ids[i] for i in sorted(pick)]
-        entries = [(self.peer_id, self.endpoint, self.heartbeat, self.share)]
-        entries += [(p, self.peers[p].endpoint, self.peers[p].heartbeat, self.peers[p].share) for p in ids]
+        entries = [(self.peer_id, self.endpoint, self.heartbeat, self.share, self.info)]
+        entries += [(p, r.endpoint, r.heartbeat, r.share, r.info) for p in ids for r in (self.peers[p],)]
         return Message(mtype, self.peer_id, self.endpoint, {"hb": self.heartbeat, "peers": entries})

@@ -22,7 +22,7 @@ from .grid import MoshpitGrid
 from .matchmaking import GroupSpec, Matchmaker
 from .membership import Membership
 from .state import StateDonor, StateDownload
-from .wire import Message, MsgType
+from .wire import Message, MsgType, check_info
 
 __all__ = [
     "NodeConfig", "StepRequest", "StepResult", "Node", "Send", "StepDone", "StepFailed", "Disconnect", "StepPhase",
@@ -259,6 +259,17 @@ class Node:
     def set_state_sharing(self, priority: float | None) -> None:
         """Declare (by gossip) that we share state with this priority; None stops sharing."""
         self.membership.share = None if priority is None else float(priority)
+
+    def set_info(self, info: dict) -> None:
+        """Publish a small record about this peer (<= 16 scalar entries) with the membership gossip."""
+        self.membership.info = dict(check_info(dict(info)))  # the same check peers apply on receipt
+        self.membership.heartbeat += 1  # fresher than what others hold, so they take it at once
+
+    def peer_infos(self) -> dict[str, dict]:
+        """The latest record each live peer published (including this one)."""
+        out = {pid: dict(r.info) for pid, r in self.membership.peers.items()}
+        out[self.peer_id] = dict(self.membership.info)
+        return out
 
     def serve_state(self, req: str, endpoint: str, meta: Any, arrays: list | None, now: float,
                     error: str = "") -> None:

@@ -31,6 +31,7 @@ __all__ = [
     "decode",
     "message_nbytes",
     "DTYPES",
+    "check_info",
 ]
 
 PROTOCOL_VERSION = 1
@@ -150,7 +151,30 @@ def _opt_float(v: Any) -> float | None:
     return None if v is None else _float(-1e300, 1e300)(v)
 
 
-_PEER = _record(_ID, _EP, _BIG, _opt_float)  # peer id, endpoint, heartbeat, state-sharing priority
+def _info(v: Any) -> dict:
+    """A small public record a peer gossips about itself (e.g. training progress)."""
+    if not isinstance(v, dict) or len(v) > 16:
+        raise _fail("info must be a map of at most 16 entries")
+    for k, x in v.items():
+        if not isinstance(k, str) or len(k) > 32:
+            raise _fail("info keys must be short strings")
+        if x is not None and type(x) not in (bool, int, float, str) or (type(x) is str and len(x) > 128):
+            raise _fail("info values must be scalars (short strings)")
+        if type(x) is float and not math.isfinite(x):
+            raise _fail("info floats must be finite")
+    return v
+
+
+def check_info(info: Any) -> dict:
+    """Validate a peer's public info record; raises ValueError for local misuse."""
+    try:
+        return _info(info)
+    except InvalidMessage as e:
+        raise ValueError(str(e)) from None
+
+
+# peer id, endpoint, heartbeat, state-sharing priority, public info
+_PEER = _record(_ID, _EP, _BIG, _opt_float, _info)
 _SPEC = _record(_str(4), _list(_int(0, 1 << 40), 32))  # dtype code, shape
 _MEMBER = _record(_ID, _EP, _float(0.0, 1e18), _ID)
 
