@@ -101,7 +101,7 @@ def _swarm_kwargs(n: int, part_size: int | None, timeout: float) -> dict:
 
 
 def _timed_steps(swarm: LocalSwarm, steps: int, timeout: float) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {"wall": [], "allreduce": [], "matchmaking": [], "parent": []}
+    out: dict[str, list[float]] = {"wall": [], "allreduce": [], "matchmaking": [], "parent": [], "cpu": []}
     for _ in range(steps):
         t0 = time.perf_counter()
         res = _checked(swarm.step_all(timeout=timeout), "step")
@@ -110,6 +110,7 @@ def _timed_steps(swarm: LocalSwarm, steps: int, timeout: float) -> dict[str, lis
             raise RuntimeError(f"a step did not average over all {swarm.n} peers: {[r['group_size'] for r in res]}")
         for k in ("wall", "allreduce", "matchmaking"):
             out[k].append(max(r["timings"][k] for r in res))
+        out["cpu"].append(sum(r["timings"]["cpu"] for r in res))
     return out
 
 
@@ -143,6 +144,7 @@ def bench_zgossip(peers: int, numel: int, reps: int, part_size: int | None = Non
         "allreduce": _summary(times["allreduce"]),
         "matchmaking": _summary(times["matchmaking"]),
         "parent_round_trip": _summary(times["parent"]),
+        "cpu_seconds_all_peers": _summary(times["cpu"]),
         "correct": correct,
         "max_abs_error": err,
         "memory": {
@@ -165,16 +167,18 @@ def _gloo_child(rank: int, n: int, port: int, numel: int, seed: int, reps: int, 
         store = dist.TCPStore("127.0.0.1", port, n, False, timeout=timedelta(seconds=timeout))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=n, timeout=timedelta(seconds=timeout))
         t = torch.from_numpy(peer_data(seed, rank, numel))
-        times = []
+        times: list[float] = []
+        cpus: list[float] = []
         for k in range(WARMUP + reps):
             dist.barrier()
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             dist.all_reduce(t)
-            dt = time.perf_counter() - t0
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
             t.div_(n)  # keep the values bounded (and the mean checkable); not part of the timed call
             if k >= WARMUP:
                 times.append(dt)
-        conn.send({"ok": True, "times": times, "tensor": t.numpy() if rank == 0 else None})
+                cpus.append(dc)
+        conn.send({"ok": True, "times": times, "cpus": cpus, "tensor": t.numpy() if rank == 0 else None})
         dist.destroy_process_group()
     except Exception as e:
         conn.send({"ok": False, "error": str(e), "type": type(e).__name__})
@@ -229,7 +233,9 @@ def bench_gloo(peers: int, numel: int, reps: int, seed: int = 0, timeout: float 
             c.close()
         lsock.close()
     per_rep = [max(a["times"][k] for a in answers) for k in range(reps)]
-    out = {"peers": peers, "numel": numel, "reps": reps, "all_reduce": _summary(per_rep)}
+    cpu = [sum(a["cpus"][k] for a in answers) for k in range(reps)]
+    out = {"peers": peers, "numel": numel, "reps": reps, "all_reduce": _summary(per_rep),
+           "cpu_seconds_all_peers": _summary(cpu)}
     if truth is not None:
         got = answers[0]["tensor"]
         out["correct"] = bool(np.allclose(got, truth, rtol=1e-5, atol=1e-5))
@@ -303,6 +309,7 @@ def run(args: argparse.Namespace) -> int:
     print(_line("zgossip step()", zg["step"]))
     print(_line("  of which all-reduce", zg["allreduce"]))
     print(_line("  of which matchmaking", zg["matchmaking"]))
+    print(_line("  CPU, all peers", zg["cpu_seconds_all_peers"]))
     print(f"  correct: {'yes' if zg['correct'] else 'NO'} (max |error| vs float64 mean {zg['max_abs_error']:.2e})")
     ratio = zg["memory"]["extra_peak_ratio"]
     if ratio is not None:
@@ -311,6 +318,7 @@ def run(args: argparse.Namespace) -> int:
     if "gloo" in out:
         gl = out["gloo"]
         print(_line("gloo all_reduce", gl["all_reduce"]))
+        print(_line("  CPU, all ranks", gl["cpu_seconds_all_peers"]))
         print(f"  gloo correct: {'yes' if gl.get('correct') else 'NO'}")
         print(f"  ratio zgossip/gloo (median): {out['ratio']:.2f}x (lower is better for zgossip)")
     return 0 if zg["correct"] else 1

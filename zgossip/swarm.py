@@ -25,7 +25,7 @@ def peer_data(seed: int, index: int, numel: int, dtype: str = "float32") -> np.n
     return np.random.default_rng([seed, index]).standard_normal(numel).astype(dtype)
 
 
-def _summary(result: Any, t0: float, t1: float) -> dict:
+def _summary(result: Any, t0: float, t1: float, cpu: float = 0.0) -> dict:
     return {
         "ok": True,
         "group_id": result.group_id,
@@ -35,7 +35,7 @@ def _summary(result: Any, t0: float, t1: float) -> dict:
         "lost": list(result.lost),
         "complete": result.complete,
         "gathered": result.gathered,
-        "timings": dict(result.timings, wall=t1 - t0),
+        "timings": dict(result.timings, wall=t1 - t0, cpu=cpu),
         "bytes_sent": result.bytes_sent,
         "bytes_received": result.bytes_received,
         "coords": list(result.coords),
@@ -86,9 +86,10 @@ def _child(index: int, conn: Any, numel: int, seed: int, dtype: str, kwargs: dic
                 break
             try:
                 if cmd == "step":
-                    t0 = time.perf_counter()
+                    c0, t0 = time.process_time(), time.perf_counter()
                     res = avg.step(**args)
-                    conn.send(_summary(res, t0, time.perf_counter()))
+                    t1 = time.perf_counter()
+                    conn.send(_summary(res, t0, t1, time.process_time() - c0))
                 elif cmd == "peers":
                     conn.send({"ok": True, "peers": avg.peers()})
                 elif cmd == "tensor":
