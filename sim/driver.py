@@ -182,7 +182,8 @@ class SimCluster:
             payload: Any = frames
         else:
             nbytes = wire.message_nbytes(msg)
-            payload = wire.Message(msg.type, msg.sender, msg.endpoint, msg.body, tuple(a.copy() for a in msg.payload))
+            payload = wire.Message._trusted(msg.type, msg.sender, msg.endpoint, msg.body,
+                                            tuple(a.copy() for a in msg.payload))
         d = self.network.schedule(src.endpoint, endpoint, nbytes, self.env.now, self.rng)
         if d.lost:
             self.lost += 1

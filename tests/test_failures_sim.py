@@ -121,11 +121,13 @@ def test_next_round_among_survivors_is_exact():
         np.testing.assert_allclose(peers[i].tensors[0], truth, atol=1e-12)
 
 
-def test_message_loss_never_corrupts():
-    """With 2% of messages lost, steps may average less, never wrongly."""
-    net = NetworkModel(latency=0.001, bandwidth=5e6, loss=0.02)
-    cl = SimCluster(seed=4, network=net)
-    rng = np.random.default_rng(4)
+@pytest.mark.parametrize("loss", [0.02, 0.1])
+@pytest.mark.parametrize("seed", range(6))
+def test_message_loss_never_corrupts(seed, loss):
+    """With messages lost at random, steps may average less, never wrongly."""
+    net = NetworkModel(latency=0.001, bandwidth=5e6, loss=loss)
+    cl = SimCluster(seed=seed, network=net)
+    rng = np.random.default_rng(seed)
     kw = dict(prefix="l", target_group_size=N, min_group_size=2, part_size_bytes=1024, part_timeout=0.3,
               gossip_interval=0.05, peer_timeout=3.0, matchmaking_time=0.3, request_timeout=0.2)
     peers = []

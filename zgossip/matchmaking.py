@@ -143,6 +143,8 @@ class Matchmaker:
         self.request_timeout = request_timeout
         self.join: _Join | None = None
         self.pools: dict[str, _Pool] = {}
+        self._ranking: dict[str, list[str]] = {}  # key -> rendezvous order, valid for _ranking_version
+        self._ranking_version = -1
 
     @property
     def peer_id(self) -> str:
@@ -174,9 +176,20 @@ class Matchmaker:
             self._send(j.target[1], self._msg(MsgType.LEAVE, key=j.key, step=j.step_id))
         self.join = None
 
+    def ranking(self, key: str) -> list[str]:
+        """Live peers (this one included) in rendezvous order for `key`, cached until membership changes."""
+        if self._ranking_version != self.membership.version:
+            self._ranking.clear()
+            self._ranking_version = self.membership.version
+        order = self._ranking.get(key)
+        if order is None:
+            if len(self._ranking) > 256:
+                self._ranking.clear()
+            order = self._ranking[key] = rendezvous_order(self.membership.live_ids() + [self.peer_id], key)
+        return order
+
     def _candidates(self, j: _Join) -> list[str]:
-        ids = self.membership.live_ids() + [self.peer_id]
-        return [p for p in rendezvous_order(ids, j.key) if p not in j.silent]
+        return [p for p in self.ranking(j.key) if p not in j.silent]
 
     def _ask(self, j: _Join, peer_id: str, endpoint: str, now: float) -> None:
         j.move(JoinPhase.ASKING)
@@ -270,7 +283,7 @@ class Matchmaker:
     def on_join(self, msg: Message, now: float) -> None:
         key = msg["key"]
         if msg["hops"] < 2:
-            best = rendezvous_order(self.membership.live_ids() + [self.peer_id], key)[0]
+            best = self.ranking(key)[0]
             if best != self.peer_id and best != msg.sender:
                 ep = self.membership.endpoint_of(best)
                 assert ep is not None

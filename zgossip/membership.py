@@ -62,14 +62,22 @@ class Membership:
         self.share: float | None = None  # this node's state-sharing priority, gossiped with its heartbeat
         self.info: dict = {}  # this node's public record, gossiped with its heartbeat
         self.peers: dict[str, PeerRecord] = {}
+        self.version = 0  # grows whenever the set of live peers changes (for callers' caches)
+        self._sorted: list[str] | None = None
         self._tombstones: dict[str, tuple[int, float]] = {}
         self._next_tick: float | None = None
         self.forgotten: list[str] = []  # endpoints of forgotten peers, drained by the node
 
     # -- queries ---------------------------------------------------------------------
     def live_ids(self) -> list[str]:
-        """Known live peer ids (not including this node), sorted for determinism."""
-        return sorted(self.peers)
+        """Known live peer ids (not including this node), sorted for determinism. Do not mutate."""
+        if self._sorted is None:
+            self._sorted = sorted(self.peers)
+        return self._sorted
+
+    def _changed(self) -> None:
+        self.version += 1
+        self._sorted = None
 
     def endpoint_of(self, peer_id: str) -> str | None:
         if peer_id == self.peer_id:
@@ -110,6 +118,7 @@ class Membership:
             tomb = self._tombstones.pop(peer_id, None)
             hb = tomb[0] if tomb else 0
             self.peers[peer_id] = PeerRecord(peer_id, endpoint, hb, now)
+            self._changed()
         else:
             rec.updated = now
             rec.endpoint = endpoint
@@ -135,12 +144,14 @@ class Membership:
                     continue  # stale news of a peer we already buried
                 self._tombstones.pop(pid, None)
                 self.peers[pid] = PeerRecord(pid, ep, hb, now, share, info)
+                self._changed()
             elif hb > rec.heartbeat:
                 rec.heartbeat, rec.endpoint, rec.updated, rec.share, rec.info = hb, ep, now, share, info
 
     def forget(self, peer_id: str, now: float) -> None:
         rec = self.peers.pop(peer_id, None)
         if rec is not None:
+            self._changed()
             self._tombstones[peer_id] = (rec.heartbeat, now)
             self.forgotten.append(rec.endpoint)
             log.info("%s: forgot peer %s at %s", self.peer_id, peer_id, rec.endpoint)

@@ -232,6 +232,19 @@ class Message:
     def __getitem__(self, name: str) -> Any:
         return self.body[name]
 
+    @classmethod
+    def _trusted(cls, mtype: MsgType, sender: str, endpoint: str, body: Mapping[str, Any],
+                 payload: tuple[np.ndarray, ...]) -> "Message":
+        """Build without re-validating: only for fields that were just validated (decode) or
+        copied from an already valid message."""
+        msg = object.__new__(cls)
+        object.__setattr__(msg, "type", mtype)
+        object.__setattr__(msg, "sender", sender)
+        object.__setattr__(msg, "endpoint", endpoint)
+        object.__setattr__(msg, "body", body)
+        object.__setattr__(msg, "payload", payload)
+        return msg
+
 
 def _validate(mtype: Any, sender: Any, endpoint: Any, body: Any, nframes: int) -> dict:
     try:
@@ -311,4 +324,4 @@ def decode(frames: Sequence[Any], limits: WireLimits = WireLimits()) -> Message:
         if nbytes != count * dtype.itemsize:
             raise _fail(f"frame holds {nbytes} bytes, header says {count} x {dtype}")
         payload.append(np.frombuffer(frame, dtype=dtype, count=count))
-    return Message(MsgType(mtype), sender, endpoint, body, tuple(payload))
+    return Message._trusted(MsgType(mtype), sender, endpoint, body, tuple(payload))
