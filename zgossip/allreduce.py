@@ -151,7 +151,10 @@ class AllReduceRound:
         self.index = {m.peer_id: i for i, m in enumerate(spec.members)}
         self.last_heard = [now] * self.n
         self.lost: set[int] = set()
-        self.gathered: dict[int, Any] = {self.rank: gather}
+        # members that pass no gather data send no GATHER (in large groups that all-to-all would
+        # dominate the traffic); their entry is None and their weight is known to the span owners only
+        self.gathered: dict[int, Any] = {i: None for i, m in enumerate(spec.members) if not m.gathers}
+        self.gathered[self.rank] = gather
         self.weights: dict[int, float] = {self.rank: self.weight}
         self.status = [[_WAITING] * self.plan.num_parts(o) for o in range(self.n)]
         self.part_contrib: list[list[tuple[int, ...]]] = [[()] * self.plan.num_parts(o) for o in range(self.n)]
@@ -178,9 +181,10 @@ class AllReduceRound:
 
     # ------------------------------------------------------------------ start
     def start(self, now: float) -> None:
-        gather_msg = self._msg(MsgType.GATHER, w=self.weight, data=self.gathered[self.rank])
-        for j in self._others():
-            self._send(j, gather_msg)
+        if self.me.gathers:
+            gather_msg = self._msg(MsgType.GATHER, w=self.weight, data=self.gathered[self.rank])
+            for j in self._others():
+                self._send(j, gather_msg)
         # interleave owners part by part, starting after our own rank, so that all
         # owners receive their first parts early and the reductions overlap
         order = [(self.rank + k) % self.n for k in range(1, self.n)]
@@ -340,8 +344,10 @@ class AllReduceRound:
         self._check_done(now)
 
     def _on_gather(self, j: int, msg: Message, now: float) -> None:
+        if not self.members[j].gathers:
+            return self._bad(j, msg, "GATHER from a member that announced it sends none")
         self.gathered.setdefault(j, msg["data"])
-        self.weights.setdefault(j, msg["w"])
+        self.weights[j] = msg["w"]
 
     def _bad(self, j: int, msg: Message, why: str) -> None:
         log.warning("%s: dropped %s from %s: %s", self.me.peer_id[:8], msg.type.name, self.members[j].peer_id[:8], why)
@@ -369,6 +375,7 @@ class AllReduceRound:
         if j in r.excluded or r.finished[p] or r.pos[p] > j or (j, p) in r.pending:
             return  # late or duplicate: that member's share of this part is already settled
         self.bytes_received += arr.nbytes
+        self.weights.setdefault(j, msg["w"])
         r.pending[(j, p)] = (arr, msg["w"])
         self._advance(r, p, now)
 

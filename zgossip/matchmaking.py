@@ -46,6 +46,7 @@ class MemberInfo:
     endpoint: str
     bandwidth: float
     step_id: str
+    gathers: int = 1  # 1 if the member sends GATHER (it passed gather data), 0 if not
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class _Join:
     bandwidth: float
     layout: str
     want: int
+    gathers: int
     started: float
     deadline: float
     phase: JoinPhase = JoinPhase.ASKING
@@ -106,6 +108,7 @@ class _Entry:
     bandwidth: float
     layout: str
     want: int
+    gathers: int
 
 
 @dataclass
@@ -159,13 +162,13 @@ class Matchmaker:
 
     # ================================================================ joiner side
     def begin(self, step_id: str, key: str, bandwidth: float, layout: str, now: float, timeout: float,
-              want: int | None = None) -> None:
+              want: int | None = None, gathers: bool = True) -> None:
         """Start looking for a group. `want` is how many peers the key can hold at most (a
         full Moshpit line); the rendezvous peer closes the group as soon as that many came."""
         if self.join is not None:
             raise ProtocolError("a join is already running")
         want = self.target_group_size if want is None else max(1, min(want, self.target_group_size))
-        self.join = _Join(step_id, key, bandwidth, layout, want, now, now + timeout)
+        self.join = _Join(step_id, key, bandwidth, layout, want, int(gathers), now, now + timeout)
         self._ask_next(now)
 
     def cancel(self, now: float, why: str) -> None:
@@ -197,7 +200,7 @@ class Matchmaker:
         j.wait_until = now + self.request_timeout
         self._send(
             endpoint,
-            self._msg(MsgType.JOIN, key=j.key, step=j.step_id, bw=j.bandwidth, layout=j.layout, hops=j.hops, want=j.want),
+            self._msg(MsgType.JOIN, key=j.key, step=j.step_id, bw=j.bandwidth, layout=j.layout, hops=j.hops, want=j.want, g=j.gathers),
         )
 
     def _ask_next(self, now: float) -> None:
@@ -293,7 +296,7 @@ class Matchmaker:
         if pool is None:
             pool = self.pools[key] = _Pool(closes=now + self.matchmaking_time)
         pool.entries = [e for e in pool.entries if e.peer_id != msg.sender]
-        pool.entries.append(_Entry(msg.sender, msg.endpoint, msg["step"], msg["bw"], msg["layout"], msg["want"]))
+        pool.entries.append(_Entry(msg.sender, msg.endpoint, msg["step"], msg["bw"], msg["layout"], msg["want"], msg["g"]))
         self._send(msg.endpoint, self._msg(MsgType.JOIN_ACK, key=key, step=msg["step"]))
         same = [e for e in pool.entries if e.layout == msg["layout"]]
         enough = max(self.min_group_size, min([self.target_group_size] + [e.want for e in same]))
@@ -314,7 +317,7 @@ class Matchmaker:
             self._refuse(key, entries, f"all {len(entries)} peers with this key are clients (bandwidth 0)")
             return
         gid = self._rng.bytes(8).hex()
-        members = [[e.peer_id, e.endpoint, e.bandwidth, e.step_id] for e in entries]
+        members = [[e.peer_id, e.endpoint, e.bandwidth, e.step_id, e.gathers] for e in entries]
         for e in entries:
             self._send(e.endpoint, self._msg(MsgType.GROUP, key=key, step=e.step_id, gid=gid, members=members))
 

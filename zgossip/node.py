@@ -232,7 +232,8 @@ class Node:
         self.step = _Step(req, now, key)
         axis = self.grid.axis(self.round_index)
         want = self.grid.shape[axis] if axis is not None else None
-        self.matchmaker.begin(req.step_id, key, self.config.bandwidth, req.layout, now, req.timeout, want)
+        self.matchmaker.begin(req.step_id, key, self.config.bandwidth, req.layout, now, req.timeout, want,
+                              gathers=req.gather is not None)
         self._drain_loopback(now)
 
     def cancel_step(self, step_id: str, now: float, why: str) -> None:

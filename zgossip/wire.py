@@ -176,14 +176,15 @@ def check_info(info: Any) -> dict:
 # peer id, endpoint, heartbeat, state-sharing priority, public info
 _PEER = _record(_ID, _EP, _BIG, _opt_float, _info)
 _SPEC = _record(_str(4), _list(_int(0, 1 << 40), 32))  # dtype code, shape
-_MEMBER = _record(_ID, _EP, _float(0.0, 1e18), _ID)
+_MEMBER = _record(_ID, _EP, _float(0.0, 1e18), _ID, _int(0, 1))  # id, endpoint, bandwidth, step, sends GATHER
 
 #: body schema of each message type: field -> validator; plus the number of payload frames.
 SCHEMAS: dict[MsgType, tuple[dict[str, Validator], int]] = {
     MsgType.GOSSIP: ({"hb": _BIG, "peers": _list(_PEER, 4096)}, 0),
     MsgType.GOSSIP_REPLY: ({"hb": _BIG, "peers": _list(_PEER, 4096)}, 0),
     MsgType.JOIN: (
-        {"key": _KEY, "step": _ID, "bw": _float(0.0, 1e18), "layout": _str(128), "hops": _int(0, 16), "want": _IDX},
+        {"key": _KEY, "step": _ID, "bw": _float(0.0, 1e18), "layout": _str(128), "hops": _int(0, 16), "want": _IDX,
+         "g": _int(0, 1)},
         0,
     ),
     MsgType.JOIN_ACK: ({"key": _KEY, "step": _ID}, 0),
