@@ -189,7 +189,7 @@ SCHEMAS: dict[MsgType, tuple[dict[str, Validator], int]] = {
     ),
     MsgType.JOIN_ACK: ({"key": _KEY, "step": _ID}, 0),
     MsgType.REDIRECT: ({"key": _KEY, "step": _ID, "to_id": _ID, "to_ep": _EP}, 0),
-    MsgType.GROUP: ({"key": _KEY, "step": _ID, "gid": _ID, "members": _list(_MEMBER, 4096)}, 0),
+    MsgType.GROUP: ({"key": _KEY, "gid": _ID, "members": _list(_MEMBER, 4096)}, 0),
     MsgType.NO_GROUP: ({"key": _KEY, "step": _ID, "reason": _str(4000), "seen": _IDX}, 0),
     MsgType.LEAVE: ({"key": _KEY, "step": _ID}, 0),
     MsgType.GATHER: ({"gid": _ID, "w": _WEIGHT, "data": _any}, 0),
@@ -255,7 +255,7 @@ def _validate(mtype: Any, sender: Any, endpoint: Any, body: Any, nframes: int) -
     _ID(sender)
     _EP(endpoint)
     schema, want_frames = SCHEMAS[mtype]
-    if not isinstance(body, Mapping) or set(body) != set(schema):
+    if not isinstance(body, dict) or body.keys() != schema.keys():
         raise _fail(f"{mtype.name}: body fields do not match the schema")
     if nframes != want_frames:
         raise _fail(f"{mtype.name}: expected {want_frames} payload frames, got {nframes}")
