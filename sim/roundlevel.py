@@ -20,9 +20,9 @@ Methods, one round each:
   two differ only on lines holding more peers than one group.
   After averaging, the members of a group take *distinct* new indices along ``a``:
   member of rank ``k`` takes ``perm[k mod M_a]`` of a random permutation of
-  ``range(M_a)`` drawn for the group (`zgossip.grid.MoshpitGrid.next_coords` draws
-  the same kind of permutation, seeded by the group id; `perms_from_group_ids`
-  reproduces it exactly, for cross-checks). Unavailable or unmatched peers keep
+  ``range(M_a)`` drawn for the group (`distinct_indices`).
+  `zgossip.grid.MoshpitGrid.next_coords` draws the same kind of permutation, seeded
+  by the group id; `perms_from_group_ids` reproduces it exactly, for cross-checks. Unavailable or unmatched peers keep
   their value and their coordinates. The axis is the swarm's round, not a per-peer
   counter: a peer that skips a round rejoins on the swarm's current axis.
 * ``random`` — every round the available peers are shuffled and cut into
@@ -56,7 +56,7 @@ from zgossip.grid import seed_from
 __all__ = [
     "Method", "Groups", "RoundRecord", "RoundLevelSwarm",
     "draw_available", "place_on_grid", "line_keys", "moshpit_groups", "random_groups",
-    "random_permutations", "perms_from_group_ids", "next_coords", "average_in_groups",
+    "random_permutations", "distinct_indices", "perms_from_group_ids", "next_coords", "average_in_groups",
     "ring_gossip", "allreduce_all_or_nothing", "distance_to_truth", "bench",
 ]
 
@@ -265,6 +265,33 @@ def random_permutations(rng: np.random.Generator, n_groups: int, m: int, chunk_e
     return out
 
 
+def distinct_indices(rng: np.random.Generator, groups: Groups, m: int) -> np.ndarray:
+    """For each entry of ``groups.members``: an index in ``range(m)``, distinct inside its group.
+
+    Equivalent in distribution to taking entry ``rank mod m`` of a uniformly random
+    permutation per group. When lines are long compared with groups (``m`` at least
+    8x the largest group, e.g. a 1000x1000 grid with groups of 32) drawing whole
+    permutations would cost ``n_groups * m``, so instead every member draws an
+    index and members that collide with an earlier member of their group redraw
+    until none do; the resulting set is uniform by symmetry over indices.
+    """
+    n = groups.members.size
+    if n == 0:
+        return np.empty(0, np.int64)
+    gi = groups.group_index()
+    if 8 * int(groups.sizes.max()) > m:
+        return random_permutations(rng, groups.n_groups, m)[gi, groups.ranks() % m]
+    vals = rng.integers(0, m, size=n, dtype=np.int64)
+    while True:  # a few passes: the chance a member collides is < 1/8 and shrinks every pass
+        packed = gi * m + vals
+        order = np.argsort(packed, kind="stable")
+        sp = packed[order]
+        dup = order[1:][sp[1:] == sp[:-1]]
+        if dup.size == 0:
+            return vals
+        vals[dup] = rng.integers(0, m, size=dup.size, dtype=np.int64)
+
+
 def perms_from_group_ids(group_ids: Sequence[str], m: int) -> np.ndarray:
     """The permutations `zgossip.grid.MoshpitGrid.next_coords` draws for these group ids.
 
@@ -409,14 +436,13 @@ class RoundLevelSwarm:
                 first = np.repeat(keys[groups.starts], groups.sizes) if groups.n_groups else keys
                 if (keys != first).any():
                     raise ValueError(f"a group mixes peers of different lines along axis {axis}")
-            if perms is None:
-                p = random_permutations(self.rng, groups.n_groups, self.grid[axis])
-            elif callable(perms):
-                p = perms(groups)
-            else:
-                p = np.asarray(perms)
             self.values = average_in_groups(self.values, groups)
-            self.coords = next_coords(self.coords, self.grid, axis, groups, p)
+            if perms is None:
+                self.coords = self.coords.copy()
+                self.coords[groups.members, axis] = distinct_indices(self.rng, groups, self.grid[axis])
+            else:
+                p = perms(groups) if callable(perms) else np.asarray(perms)
+                self.coords = next_coords(self.coords, self.grid, axis, groups, p)
             rec_groups = groups
         elif m is Method.RANDOM_GROUPS:
             if groups is None:

@@ -101,7 +101,8 @@ def assert_same_partition(model: Groups, real: Groups, coords: np.ndarray, avail
             assert sorted(map(len, m[k])) == sorted(map(len, r[k])), f"overfull line {k}: group sizes differ"
 
 
-def run_side_by_side(grid, coords, p, rounds, seed, target, min_size=2, dim=3):
+def run_side_by_side(grid, coords, p, rounds, seed, target, min_size=2, dim=3, lone_first=False):
+    """Run both side by side; ``lone_first``: in round 0, peer 0 is the only available peer of its line."""
     n = len(coords)
     rng = np.random.default_rng(seed)
     values = rng.standard_normal((n, dim))
@@ -113,6 +114,10 @@ def run_side_by_side(grid, coords, p, rounds, seed, target, min_size=2, dim=3):
     for r in range(rounds):
         axis = r % len(grid)
         available = draw_available(model.rng, n, p)
+        if lone_first and r == 0:
+            keys = line_keys(model.coords, grid, 0)
+            available[keys == keys[0]] = False
+            available[0] = True
         coords_before = model.coords.copy()
         outcome = real.step(available)
         real_groups, gids = real.groups(outcome)
@@ -158,9 +163,9 @@ def test_full_4x4_grid_no_faults_matches_real_protocol_and_is_exact_in_two_round
 def test_random_unavailability_matches_real_protocol(seed):
     grid = (6, 6)
     coords = place_on_grid(36, grid, np.random.default_rng(seed))
-    model, real, history = run_side_by_side(grid, coords, p=0.4, rounds=6, seed=seed, target=6)
-    # the scenario really exercised faults: skipped peers and lone peers that met nobody
-    assert any(h[0] < 36 for h in history) and any(h[2] < h[0] for h in history)
+    model, real, history = run_side_by_side(grid, coords, p=0.3, rounds=6, seed=seed, target=6, lone_first=True)
+    # the scenario exercised faults: skipped peers every round, and (at least) peer 0 alone on its line in round 0
+    assert all(h[0] < 36 for h in history) and history[0][2] < history[0][0]
     assert np.isclose(model.values.mean(axis=0), model.truth).all()  # group averaging keeps the sum
 
 
@@ -333,3 +338,20 @@ def test_cli_prints_json_and_table(capsys):
     assert moshpit_main(["--restarts", "1", "--cap", "10"]) == 0
     out = capsys.readouterr().out
     assert "moshpit" in out and "ring" in out and "1024" in out
+
+
+@pytest.mark.parametrize("m", [4, 40, 1000])
+def test_distinct_indices_are_distinct_and_uniform(m):
+    """Both paths (whole permutations when lines are short, redraw-on-collision when long) give uniform injections."""
+    from sim.roundlevel import distinct_indices
+    sizes = np.array([min(4, m)] * 5000 + [1] * 100)
+    groups = Groups(np.arange(sizes.sum()), sizes)
+    vals = distinct_indices(np.random.default_rng(m), groups, m)
+    assert vals.min() >= 0 and vals.max() < m
+    for members in np.split(vals, np.cumsum(sizes)[:-1]):
+        assert len(set(members.tolist())) == len(members)
+    counts = np.bincount(vals[: 5000 * min(4, m)], minlength=m)
+    expected = 5000 * min(4, m) / m
+    assert np.abs(counts - expected).max() < 6 * np.sqrt(expected)  # ~6 sigma: uniform over indices
+    first = np.bincount(vals[: 5000 * min(4, m)].reshape(5000, -1)[:, 0], minlength=m)  # rank 0 alone is uniform too
+    assert np.abs(first - 5000 / m).max() < 6 * np.sqrt(5000 / m)
