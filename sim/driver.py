@@ -38,6 +38,9 @@ class SimPeer:
         self._waiters: dict[str, simpy.Event] = {}
         self._step_seq = 0
         self.crashed_at: float | None = None
+        self.paused = False
+        self._inbox: list[wire.Message] = []
+        self._missed_timer = False
         self.state_provider: Any = None  # callable -> (metadata, arrays); default: copies of `tensors`
 
     @property
@@ -85,13 +88,37 @@ class SimPeer:
         if gen != self._timer_gen or not self.alive:
             return
         self._timer_at = None
+        if self.paused:
+            self._missed_timer = True  # a frozen process runs no timers; it catches up when it resumes
+            return
         self.node.on_timer(self.cluster.env.now)
         self.pump()
 
     def deliver(self, msg: wire.Message) -> None:
         if not self.alive:
             return
+        if self.paused:
+            self._inbox.append(msg)  # held in the socket buffers until the process runs again
+            return
         self.node.on_message(msg, self.cluster.env.now)
+        self.pump()
+
+    # --------------------------------------------------------------- faults
+    def pause(self) -> None:
+        """Freeze the peer: it handles nothing and sends nothing until `resume`."""
+        self.paused = True
+
+    def resume(self) -> None:
+        if not self.paused or not self.alive:
+            return
+        self.paused = False
+        now = self.cluster.env.now
+        inbox, self._inbox = self._inbox, []
+        for msg in inbox:
+            self.node.on_message(msg, now)
+        if self._missed_timer:
+            self._missed_timer = False
+            self.node.on_timer(now)
         self.pump()
 
     # --------------------------------------------------------------- user side
@@ -135,8 +162,10 @@ class SimPeer:
         return ev
 
     def crash(self) -> None:
+        """Kill the peer for good: pending steps never finish, queued messages are lost."""
         self.alive = False
         self.crashed_at = self.cluster.env.now
+        self._inbox.clear()
 
 
 @dataclass
@@ -154,11 +183,16 @@ class SimCluster:
         self._trace = hashlib.blake2b(digest_size=16)
         self.delivered = 0
         self.lost = 0
+        self._created = 0
 
     def add_peer(self, config: NodeConfig, *, initial_peers: Sequence[str] = (), tensors: Sequence[Any] | None = None,
-                 known: Sequence["SimPeer"] = ()) -> SimPeer:
-        idx = len(self.peers)
-        endpoint = f"sim://peer{idx}"
+                 known: Sequence["SimPeer"] = (), endpoint: str | None = None) -> SimPeer:
+        """Start a peer. Reusing the endpoint of a crashed peer models a restarted process (a new identity)."""
+        idx = self._created
+        self._created += 1
+        endpoint = endpoint or f"sim://peer{idx}"
+        if endpoint in self.peers and self.peers[endpoint].alive:
+            raise ValueError(f"{endpoint} is taken by a live peer")
         peer_rng = np.random.default_rng([self.seed, idx])
         peer_id = peer_rng.bytes(8).hex()
         node = Node(peer_id, endpoint, config, peer_rng, tuple(initial_peers))
@@ -173,7 +207,7 @@ class SimCluster:
 
     def _transmit(self, src: SimPeer, endpoint: str, msg: wire.Message) -> None:
         dst = self.peers.get(endpoint)
-        if dst is None or not src.alive:
+        if dst is None or not src.alive or src.paused:
             return
         if self.encode:
             frames = wire.encode(msg)
@@ -189,15 +223,20 @@ class SimCluster:
             self.lost += 1
             return
         ev = self.env.timeout(d.at - self.env.now)
-        ev.callbacks.append(lambda _e: self._arrive(src, dst, payload, d.sent))
+        ev.callbacks.append(lambda _e: self._arrive(src, dst, payload, d.sent, nbytes))
 
-    def _arrive(self, src: SimPeer, dst: SimPeer, payload: Any, sent: float) -> None:
+    def _arrive(self, src: SimPeer, dst: SimPeer, payload: Any, sent: float, nbytes: int) -> None:
         if not dst.alive:
             return
         if src.crashed_at is not None and src.crashed_at < sent:
             return  # the sender died while this message still sat in its uplink queue
+        if self.network.cut(src.endpoint, dst.endpoint, self.env.now):
+            self.lost += 1  # a partition began while it was in flight
+            return
         msg = wire.decode(payload) if self.encode else payload
         self.delivered += 1
+        rb = self.network.received_bytes
+        rb[dst.endpoint] = rb.get(dst.endpoint, 0) + nbytes
         self._trace.update(f"{self.env.now!r}|{src.endpoint}|{dst.endpoint}|{int(msg.type)}|{sorted(msg.body.items())!r}".encode())
         dst.deliver(msg)
 

@@ -1,23 +1,76 @@
-"""Network model for the SimPy driver: per-link latency, per-peer up/down bandwidth, loss.
+"""Network model for the SimPy driver: latency, per-peer bandwidth with queueing, loss, partitions.
 
-Delivery contract (the one the ZeroMQ transport gives): messages between one ordered
-pair of peers arrive in the order they were sent, or not at all when the sender or
-receiver is down; nothing is duplicated. Loss (probability ``loss``) is the one fault
-beyond that contract, and is drawn from the seeded generator.
+Delivery contract — the one the ZeroMQ transport gives, which is what the protocol
+may rely on: messages between one ordered pair of peers arrive in the order they
+were sent, or not at all when the sender or the receiver is down; nothing is
+duplicated or corrupted. Beyond that contract the model adds only the faults a
+scenario asks for: random loss, partitions, slow links (and, in the driver, crashes
+and pauses).
 
-Timing: a message of B bytes waits for the sender's uplink (messages leave one after
-another), takes B/up seconds to serialize, and reaches the receiver ``latency`` later;
-the receiver's downlink is shared the same way (cut-through, so one transfer on an
-idle path costs B/bw + latency, not twice B/bw).
+Timing of one message of B bytes from s to d:
+
+* it waits for s's uplink (messages leave one after another: a peer that sends 16
+  parts at once waits for its uplink) and takes ``B / up[s]`` to serialize;
+* it travels ``latency(s, d)``: the link latency (a constant, a callable, a sampled
+  distribution or a region-to-region matrix) plus both ends' access latency (from their
+  profiles) plus optional jitter; never less than the previous message on that pair;
+* it shares d's downlink the same way (cut-through: one transfer on an idle path costs
+  ``B / bw + latency``, not twice ``B / bw``).
+
+Every random draw comes from the generator the caller passes in.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
-__all__ = ["NetworkModel", "Delivery"]
+__all__ = ["NetworkModel", "Delivery", "Profile", "PROFILES", "Partition", "SlowLink"]
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A kind of peer: its access link in bytes/s, access latency (one way, s) and loss probability."""
+
+    name: str
+    up: float
+    down: float
+    latency: float = 0.0
+    loss: float = 0.0
+
+
+#: Typical access links. Mbit/s figures converted to bytes/s.
+PROFILES: dict[str, Profile] = {
+    "datacenter": Profile("datacenter", up=1.25e9, down=1.25e9, latency=0.0002),  # 10 Gbit/s
+    "home": Profile("home", up=2.5e6, down=12.5e6, latency=0.010),  # 20 up / 100 down Mbit/s
+    "mobile": Profile("mobile", up=0.625e6, down=2.5e6, latency=0.035, loss=0.002),  # 5 / 20 Mbit/s
+}
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Between `start` and `end`, no message crosses between `side_a` and `side_b` (endpoints)."""
+
+    start: float
+    end: float
+    side_a: frozenset
+    side_b: frozenset
+
+    def cuts(self, src: str, dst: str, t: float) -> bool:
+        if not self.start <= t < self.end:
+            return False
+        return (src in self.side_a and dst in self.side_b) or (src in self.side_b and dst in self.side_a)
+
+
+@dataclass(frozen=True)
+class SlowLink:
+    """Between `start` and `end`, `endpoint`'s up- and downlink run `factor` times slower."""
+
+    start: float
+    end: float
+    endpoint: str
+    factor: float
 
 
 @dataclass
@@ -27,34 +80,103 @@ class Delivery:
     sent: float  # when the last byte left the sender: a sender that dies before then never sent it
 
 
+def _sampler(spec: Any) -> Callable[[str, str, np.random.Generator], float]:
+    if callable(spec):
+        return lambda s, d, rng: float(spec(s, d))
+    if isinstance(spec, (int, float)):
+        value = float(spec)
+        return lambda s, d, rng: value
+    if isinstance(spec, Mapping):
+        dist = spec.get("dist", "constant")
+        if dist == "constant":
+            value = float(spec["value"])
+            return lambda s, d, rng: value
+        if dist == "uniform":
+            lo, hi = float(spec["low"]), float(spec["high"])
+            return lambda s, d, rng: float(rng.uniform(lo, hi))
+        if dist == "normal":
+            mu, sd = float(spec["mean"]), float(spec["std"])
+            return lambda s, d, rng: max(0.0, float(rng.normal(mu, sd)))
+        if dist == "lognormal":
+            med, sigma = float(spec["median"]), float(spec["sigma"])
+            return lambda s, d, rng: float(med * np.exp(sigma * rng.standard_normal()))
+        if dist == "regions":
+            region_of: Mapping[str, str] = spec["region_of"]
+            matrix: Mapping[str, Mapping[str, float]] = spec["matrix"]
+            return lambda s, d, rng: float(matrix[region_of[s]][region_of[d]])
+        raise ValueError(f"unknown latency distribution {dist!r}")
+    raise TypeError("latency must be a number, a callable(src, dst) or a distribution mapping")
+
+
 @dataclass
 class NetworkModel:
-    latency: float | Callable[[str, str], float] = 0.001
-    bandwidth: float | dict[str, float] | None = None  # bytes/s per peer, both directions; None = infinite
+    latency: Any = 0.001  # number | callable(src, dst) | {"dist": ...} (see _sampler)
+    bandwidth: float | dict[str, float] | None = None  # bytes/s, both directions, for peers without a profile
     loss: float = 0.0
+    jitter: float = 0.0  # std of extra normal delay per message (clipped at 0)
+    profiles: dict[str, Profile] = field(default_factory=dict)  # endpoint -> profile
+    partitions: list[Partition] = field(default_factory=list)
+    slow_links: list[SlowLink] = field(default_factory=list)
     _up_free: dict = field(default_factory=dict, repr=False)
     _down_free: dict = field(default_factory=dict, repr=False)
     _last: dict = field(default_factory=dict, repr=False)
+    sent_bytes: dict = field(default_factory=dict, repr=False)
+    received_bytes: dict = field(default_factory=dict, repr=False)
 
-    def _bw(self, peer: str) -> float | None:
-        if isinstance(self.bandwidth, dict):
-            return self.bandwidth.get(peer)
-        return self.bandwidth
+    def __post_init__(self) -> None:
+        self._latency = _sampler(self.latency)
+        if not 0.0 <= self.loss <= 1.0:
+            raise ValueError("loss must be a probability")
 
-    def _lat(self, src: str, dst: str) -> float:
-        return self.latency(src, dst) if callable(self.latency) else float(self.latency)
+    def _bw(self, peer: str, up: bool, t: float) -> float | None:
+        prof = self.profiles.get(peer)
+        if prof is not None:
+            bw: float | None = prof.up if up else prof.down
+        elif isinstance(self.bandwidth, dict):
+            bw = self.bandwidth.get(peer)
+        else:
+            bw = self.bandwidth
+        if bw is None:
+            return None
+        for s in self.slow_links:
+            if s.endpoint == peer and s.start <= t < s.end:
+                bw = bw / s.factor
+        return bw
+
+    def _lat(self, src: str, dst: str, rng: np.random.Generator) -> float:
+        lat = self._latency(src, dst, rng)
+        for ep in (src, dst):
+            prof = self.profiles.get(ep)
+            if prof is not None:
+                lat += prof.latency
+        if self.jitter > 0:
+            lat += max(0.0, float(rng.normal(0.0, self.jitter)))
+        return lat
+
+    def _loss(self, src: str, dst: str) -> float:
+        p = self.loss
+        for ep in (src, dst):
+            prof = self.profiles.get(ep)
+            if prof is not None:
+                p = 1.0 - (1.0 - p) * (1.0 - prof.loss)
+        return p
+
+    def cut(self, src: str, dst: str, t: float) -> bool:
+        return any(p.cuts(src, dst, t) for p in self.partitions)
 
     def schedule(self, src: str, dst: str, nbytes: int, now: float, rng: np.random.Generator) -> Delivery:
-        up = self._bw(src)
+        up = self._bw(src, True, now)
         tx_start = max(now, self._up_free.get(src, now))
         tx_end = tx_start + (nbytes / up if up else 0.0)
         self._up_free[src] = tx_end
-        lat = self._lat(src, dst)
-        down = self._bw(dst)
+        self.sent_bytes[src] = self.sent_bytes.get(src, 0) + nbytes
+        lat = self._lat(src, dst, rng)
+        down = self._bw(dst, False, tx_start)
         rx_start = max(tx_start + lat, self._down_free.get(dst, 0.0))
         rx_end = max(rx_start + (nbytes / down if down else 0.0), tx_end + lat)
         self._down_free[dst] = rx_end
         at = max(rx_end, self._last.get((src, dst), 0.0))  # in order per pair
         self._last[(src, dst)] = at
-        lost = self.loss > 0 and rng.random() < self.loss
+        p = self._loss(src, dst)
+        lost = (p > 0 and rng.random() < p) or self.cut(src, dst, now)
         return Delivery(at, lost, tx_end)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "zgossip"
-PROTOCOL_MODULES = ["wire", "membership", "matchmaking", "grid", "partition", "allreduce", "node", "tensors", "errors"]
+PROTOCOL_MODULES = ["wire", "membership", "matchmaking", "grid", "partition", "allreduce", "node", "tensors", "errors", "rendezvous", "state"]
 FORBIDDEN = {"zmq", "simpy", "threading", "socket", "time", "random", "asyncio", "multiprocessing", "select", "selectors"}
 
 

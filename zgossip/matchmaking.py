@@ -14,7 +14,6 @@ instead of a bare "could not find a group".
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 from dataclasses import dataclass, field
 from enum import Enum
@@ -24,38 +23,12 @@ import numpy as np
 
 from .errors import GroupNotFound, ProtocolError
 from .membership import Membership
+from .rendezvous import rendezvous_order
 from .wire import Message, MsgType
 
 __all__ = ["MemberInfo", "GroupSpec", "Matchmaker", "rendezvous_order", "JoinPhase"]
 
 log = logging.getLogger(__name__)
-
-
-def _h64(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finalizer: a strong 64-bit mixer, vectorized."""
-    with np.errstate(over="ignore"):
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
-
-
-def rendezvous_order(peer_ids: list[str], key: str, peer_hashes: np.ndarray | None = None) -> list[str]:
-    """Peers ordered by rendezvous score ``mix(h(peer) ^ h(key))`` for `key`, best first.
-
-    Each peer's 64-bit hash is computed once (callers may pass them in); per key the scores
-    are one vectorized mix, so ranking a thousand peers costs microseconds, not a thousand
-    blake2b calls.
-    """
-    if not peer_ids:
-        return []
-    hs = peer_hashes if peer_hashes is not None else np.array([_h64(p) for p in peer_ids], dtype=np.uint64)
-    scores = _mix(hs ^ np.uint64(_h64(key)))
-    order = np.lexsort((np.arange(len(peer_ids))[::-1], scores))[::-1]  # ties (never seen) to the lower id
-    return [peer_ids[i] for i in order]
 
 
 @dataclass(frozen=True)
@@ -164,12 +137,6 @@ class Matchmaker:
         self.request_timeout = request_timeout
         self.join: _Join | None = None
         self.pools: dict[str, _Pool] = {}
-        self._ranking: dict[str, list[str]] = {}  # key -> rendezvous order, valid for _ranking_version
-        self._ranking_version = -1
-        self._hashes: dict[str, int] = {}  # peer id -> 64-bit hash, computed once per peer
-        self._hash_version = -1
-        self._ids: list[str] = []
-        self._hash_arr = np.zeros(0, dtype=np.uint64)
 
     @property
     def peer_id(self) -> str:
@@ -202,22 +169,8 @@ class Matchmaker:
         self.join = None
 
     def ranking(self, key: str) -> list[str]:
-        """Live peers (this one included) in rendezvous order for `key`, cached until membership changes."""
-        if self._ranking_version != self.membership.version:
-            self._ranking.clear()
-            self._ranking_version = self.membership.version
-        order = self._ranking.get(key)
-        if order is None:
-            if len(self._ranking) > 256:
-                self._ranking.clear()
-            if self._hash_version != self.membership.version:
-                ids = self.membership.live_ids() + [self.peer_id]
-                known = self._hashes
-                self._ids = ids
-                self._hash_arr = np.array([known.get(p) or known.setdefault(p, _h64(p)) for p in ids], dtype=np.uint64)
-                self._hash_version = self.membership.version
-            order = self._ranking[key] = rendezvous_order(self._ids, key, self._hash_arr)
-        return order
+        """Live peers (this one included) in rendezvous order for `key`."""
+        return self.membership.ranking(key)
 
     def _candidates(self, j: _Join) -> list[str]:
         return [p for p in self.ranking(j.key) if p not in j.silent]

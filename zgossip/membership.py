@@ -16,6 +16,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from .rendezvous import RankingCache
 from .wire import Message, MsgType
 
 __all__ = ["PeerRecord", "Membership"]
@@ -64,6 +65,7 @@ class Membership:
         self.peers: dict[str, PeerRecord] = {}
         self.version = 0  # grows whenever the set of live peers changes (for callers' caches)
         self._sorted: list[str] | None = None
+        self._ranking = RankingCache()
         self._tombstones: dict[str, tuple[int, float]] = {}
         self._next_tick: float | None = None
         self.forgotten: list[str] = []  # endpoints of forgotten peers, drained by the node
@@ -74,6 +76,14 @@ class Membership:
         if self._sorted is None:
             self._sorted = sorted(self.peers)
         return self._sorted
+
+    def everyone(self) -> list[str]:
+        """Live peers including this node."""
+        return self.live_ids() + [self.peer_id]
+
+    def ranking(self, key: str) -> list[str]:
+        """Everyone in rendezvous order for `key` (see `zgossip.rendezvous`), cached per membership version."""
+        return self._ranking.ranking(self.version, self.everyone(), key)
 
     def _changed(self) -> None:
         self.version += 1
