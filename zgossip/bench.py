@@ -8,39 +8,43 @@ Two benchmarks, chosen by flag:
     membership, runs 2 warm-up steps, then R timed steps (default 7, at least 5).
     For each repetition it takes the *max over peers* of the wall time of
     ``Averager.step()`` measured inside each peer -- everything a user waits for:
-    the snapshot copy, matchmaking, the all-reduce and writing the result back --
+    copying the tensors in, matchmaking, the all-reduce, writing the result back --
     and, separately, of ``result.timings['allreduce']`` and ``['matchmaking']``;
-    it reports their median, min and max. It checks once that a peer's tensor
-    equals the float64 mean of all peers' data at float32 tolerance, and reports
-    memory: the peak resident set of each peer over the warm-up and timed steps
+    it reports their median, min and max, and the CPU seconds all peers spent per
+    step. It checks once that a peer's tensor equals the float64 mean of all peers'
+    data at float32 tolerance.
+
+    Memory: the peak resident set of each peer over the warm-up and timed steps
     minus its resident set just before the first step (``VmHWM``/``VmRSS`` from
     /proc, the peak reset via /proc/self/clear_refs), as a multiple of the averaged
-    tensor's bytes; the figure is the largest over peers. Persistent buffers a step
-    allocates count as extra memory.
+    tensor's bytes; the figure is the largest over peers, and buffers a step keeps
+    for the next one count as extra memory.
 
-    With ``--vs gloo``, the same run also starts N processes (multiprocessing spawn)
-    that join a ``torch.distributed`` gloo group through a TCPStore held by this
-    process on 127.0.0.1 (its port found by binding port 0), each with the same
-    float32 tensor, and times R ``dist.all_reduce`` calls after 2 warm-ups, each
-    rep starting after a barrier, again max over ranks per rep. The ratio printed
-    is zgossip's median step time / gloo's median all_reduce time (lower is better
-    for zgossip).
+    With ``--vs gloo``, N more processes (multiprocessing spawn) join a
+    ``torch.distributed`` gloo group through a TCPStore held by this process on
+    127.0.0.1 (its port found by binding port 0), each with the same float32 tensor,
+    do 2 warm-up all-reduces, and then time ``dist.all_reduce`` once per repetition
+    (after a barrier; max over ranks). Both groups stay up for the whole run and
+    the repetitions alternate (zgossip, gloo, gloo, zgossip, ...) so that both see
+    the same machine: on a shared machine, load from other processes moves both
+    figures, and the run reports how many cores other processes used meanwhile.
+    The ratio printed is zgossip's median step time / gloo's median all_reduce time
+    (lower is better for zgossip).
 
 ``zgossip bench --matchmaking [--peers 8] [--numel 1024] [--reps 10]``
     Matchmaking latency: 8 local peers that already know each other (membership is
-    awaited first), a small tensor, target group size 8, and at least 10 timed
-    steps after warm-up; reports the median over steps of the max over peers of
+    awaited first), a small tensor, target group size 8, at least 10 timed steps
+    after warm-up; reports the median over steps of the max over peers of
     ``result.timings['matchmaking']`` (time from ``step()`` until the group is known).
 
 ``--json`` prints one JSON object with every figure instead of the table. Every
-process started is stopped (killed if it does not stop in time) and every wait has
-a timeout; everything binds to 127.0.0.1 only.
+process started is stopped (killed if it does not stop in time), every wait has a
+timeout, and everything listens on 127.0.0.1 only.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import multiprocessing as mp
 import os
 import socket
@@ -53,7 +57,7 @@ import numpy as np
 
 from .swarm import LocalSwarm, peer_data
 
-__all__ = ["add_arguments", "run", "bench_zgossip", "bench_gloo", "bench_matchmaking"]
+__all__ = ["add_arguments", "run", "main", "bench_allreduce", "bench_matchmaking", "GlooGroup"]
 
 WARMUP = 2
 MIN_REPS = 5
@@ -71,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--matchmaking", action="store_true", help="benchmark matchmaking latency instead of the all-reduce")
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=120.0, help="bound on each step / each wait, in seconds")
+    p.add_argument("--timeout", type=float, default=120.0, help="bound on each step and each wait, in seconds")
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -82,8 +86,43 @@ def _summary(xs: Sequence[float]) -> dict:
 def _checked(answers: list[dict], what: str) -> list[dict]:
     bad = [a for a in answers if not a.get("ok")]
     if bad:
-        raise RuntimeError(f"{what} failed on {len(bad)} peer(s): {bad[0].get('type')}: {bad[0].get('error')}")
+        raise RuntimeError(f"{what} failed on {len(bad)} process(es): {bad[0].get('type')}: {bad[0].get('error')}")
     return answers
+
+
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads), 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _machine_busy_seconds() -> float:
+    """CPU seconds spent by the whole machine outside idle and iowait since boot."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+class _ForeignLoad:
+    """How many cores processes other than ours kept busy while we measured."""
+
+    def __init__(self, pids: Sequence[int]) -> None:
+        self.pids = [os.getpid(), *pids]
+        self.t0 = time.perf_counter()
+        self.m0 = _machine_busy_seconds()
+        self.c0 = sum(_cpu_seconds(p) for p in self.pids)
+
+    def cores(self) -> float:
+        dt = time.perf_counter() - self.t0
+        ours = sum(_cpu_seconds(p) for p in self.pids) - self.c0
+        return max(0.0, (_machine_busy_seconds() - self.m0 - ours) / dt) if dt > 0 else 0.0
 
 
 def _swarm_kwargs(n: int, part_size: int | None, timeout: float) -> dict:
@@ -100,46 +139,188 @@ def _swarm_kwargs(n: int, part_size: int | None, timeout: float) -> dict:
     return kw
 
 
-def _timed_steps(swarm: LocalSwarm, steps: int, timeout: float) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {"wall": [], "allreduce": [], "matchmaking": [], "parent": [], "cpu": []}
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        res = _checked(swarm.step_all(timeout=timeout), "step")
-        out["parent"].append(time.perf_counter() - t0)
-        if not all(r["complete"] and r["group_size"] == swarm.n for r in res):
-            raise RuntimeError(f"a step did not average over all {swarm.n} peers: {[r['group_size'] for r in res]}")
-        for k in ("wall", "allreduce", "matchmaking"):
-            out[k].append(max(r["timings"][k] for r in res))
-        out["cpu"].append(sum(r["timings"]["cpu"] for r in res))
+def _step_once(swarm: LocalSwarm, timeout: float) -> dict[str, float]:
+    t0 = time.perf_counter()
+    res = _checked(swarm.step_all(timeout=timeout), "step")
+    parent = time.perf_counter() - t0
+    if not all(r["complete"] and r["group_size"] == swarm.n for r in res):
+        raise RuntimeError(f"a step did not average over all {swarm.n} peers: {[r['group_size'] for r in res]}")
+    out = {k: max(r["timings"][k] for r in res) for k in ("wall", "allreduce", "matchmaking")}
+    out["cpu"] = sum(r["timings"]["cpu"] for r in res)
+    out["parent"] = parent
     return out
 
 
-# ---------------------------------------------------------------------------- zgossip
-def bench_zgossip(peers: int, numel: int, reps: int, part_size: int | None = None, seed: int = 0,
-                  timeout: float = 120.0, truth: np.ndarray | None = None) -> dict:
-    kw = _swarm_kwargs(peers, part_size, timeout)
-    with LocalSwarm(peers, numel, seed=seed, averager_kwargs=kw, start_timeout=timeout) as swarm:
-        swarm.wait_membership(timeout=min(timeout, 30.0))
-        before = _checked([swarm.call(i, "rss", timeout=timeout, reset=True) for i in range(peers)], "rss")
+def _collect(rows: list[dict[str, float]]) -> dict[str, list[float]]:
+    return {k: [r[k] for r in rows] for k in rows[0]} if rows else {}
+
+
+def _accuracy(got: np.ndarray, truth: np.ndarray) -> tuple[bool, float]:
+    err = float(np.max(np.abs(got.astype(np.float64) - truth))) if got.size else 0.0
+    return bool(np.allclose(got, truth, rtol=1e-5, atol=1e-5)), err
+
+
+# ---------------------------------------------------------------------------- gloo
+def _gloo_child(rank: int, n: int, port: int, numel: int, seed: int, timeout: float, conn: Any) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's pairs listen on loopback only
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    try:
+        store = dist.TCPStore("127.0.0.1", port, n, False, timeout=timedelta(seconds=timeout))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=n, timeout=timedelta(seconds=timeout))
+        t = torch.from_numpy(peer_data(seed, rank, numel))
+
+        def once() -> tuple[float, float]:
+            dist.barrier()
+            c0, t0 = time.process_time(), time.perf_counter()
+            dist.all_reduce(t)
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
+            t.div_(n)  # keep values bounded and the mean checkable; not part of the timed call
+            return dt, dc
+
         for _ in range(WARMUP):
-            _timed_steps(swarm, 1, timeout)
-        times = _timed_steps(swarm, reps, timeout)
-        after = _checked([swarm.call(i, "rss", timeout=timeout) for i in range(peers)], "rss")
-        got = _checked([swarm.call(0, "tensor", timeout=timeout)], "tensor")[0]["tensor"]
-        if truth is None:
-            truth = swarm.truth()
+            once()
+        conn.send({"ok": True, "pid": os.getpid()})
+        while True:
+            cmd = conn.recv()
+            if cmd == "rep":
+                dt, dc = once()
+                conn.send({"ok": True, "time": dt, "cpu": dc})
+            elif cmd == "tensor":
+                conn.send({"ok": True, "tensor": t.numpy().copy()})
+            else:
+                break
+        dist.destroy_process_group()
+    except (EOFError, KeyboardInterrupt):
+        pass
+    except Exception as e:
+        try:
+            conn.send({"ok": False, "error": str(e), "type": type(e).__name__})
+        except OSError:
+            pass
+    finally:
+        conn.close()
+
+
+class GlooGroup:
+    """N processes in a torch.distributed gloo group, each doing one timed all_reduce per `rep()`."""
+
+    def __init__(self, n: int, numel: int, seed: int = 0, timeout: float = 120.0) -> None:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        self.n, self.timeout = n, timeout
+        self.procs: list[Any] = []
+        self.conns: list[Any] = []
+        ctx = mp.get_context("spawn")
+        lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            lsock.bind(("127.0.0.1", 0))
+            lsock.listen(128)
+            port = lsock.getsockname()[1]
+            # this process holds the store, listening on the socket bound above (so on 127.0.0.1
+            # only, with no race for the port); the store takes the descriptor over and closes it
+            self._store = dist.TCPStore("127.0.0.1", port, n, True, timeout=timedelta(seconds=timeout),
+                                        wait_for_workers=False, master_listen_fd=lsock.fileno())
+            lsock.detach()
+            for r in range(n):
+                parent, child = ctx.Pipe()
+                p = ctx.Process(target=_gloo_child, args=(r, n, port, numel, seed, timeout, child), daemon=True)
+                p.start()
+                child.close()
+                self.procs.append(p)
+                self.conns.append(parent)
+            self.pids = [a["pid"] for a in _checked(self._recv_all(timeout + 60.0), "gloo start-up")]
+        except BaseException:
+            lsock.close()
+            self.close()
+            raise
+
+    def _recv_all(self, timeout: float) -> list[dict]:
+        deadline = time.monotonic() + timeout
+        out = []
+        for r, c in enumerate(self.conns):
+            if not c.poll(max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"gloo rank {r} did not answer within {timeout:.0f}s")
+            try:
+                out.append(c.recv())
+            except (EOFError, OSError):
+                raise RuntimeError(f"gloo rank {r} exited (code {self.procs[r].exitcode})") from None
+        return out
+
+    def rep(self) -> dict[str, float]:
+        for c in self.conns:
+            c.send("rep")
+        ans = _checked(self._recv_all(self.timeout), "gloo all_reduce")
+        return {"time": max(a["time"] for a in ans), "cpu": sum(a["cpu"] for a in ans)}
+
+    def tensor(self) -> np.ndarray:
+        self.conns[0].send("tensor")
+        ans = self.conns[0].recv() if self.conns[0].poll(self.timeout) else {"ok": False, "error": "timeout"}
+        return _checked([ans], "gloo tensor")[0]["tensor"]
+
+    def close(self) -> None:
+        for c, p in zip(self.conns, self.procs):
+            if p.is_alive():
+                try:
+                    c.send("stop")
+                except OSError:
+                    pass
+        deadline = time.monotonic() + 10.0
+        for p in self.procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for c in self.conns:
+            c.close()
+        self._store = None
+
+    def __enter__(self) -> "GlooGroup":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------- all-reduce
+def bench_allreduce(peers: int, numel: int, reps: int, part_size: int | None = None, seed: int = 0,
+                    timeout: float = 120.0, vs_gloo: bool = False) -> dict:
+    truth = _mean_of_peers(seed, peers, numel)
+    gloo = GlooGroup(peers, numel, seed, timeout) if vs_gloo else None
+    try:
+        kw = _swarm_kwargs(peers, part_size, timeout)
+        with LocalSwarm(peers, numel, seed=seed, averager_kwargs=kw, start_timeout=timeout) as swarm:
+            swarm.wait_membership(timeout=min(timeout, 30.0))
+            before = _checked([swarm.call(i, "rss", timeout=timeout, reset=True) for i in range(peers)], "rss")
+            for _ in range(WARMUP):
+                _step_once(swarm, timeout)
+            load = _ForeignLoad([i["pid"] for i in swarm.info] + (gloo.pids if gloo else []))
+            zg_rows, gl_rows = [], []
+            for k in range(reps):
+                # alternate the order so that neither side always runs right after the other
+                if gloo is not None and k % 2:
+                    gl_rows.append(gloo.rep())
+                zg_rows.append(_step_once(swarm, timeout))
+                if gloo is not None and not k % 2:
+                    gl_rows.append(gloo.rep())
+            foreign = load.cores()
+            after = _checked([swarm.call(i, "rss", timeout=timeout) for i in range(peers)], "rss")
+            got = _checked([swarm.call(0, "tensor", timeout=timeout)], "tensor")[0]["tensor"]
+        gl_tensor = gloo.tensor() if gloo is not None else None
+    finally:
+        if gloo is not None:
+            gloo.close()
+    times = _collect(zg_rows)
     tensor_bytes = numel * 4
-    extra = []
-    for b, a in zip(before, after):
-        if b.get("reset") and "VmHWM" in a and "VmRSS" in b:
-            extra.append(a["VmHWM"] - b["VmRSS"])
-    err = float(np.max(np.abs(got.astype(np.float64) - truth))) if numel else 0.0
-    correct = bool(np.allclose(got, truth, rtol=1e-5, atol=1e-5))
-    return {
-        "peers": peers,
-        "numel": numel,
-        "reps": reps,
-        "part_size_bytes": part_size,
+    extra = [a["VmHWM"] - b["VmRSS"] for b, a in zip(before, after)
+             if b.get("reset") and "VmHWM" in a and "VmRSS" in b]
+    correct, err = _accuracy(got, truth)
+    zg = {
         "step": _summary(times["wall"]),
         "allreduce": _summary(times["allreduce"]),
         "matchmaking": _summary(times["matchmaking"]),
@@ -153,94 +334,34 @@ def bench_zgossip(peers: int, numel: int, reps: int, part_size: int | None = Non
             "extra_peak_ratio": (max(extra) / tensor_bytes) if extra and tensor_bytes else None,
         },
     }
-
-
-# ---------------------------------------------------------------------------- gloo
-def _gloo_child(rank: int, n: int, port: int, numel: int, seed: int, reps: int, timeout: float, conn: Any) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's pairs listen on loopback only
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
-    try:
-        store = dist.TCPStore("127.0.0.1", port, n, False, timeout=timedelta(seconds=timeout))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=n, timeout=timedelta(seconds=timeout))
-        t = torch.from_numpy(peer_data(seed, rank, numel))
-        times: list[float] = []
-        cpus: list[float] = []
-        for k in range(WARMUP + reps):
-            dist.barrier()
-            c0, t0 = time.process_time(), time.perf_counter()
-            dist.all_reduce(t)
-            dt, dc = time.perf_counter() - t0, time.process_time() - c0
-            t.div_(n)  # keep the values bounded (and the mean checkable); not part of the timed call
-            if k >= WARMUP:
-                times.append(dt)
-                cpus.append(dc)
-        conn.send({"ok": True, "times": times, "cpus": cpus, "tensor": t.numpy() if rank == 0 else None})
-        dist.destroy_process_group()
-    except Exception as e:
-        conn.send({"ok": False, "error": str(e), "type": type(e).__name__})
-    finally:
-        conn.close()
-
-
-def bench_gloo(peers: int, numel: int, reps: int, seed: int = 0, timeout: float = 120.0,
-               truth: np.ndarray | None = None) -> dict:
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    ctx = mp.get_context("spawn")
-    lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    procs: list[Any] = []
-    conns: list[Any] = []
-    try:
-        lsock.bind(("127.0.0.1", 0))
-        lsock.listen(128)
-        port = lsock.getsockname()[1]
-        # this process holds the store, listening on the socket bound above (127.0.0.1 only);
-        # the store takes the descriptor over and closes it
-        store = dist.TCPStore("127.0.0.1", port, peers, True, timeout=timedelta(seconds=timeout),
-                              wait_for_workers=False, master_listen_fd=lsock.fileno())
-        lsock.detach()
-        for r in range(peers):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=_gloo_child, args=(r, peers, port, numel, seed, reps, timeout, child), daemon=True)
-            p.start()
-            child.close()
-            procs.append(p)
-            conns.append(parent)
-        deadline = time.monotonic() + timeout + 30.0 * (1 + reps * numel / 2**26)
-        answers = []
-        for r, c in enumerate(conns):
-            if not c.poll(max(0.1, deadline - time.monotonic())):
-                raise TimeoutError(f"gloo rank {r} did not finish in time")
-            try:
-                answers.append(c.recv())
-            except EOFError:
-                raise RuntimeError(f"gloo rank {r} exited (code {procs[r].exitcode})") from None
-        _checked(answers, "gloo all_reduce")
-        del store
-    finally:
-        for p in procs:
-            p.join(max(0.1, 10.0))
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        for c in conns:
-            c.close()
-        lsock.close()
-    per_rep = [max(a["times"][k] for a in answers) for k in range(reps)]
-    cpu = [sum(a["cpus"][k] for a in answers) for k in range(reps)]
-    out = {"peers": peers, "numel": numel, "reps": reps, "all_reduce": _summary(per_rep),
-           "cpu_seconds_all_peers": _summary(cpu)}
-    if truth is not None:
-        got = answers[0]["tensor"]
-        out["correct"] = bool(np.allclose(got, truth, rtol=1e-5, atol=1e-5))
-        out["max_abs_error"] = float(np.max(np.abs(got.astype(np.float64) - truth))) if numel else 0.0
+    out: dict = {
+        "benchmark": "allreduce",
+        "peers": peers,
+        "numel": numel,
+        "reps": reps,
+        "warmup": WARMUP,
+        "part_size_bytes": part_size,
+        "other_load_cores": foreign,
+        "zgossip": zg,
+    }
+    if gloo is not None and gl_tensor is not None:
+        g = _collect(gl_rows)
+        g_correct, g_err = _accuracy(gl_tensor, truth)
+        out["gloo"] = {
+            "all_reduce": _summary(g["time"]),
+            "cpu_seconds_all_peers": _summary(g["cpu"]),
+            "correct": g_correct,
+            "max_abs_error": g_err,
+        }
+        out["ratio"] = zg["step"]["median"] / out["gloo"]["all_reduce"]["median"]
     return out
+
+
+def _mean_of_peers(seed: int, peers: int, numel: int) -> np.ndarray:
+    acc = np.zeros(numel, dtype=np.float64)
+    for i in range(peers):
+        acc += peer_data(seed, i, numel)
+    return acc / peers
 
 
 # ---------------------------------------------------------------------------- matchmaking
@@ -250,12 +371,16 @@ def bench_matchmaking(peers: int = 8, numel: int = 1024, steps: int = MIN_MATCHM
     with LocalSwarm(peers, numel, seed=seed, averager_kwargs=kw, start_timeout=timeout) as swarm:
         swarm.wait_membership(timeout=min(timeout, 30.0))
         for _ in range(WARMUP):
-            _timed_steps(swarm, 1, timeout)
-        times = _timed_steps(swarm, steps, timeout)
+            _step_once(swarm, timeout)
+        load = _ForeignLoad([i["pid"] for i in swarm.info])
+        times = _collect([_step_once(swarm, timeout) for _ in range(steps)])
+        foreign = load.cores()
     return {
+        "benchmark": "matchmaking",
         "peers": peers,
         "numel": numel,
         "steps": steps,
+        "other_load_cores": foreign,
         "matchmaking": _summary(times["matchmaking"]),
         "step": _summary(times["wall"]),
     }
@@ -279,12 +404,13 @@ def run(args: argparse.Namespace) -> int:
         numel = 1024 if args.numel is None else args.numel
         res = bench_matchmaking(peers, numel, max(args.reps, MIN_MATCHMAKING_STEPS), args.seed, args.timeout)
         if args.json:
-            print(json.dumps({"benchmark": "matchmaking", **res}))
+            print(json.dumps(res))
         else:
             print(f"zgossip bench --matchmaking: {peers} peers that know each other, {numel} floats, "
                   f"{res['steps']} steps (max over peers per step)")
             print(_line("matchmaking", res["matchmaking"]))
             print(_line("whole step", res["step"]))
+            print(f"  other processes kept {res['other_load_cores']:.2f} cores busy meanwhile")
         return 0
 
     peers = args.peers or 4
@@ -292,19 +418,13 @@ def run(args: argparse.Namespace) -> int:
     if peers < 2 or numel < 1:
         print("zgossip bench: need --peers >= 2 and --numel >= 1", file=sys.stderr)
         return 2
-    truth = peer_data_mean(args.seed, peers, numel)
-    zg = bench_zgossip(peers, numel, args.reps, args.part_size, args.seed, args.timeout, truth=truth)
-    out: dict = {"benchmark": "allreduce", "zgossip": zg}
-    if args.vs == "gloo":
-        gl = bench_gloo(peers, numel, args.reps, args.seed, args.timeout, truth=truth)
-        out["gloo"] = gl
-        out["ratio"] = zg["step"]["median"] / gl["all_reduce"]["median"]
+    out = bench_allreduce(peers, numel, args.reps, args.part_size, args.seed, args.timeout, args.vs == "gloo")
+    zg = out["zgossip"]
     if args.json:
         print(json.dumps(out))
-        return 0
-    mib = numel * 4 / 2**20
+        return 0 if zg["correct"] else 1
     part = "default" if args.part_size is None else f"{args.part_size / 2**20:g} MiB"
-    print(f"zgossip bench: {peers} peers x {numel} float32 ({mib:.1f} MiB), {args.reps} reps "
+    print(f"zgossip bench: {peers} peers x {numel} float32 ({numel * 4 / 2**20:.1f} MiB), {args.reps} reps "
           f"after {WARMUP} warm-up, part size {part}; max over peers per rep")
     print(_line("zgossip step()", zg["step"]))
     print(_line("  of which all-reduce", zg["allreduce"]))
@@ -319,20 +439,14 @@ def run(args: argparse.Namespace) -> int:
         gl = out["gloo"]
         print(_line("gloo all_reduce", gl["all_reduce"]))
         print(_line("  CPU, all ranks", gl["cpu_seconds_all_peers"]))
-        print(f"  gloo correct: {'yes' if gl.get('correct') else 'NO'}")
-        print(f"  ratio zgossip/gloo (median): {out['ratio']:.2f}x (lower is better for zgossip)")
+        print(f"  gloo correct: {'yes' if gl['correct'] else 'NO'}")
+        print(f"  ratio zgossip/gloo (medians): {out['ratio']:.2f}x (lower is better for zgossip)")
+    print(f"  other processes kept {out['other_load_cores']:.2f} cores busy meanwhile")
     return 0 if zg["correct"] else 1
 
 
-def peer_data_mean(seed: int, peers: int, numel: int) -> np.ndarray:
-    acc = np.zeros(numel, dtype=np.float64)
-    for i in range(peers):
-        acc += peer_data(seed, i, numel)
-    return acc / peers
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="zgossip bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="zgossip bench", description=(__doc__ or "").splitlines()[0])
     add_arguments(p)
     return run(p.parse_args(argv))
 
