@@ -123,26 +123,26 @@ class SimPeer:
 
     # --------------------------------------------------------------- user side
     def step(self, buffer: np.ndarray, *, weight: float = 1.0, gather: Any = None,
-             timeout: float = 10.0, layout: str = "") -> simpy.Event:
+             timeout: float = 10.0, layout: str = "", round: int | None = None) -> simpy.Event:
         """Start a step on a flat buffer; the returned event's value is StepDone or StepFailed."""
         self._step_seq += 1
         step_id = f"{self.peer_id[:8]}-{self._step_seq}"
         ev = self.cluster.env.event()
         self._waiters[step_id] = ev
         layout = layout or f"{buffer.size}:{buffer.dtype.str}"
-        self.node.submit_step(StepRequest(step_id, buffer, weight, gather, timeout, layout), self.cluster.env.now)
+        self.node.submit_step(StepRequest(step_id, buffer, weight, gather, timeout, layout, round), self.cluster.env.now)
         self.pump()
         return ev
 
     def step_tensors(self, *, weight: float = 1.0, gather: Any = None, timeout: float = 10.0,
-                     alpha: float = 1.0) -> simpy.Event:
+                     alpha: float = 1.0, round: int | None = None) -> simpy.Event:
         """Like `zgossip.Averager.step`: snapshot this peer's tensors, average, write back the averaged ranges."""
         if self.tensors is None:
             raise ValueError("this peer was created without tensors")
         layout = FlatLayout.of(self.tensors)
         arrays = [np.asarray(t) for t in self.tensors]
         buf = layout.snapshot(arrays, layout.new_buffer())
-        ev = self.step(buf, weight=weight, gather=gather, timeout=timeout, layout=layout.fingerprint)
+        ev = self.step(buf, weight=weight, gather=gather, timeout=timeout, layout=layout.fingerprint, round=round)
 
         def apply(e: simpy.Event) -> None:
             if isinstance(e.value, StepDone):

@@ -130,3 +130,39 @@ def test_mismatched_layouts_are_never_averaged_together(transport):
         assert np.array_equal(h.tensors(2)[0], before)
     finally:
         h.close()
+
+
+def test_peer_that_sat_out_a_round_follows_the_swarm_axis():
+    """Round numbers are gossiped: a peer that skipped a round steps on the swarm's axis afterwards."""
+    from harness import SimHarness
+
+    n, side = 4, 2
+    rng = np.random.default_rng(13)
+    tensors = [[rng.standard_normal(3)] for _ in range(n)]
+    per_peer = [{"grid_coords": (i % side, i // side)} for i in range(n)]
+    h = SimHarness(tensors, per_peer=per_peer, grid=(side, side), target_group_size=side, min_group_size=1)
+    h.step_all()                                   # round 0, everyone
+    h.step_all(indices=[1, 2, 3])                  # round 1, peer 0 sits out
+    h.cluster.run(until=h.cluster.env.now + 0.3)   # a few gossip ticks
+    assert h.peers[0].node.swarm_round() == 2
+    results = h.step_all()                         # round 2: peer 0 must use axis 0 like the others
+    assert all(isinstance(r, zgossip.StepResult) for r in results)
+    assert {r.key.split("/")[1] for r in results} == {"a0"}
+
+
+def test_leftover_of_an_overfull_line_fails_fast_and_says_why():
+    """Three peers on a line of two: two average at once, the third is told nobody else is coming."""
+    from harness import SimHarness
+
+    rng = np.random.default_rng(17)
+    tensors = [[rng.standard_normal(3)] for _ in range(3)]
+    per_peer = [{"grid_coords": (0, 0)}, {"grid_coords": (1, 0)}, {"grid_coords": (1, 0)}]
+    h = SimHarness(tensors, per_peer=per_peer, grid=(2, 2), target_group_size=2, min_group_size=2,
+                   matchmaking_time=0.5)
+    t0 = h.cluster.env.now
+    results = h.step_all(timeout=5.0)
+    ok = [r for r in results if isinstance(r, zgossip.StepResult)]
+    bad = [r for r in results if isinstance(r, zgossip.GroupNotFound)]
+    assert len(ok) == 2 and len(bad) == 1
+    assert "full group for this key already formed" in str(bad[0])
+    assert h.cluster.env.now - t0 < 1.5  # one window, not the whole 5 s timeout

@@ -129,13 +129,15 @@ class Averager:
                 self._inside.active -= 1
 
     def step(self, weight: float = 1.0, gather: Any = None, timeout: float | None = None,
-             wait: bool = True) -> StepResult | cf.Future:
+             wait: bool = True, round: int | None = None) -> StepResult | cf.Future:
         """Find a group and average with it once.
 
         ``timeout`` bounds matchmaking (default ``max(5, 3*matchmaking_time)`` seconds); the
         all-reduce itself is bounded by ``allreduce_timeout``. Raises `GroupNotFound`
         (with what was tried), `RoundTimeout`, `StepInProgress` or `AveragerClosed`; with
         ``wait=False`` returns a `concurrent.futures.Future` that carries the same.
+        ``round`` pins the swarm-wide round number (which picks the Moshpit grid axis), e.g.
+        a training epoch; by default the averager follows the highest round its peers announce.
         """
         if self._closed:
             raise AveragerClosed("this averager was shut down")
@@ -159,7 +161,8 @@ class Averager:
             step_id = f"{self.peer_id[:8]}-{next(self._seq)}"
             fut: cf.Future = cf.Future()
             self._futures[step_id] = (fut, buf)
-            req = StepRequest(step_id, buf, weight, gather, float(timeout), self.layout.fingerprint)
+            req = StepRequest(step_id, buf, weight, gather, float(timeout), self.layout.fingerprint,
+                              None if round is None else int(round))
             self._driver.call(lambda now: self._driver.node.submit_step(req, now))
         except BaseException:
             self._busy.release()

@@ -137,6 +137,7 @@ class Matchmaker:
         self.request_timeout = request_timeout
         self.join: _Join | None = None
         self.pools: dict[str, _Pool] = {}
+        self._formed: dict[str, float] = {}  # key -> when a full group last formed early for it
 
     @property
     def peer_id(self) -> str:
@@ -238,7 +239,9 @@ class Matchmaker:
             return
         j.seen = max(j.seen, msg["seen"])
         j.history.append(f"{msg.sender[:8]}: {msg['reason']}")
-        if now + self.matchmaking_time + self.request_timeout <= j.deadline:
+        if not msg["retry"]:
+            self._fail(now, "left over after the key's full group formed")
+        elif now + self.matchmaking_time + self.request_timeout <= j.deadline:
             self._ask_next(now)  # another window fits in the budget: try again
         else:
             self._fail(now, "matchmaking window closed without enough peers")
@@ -287,6 +290,9 @@ class Matchmaker:
             chosen = same[:enough]
             pool.entries = [e for e in pool.entries if e not in chosen]
             self._form(key, chosen)
+            self._formed[key] = now
+            if len(self._formed) > 4096:
+                self._formed.clear()
             if not pool.entries:
                 del self.pools[key]
 
@@ -305,9 +311,10 @@ class Matchmaker:
         for e in entries:
             self._send(e.endpoint, msg)
 
-    def _refuse(self, key: str, entries: list[_Entry], reason: str) -> None:
+    def _refuse(self, key: str, entries: list[_Entry], reason: str, retry: bool = True) -> None:
         for e in entries:
-            self._send(e.endpoint, self._msg(MsgType.NO_GROUP, key=key, step=e.step_id, reason=reason, seen=len(entries)))
+            self._send(e.endpoint, self._msg(MsgType.NO_GROUP, key=key, step=e.step_id, reason=reason,
+                                             seen=len(entries), retry=int(retry)))
 
     def _close_pool(self, key: str, pool: _Pool) -> None:
         by_layout: dict[str, list[_Entry]] = {}
@@ -320,7 +327,12 @@ class Matchmaker:
                 why = f"window closed with {n} peer(s) for this key (min_group_size={self.min_group_size})"
                 if n < total:
                     why += f"; {total - n} other peer(s) used this key with a different tensor layout"
-                self._refuse(key, entries, why)
+                full = self._formed.get(key, float("-inf")) >= pool.closes - 2 * self.matchmaking_time
+                if full:
+                    # the key's line already filled a group this round: nobody else is coming, so
+                    # waiting another window would only burn the joiner's timeout
+                    why += "; a full group for this key already formed this round"
+                self._refuse(key, entries, why, retry=not full)
                 continue
             groups = -(-n // self.target_group_size)
             while groups > 1 and n // groups < self.min_group_size:

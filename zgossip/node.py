@@ -8,6 +8,7 @@ its own rendezvous peer) are delivered inside the node without touching the driv
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -72,6 +73,7 @@ class StepRequest:
     gather: Any
     timeout: float  # seconds allowed for matchmaking
     layout: str  # fingerprint of numel/dtype/shapes: only equal layouts are grouped
+    round: int | None = None  # the swarm-wide round number (picks the grid axis); None = follow the swarm
 
 
 @dataclass(frozen=True)
@@ -183,7 +185,10 @@ class Node:
         )
         self.grid = MoshpitGrid(config.grid)
         self.coords = self.grid.check(config.grid_coords) if config.grid_coords is not None else self.grid.random_coords(rng)
-        self.round_index = 0
+        self.round_index = 0  # the next round this node expects; see `swarm_round`
+        self._prefix_tag = hashlib.blake2b(config.prefix.encode(), digest_size=6).hexdigest()
+        self._user_info: dict = {}
+        self._publish_round()
         self.phase = StepPhase.IDLE
         self.step: _Step | None = None
         self._early: dict[str, list[Message]] = {}
@@ -218,6 +223,29 @@ class Node:
     def current_key(self) -> str:
         return self.grid.key(self.config.prefix, self.coords, self.round_index)
 
+    # Round numbers. The grid axis of a round is round mod d, so peers must agree on the round:
+    # each node gossips the next round it expects (with a tag of its prefix), and a step follows
+    # the highest round announced by live peers of its prefix. A peer that sat out a round (or
+    # joined late) thereby steps on the swarm's axis instead of drifting out of phase for good.
+    _ROUND, _PREFIX = "zg.round", "zg.prefix"
+
+    def swarm_round(self) -> int:
+        best = self.round_index
+        for rec in self.membership.peers.values():
+            info = rec.info
+            r = info.get(self._ROUND)
+            if type(r) is int and info.get(self._PREFIX) == self._prefix_tag and r > best:
+                best = r
+        return best
+
+    def _publish_round(self) -> None:
+        self.membership.info = {**self._user_info, self._ROUND: self.round_index, self._PREFIX: self._prefix_tag}
+
+    def _advance_round(self, to: int) -> None:
+        self.round_index = to
+        self._publish_round()
+        self.membership.heartbeat += 1  # fresher than what others hold, so they adopt it at once
+
     # ------------------------------------------------------------------ driver entry points
     def start(self, now: float) -> None:
         self.membership.start(now)
@@ -228,6 +256,7 @@ class Node:
             self._actions.append(StepFailed(req.step_id, StepInProgress("the previous step is still running")))
             return
         self._move(StepPhase.MATCHMAKING)
+        self.round_index = req.round if req.round is not None else self.swarm_round()
         key = self.current_key()
         self.step = _Step(req, now, key)
         axis = self.grid.axis(self.round_index)
@@ -248,6 +277,7 @@ class Node:
                     self._send(m.endpoint, abort)
         else:
             self.matchmaker.cancel(now, why)
+        self._advance_round(self.round_index + 1)
         self._end_step(StepFailed(step_id, RoundTimeout(why)))
         self._drain_loopback(now)
 
@@ -263,13 +293,20 @@ class Node:
 
     def set_info(self, info: dict) -> None:
         """Publish a small record about this peer (<= 16 scalar entries) with the membership gossip."""
-        self.membership.info = dict(check_info(dict(info)))  # the same check peers apply on receipt
+        info = dict(check_info(dict(info)))  # the same check peers apply on receipt
+        if any(k.startswith("zg.") for k in info) or len(info) > 14:
+            raise ValueError("info keys starting with 'zg.' are reserved; at most 14 entries")
+        self._user_info = info
+        self._publish_round()
         self.membership.heartbeat += 1  # fresher than what others hold, so they take it at once
 
     def peer_infos(self) -> dict[str, dict]:
         """The latest record each live peer published (including this one)."""
-        out = {pid: dict(r.info) for pid, r in self.membership.peers.items()}
-        out[self.peer_id] = dict(self.membership.info)
+        def public(info: dict) -> dict:
+            return {k: v for k, v in info.items() if not k.startswith("zg.")}
+
+        out = {pid: public(r.info) for pid, r in self.membership.peers.items()}
+        out[self.peer_id] = dict(self._user_info)
         return out
 
     def serve_state(self, req: str, endpoint: str, meta: Any, arrays: list | None, now: float,
@@ -403,7 +440,7 @@ class Node:
         self._early.clear()
 
     def _on_match_fail(self, step_id: str, err: Exception) -> None:
-        self.round_index += 1  # stay in step with the swarm's axis even when this round failed
+        self._advance_round(self.round_index + 1)  # the swarm moved on to the next axis without us
         self._end_step(StepFailed(step_id, err))
 
     def _on_round_done(self, rnd: AllReduceRound, now: float) -> None:
@@ -412,7 +449,7 @@ class Node:
         out: RoundOutcome = rnd.outcome()
         coords_before = self.coords
         self.coords = self.grid.next_coords(self.coords, self.round_index, rnd.spec.group_id, rnd.rank)
-        self.round_index += 1
+        self._advance_round(self.round_index + 1)
         self._finished[rnd.spec.group_id] = True
         while len(self._finished) > 8:
             self._finished.pop(next(iter(self._finished)))
@@ -423,7 +460,7 @@ class Node:
             timings={"matchmaking": st.grouped - st.started, "allreduce": now - st.grouped, "total": now - st.started},
             bytes_sent=out.bytes_sent, bytes_received=out.bytes_received, coords=coords_before,
         )
-        if not set(out.contributors) - {self.peer_id}:
+        if len(out.members) > 1 and not set(out.contributors) - {self.peer_id}:
             self._end_step(StepFailed(st.req.step_id, PeerLost(
                 f"group {out.group_id[:8]} of {len(out.members)} formed, but no other member's data arrived "
                 f"(lost: {', '.join(p[:8] for p in out.lost) or 'none'}); tensors left unchanged")))

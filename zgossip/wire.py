@@ -190,7 +190,7 @@ SCHEMAS: dict[MsgType, tuple[dict[str, Validator], int]] = {
     MsgType.JOIN_ACK: ({"key": _KEY, "step": _ID}, 0),
     MsgType.REDIRECT: ({"key": _KEY, "step": _ID, "to_id": _ID, "to_ep": _EP}, 0),
     MsgType.GROUP: ({"key": _KEY, "gid": _ID, "members": _list(_MEMBER, 4096)}, 0),
-    MsgType.NO_GROUP: ({"key": _KEY, "step": _ID, "reason": _str(4000), "seen": _IDX}, 0),
+    MsgType.NO_GROUP: ({"key": _KEY, "step": _ID, "reason": _str(4000), "seen": _IDX, "retry": _int(0, 1)}, 0),
     MsgType.LEAVE: ({"key": _KEY, "step": _ID}, 0),
     MsgType.GATHER: ({"gid": _ID, "w": _WEIGHT, "data": _any}, 0),
     MsgType.PART: ({"gid": _ID, "owner": _IDX, "part": _BIG, "w": _WEIGHT, "resc": _int(0, 1)}, 1),
