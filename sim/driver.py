@@ -21,8 +21,13 @@ from zgossip.node import (Disconnect, DownloadDone, DownloadFailed, Node, NodeCo
 from zgossip.tensors import FlatLayout
 
 from .network import NetworkModel
+from .static import StaticTable, StaticView
 
-__all__ = ["SimPeer", "SimCluster"]
+__all__ = ["SimPeer", "SimCluster", "Crashed"]
+
+
+class Crashed(Exception):
+    """The simulated peer running this step crashed."""
 
 
 class SimPeer:
@@ -162,10 +167,18 @@ class SimPeer:
         return ev
 
     def crash(self) -> None:
-        """Kill the peer for good: pending steps never finish, queued messages are lost."""
+        """Kill the peer for good: queued messages are lost; its pending steps end as `Crashed`
+        (so whoever waits on them in the simulation is not stuck; a real process would just vanish)."""
         self.alive = False
         self.crashed_at = self.cluster.env.now
         self._inbox.clear()
+        table = self.cluster.table
+        if table is not None:  # a converged membership forgets the dead after peer_timeout
+            ev = self.cluster.env.timeout(self.node.config.peer_timeout)
+            ev.callbacks.append(lambda _e, pid=self.peer_id: table.remove(pid))
+        waiters, self._waiters = self._waiters, {}
+        for req, ev in waiters.items():
+            ev.succeed(StepFailed(req, Crashed(f"peer {self.peer_id[:8]} crashed")))
 
 
 @dataclass
@@ -175,6 +188,7 @@ class SimCluster:
     seed: int = 0
     network: NetworkModel = field(default_factory=NetworkModel)
     encode: bool = True  # pass every message through wire.encode/decode, as the real transport does
+    membership: str = "gossip"  # or "static": one converged table shared by all nodes (sim.static)
 
     def __post_init__(self) -> None:
         self.env = simpy.Environment()
@@ -184,6 +198,9 @@ class SimCluster:
         self.delivered = 0
         self.lost = 0
         self._created = 0
+        if self.membership not in ("gossip", "static"):
+            raise ValueError("membership must be 'gossip' or 'static'")
+        self.table = StaticTable() if self.membership == "static" else None
 
     def add_peer(self, config: NodeConfig, *, initial_peers: Sequence[str] = (), tensors: Sequence[Any] | None = None,
                  known: Sequence["SimPeer"] = (), endpoint: str | None = None) -> SimPeer:
@@ -195,7 +212,11 @@ class SimCluster:
             raise ValueError(f"{endpoint} is taken by a live peer")
         peer_rng = np.random.default_rng([self.seed, idx])
         peer_id = peer_rng.bytes(8).hex()
-        node = Node(peer_id, endpoint, config, peer_rng, tuple(initial_peers))
+        view = None
+        if self.table is not None:
+            self.table.add(peer_id, endpoint, self.env.now)
+            view = StaticView(self.table, peer_id, endpoint)
+        node = Node(peer_id, endpoint, config, peer_rng, tuple(initial_peers), membership=view)
         for other in known:  # pre-seeded membership, as after a converged gossip
             node.membership.observe(other.peer_id, other.endpoint, self.env.now)
             other.node.membership.observe(peer_id, endpoint, self.env.now)

@@ -166,6 +166,7 @@ class AllReduceRound:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.late_results = 0
+        self.dropped = 0  # messages refused by validation against the group's plan (logged too)
 
     # ------------------------------------------------------------------ helpers
     def _msg(self, mtype: MsgType, payload: tuple = (), **body: Any) -> Message:
@@ -335,6 +336,7 @@ class AllReduceRound:
     def on_message(self, msg: Message, now: float) -> None:
         j = self.index.get(msg.sender)
         if j is None or j == self.rank or self.members[j].endpoint != msg.endpoint:
+            self.dropped += 1
             log.warning("%s: dropped %s from non-member %s", self.me.peer_id[:8], msg.type.name, msg.sender[:8])
             return
         self._now = now
@@ -350,6 +352,7 @@ class AllReduceRound:
         self.weights[j] = msg["w"]
 
     def _bad(self, j: int, msg: Message, why: str) -> None:
+        self.dropped += 1
         log.warning("%s: dropped %s from %s: %s", self.me.peer_id[:8], msg.type.name, self.members[j].peer_id[:8], why)
 
     def _part_range(self, owner: int, p: int, payload: np.ndarray) -> tuple[int, int] | None:

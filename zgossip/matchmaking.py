@@ -173,8 +173,9 @@ class Matchmaker:
         """Live peers (this one included) in rendezvous order for `key`."""
         return self.membership.ranking(key)
 
-    def _candidates(self, j: _Join) -> list[str]:
-        return [p for p in self.ranking(j.key) if p not in j.silent]
+    def _best_candidate(self, j: _Join) -> str | None:
+        """The best-ranked peer that has not gone silent on this join (a scan stops at the first)."""
+        return next((p for p in self.ranking(j.key) if p not in j.silent), None)
 
     def _ask(self, j: _Join, peer_id: str, endpoint: str, now: float) -> None:
         j.move(JoinPhase.ASKING)
@@ -188,12 +189,12 @@ class Matchmaker:
     def _ask_next(self, now: float) -> None:
         j = self.join
         assert j is not None
-        cands = self._candidates(j)
-        if not cands:  # everyone went silent: start over rather than give up early
+        pid = self._best_candidate(j)
+        if pid is None:  # everyone went silent: start over rather than give up early
             j.silent.clear()
-            cands = self._candidates(j)
+            pid = self._best_candidate(j)
+            assert pid is not None  # the ranking always holds this node itself
         j.hops = 0
-        pid = cands[0]
         self._ask(j, pid, self.membership.endpoint_of(pid) or self.endpoint, now)
 
     def _fail(self, now: float, reason: str) -> None:
@@ -230,6 +231,14 @@ class Matchmaker:
         if j is None:
             return
         j.history.append(f"{msg.sender[:8]} redirected to {msg['to_id'][:8]}")
+        if msg["to_id"] in j.silent:
+            # the redirecting peer still believes in a peer that already failed us (gossip has not
+            # expired it yet): ask the redirecting peer again with the hop budget spent, so it
+            # takes the join itself instead of bouncing us back until peer_timeout
+            j.history.append(f"{msg['to_id'][:8]} already silent: asking {msg.sender[:8]} to host")
+            j.hops = 2
+            self._ask(j, msg.sender, msg.endpoint, now)
+            return
         j.hops += 1
         self._ask(j, msg["to_id"], msg["to_ep"], now)
 

@@ -166,14 +166,17 @@ class Node:
         config: NodeConfig,
         rng: np.random.Generator,
         initial_peers: tuple[str, ...] = (),
+        membership: Any = None,
     ) -> None:
+        """`membership` replaces the gossip membership with another object of the same interface
+        (the simulator's converged, shared view for very large swarms)."""
         self.peer_id = peer_id
         self.endpoint = endpoint
         self.config = config
         self._rng = rng
         self._actions: list = []
         self._loopback: deque[Message] = deque()
-        self.membership = Membership(
+        self.membership = membership if membership is not None else Membership(
             peer_id, endpoint, self._send, rng,
             initial_peers=initial_peers, gossip_interval=config.gossip_interval,
             fanout=config.fanout, peer_timeout=config.peer_timeout,
@@ -400,7 +403,9 @@ class Node:
         gid = msg["gid"]
         st = self.step
         if st is not None and st.round is not None and st.round.spec.group_id == gid:
+            before = st.round.dropped
             st.round.on_message(msg, now)
+            self.stats["dropped"] += st.round.dropped - before
             return
         done = self._finished.get(gid)
         if done is not None:
@@ -436,7 +441,9 @@ class Node:
         st.round.start(now)
         for msg in self._early.pop(spec.group_id, []):
             if st.round is not None and st.round.spec.group_id == spec.group_id:
+                before = st.round.dropped
                 st.round.on_message(msg, now)
+                self.stats["dropped"] += st.round.dropped - before
         self._early.clear()
 
     def _on_match_fail(self, step_id: str, err: Exception) -> None:

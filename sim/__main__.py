@@ -1,0 +1,174 @@
+"""``python -m sim``: run simulated experiments on the real zgossip protocol.
+
+    python -m sim run scenario.toml [--out results.json] [--csv rounds.csv]
+    python -m sim moshpit --peers 1024 --group-size 32 --grid 32x32 --dropout 0.01 --rounds 10 \
+                          --seed 0 --level message|round [--json]
+    python -m sim table [--quick] [--json]      # the Moshpit paper's averaging table (round level)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Sequence
+
+import numpy as np
+
+__all__ = ["main"]
+
+
+def _progress(stream=sys.stderr):
+    start = time.perf_counter()
+
+    def show(done: int, total: int) -> None:
+        if not stream.isatty() and done < total:
+            return
+        width = 30
+        fill = int(width * done / max(1, total))
+        el = time.perf_counter() - start
+        stream.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {done}/{total} rounds, {el:.1f}s")
+        if done >= total:
+            stream.write("\n")
+        stream.flush()
+
+    return show
+
+
+def _table(rows: list[dict], keys: Sequence[tuple[str, str, str]]) -> str:
+    head = " ".join(f"{title:>{len(title) if len(title) > 8 else 8}}" for title, _, _ in keys)
+    lines = [head]
+    for r in rows:
+        cells = []
+        for title, key, fmt in keys:
+            w = len(title) if len(title) > 8 else 8
+            v = r[key]
+            cells.append(f"{format(v, fmt) if not isinstance(v, (dict, list, str)) else _compact(v):>{w}}")
+        lines.append(" ".join(cells))
+    return "\n".join(lines)
+
+
+def _compact(v) -> str:
+    if isinstance(v, dict):
+        return ",".join(f"{k}x{n}" if str(k).isdigit() else f"{k}:{n}" for k, n in v.items()) or "-"
+    return str(v)
+
+
+_COLUMNS = [("round", "round", "d"), ("sim s", "sim_seconds", ".3f"), ("live", "live", "d"),
+            ("stepped", "participants", "d"), ("ok", "succeeded", "d"), ("mse", "mse", ".3e"),
+            ("max |err|", "max_abs", ".3e"), ("groups (size x n)", "groups", ""),
+            ("KB sent", "bytes_sent_mean", ".1f"), ("failures", "failures", "")]
+
+
+def _print_rounds(res, wall: list[float] | None = None) -> None:
+    rows = []
+    for r in res.rounds:
+        rows.append({**r, "bytes_sent_mean": r["bytes_sent_mean"] / 1e3})
+    print(_table(rows, _COLUMNS))
+    if wall:
+        print(f"wall time per round: median {np.median(wall):.3f}s, max {max(wall):.3f}s; trace {res.trace}")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .scenario import load_scenario, run_scenario
+
+    sc = load_scenario(args.scenario)
+    res = run_scenario(sc, progress=None if args.quiet else _progress())
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(res.to_json())
+    if args.csv:
+        with open(args.csv, "w") as f:
+            f.write(res.to_csv())
+    if args.json:
+        print(res.to_json())
+    else:
+        _print_rounds(res, res.wall_seconds)
+    return 0
+
+
+def _shape(text: str) -> list[int]:
+    return [int(x) for x in text.lower().split("x")] if text else []
+
+
+def cmd_moshpit(args: argparse.Namespace) -> int:
+    grid = _shape(args.grid)
+    if args.level == "round":
+        from .roundlevel import RoundLevelSwarm
+
+        rng = np.random.default_rng(args.seed)
+        values = rng.standard_normal(args.peers)
+        method = "moshpit" if grid else "random"
+        swarm = RoundLevelSwarm(values, method, rng, p_unavailable=args.dropout, group_size=args.group_size,
+                                grid=tuple(grid), placement=args.placement)
+        rows, walls = [], []
+        show = None if args.json else _progress()
+        for r in range(args.rounds):
+            t0 = time.perf_counter()
+            rec = swarm.step()
+            walls.append(time.perf_counter() - t0)
+            rows.append({"round": r, "mse": rec.mse, "max_abs": float(np.sqrt(rec.max_sq)),
+                         "participants": rec.participants, "groups": rec.n_groups})
+            if show:
+                show(r + 1, args.rounds)
+        if args.json:
+            print(json.dumps({"level": "round", "rounds": rows}, sort_keys=True))
+        else:
+            print(_table(rows, [("round", "round", "d"), ("mse", "mse", ".3e"), ("max |err|", "max_abs", ".3e"),
+                                ("averaged", "participants", "d"), ("groups", "groups", "d")]))
+            print(f"wall time per round: median {np.median(walls):.4f}s")
+        return 0
+
+    from .scenario import run_scenario
+
+    sc = {"peers": args.peers, "grid": grid, "rounds": args.rounds, "seed": args.seed, "numel": args.numel,
+          "unavailability": args.dropout, "placement": "full" if grid and np.prod(grid) == args.peers else args.placement,
+          "membership": "static", "encode": False, "bootstrap_time": 0.0,
+          "protocol": {"target_group_size": args.group_size, "gossip_interval": 60.0, "peer_timeout": 600.0}}
+    res = run_scenario(sc, progress=None if args.json else _progress())
+    if args.json:
+        print(res.to_json())
+    else:
+        _print_rounds(res, res.wall_seconds)
+    return 0
+
+
+def cmd_table(args: argparse.Namespace) -> int:
+    from . import moshpit
+
+    argv = (["--quick"] if args.quick else []) + (["--json"] if args.json else [])
+    return moshpit.main(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sim", description="Simulate zgossip on a modelled network.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run a scenario file (TOML or JSON)")
+    r.add_argument("scenario")
+    r.add_argument("--out", help="write the results JSON here (byte-identical for the same scenario and seed)")
+    r.add_argument("--csv", help="write one row per round here")
+    r.add_argument("--json", action="store_true", help="print the results JSON instead of the table")
+    r.add_argument("--quiet", action="store_true")
+    r.set_defaults(fn=cmd_run)
+    m = sub.add_parser("moshpit", help="a Moshpit averaging experiment from flags")
+    m.add_argument("--peers", type=int, default=1024)
+    m.add_argument("--group-size", type=int, default=32)
+    m.add_argument("--grid", default="32x32", help="e.g. 32x32; empty for random groups (round level)")
+    m.add_argument("--dropout", type=float, default=0.0, help="per-round unavailability probability")
+    m.add_argument("--rounds", type=int, default=5)
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--numel", type=int, default=1, help="values per peer (message level)")
+    m.add_argument("--placement", default="distinct", choices=["full", "distinct", "random"])
+    m.add_argument("--level", default="message", choices=["message", "round"])
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(fn=cmd_moshpit)
+    t = sub.add_parser("table", help="the Moshpit paper's averaging table on the round-level model")
+    t.add_argument("--quick", action="store_true")
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(fn=cmd_table)
+    args = p.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""Faults and churn for simulated runs, all scheduled in virtual time from the scenario's seed.
+
+Each fault is plain data (`from_dict` reads the scenario format) and knows how to put
+itself on a `SimCluster`'s clock:
+
+* ``crash`` — the peer dies for good at ``at`` (queued outgoing messages are lost);
+* ``crash_rejoin`` — it dies at ``at`` and a fresh process (new peer id, same endpoint,
+  the tensors it had) starts at ``back`` and bootstraps from the live peers;
+* ``pause`` — the process freezes from ``start`` to ``end``: it handles and sends
+  nothing; messages to it wait in its socket buffers and are handled on resume;
+* ``partition`` — no message crosses between the two sides from ``start`` to ``end``;
+* ``slow`` — the peer's links run ``factor`` times slower from ``start`` to ``end``;
+* churn — new peers arrive as a Poisson process (``arrival_rate`` per second) and each
+  live peer leaves after an exponential time (``departure_rate`` per second).
+
+Per-round unavailability (each peer sits out a round with probability p, the Moshpit
+paper's model) is drawn by the scenario runner, not here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from .network import Partition, SlowLink
+
+__all__ = ["Fault", "Crash", "CrashRejoin", "Pause", "PartitionFault", "Slow", "Churn", "fault_from_dict"]
+
+
+@dataclass(frozen=True)
+class Crash:
+    peer: int
+    at: float
+
+    def install(self, ctx: "FaultContext") -> None:
+        ctx.at(self.at, lambda: ctx.crash(self.peer))
+
+
+@dataclass(frozen=True)
+class CrashRejoin:
+    peer: int
+    at: float
+    back: float
+
+    def __post_init__(self) -> None:
+        if self.back <= self.at:
+            raise ValueError("crash_rejoin: back must come after at")
+
+    def install(self, ctx: "FaultContext") -> None:
+        ctx.at(self.at, lambda: ctx.crash(self.peer))
+        ctx.at(self.back, lambda: ctx.rejoin(self.peer))
+
+
+@dataclass(frozen=True)
+class Pause:
+    peer: int
+    start: float
+    end: float
+
+    def install(self, ctx: "FaultContext") -> None:
+        ctx.at(self.start, lambda: ctx.peer(self.peer).pause())
+        ctx.at(self.end, lambda: ctx.peer(self.peer).resume())
+
+
+@dataclass(frozen=True)
+class PartitionFault:
+    sides: tuple[tuple[int, ...], tuple[int, ...]]
+    start: float
+    end: float
+
+    def install(self, ctx: "FaultContext") -> None:
+        a = frozenset(ctx.endpoint(i) for i in self.sides[0])
+        b = frozenset(ctx.endpoint(i) for i in self.sides[1])
+        ctx.network.partitions.append(Partition(self.start, self.end, a, b))
+
+
+@dataclass(frozen=True)
+class Slow:
+    peer: int
+    start: float
+    end: float
+    factor: float
+
+    def install(self, ctx: "FaultContext") -> None:
+        ctx.network.slow_links.append(SlowLink(self.start, self.end, ctx.endpoint(self.peer), self.factor))
+
+
+@dataclass(frozen=True)
+class Churn:
+    arrival_rate: float = 0.0  # new peers per second
+    departure_rate: float = 0.0  # per live peer, per second
+    until: float = float("inf")
+
+    def install(self, ctx: "FaultContext") -> None:
+        rng = ctx.rng("churn")
+        if self.arrival_rate > 0:
+            t = float(rng.exponential(1.0 / self.arrival_rate))
+            while t < self.until:
+                ctx.at(t, ctx.arrive)
+                t += float(rng.exponential(1.0 / self.arrival_rate))
+        if self.departure_rate > 0:
+            ctx.departure_rate = self.departure_rate
+            ctx.departure_until = self.until
+            for i in range(ctx.initial_count):
+                ctx.schedule_departure(i, 0.0)
+
+
+Fault = Crash | CrashRejoin | Pause | PartitionFault | Slow | Churn
+
+
+def fault_from_dict(d: dict) -> Fault:
+    kind = d.get("kind")
+    args = {k: v for k, v in d.items() if k != "kind"}
+    try:
+        if kind == "crash":
+            return Crash(int(args["peer"]), float(args["at"]))
+        if kind == "crash_rejoin":
+            return CrashRejoin(int(args["peer"]), float(args["at"]), float(args["back"]))
+        if kind == "pause":
+            return Pause(int(args["peer"]), float(args["start"]), float(args["end"]))
+        if kind == "partition":
+            a, b = args["sides"]
+            return PartitionFault((tuple(int(x) for x in a), tuple(int(x) for x in b)),
+                                  float(args["start"]), float(args["end"]))
+        if kind == "slow":
+            return Slow(int(args["peer"]), float(args["start"]), float(args["end"]), float(args["factor"]))
+    except KeyError as e:
+        raise ValueError(f"fault {kind!r} needs field {e.args[0]!r}") from None
+    raise ValueError(f"unknown fault kind {kind!r} (crash, crash_rejoin, pause, partition, slow)")
+
+
+class FaultContext:
+    """What faults may do to a running scenario; implemented by `sim.scenario.ScenarioRun`."""
+
+    network: Any
+    initial_count: int
+    departure_rate: float = 0.0
+    departure_until: float = float("inf")
+
+    def at(self, t: float, fn: Callable[[], None]) -> None: ...
+    def peer(self, index: int) -> Any: ...
+    def endpoint(self, index: int) -> str: ...
+    def crash(self, index: int) -> None: ...
+    def rejoin(self, index: int) -> None: ...
+    def arrive(self) -> None: ...
+    def schedule_departure(self, index: int, now: float) -> None: ...
+    def rng(self, purpose: str) -> np.random.Generator: ...

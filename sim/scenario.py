@@ -1,0 +1,324 @@
+"""Scenarios: a whole simulated experiment as data, run on the real protocol, with per-round metrics.
+
+A scenario is a dict (or a TOML file with the same keys); everything random in it is
+drawn from its ``seed``, so the same scenario gives a byte-identical results file
+whatever ``PYTHONHASHSEED`` is (wall-clock times are reported beside the results,
+never inside them). Keys, with defaults:
+
+    seed = 0
+    peers = 16                  # initial peers (indices 0..peers-1 in faults)
+    profiles = {}               # e.g. {home = 0.7, datacenter = 0.3}: fractions of named PROFILES
+    numel = 1                   # float64 values per peer, drawn from N(0, 1)
+    rounds = 5
+    grid = [4, 4]               # Moshpit grid; [] = no grid (one key per round)
+    placement = "full"          # full: grid order (needs peers == cells); distinct: random distinct
+                                # cells; random: independent random coordinates
+    unavailability = 0.0        # each round each peer sits out with this probability
+    step_timeout = 5.0          # matchmaking budget of one step
+    round_gap = 0.0             # virtual seconds between the end of a round and the next
+    bootstrap_time = 1.0        # virtual seconds of gossip before round 0
+    membership = "gossip"       # "gossip" (bootstrap from peer 0) or "static" (pre-seeded, converged)
+    encode = true               # pass every message through the wire codec, as ZeroMQ does
+    [protocol]                  # zgossip.NodeConfig fields, e.g. target_group_size, part_timeout
+    [network]                   # latency (number or {dist=...}), bandwidth, loss, jitter
+    [[faults]]                  # see sim.faults: crash, crash_rejoin, pause, partition, slow
+    [churn]                     # arrival_rate, departure_rate, until
+
+Metrics per round: mean squared distance to the global mean of round 0 (the Moshpit
+paper's metric) and its max, the spread among live peers, group sizes, participants
+and outcomes, bytes sent/received per peer, simulated time.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from zgossip.grid import MoshpitGrid, seed_from
+from zgossip.node import NodeConfig, StepDone, StepFailed
+
+from .driver import SimCluster, SimPeer
+from .faults import Churn, FaultContext, fault_from_dict
+from .network import PROFILES, NetworkModel
+
+__all__ = ["Scenario", "ScenarioRun", "ScenarioResult", "run_scenario", "load_scenario"]
+
+_FAST_PROTOCOL = dict(gossip_interval=0.1, peer_timeout=3.0, matchmaking_time=0.5, request_timeout=0.3,
+                      part_timeout=1.0, allreduce_timeout=10.0)
+
+
+@dataclass
+class Scenario:
+    seed: int = 0
+    peers: int = 16
+    profiles: dict = field(default_factory=dict)
+    numel: int = 1
+    rounds: int = 5
+    grid: list = field(default_factory=lambda: [4, 4])
+    placement: str = "full"
+    unavailability: float = 0.0
+    step_timeout: float = 5.0
+    round_gap: float = 0.0
+    bootstrap_time: float = 1.0
+    membership: str = "gossip"
+    encode: bool = True
+    protocol: dict = field(default_factory=dict)
+    network: dict = field(default_factory=dict)
+    faults: list = field(default_factory=list)
+    churn: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Scenario":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown scenario keys: {sorted(unknown)} (known: {sorted(known)})")
+        sc = cls(**d)
+        sc.validate()
+        return sc
+
+    def validate(self) -> None:
+        if self.peers < 1 or self.rounds < 0 or self.numel < 1:
+            raise ValueError("peers >= 1, rounds >= 0 and numel >= 1 are required")
+        if not 0.0 <= self.unavailability <= 1.0:
+            raise ValueError("unavailability is a probability")
+        if self.placement not in ("full", "distinct", "random"):
+            raise ValueError("placement must be full, distinct or random")
+        if self.membership not in ("gossip", "static"):
+            raise ValueError("membership must be gossip or static")
+        cells = int(np.prod(self.grid)) if self.grid else 1
+        if self.grid and self.placement in ("full", "distinct") and self.peers > cells:
+            raise ValueError(f"{self.peers} peers do not fit {cells} grid cells with placement={self.placement}")
+        unknown_profiles = set(self.profiles) - set(PROFILES)
+        if unknown_profiles:
+            raise ValueError(f"unknown profiles {sorted(unknown_profiles)}; known: {sorted(PROFILES)}")
+        bad = set(self.protocol) - {f.name for f in fields(NodeConfig)}
+        if bad:
+            raise ValueError(f"unknown protocol settings {sorted(bad)}")
+        for f in self.faults:
+            fault_from_dict(f)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    path = Path(path)
+    if path.suffix == ".json":
+        return Scenario.from_dict(json.loads(path.read_text()))
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    return Scenario.from_dict(tomllib.loads(path.read_text()))
+
+
+@dataclass
+class ScenarioResult:
+    scenario: dict
+    rounds: list[dict]
+    peer_bytes: list[list[int]]  # per peer slot: [sent, received]
+    trace: str
+    delivered: int
+    lost: int
+    wall_seconds: list[float] = field(default_factory=list)  # per round; NOT part of to_json()
+
+    def to_json(self) -> str:
+        data = {"scenario": self.scenario, "rounds": self.rounds, "peer_bytes": self.peer_bytes,
+                "trace": self.trace, "delivered": self.delivered, "lost": self.lost}
+        return json.dumps(data, sort_keys=True, indent=1)
+
+    def to_csv(self) -> str:
+        cols = ["round", "t_start", "sim_seconds", "live", "participants", "succeeded", "mse", "max_abs", "spread",
+                "groups", "bytes_sent_mean", "bytes_sent_max", "bytes_received_mean", "failures"]
+        out = io.StringIO()
+        w = csv.writer(out, lineterminator="\n")
+        w.writerow(cols)
+        for r in self.rounds:
+            w.writerow([json.dumps(r[c], sort_keys=True) if isinstance(r[c], (dict, list)) else r[c] for c in cols])
+        return out.getvalue()
+
+
+class ScenarioRun(FaultContext):
+    def __init__(self, sc: Scenario) -> None:
+        self.sc = sc
+        self.network = NetworkModel(**{"latency": 0.005, **sc.network})
+        self.cluster = SimCluster(seed=sc.seed, network=self.network, encode=sc.encode, membership=sc.membership)
+        self.env = self.cluster.env
+        self.grid = MoshpitGrid(tuple(sc.grid))
+        self.initial_count = sc.peers
+        self.slots: list[SimPeer] = []
+        self._values_rng = self.rng("values")
+        self._place_rng = self.rng("placement")
+        self._profile_rng = self.rng("profiles")
+        self._coords = self._placement()
+        for i in range(sc.peers):
+            self._add(i, self._coords[i])
+        initial = np.stack([p.tensors[0] for p in self.slots])
+        self.truth = initial.mean(axis=0)
+        for f in sc.faults:
+            fault_from_dict(f).install(self)
+        if sc.churn:
+            Churn(**sc.churn).install(self)
+
+    # ---------------------------------------------------------------- FaultContext
+    def rng(self, purpose: str) -> np.random.Generator:
+        return np.random.default_rng([self.sc.seed, seed_from(purpose)])
+
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        ev = self.env.timeout(max(0.0, t - self.env.now))
+        ev.callbacks.append(lambda _e: fn())
+
+    def peer(self, index: int) -> SimPeer:
+        return self.slots[index]
+
+    def endpoint(self, index: int) -> str:
+        return f"sim://peer{index}"
+
+    def crash(self, index: int) -> None:
+        self.slots[index].crash()
+
+    def rejoin(self, index: int) -> None:
+        old = self.slots[index]
+        if old.alive:
+            return
+        self._add(index, old.node.coords, tensors=old.tensors, replace=True)
+
+    def arrive(self) -> None:
+        idx = len(self.slots)
+        coords = self.grid.random_coords(self._place_rng) if self.grid.ndim else ()
+        self._add(idx, coords)
+        if self.departure_rate > 0:
+            self.schedule_departure(idx, self.env.now)
+
+    def schedule_departure(self, index: int, now: float) -> None:
+        t = now + float(self.rng(f"leave-{index}").exponential(1.0 / self.departure_rate))
+        if t < self.departure_until:
+            self.at(t, lambda: self.crash(index))
+
+    # ---------------------------------------------------------------- setup
+    def _placement(self) -> list[tuple]:
+        sc, g = self.sc, self.grid
+        if not g.ndim:
+            return [()] * sc.peers
+        cells = list(np.ndindex(*g.shape))
+        if sc.placement == "full":
+            return [tuple(int(x) for x in c) for c in cells[: sc.peers]]
+        if sc.placement == "distinct":
+            pick = self._place_rng.permutation(len(cells))[: sc.peers]
+            return [tuple(int(x) for x in cells[i]) for i in pick]
+        return [g.random_coords(self._place_rng) for _ in range(sc.peers)]
+
+    def _config(self, coords: tuple) -> NodeConfig:
+        sc = self.sc
+        kw = {**_FAST_PROTOCOL, "prefix": "scenario", "grid": tuple(sc.grid), **sc.protocol}
+        if sc.grid:
+            kw.setdefault("target_group_size", max(sc.grid))
+        kw["grid_coords"] = tuple(coords) if sc.grid else None
+        return NodeConfig(**kw)
+
+    def _add(self, index: int, coords: tuple, tensors: list | None = None, replace: bool = False) -> SimPeer:
+        sc = self.sc
+        if tensors is None:
+            tensors = [self._values_rng.standard_normal(sc.numel)]
+        ep = self.endpoint(index)
+        if sc.profiles:
+            names = sorted(sc.profiles)
+            w = np.array([sc.profiles[n] for n in names], dtype=float)
+            name = names[int(self._profile_rng.choice(len(names), p=w / w.sum()))]
+            self.network.profiles[ep] = PROFILES[name]
+        live = [p for p in self.slots if p.alive]
+        if sc.membership == "static":
+            peer = self.cluster.add_peer(self._config(coords), tensors=tensors, endpoint=ep)
+        else:
+            boot = [live[0].endpoint] if live else []
+            peer = self.cluster.add_peer(self._config(coords), tensors=tensors, initial_peers=boot, endpoint=ep)
+        if replace:
+            self.slots[index] = peer
+        else:
+            self.slots.append(peer)
+        return peer
+
+    # ---------------------------------------------------------------- run
+    def run(self, progress: Callable[[int, int], None] | None = None) -> ScenarioResult:
+        sc = self.sc
+        rounds: list[dict] = []
+        walls: list[float] = []
+        unavail_rng = self.rng("unavailability")
+        limit = sc.step_timeout + self._config(()).allreduce_timeout + 1.0
+        if sc.bootstrap_time > 0:
+            self.cluster.run(until=self.env.now + sc.bootstrap_time)
+        for r in range(sc.rounds):
+            w0 = time.perf_counter()
+            t0 = self.env.now
+            draws = unavail_rng.random(len(self.slots))  # one draw per slot, alive or not: streams stay aligned
+            live = [i for i, p in enumerate(self.slots) if p.alive]
+            steppers = [i for i in live if draws[i] >= sc.unavailability and not self.slots[i].paused]
+            sent0 = dict(self.network.sent_bytes)
+            recv0 = dict(self.network.received_bytes)
+            evs = {i: self.slots[i].step_tensors(timeout=sc.step_timeout, round=r) for i in steppers}
+            if evs:
+                self.cluster.run(until=self.env.any_of([self.env.all_of(list(evs.values())), self.env.timeout(limit)]))
+            rounds.append(self._metrics(r, t0, steppers, evs, sent0, recv0))
+            walls.append(time.perf_counter() - w0)
+            if sc.round_gap:
+                self.cluster.run(until=self.env.now + sc.round_gap)
+            if progress:
+                progress(r + 1, sc.rounds)
+        peer_bytes = [[int(self.network.sent_bytes.get(p.endpoint, 0)), int(self.network.received_bytes.get(p.endpoint, 0))]
+                      for p in self.slots]
+        return ScenarioResult(sc.to_dict(), rounds, peer_bytes, self.cluster.trace_hash, self.cluster.delivered,
+                              self.cluster.lost, walls)
+
+    def _metrics(self, r: int, t0: float, steppers: list[int], evs: dict, sent0: dict, recv0: dict) -> dict:
+        live = [p for p in self.slots if p.alive]
+        xs = np.stack([p.tensors[0] for p in live]) if live else np.zeros((0, self.sc.numel))
+        err = xs - self.truth
+        groups: dict[str, int] = {}
+        failures: Counter = Counter()
+        succeeded = 0
+        for i, ev in evs.items():
+            if not ev.triggered:
+                failures["unfinished"] += 1
+                continue
+            act = ev.value
+            if isinstance(act, StepDone):
+                succeeded += 1
+                groups[act.result.group_id] = len(act.result.members)
+            elif isinstance(act, StepFailed):
+                failures[type(act.error).__name__] += 1
+        sizes = Counter(groups.values())
+        sent = [self.network.sent_bytes.get(self.slots[i].endpoint, 0) - sent0.get(self.slots[i].endpoint, 0)
+                for i in steppers]
+        recv = [self.network.received_bytes.get(self.slots[i].endpoint, 0) - recv0.get(self.slots[i].endpoint, 0)
+                for i in steppers]
+        return {
+            "round": r,
+            "t_start": t0,
+            "sim_seconds": self.env.now - t0,
+            "live": len(live),
+            "participants": len(steppers),
+            "succeeded": succeeded,
+            "failures": dict(sorted(failures.items())),
+            "groups": {str(k): v for k, v in sorted(sizes.items())},
+            "mse": float((err ** 2).mean()) if live else math.nan,
+            "max_abs": float(np.abs(err).max()) if live else math.nan,
+            "spread": float(((xs - xs.mean(axis=0)) ** 2).mean()) if live else math.nan,
+            "bytes_sent_mean": float(np.mean(sent)) if sent else 0.0,
+            "bytes_sent_max": int(max(sent, default=0)),
+            "bytes_received_mean": float(np.mean(recv)) if recv else 0.0,
+        }
+
+
+def run_scenario(sc: Scenario | dict, progress: Callable[[int, int], None] | None = None) -> ScenarioResult:
+    if isinstance(sc, dict):
+        sc = Scenario.from_dict(sc)
+    return ScenarioRun(sc).run(progress)

@@ -1,0 +1,116 @@
+"""A converged, shared membership for very large simulations.
+
+Gossip membership costs every node a table of every other node: at 16,384 peers that
+is 268 M records. A `StaticTable` holds the live set once, and each node gets a
+`StaticView` with the interface of `zgossip.membership.Membership` (what `Node`,
+`Matchmaker` and `StateDownload` call), as if gossip had converged. Crashed peers
+leave the table after their ``peer_timeout``, the time gossip would take to forget
+them. The rendezvous ranking for a key is the same for every view, so it is computed
+once per key per membership version for the whole swarm.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from zgossip.membership import PeerRecord
+from zgossip.rendezvous import RankingCache
+
+__all__ = ["StaticTable", "StaticView"]
+
+
+class StaticTable:
+    def __init__(self) -> None:
+        self.records: dict[str, PeerRecord] = {}
+        self.version = 0
+        self._sorted: list[str] | None = None
+        self._ranking = RankingCache(max_keys=1 << 16)
+
+    def add(self, peer_id: str, endpoint: str, now: float) -> None:
+        self.records[peer_id] = PeerRecord(peer_id, endpoint, 0, now)
+        self._changed()
+
+    def remove(self, peer_id: str) -> None:
+        if self.records.pop(peer_id, None) is not None:
+            self._changed()
+
+    def _changed(self) -> None:
+        self.version += 1
+        self._sorted = None
+
+    def everyone(self) -> list[str]:
+        if self._sorted is None:
+            self._sorted = sorted(self.records)
+        return self._sorted
+
+    def ranking(self, key: str) -> list[str]:
+        return self._ranking.ranking(self.version, self.everyone(), key)
+
+
+class StaticView:
+    """One node's window on a `StaticTable` (duck-types `Membership`)."""
+
+    def __init__(self, table: StaticTable, peer_id: str, endpoint: str) -> None:
+        self.table = table
+        self.peer_id = peer_id
+        self.endpoint = endpoint
+        self.heartbeat = 0
+        self.forgotten: list[str] = []
+
+    # what the node reads and writes about itself lives in the shared record
+    @property
+    def _me(self) -> PeerRecord:
+        return self.table.records[self.peer_id]
+
+    @property
+    def share(self) -> float | None:
+        rec = self.table.records.get(self.peer_id)
+        return rec.share if rec else None
+
+    @share.setter
+    def share(self, value: float | None) -> None:
+        self._me.share = value
+
+    @property
+    def info(self) -> dict:
+        rec = self.table.records.get(self.peer_id)
+        return rec.info if rec else {}
+
+    @info.setter
+    def info(self, value: dict) -> None:
+        if self.peer_id in self.table.records:
+            self._me.info = value
+
+    @property
+    def version(self) -> int:
+        return self.table.version
+
+    @property
+    def peers(self) -> dict[str, PeerRecord]:
+        return {p: r for p, r in self.table.records.items() if p != self.peer_id}
+
+    def live_ids(self) -> list[str]:
+        return [p for p in self.table.everyone() if p != self.peer_id]
+
+    def everyone(self) -> list[str]:
+        return self.table.everyone()
+
+    def ranking(self, key: str) -> list[str]:
+        return self.table.ranking(key)
+
+    def endpoint_of(self, peer_id: str) -> str | None:
+        rec = self.table.records.get(peer_id)
+        return rec.endpoint if rec else None
+
+    def donors(self) -> list[PeerRecord]:
+        recs = [r for p, r in self.table.records.items() if r.share is not None and p != self.peer_id]
+        return sorted(recs, key=lambda r: (-r.share, r.peer_id))
+
+    # gossip is a no-op: the table is already converged
+    def start(self, now: float) -> None: ...
+    def deadline(self) -> float | None:
+        return None
+    def on_timer(self, now: float) -> None: ...
+    def observe(self, peer_id: str, endpoint: str, now: float) -> None: ...
+    def on_gossip(self, msg: Any, now: float) -> None: ...
+    def merge(self, entries: Any, now: float) -> None: ...
+    def forget(self, peer_id: str, now: float) -> None: ...
