@@ -1,0 +1,286 @@
+"""A training peer on the swarm: what the PyTorch wrappers share.
+
+`TrainerPeer` owns, for one optimizer: the `Averager` (whose averaged tensors each
+wrapper chooses -- gradient accumulators, or copies of parameters and optimizer
+statistics), the state it serves to newcomers (parameters, optimizer and scheduler
+state, epoch: a consistent snapshot taken under the peer's lock), the progress record
+it gossips, loading state from peers (verified against this peer's model before
+anything is written), and the model-layout check that turns "never finds a group"
+into an error naming the tensor that differs.
+
+Locking: ``self._lock`` is held whenever parameters or optimizer state change (the
+optimizer step, applying averaged values, loading state) and while the donor side
+copies them, so a newcomer never receives a half-stepped model. It is never held
+while waiting for an averaging round: the averager's worker thread, which serves
+state, would otherwise wait for it.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from .averager import Averager
+from .errors import StateUnavailable, ZGossipError
+from .progress import PeerProgress, SwarmView, progress_record, run_digest
+from .training_state import LayoutMismatch, ModelLayout, copy_arrays, named_tensors, pack_state, unpack_state
+
+__all__ = ["TrainerPeer", "ServingAverager", "SchedulerLike"]
+
+log = logging.getLogger(__name__)
+
+SchedulerLike = Any  # an LR scheduler, or a callable(optimizer) -> scheduler
+
+#: Averager settings the training wrappers use unless told otherwise: gossip often enough that
+#: progress records spread within a fraction of a second.
+TRAINING_DEFAULTS = dict(gossip_interval=0.2, peer_timeout=4.0, request_timeout=0.5)
+
+
+class ServingAverager(Averager):
+    """An `Averager` whose state for newcomers comes from a callback (called on a worker thread)."""
+
+    def __init__(self, tensors: Sequence[Any], *, state_fn: Callable[[], tuple[Any, list]], **kwargs: Any) -> None:
+        self._state_fn = state_fn
+        super().__init__(tensors, **kwargs)
+
+    def get_current_state(self) -> tuple[Any, list]:
+        return self._state_fn()
+
+
+def first_nonfinite(tensors: Sequence[torch.Tensor | None]) -> int | None:
+    """Index of the first tensor holding a NaN or an infinity (one float64 sum per tensor)."""
+    for i, t in enumerate(tensors):
+        if t is not None and t.numel() and not math.isfinite(float(torch.sum(t, dtype=torch.float64))):
+            return i
+    return None
+
+
+class TrainerPeer:
+    """Base of `DecentralizedOptimizer` and `CollaborativeOptimizer` (see the module docstring)."""
+
+    kind = "trainer"
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        prefix: str,
+        scheduler: SchedulerLike = None,
+        model: torch.nn.Module | None = None,
+        initial_peers: Sequence[str] = (),
+        listen: str = "tcp://127.0.0.1:0",
+        averager_opts: dict | None = None,
+        load_state_on_start: bool = True,
+        startup_timeout: float | None = None,
+        load_state_timeout: float = 60.0,
+        state_chunk_timeout: float = 5.0,
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.opt = optimizer
+        self.prefix = prefix
+        self.params: list[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
+        if not self.params:
+            raise ValueError("the optimizer has no parameters")
+        for p in self.params:
+            if p.device.type != "cpu":
+                raise TypeError("zgossip trains CPU parameters only (a parameter is on %s)" % p.device)
+        self.param_names = named_tensors(self.params, model)
+        self.param_layout = ModelLayout.of(self.params, self.param_names)
+        if scheduler is not None and not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+            scheduler = scheduler(optimizer)  # a factory, e.g. functools.partial(StepLR, step_size=10)
+        self.scheduler = scheduler
+        self._check_packable()
+        self.local_epoch = 0
+        self.in_sync = True
+        self.nonfinite_batches = 0
+        self.load_state_timeout = float(load_state_timeout)
+        self.state_chunk_timeout = float(state_chunk_timeout)
+        self._closed = False
+        self._averaging = False
+        self._lock = threading.RLock()
+        self._run = run_digest(prefix)
+        self._warned_layout: set[str] = set()
+        self._next_sync_try = 0.0
+        averaged, averaged_names = self._averaged_tensors()
+        self.layout = ModelLayout.of(averaged, averaged_names)
+        opts = {**TRAINING_DEFAULTS, **(averager_opts or {})}
+        self.averager = ServingAverager(averaged, state_fn=self._current_state, prefix=prefix, listen=listen,
+                                        initial_peers=list(initial_peers), **opts)
+        self.peer_id = self.averager.peer_id
+        self.endpoint = self.averager.endpoint
+        self._gossip_interval = float(opts.get("gossip_interval", 0.5))
+        self._update_sharing()
+        self._publish()
+        if initial_peers:
+            wait = startup_timeout if startup_timeout is not None else max(1.0, 5 * self._gossip_interval)
+            view = self._await_swarm(wait)
+            if view is not None:
+                self._check_layouts(view)
+                if load_state_on_start and view.max_epoch > self.local_epoch:
+                    log.info("%s: the swarm is at epoch %d: loading its state", self.peer_id[:8], view.max_epoch)
+                    self._try_load_state(view, "joining a run at epoch %d" % view.max_epoch)
+
+    # ------------------------------------------------------------------ for subclasses
+    def _averaged_tensors(self) -> tuple[list[torch.Tensor], list[str]]:
+        raise NotImplementedError
+
+    def _progress_samples(self) -> float:
+        return 0.0
+
+    def _progress_rate(self) -> float:
+        return 0.0
+
+    def _after_state_loaded(self) -> None:
+        """Reset per-epoch bookkeeping after this peer adopted a peer's state."""
+
+    # ------------------------------------------------------------------ state for newcomers
+    def _check_packable(self) -> None:
+        try:
+            pack_state(self._extra_state())
+        except TypeError as e:
+            raise TypeError(f"optimizer/scheduler state cannot be shared with newcomers: {e}") from None
+
+    def _extra_state(self) -> dict:
+        return {"opt": self.opt.state_dict(),
+                "sched": self.scheduler.state_dict() if self.scheduler is not None else None}
+
+    def _current_state(self) -> tuple[Any, list[np.ndarray]]:
+        with self._lock:
+            extra_meta, extra = pack_state(self._extra_state())
+            params = copy_arrays(self.params)
+            meta = {"kind": self.kind, "epoch": self.local_epoch, "in_sync": self.in_sync,
+                    "layout": self.param_layout.as_meta(), "extra": extra_meta}
+        return meta, params + extra
+
+    def _apply_state(self, meta: Any, arrays: Sequence[np.ndarray]) -> None:
+        """Check a downloaded state against this model, then adopt it (nothing is written on a mismatch)."""
+        if not isinstance(meta, dict) or not {"kind", "epoch", "layout", "extra"} <= set(meta):
+            raise StateUnavailable("the donor sent a state this wrapper does not understand "
+                                   f"(expected a {self.kind} state)")
+        if meta["kind"] != self.kind:
+            raise StateUnavailable(f"the donor runs a {meta['kind']!r} wrapper, this peer a {self.kind!r} one")
+        theirs = ModelLayout.from_meta(meta["layout"])
+        diff = self.param_layout.difference(theirs)
+        n = len(self.params)
+        if diff is not None or len(arrays) < n:
+            raise LayoutMismatch(f"cannot load the donor's state: {diff or 'it holds too few tensors'}. "
+                                 "Every peer of a run must build the same model.")
+        extra = unpack_state(meta["extra"], arrays[n:])
+        epoch = int(meta["epoch"])
+        with self._lock:
+            with torch.no_grad():
+                for p, a in zip(self.params, arrays[:n]):
+                    p.copy_(torch.from_numpy(np.asarray(a)))
+            self.opt.load_state_dict(extra["opt"])
+            if self.scheduler is not None and extra.get("sched") is not None:
+                self.scheduler.load_state_dict(extra["sched"])
+            self.local_epoch = epoch
+            self.in_sync = bool(meta.get("in_sync", True))
+            self._after_state_loaded()
+        self._update_sharing()
+        self._publish()
+
+    def load_state_from_peers(self, timeout: float | None = None) -> None:
+        """Download parameters, optimizer and scheduler state and the epoch from the best peer (the
+        highest epoch, in-sync peers first) and adopt them. Raises `StateUnavailable` or `LayoutMismatch`."""
+        meta, arrays = self.averager.load_state_from_peers(timeout=timeout or self.load_state_timeout,
+                                                           chunk_timeout=self.state_chunk_timeout, apply=False)
+        before = self.local_epoch
+        self._apply_state(meta, arrays)
+        log.info("%s: loaded state from peers: epoch %d -> %d", self.peer_id[:8], before, self.local_epoch)
+
+    def _try_load_state(self, view: SwarmView, why: str) -> bool:
+        now = time.monotonic()
+        if now < self._next_sync_try:
+            return False
+        try:
+            self.load_state_from_peers()
+            return True
+        except StateUnavailable as e:
+            self._next_sync_try = time.monotonic() + max(1.0, 5 * self._gossip_interval)
+            log.warning("%s: could not load state from peers (%s): %s; training on and retrying later",
+                        self.peer_id[:8], why, e)
+            return False
+
+    def _update_sharing(self) -> None:
+        # donors are chosen by priority: the newest epoch first, and among equals the in-sync ones
+        self.averager.state_sharing_priority = 2.0 * self.local_epoch + (1.0 if self.in_sync else 0.0)
+
+    # ------------------------------------------------------------------ progress
+    def _me(self) -> PeerProgress:
+        return PeerProgress(self.peer_id, self.local_epoch, self._progress_samples(), self._progress_rate(),
+                            self.layout.fingerprint, self.layout.signature, len(self.layout.shapes),
+                            in_sync=self.in_sync, nonfinite=self.nonfinite_batches, time=time.time(),
+                            averaging=self._averaging)
+
+    def _publish(self) -> None:
+        self.averager.publish(**progress_record(self._run, self._me()))
+
+    def _view(self, infos: dict | None = None) -> SwarmView:
+        return SwarmView.of(self._me(), self.averager.peer_infos() if infos is None else infos, self._run)
+
+    def _await_swarm(self, timeout: float) -> SwarmView | None:
+        """Wait (bounded) until a peer of this run has been heard of; its view, or None if nobody was."""
+        deadline = time.monotonic() + timeout
+        while True:
+            view = self._view()
+            if len(view.peers) > 1 or view.mismatched:
+                return view
+            if time.monotonic() >= deadline:
+                log.info("%s: no peer of this run heard of within %.1fs; starting alone", self.peer_id[:8], timeout)
+                return None
+            time.sleep(min(0.02, self._gossip_interval / 4))
+
+    @property
+    def mismatched_peers(self) -> dict[str, str]:
+        """Live peers of this run whose model differs from this one, with what differs."""
+        return {p.peer_id: self.layout.difference_from_digest(p.tensors, p.signature)
+                for p in self._view().mismatched}
+
+    def _check_layouts(self, view: SwarmView) -> None:
+        for p in view.mismatched:
+            if p.peer_id not in self._warned_layout:
+                self._warned_layout.add(p.peer_id)
+                log.error("%s: peer %s of run %r trains a different model: %s. zgossip never averages with it.",
+                          self.peer_id[:8], p.peer_id[:8], self.prefix,
+                          self.layout.difference_from_digest(p.tensors, p.signature))
+        if view.mismatched and len(view.peers) == 1 and any(p.epoch >= self.local_epoch for p in view.mismatched):
+            p = view.mismatched[0]
+            raise LayoutMismatch(
+                f"this peer's model differs from that of every other peer of run {self.prefix!r} "
+                f"({len(view.mismatched)} peer(s), e.g. {p.peer_id[:8]}): "
+                f"{self.layout.difference_from_digest(p.tensors, p.signature)}. It cannot average with them: "
+                "build the same model on every peer.")
+
+    # ------------------------------------------------------------------ plumbing
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.opt.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.opt.param_groups
+
+    @property
+    def num_peers(self) -> int:
+        """Live peers training this run with the same model, this one included."""
+        return self._view().num_peers
+
+    def shutdown(self) -> None:
+        self._closed = True
+        self.averager.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def _raise_if_closed(self) -> None:
+        if self._closed:
+            raise ZGossipError("this optimizer was shut down")
