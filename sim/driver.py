@@ -235,18 +235,30 @@ class SimCluster:
             frames = [frames[0]] + [bytes(memoryview(a)) for a in frames[1:]]
             nbytes = sum(len(f) for f in frames)
             payload: Any = frames
+            tag = frames[0]  # the packed header: what the trace digests
         else:
             nbytes = wire.message_nbytes(msg)
             payload = wire.Message._trusted(msg.type, msg.sender, msg.endpoint, msg.body,
                                             tuple(a.copy() for a in msg.payload))
-        d = self.network.schedule(src.endpoint, endpoint, nbytes, self.env.now, self.rng)
-        if d.lost:
+            tag = repr(sorted(msg.body.items())).encode()
+        t = self.network.send(src.endpoint, endpoint, nbytes, self.env.now, self.rng)
+        if t.lost:
             self.lost += 1
             return
-        ev = self.env.timeout(d.at - self.env.now)
-        ev.callbacks.append(lambda _e: self._arrive(src, dst, payload, d.sent, nbytes))
+        # two stages: the first byte reaches the receiver's downlink, which is shared in order of
+        # arrival (not of sending); then the message is delivered when its last byte is in
+        ev = self.env.timeout(t.first - self.env.now)
+        ev.callbacks.append(lambda _e: self._at_downlink(src, dst, payload, t, nbytes, tag))
 
-    def _arrive(self, src: SimPeer, dst: SimPeer, payload: Any, sent: float, nbytes: int) -> None:
+    def _at_downlink(self, src: SimPeer, dst: SimPeer, payload: Any, t: Any, nbytes: int, tag: bytes) -> None:
+        at = self.network.receive(src.endpoint, dst.endpoint, nbytes, t)
+        if at <= self.env.now:
+            self._arrive(src, dst, payload, t.sent, nbytes, tag)
+            return
+        ev = self.env.timeout(at - self.env.now)
+        ev.callbacks.append(lambda _e: self._arrive(src, dst, payload, t.sent, nbytes, tag))
+
+    def _arrive(self, src: SimPeer, dst: SimPeer, payload: Any, sent: float, nbytes: int, tag: bytes) -> None:
         if not dst.alive:
             return
         if src.crashed_at is not None and src.crashed_at < sent:
@@ -258,7 +270,8 @@ class SimCluster:
         self.delivered += 1
         rb = self.network.received_bytes
         rb[dst.endpoint] = rb.get(dst.endpoint, 0) + nbytes
-        self._trace.update(f"{self.env.now!r}|{src.endpoint}|{dst.endpoint}|{int(msg.type)}|{sorted(msg.body.items())!r}".encode())
+        self._trace.update(f"{self.env.now!r}|{src.endpoint}|{dst.endpoint}|".encode())
+        self._trace.update(tag)
         dst.deliver(msg)
 
     @property

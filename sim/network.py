@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-__all__ = ["NetworkModel", "Delivery", "Profile", "PROFILES", "Partition", "SlowLink"]
+__all__ = ["NetworkModel", "Delivery", "Transfer", "Profile", "PROFILES", "Partition", "SlowLink"]
 
 
 @dataclass(frozen=True)
@@ -75,9 +75,19 @@ class SlowLink:
 
 @dataclass
 class Delivery:
-    at: float  # virtual time of arrival
+    at: float  # virtual time of arrival (all bytes in, after the receiver's downlink)
     lost: bool
     sent: float  # when the last byte left the sender: a sender that dies before then never sent it
+
+
+@dataclass
+class Transfer:
+    """A message on its way: it reaches the receiver's downlink at `first` (first byte)."""
+
+    first: float
+    last: float  # the last byte cannot arrive before this (sender serialization + latency)
+    sent: float
+    lost: bool
 
 
 def _sampler(spec: Any) -> Callable[[str, str, np.random.Generator], float]:
@@ -120,6 +130,7 @@ class NetworkModel:
     _up_free: dict = field(default_factory=dict, repr=False)
     _down_free: dict = field(default_factory=dict, repr=False)
     _last: dict = field(default_factory=dict, repr=False)
+    _first: dict = field(default_factory=dict, repr=False)
     sent_bytes: dict = field(default_factory=dict, repr=False)
     received_bytes: dict = field(default_factory=dict, repr=False)
 
@@ -164,19 +175,36 @@ class NetworkModel:
     def cut(self, src: str, dst: str, t: float) -> bool:
         return any(p.cuts(src, dst, t) for p in self.partitions)
 
-    def schedule(self, src: str, dst: str, nbytes: int, now: float, rng: np.random.Generator) -> Delivery:
+    def send(self, src: str, dst: str, nbytes: int, now: float, rng: np.random.Generator) -> Transfer:
+        """Uplink + latency. Call `receive` at ``transfer.first``, in order of arrival."""
         up = self._bw(src, True, now)
         tx_start = max(now, self._up_free.get(src, now))
         tx_end = tx_start + (nbytes / up if up else 0.0)
         self._up_free[src] = tx_end
         self.sent_bytes[src] = self.sent_bytes.get(src, 0) + nbytes
         lat = self._lat(src, dst, rng)
-        down = self._bw(dst, False, tx_start)
-        rx_start = max(tx_start + lat, self._down_free.get(dst, 0.0))
-        rx_end = max(rx_start + (nbytes / down if down else 0.0), tx_end + lat)
-        self._down_free[dst] = rx_end
-        at = max(rx_end, self._last.get((src, dst), 0.0))  # in order per pair
-        self._last[(src, dst)] = at
         p = self._loss(src, dst)
         lost = (p > 0 and rng.random() < p) or self.cut(src, dst, now)
-        return Delivery(at, lost, tx_end)
+        # in order per pair: a message never reaches the receiver before the previous one on this pair
+        first = max(tx_start + lat, self._first.get((src, dst), 0.0))
+        self._first[(src, dst)] = first
+        return Transfer(first, max(tx_end + lat, first), tx_end, lost)
+
+    def receive(self, src: str, dst: str, nbytes: int, t: Transfer) -> float:
+        """The receiver's downlink (shared in order of arrival) and the per-pair order: delivery time."""
+        down = self._bw(dst, False, t.first)
+        if down:
+            start = max(t.first, self._down_free.get(dst, 0.0))
+            end = max(start + nbytes / down, t.last)
+            self._down_free[dst] = end
+        else:
+            end = t.last
+        at = max(end, self._last.get((src, dst), 0.0))  # in order per pair
+        self._last[(src, dst)] = at
+        return at
+
+    def schedule(self, src: str, dst: str, nbytes: int, now: float, rng: np.random.Generator) -> Delivery:
+        """`send` and `receive` at once: exact for one message, or when a receiver's transfers are
+        scheduled in their order of arrival (the driver calls the two halves at the right times)."""
+        t = self.send(src, dst, nbytes, now, rng)
+        return Delivery(self.receive(src, dst, nbytes, t), t.lost, t.sent)

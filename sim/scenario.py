@@ -51,7 +51,7 @@ from .network import PROFILES, NetworkModel
 
 __all__ = ["Scenario", "ScenarioRun", "ScenarioResult", "run_scenario", "load_scenario"]
 
-_FAST_PROTOCOL = dict(gossip_interval=0.1, peer_timeout=3.0, matchmaking_time=0.5, request_timeout=0.3,
+_FAST_PROTOCOL = dict(gossip_interval=0.5, peer_timeout=5.0, matchmaking_time=0.5, request_timeout=0.3,
                       part_timeout=1.0, allreduce_timeout=10.0)
 
 

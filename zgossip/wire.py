@@ -173,15 +173,40 @@ def check_info(info: Any) -> dict:
         raise ValueError(str(e)) from None
 
 
-# peer id, endpoint, heartbeat, state-sharing priority, public info
-_PEER = _record(_ID, _EP, _BIG, _opt_float, _info)
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def _peer_list(v: Any) -> tuple:
+    """A gossip digest: [(peer id, endpoint, heartbeat, sharing priority, info)], checked in one
+    tight loop (digests are the bulk of what a node decodes, so the generic validators are too slow)."""
+    if not isinstance(v, (list, tuple)) or len(v) > 4096:
+        raise _fail("expected a list of at most 4096 peer records")
+    for rec in v:
+        if not isinstance(rec, (list, tuple)) or len(rec) != 5:
+            raise _fail("peer record must have 5 fields")
+        pid, ep, hb, share, info = rec
+        if type(pid) is not str or len(pid) > 64 or type(ep) is not str or len(ep) > 256:
+            raise _fail("bad peer id or endpoint")
+        if type(hb) is not int or not 0 <= hb <= 1 << 62:
+            raise _fail("bad heartbeat")
+        if share is not None and (type(share) not in (int, float) or not math.isfinite(share)):
+            raise _fail("bad sharing priority")
+        if type(info) is not dict or len(info) > 16:
+            raise _fail("info must be a map of at most 16 entries")
+        for k, x in info.items():
+            t = type(x)
+            if type(k) is not str or len(k) > 32 or t not in _SCALARS:
+                _info(info)  # the slow path words the error precisely
+            if (t is str and len(x) > 128) or (t is float and not math.isfinite(x)):
+                _info(info)
+    return tuple(v)
 _SPEC = _record(_str(4), _list(_int(0, 1 << 40), 32))  # dtype code, shape
 _MEMBER = _record(_ID, _EP, _float(0.0, 1e18), _ID, _int(0, 1))  # id, endpoint, bandwidth, step, sends GATHER
 
 #: body schema of each message type: field -> validator; plus the number of payload frames.
 SCHEMAS: dict[MsgType, tuple[dict[str, Validator], int]] = {
-    MsgType.GOSSIP: ({"hb": _BIG, "peers": _list(_PEER, 4096)}, 0),
-    MsgType.GOSSIP_REPLY: ({"hb": _BIG, "peers": _list(_PEER, 4096)}, 0),
+    MsgType.GOSSIP: ({"hb": _BIG, "peers": _peer_list}, 0),
+    MsgType.GOSSIP_REPLY: ({"hb": _BIG, "peers": _peer_list}, 0),
     MsgType.JOIN: (
         {"key": _KEY, "step": _ID, "bw": _float(0.0, 1e18), "layout": _str(128), "hops": _int(0, 16), "want": _IDX,
          "g": _int(0, 1)},

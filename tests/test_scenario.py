@@ -1,0 +1,88 @@
+"""Scenarios: byte-identical results from a seed, exactness on a full grid, and the CLI."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sim.scenario import Scenario, load_scenario, run_scenario
+
+ROOT = Path(__file__).resolve().parent.parent
+FAULTY = {
+    "peers": 12, "grid": [4, 3], "rounds": 4, "seed": 11, "numel": 64, "unavailability": 0.05, "round_gap": 0.2,
+    "network": {"latency": {"dist": "uniform", "low": 0.001, "high": 0.02}, "bandwidth": 5e6, "loss": 0.02},
+    "faults": [{"kind": "crash", "peer": 4, "at": 1.2}, {"kind": "pause", "peer": 2, "start": 1.1, "end": 1.6},
+               {"kind": "partition", "sides": [[0, 1, 2], [3, 5, 6]], "start": 1.0, "end": 2.5},
+               {"kind": "crash_rejoin", "peer": 7, "at": 1.3, "back": 3.0}],
+    "churn": {"arrival_rate": 0.5, "departure_rate": 0.01, "until": 10.0},
+}
+
+
+def _run_cli(args, hashseed):
+    env = dict(os.environ, PYTHONHASHSEED=hashseed)
+    return subprocess.run([sys.executable, "-m", "sim", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_results_file_is_byte_identical_across_hash_seeds(tmp_path):
+    scen = tmp_path / "faulty.json"
+    scen.write_text(json.dumps(FAULTY))
+    outs = []
+    for hs in ("0", "4242"):
+        out = tmp_path / f"r{hs}.json"
+        p = _run_cli(["run", str(scen), "--out", str(out), "--quiet"], hs)
+        assert p.returncode == 0, p.stderr
+        outs.append(out.read_bytes())
+    assert outs[0] == outs[1]
+    data = json.loads(outs[0])
+    assert data["lost"] > 0 and len(data["rounds"]) == 4
+    assert data["rounds"][0]["live"] < data["rounds"][0]["participants"]  # the crash landed in round 0
+    assert data["trace"]
+
+
+def test_full_16x16_grid_exact_after_two_rounds_at_message_level():
+    res = run_scenario({"peers": 256, "grid": [16, 16], "rounds": 2, "seed": 1, "numel": 4,
+                        "membership": "static", "bootstrap_time": 0.0})
+    assert [r["succeeded"] for r in res.rounds] == [256, 256]
+    assert res.rounds[0]["groups"] == {"16": 16} and res.rounds[1]["groups"] == {"16": 16}
+    assert res.rounds[0]["mse"] > 1e-3
+    assert res.rounds[1]["max_abs"] < 1e-12
+
+
+def test_random_groups_shrink_mse_by_about_one_over_group_size():
+    """No grid: one key per round, so the rendezvous peer cuts the joiners (in arrival order, which
+    random latencies shuffle) into groups of 8. Expected MSE factor per round: about 1/8."""
+    res = run_scenario({"peers": 256, "grid": [], "rounds": 3, "seed": 2, "membership": "static",
+                        "bootstrap_time": 0.0, "network": {"latency": {"dist": "uniform", "low": 0.0, "high": 0.05}},
+                        "protocol": {"target_group_size": 8}})
+    mse = [r["mse"] for r in res.rounds]
+    assert all(r["groups"] == {"8": 32} for r in res.rounds)
+    for a, b in zip(mse, mse[1:]):
+        assert 1 / 16 < b / a < 1 / 4, mse
+
+
+def test_scenario_errors_are_clear(tmp_path):
+    with pytest.raises(ValueError, match="unknown scenario keys"):
+        Scenario.from_dict({"peerz": 3})
+    with pytest.raises(ValueError, match="unknown fault kind"):
+        Scenario.from_dict({"faults": [{"kind": "meteor"}]})
+    with pytest.raises(ValueError, match="do not fit"):
+        Scenario.from_dict({"peers": 20, "grid": [4, 4]})
+    with pytest.raises(ValueError, match="unknown profiles"):
+        Scenario.from_dict({"profiles": {"satellite": 1.0}})
+
+
+def test_shipped_scenario_file_loads_and_cli_prints_a_table():
+    sc = load_scenario(ROOT / "sim" / "scenarios" / "flaky_home.toml")
+    assert sc.peers == 64 and len(sc.faults) == 4
+    p = _run_cli(["moshpit", "--peers", "64", "--grid", "8x8", "--group-size", "8", "--rounds", "2"], "0")
+    assert p.returncode == 0, p.stderr
+    assert "mse" in p.stdout and "8x8" in p.stdout
+    p = _run_cli(["moshpit", "--peers", "4096", "--grid", "64x64", "--level", "round", "--rounds", "2", "--json"], "0")
+    assert p.returncode == 0, p.stderr
+    assert len(json.loads(p.stdout)["rounds"]) == 2
