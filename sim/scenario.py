@@ -159,6 +159,9 @@ class ScenarioRun(FaultContext):
         self._values_rng = self.rng("values")
         self._place_rng = self.rng("placement")
         self._profile_rng = self.rng("profiles")
+        self._unavail_rng = self.rng("unavailability")
+        self._bootstrapped = False
+        self.walls: list[float] = []
         self._coords = self._placement()
         for i in range(sc.peers):
             self._add(i, self._coords[i])
@@ -250,13 +253,24 @@ class ScenarioRun(FaultContext):
     # ---------------------------------------------------------------- run
     def run(self, progress: Callable[[int, int], None] | None = None) -> ScenarioResult:
         sc = self.sc
+        rounds = self.run_rounds(0, progress)
+        peer_bytes = [[int(self.network.sent_bytes.get(p.endpoint, 0)), int(self.network.received_bytes.get(p.endpoint, 0))]
+                      for p in self.slots]
+        return ScenarioResult(sc.to_dict(), rounds, peer_bytes, self.cluster.trace_hash, self.cluster.delivered,
+                              self.cluster.lost, self.walls)
+
+    def run_rounds(self, start: int = 0, progress: Callable[[int, int], None] | None = None) -> list[dict]:
+        """Run rounds ``start .. start + sc.rounds - 1`` (bootstrapping first if nothing ran yet)."""
+        sc = self.sc
         rounds: list[dict] = []
-        walls: list[float] = []
-        unavail_rng = self.rng("unavailability")
+        walls = self.walls
+        unavail_rng = self._unavail_rng
         limit = sc.step_timeout + self._config(()).allreduce_timeout + 1.0
-        if sc.bootstrap_time > 0:
-            self.cluster.run(until=self.env.now + sc.bootstrap_time)
-        for r in range(sc.rounds):
+        if not self._bootstrapped:
+            self._bootstrapped = True
+            if sc.bootstrap_time > 0:
+                self.cluster.run(until=self.env.now + sc.bootstrap_time)
+        for r in range(start, start + sc.rounds):
             w0 = time.perf_counter()
             t0 = self.env.now
             draws = unavail_rng.random(len(self.slots))  # one draw per slot, alive or not: streams stay aligned
@@ -272,11 +286,8 @@ class ScenarioRun(FaultContext):
             if sc.round_gap:
                 self.cluster.run(until=self.env.now + sc.round_gap)
             if progress:
-                progress(r + 1, sc.rounds)
-        peer_bytes = [[int(self.network.sent_bytes.get(p.endpoint, 0)), int(self.network.received_bytes.get(p.endpoint, 0))]
-                      for p in self.slots]
-        return ScenarioResult(sc.to_dict(), rounds, peer_bytes, self.cluster.trace_hash, self.cluster.delivered,
-                              self.cluster.lost, walls)
+                progress(r + 1 - start, sc.rounds)
+        return rounds
 
     def _metrics(self, r: int, t0: float, steppers: list[int], evs: dict, sent0: dict, recv0: dict) -> dict:
         live = [p for p in self.slots if p.alive]
