@@ -4,6 +4,7 @@
     python -m sim moshpit --peers 1024 --group-size 32 --grid 32x32 --dropout 0.01 --rounds 10 \
                           --seed 0 --level message|round [--json]
     python -m sim table [--quick] [--json]      # the Moshpit paper's averaging table (round level)
+    python -m sim bench [--json]                # speed vs a bare SimPy model, memory at 16,384 peers
 """
 from __future__ import annotations
 
@@ -166,6 +167,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     t.add_argument("--quick", action="store_true")
     t.add_argument("--json", action="store_true")
     t.set_defaults(fn=cmd_table)
+    b = sub.add_parser("bench", help="speed and memory of the simulator against a bare SimPy model")
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.set_defaults(fn=lambda a: __import__("sim.bench", fromlist=["main"]).main(a.rest))
     args = p.parse_args(argv)
     return args.fn(args)
 
