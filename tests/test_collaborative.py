@@ -1,0 +1,416 @@
+"""CollaborativeOptimizer: a global batch across peers, catching up, donors dying, bad models and bad gradients.
+
+The multi-process tests run real peer processes (multiprocessing spawn, tcp on
+127.0.0.1, ephemeral ports) and stop every one of them in ``finally``; the others run
+several peers as threads of this process, each with its own averager. Every wait is bounded.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import zgossip
+from zgossip.collaborative import CollaborativeOptimizer
+from zgossip.train_demo import Task, evaluate, make_model, single_process_reference, train_peer
+from zgossip.training_state import LayoutMismatch
+
+FAST = dict(gossip_interval=0.05, peer_timeout=2.0, request_timeout=0.3, part_timeout=2.0)
+
+
+def _recv(conn: Any, timeout: float, what: str) -> Any:
+    if not conn.poll(timeout):
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    return conn.recv()
+
+
+class _Procs:
+    def __init__(self) -> None:
+        self.ctx = mp.get_context("spawn")
+        self.procs: list[Any] = []
+        self.conns: list[Any] = []
+
+    def start(self, target: Any, *args: Any) -> int:
+        parent, child = self.ctx.Pipe()
+        p = self.ctx.Process(target=target, args=(*args[:1], child, *args[1:]), daemon=True)
+        p.start()
+        child.close()
+        self.procs.append(p)
+        self.conns.append(parent)
+        return len(self.procs) - 1
+
+    def close(self) -> None:
+        for c in self.conns:
+            try:
+                c.send("stop")
+            except (OSError, BrokenPipeError):
+                pass
+        for p in self.procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for c in self.conns:
+            c.close()
+
+
+# ---------------------------------------------------------------------------- 4 processes
+def test_four_processes_reach_identical_parameters_and_a_late_peer_catches_up():
+    """3 processes start, a 4th joins once the run is past epoch 3: it downloads the state and continues
+    at the swarm's epoch. At the end all 4 hold bit-identical parameters, and the held-out loss is within
+    a small factor of one process trained with the global batch size for the same number of epochs."""
+    epochs, late_at = 20, 3
+    cfg = dict(epochs=epochs, target_batch_size=384, batch_size=32, lr=0.02, data_seed=1, step_delay=0.01,
+               target_group_size=4, matchmaking_time=1.0, averager_opts=dict(FAST), time_limit=90.0, linger=60.0)
+    procs = _Procs()
+    try:
+        for i in range(4):  # start-up (imports) takes seconds: pay for it before anyone trains
+            procs.start(train_peer, i, dict(cfg, wait_for_go=True, wait_for_start=i < 3))
+        for k in range(4):
+            assert _recv(procs.conns[k], 90, f"peer {k} ready")["event"] == "ready"
+        procs.conns[0].send({})
+        first = _recv(procs.conns[0], 30, "peer 0 up")
+        for k in (1, 2):
+            procs.conns[k].send({"initial_peers": [first["endpoint"]]})
+        for k in (1, 2):
+            up = _recv(procs.conns[k], 30, f"peer {k} up")
+            assert up["event"] == "up" and up["epoch"] == 0
+        for k in range(3):
+            procs.conns[k].send("start")
+        events: dict[int, list] = {0: [], 1: [], 2: [], 3: []}
+        done: dict[int, dict] = {}
+        late_up = None
+        deadline = time.monotonic() + 120
+        while len(done) < 4:
+            assert time.monotonic() < deadline, f"training did not finish: done={sorted(done)}"
+            for k in range(len(procs.procs)):
+                while k not in done and procs.conns[k].poll(0):
+                    msg = procs.conns[k].recv()
+                    if msg["event"] == "done":
+                        done[k] = msg
+                    else:
+                        events[k].append(msg)
+            swarm_epoch = max((e["epoch"] for k in (0, 1, 2) for e in events[k] if e["event"] == "epoch"), default=0)
+            if late_up is None and swarm_epoch >= late_at:
+                procs.conns[3].send({"initial_peers": [first["endpoint"]]})
+                late_up = _recv(procs.conns[3], 30, "late peer up")
+            time.sleep(0.01)
+        # the newcomer downloaded the state: it started at the swarm's epoch, not at 0
+        assert late_up is not None and late_up["epoch"] >= late_at
+        first_epochs = [e["epoch"] for e in events[3] if e["event"] == "epoch"]
+        assert first_epochs and first_epochs[0] >= late_at, (late_up, events[3], done[3]["epoch"],
+                                                             [e["epoch"] for e in events[0]])
+        assert all(d["epoch"] == epochs for d in done.values()), {k: d["epoch"] for k, d in done.items()}
+        # identical parameters: every round hands every member the same bits, and resyncs fix the rest
+        for k in (1, 2, 3):
+            for a, b in zip(done[0]["params"], done[k]["params"]):
+                np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+        ref_loss, _ = single_process_reference(cfg)
+        task = Task()
+        untrained, _ = evaluate(make_model(0), *task.heldout())
+        loss = done[0]["loss"]
+        assert loss < 0.8 * untrained, (loss, untrained)
+        assert loss < 1.5 * ref_loss, (loss, ref_loss)
+        # later rounds included the newcomer
+        groups = [e["group"] for e in events[0] if e["event"] == "epoch" and e["epoch"] > late_up["epoch"] + 1]
+        assert groups and max(g for g in groups if g) == 4, groups
+    finally:
+        procs.close()
+
+
+# ---------------------------------------------------------------------------- donor dies mid-download
+def _donor(index: int, conn: Any, seed: int, epoch: int, die_mid_stream: bool, initial: list) -> None:
+    """A peer holding a model drawn from `seed`, declaring `epoch`. With `die_mid_stream`, the first state
+    request it serves sends the metadata and half of the chunks, then the process is SIGKILLed."""
+    import signal
+
+    torch.set_num_threads(1)
+    if die_mid_stream:
+        from zgossip import state
+
+        serve = state.StateDonor.serve
+
+        def half_then_die(self: Any, req: str, endpoint: str, meta: Any, arrays: Any) -> None:
+            sent: list = []
+            real_send = self._send
+            self._send = lambda ep, msg: sent.append((ep, msg))
+            try:
+                serve(self, req, endpoint, meta, arrays)
+            finally:
+                self._send = real_send
+            for ep, msg in sent[: max(2, len(sent) // 2)]:
+                real_send(ep, msg)
+            conn.send({"event": "partial", "sent": max(2, len(sent) // 2), "of": len(sent)})
+            threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+
+        state.StateDonor.serve = half_then_die
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed)
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    opt = CollaborativeOptimizer(torch.optim.Adam(model.parameters()), prefix="dl", target_batch_size=10 ** 9,
+                                 initial_peers=initial, load_state_on_start=False,
+                                 averager_opts=dict(FAST, part_size_bytes=4096))  # ~33 chunks of state
+    try:
+        opt.local_epoch = epoch
+        opt._update_sharing()
+        opt._publish()
+        conn.send({"event": "up", "endpoint": opt.endpoint, "peer_id": opt.peer_id})
+        conn.poll(60)
+    except (EOFError, BrokenPipeError):
+        pass
+    finally:
+        opt.shutdown()
+
+
+def test_donor_killed_mid_download_falls_back_and_never_applies_partial_state():
+    procs = _Procs()
+    try:
+        procs.start(_donor, 0, 11, 4, False, [])  # the fallback donor, epoch 4
+        up_b = _recv(procs.conns[0], 60, "donor B up")
+        procs.start(_donor, 1, 22, 7, True, [up_b["endpoint"]])  # the preferred donor (epoch 7), dies mid-stream
+        up_a = _recv(procs.conns[1], 60, "donor A up")
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+        initial = [p.detach().clone() for p in model.parameters()]
+        g = torch.Generator().manual_seed(11)
+        want_b = [torch.randn(p.shape, generator=g) for p in model.parameters()]
+        g = torch.Generator().manual_seed(22)
+        values_a = [torch.randn(p.shape, generator=g) for p in model.parameters()]
+        new = CollaborativeOptimizer(torch.optim.Adam(model.parameters()), prefix="dl", target_batch_size=10 ** 9,
+                                     initial_peers=[up_b["endpoint"]], load_state_on_start=False,
+                                     state_chunk_timeout=1.0, averager_opts=dict(FAST, part_size_bytes=4096))
+        try:
+            deadline = time.monotonic() + 20
+            while len(new._view().peers) < 3:  # both donors' records (and priorities) have arrived
+                assert time.monotonic() < deadline, "donors not seen"
+                time.sleep(0.02)
+            seen: list[str] = []
+            stop = threading.Event()
+
+            def watch() -> None:  # the model is either untouched or entirely donor B's, never a mix
+                while not stop.is_set():
+                    with new._lock:  # what the optimizer would see: writes happen under this lock
+                        current = [p.detach().clone() for p in model.parameters()]
+                    for cur, i, b, a in zip(current, initial, want_b, values_a):
+                        if torch.equal(cur, i):
+                            seen.append("initial")
+                        elif torch.equal(cur, b):
+                            seen.append("B")
+                        else:
+                            seen.append("A" if torch.equal(cur, a) else "MIXED")
+                    time.sleep(0.001)
+
+            watcher = threading.Thread(target=watch)
+            watcher.start()
+            try:
+                new.load_state_from_peers(timeout=30)
+            finally:
+                stop.set()
+                watcher.join(5)
+            partial = _recv(procs.conns[1], 10, "donor A's partial stream")
+            assert partial["event"] == "partial" and 0 < partial["sent"] < partial["of"]
+            procs.procs[1].join(10)
+            assert not procs.procs[1].is_alive()  # donor A really died mid-download
+            assert set(seen) <= {"initial", "B"}, set(seen)
+            for p, b in zip(model.parameters(), want_b):
+                assert torch.equal(p.detach(), b)
+            assert new.local_epoch == 4  # donor B's epoch, not donor A's
+        finally:
+            new.shutdown()
+    finally:
+        procs.close()
+
+
+# ---------------------------------------------------------------------------- in-process peers
+def _peers(n: int, models: list, prefix: str, **kw: Any) -> list[CollaborativeOptimizer]:
+    opts: list[CollaborativeOptimizer] = []
+    try:
+        for i in range(n):
+            opts.append(CollaborativeOptimizer(
+                torch.optim.SGD(models[i].parameters(), lr=0.05), prefix=prefix, model=models[i],
+                initial_peers=[opts[0].endpoint] if opts else [],
+                **{"target_batch_size": 96, "batch_size": 16, "matchmaking_time": 0.5, "target_group_size": n,
+                   "averager_opts": dict(FAST), **kw}))
+    except BaseException:
+        for o in opts:
+            o.shutdown()
+        raise
+    return opts
+
+
+def _train(opts: list, models: list, epochs: int, poison: Any = None, timeout: float = 40.0) -> dict:
+    """Each peer in a thread: steps until `epochs`. `poison(i, epoch)` -> True makes that batch NaN."""
+    task = Task()
+    errors: dict[int, BaseException] = {}
+    rounds: dict[int, list] = {i: [] for i in range(len(opts))}
+
+    def run(i: int) -> None:
+        try:
+            gen = task.stream(5, i)
+            deadline = time.monotonic() + timeout
+            last = -1
+            while (opts[i].local_epoch < epochs or not opts[i].in_sync) and time.monotonic() < deadline:
+                x, y = task.sample(gen, 16)
+                if poison is not None and poison(i, opts[i].local_epoch):
+                    x = x * float("nan")
+                torch.nn.functional.cross_entropy(models[i](x), y).backward()
+                opts[i].step()
+                opts[i].zero_grad()
+                if opts[i].local_epoch != last:
+                    last = opts[i].local_epoch
+                    rounds[i].append(dict(opts[i].last_round))
+                time.sleep(0.002)
+        except BaseException as e:  # reported to the test thread
+            errors[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(opts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 10)
+    return {"errors": errors, "rounds": rounds}
+
+
+def test_mismatched_model_raises_naming_the_tensor_and_is_never_averaged_with():
+    models = [make_model(0), make_model(0), torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.ReLU(),
+                                                                 torch.nn.Linear(48, 4))]
+    opts = _peers(2, models, "mm")
+    try:
+        def odd_peer(**kw: Any) -> CollaborativeOptimizer:
+            return CollaborativeOptimizer(torch.optim.SGD(models[2].parameters(), lr=0.05), prefix="mm",
+                                          model=models[2], target_batch_size=96, batch_size=16,
+                                          initial_peers=[opts[0].endpoint], averager_opts=dict(FAST), **kw)
+
+        # joining the run: the constructor listens for the swarm and refuses at once
+        with pytest.raises(LayoutMismatch, match=r"tensor 0 '0\.weight' \(shape \(48, 16\), float32\) has a "
+                                                 r"different shape or dtype there"):
+            odd_peer()
+        odd = odd_peer(startup_timeout=0)  # no check at start: the first step finds out
+        try:
+            deadline = time.monotonic() + 10
+            while odd.averager.peer_infos().keys() < {opts[0].peer_id, opts[1].peer_id}:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            time.sleep(0.2)
+            x, y = Task().sample(torch.Generator().manual_seed(0), 16)
+            torch.nn.functional.cross_entropy(models[2](x), y).backward()
+            with pytest.raises(LayoutMismatch, match=r"tensor 0 '0\.weight' \(shape \(48, 16\), float32\)"):
+                odd.step()
+            # the download path names both shapes
+            with pytest.raises(LayoutMismatch, match=r"tensor 0 '0\.weight' \(shape \(48, 16\), float32\) here has "
+                                                     r"shape \(64, 16\), float32 at the other peer"):
+                odd.load_state_from_peers(timeout=10)
+            # the two matching peers train together; the odd one never joins their groups
+            out = _train(opts, models, epochs=3)
+            assert not out["errors"], out["errors"]
+            assert opts[0].mismatched_peers.keys() == {odd.peer_id}
+            assert "different shape" in opts[0].mismatched_peers[odd.peer_id]
+            groups = [r.get("group_size") for r in out["rounds"][0] if r]
+            assert groups and max(groups) == 2
+            for a, b in zip(models[0].parameters(), models[1].parameters()):
+                assert torch.equal(a, b)
+        finally:
+            odd.shutdown()
+    finally:
+        for o in opts:
+            o.shutdown()
+
+
+def test_nan_gradients_are_dropped_reported_and_do_not_poison_the_swarm(caplog):
+    models = [make_model(0) for _ in range(3)]
+    opts = _peers(3, models, "nan")
+    try:
+        with caplog.at_level(logging.INFO, logger="zgossip.collaborative"):
+            out = _train(opts, models, epochs=5, poison=lambda i, ep: i == 2 and ep in (1, 2))
+        assert not out["errors"], out["errors"]
+        assert opts[2].nonfinite_batches > 0
+        assert opts[0].nonfinite_batches == opts[1].nonfinite_batches == 0
+        # the bad batches were reported by the peer that had them, naming the tensor
+        assert any("NaN/inf in the gradient of tensor" in r.getMessage() for r in caplog.records)
+        # the others saw it contribute nothing in those epochs
+        excluded = [r for i in (0, 1) for r in out["rounds"][i] if opts[2].peer_id in r.get("excluded", {})]
+        assert excluded and "NaN/inf" in excluded[0]["excluded"][opts[2].peer_id]
+        for m in models:
+            for p in m.parameters():
+                assert torch.isfinite(p).all()
+        for a, b, c in zip(*(m.parameters() for m in models)):
+            assert torch.equal(a, b) and torch.equal(a, c)  # the bad peer still received the mean
+    finally:
+        for o in opts:
+            o.shutdown()
+
+
+class _Saboteur(CollaborativeOptimizer):
+    """Sends NaN without flagging it (bypasses the local check)."""
+
+    def _accumulate(self, bs: int) -> None:
+        super()._accumulate(bs)
+        if self.local_epoch == 1:
+            with torch.no_grad(), self.averager.get_tensors():
+                self._grads[0].view(-1)[0] = float("nan")
+
+
+def test_unflagged_nan_in_the_average_is_detected_and_every_member_skips_the_step(caplog):
+    """The core drops a RESULT holding NaN, so members whose span came from the poisoned owner keep local
+    values there (a partial round: they step, then resynchronise); members holding the NaN mean skip."""
+    models = [make_model(0) for _ in range(3)]
+    fast = dict(FAST, part_timeout=0.5)
+    opts = _peers(2, models, "sab", target_group_size=3, averager_opts=fast)
+    try:
+        bad = _Saboteur(torch.optim.SGD(models[2].parameters(), lr=0.05), prefix="sab", target_batch_size=96,
+                        batch_size=16, model=models[2], initial_peers=[opts[0].endpoint], matchmaking_time=0.5,
+                        target_group_size=3, averager_opts=fast)
+        opts.append(bad)
+        with caplog.at_level(logging.ERROR, logger="zgossip.collaborative"):
+            out = _train(opts, models, epochs=3)
+        assert not out["errors"], out["errors"]
+        skipped = [r for i in range(3) for r in out["rounds"][i] if r.get("nonfinite_average")]
+        assert skipped, out["rounds"]
+        assert any("averaged gradient of tensor 0" in r.getMessage() for r in caplog.records)
+        for a, b, c in zip(*(m.parameters() for m in models)):
+            assert torch.isfinite(a).all() and torch.equal(a, b) and torch.equal(a, c), repr(out["rounds"])
+    finally:
+        for o in opts:
+            o.shutdown()
+
+
+def test_scheduler_steps_once_per_epoch_and_progress_is_exposed():
+    models = [make_model(0) for _ in range(2)]
+    opts = _peers(2, models, "sched", scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5))
+    try:
+        out = _train(opts, models, epochs=3)
+        assert not out["errors"], out["errors"]
+        for o in opts:
+            assert o.local_epoch >= 3
+            assert o.param_groups[0]["lr"] == pytest.approx(0.05 * 0.5 ** o.local_epoch)
+        gp = opts[0].global_progress
+        assert gp.epoch >= 3 and gp.num_peers == 2 and gp.target_batch_size == 96
+        assert opts[0].num_peers == 2
+    finally:
+        for o in opts:
+            o.shutdown()
+
+
+def test_errors_are_clear():
+    model = make_model(0)
+    with pytest.raises(ValueError, match="target_batch_size"):
+        CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), prefix="e", target_batch_size=0)
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        CollaborativeOptimizer(object(), prefix="e", target_batch_size=1)  # type: ignore[arg-type]
+    opt = CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), prefix="e", target_batch_size=8,
+                                 averager_opts=dict(FAST))
+    with opt:
+        with pytest.raises(ValueError, match="batch_size"):
+            opt.step()
+        with pytest.raises(zgossip.StateUnavailable):
+            opt.load_state_from_peers(timeout=1.0)
+    with pytest.raises(zgossip.ZGossipError, match="shut down"):
+        opt.step(batch_size=1)

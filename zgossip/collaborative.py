@@ -1,0 +1,334 @@
+"""Collaborative training with a global batch size: many peers, one large-batch optimizer.
+
+    opt = CollaborativeOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), prefix="run1",
+                                 target_batch_size=4096, batch_size=32, initial_peers=[...])
+    for x, y in data:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()          # accumulates; every ~target_batch_size samples swarm-wide: one global step
+        opt.zero_grad()
+
+Each `step` adds this batch's gradients, times its size, to a local accumulator and
+publishes the peer's progress (epoch, samples accumulated, throughput) by gossip. When
+the samples that all peers at this epoch hold together reach ``target_batch_size``, every
+peer joins one averaging round: it contributes its mean gradient with weight = its
+samples, so the result is the mean gradient over every sample the swarm saw -- exactly
+what one process would compute on the global batch. Then each peer takes the same
+optimizer step from the same parameters (the all-reduce hands every member identical
+bits) and advances its epoch; an LR scheduler steps once per epoch.
+
+What can go wrong, and what happens (the issue's rules, plus what it left open):
+
+* **Averaging fails** (no group, a timeout): if other peers finished the epoch without
+  us, our gradients are stale -- we load their state instead. Otherwise we step with our
+  local gradients, say so in the log, and mark ourselves out of sync (published): at the
+  next `step` we download the state of an in-sync peer at our epoch. If nobody is in sync
+  (everyone failed), the lowest peer id among the diverged ones declares itself the
+  reference so the swarm converges again.
+* **A partial round** (a member died mid-round and part of the vector kept local
+  values) is treated the same way: step, then resynchronise.
+* **Behind** (a newcomer, or a peer that missed a round): the swarm is at a higher epoch,
+  so we load parameters, optimizer and scheduler state and the epoch from the best donor.
+* **NaN/inf gradients** in a local batch: the batch is dropped (not accumulated), the
+  peer logs which tensor was bad and publishes a counter; it still joins the round with
+  nothing to contribute (weight ~0), so it receives everyone else's average and stays in
+  sync. If the *averaged* gradients are non-finite (a peer sent NaN without flagging
+  it), every member of the group sees the same bits and skips the step in the same way.
+* **A different model** on some peer: the averager never groups different layouts; the
+  published layout digest lets each peer name the tensor that differs (logged), and a
+  peer whose model matches nobody else's raises `LayoutMismatch`.
+
+Rounds are keyed by the prefix alone (the core has no per-step key), so peers of
+different epochs could in principle meet in one round; each round is bounded to a
+single matchmaking window and members compare the epochs they gathered, logging a mix.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .errors import ZGossipError
+from .progress import SwarmView
+from .trainer import SchedulerLike, TrainerPeer, first_nonfinite
+
+__all__ = ["CollaborativeOptimizer", "GlobalProgress"]
+
+log = logging.getLogger(__name__)
+
+_NOTHING = 1e-9  # the weight of a member that contributes no samples: it receives the mean, adds nothing
+
+
+@dataclass(frozen=True)
+class GlobalProgress:
+    """The swarm as this peer sees it (records travel by gossip, so they lag by a few gossip intervals)."""
+
+    epoch: int  # the highest epoch of any peer training this model
+    samples_accumulated: float  # samples the peers at `epoch` hold toward the next step
+    target_batch_size: int
+    num_peers: int  # live peers training this model, this one included
+    samples_per_second: float  # summed throughput of the peers at `epoch`
+    eta_next_epoch: float  # seconds until the target is reached at that rate (inf if unknown)
+
+
+class CollaborativeOptimizer(TrainerPeer):
+    """Wrap `optimizer` so that peers with the same `prefix` take one step per `target_batch_size`
+    samples seen swarm-wide (see the module docstring).
+
+    ``batch_size`` is the default for `step`; ``scheduler`` (an LR scheduler or a factory
+    ``optimizer -> scheduler``) steps once per epoch; ``model`` (optional) only names
+    tensors in messages. ``matchmaking_time`` is the window in which the peers of an epoch
+    gather: it must exceed the spread of the moments they notice the target was reached
+    (gossip lag plus one local step). ``target_group_size`` caps a group; set it to the
+    number of peers you expect, so that a group forms as soon as all have joined instead of
+    when the window closes. More peers than that would average in separate groups and
+    drift apart (then resynchronise), so keep it at least the swarm size. Other
+    `Averager` settings go in ``averager_opts``.
+    """
+
+    kind = "collaborative"
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        prefix: str,
+        target_batch_size: int,
+        batch_size: int | None = None,
+        scheduler: SchedulerLike = None,
+        model: torch.nn.Module | None = None,
+        initial_peers: Sequence[str] = (),
+        listen: str = "tcp://127.0.0.1:0",
+        matchmaking_time: float = 1.0,
+        target_group_size: int = 64,
+        min_group_size: int = 2,
+        matchmaking_timeout: float | None = None,
+        allreduce_timeout: float = 60.0,
+        load_state_on_start: bool = True,
+        load_state_timeout: float = 60.0,
+        state_chunk_timeout: float = 5.0,
+        startup_timeout: float | None = None,
+        averager_opts: dict | None = None,
+    ) -> None:
+        if target_batch_size < 1:
+            raise ValueError("target_batch_size must be >= 1")
+        self.target_batch_size = int(target_batch_size)
+        self.batch_size = batch_size
+        self.samples = 0  # accumulated toward the next epoch on this peer
+        self.last_round: dict[str, Any] = {}
+        self._epoch_nonfinite = 0
+        self._rate = 0.0
+        self._last_step_time: float | None = None
+        self._grads: list[torch.Tensor] = []
+        opts = dict(averager_opts or {})
+        opts.setdefault("matchmaking_time", matchmaking_time)
+        opts.setdefault("target_group_size", target_group_size)
+        opts.setdefault("min_group_size", min_group_size)
+        opts.setdefault("allreduce_timeout", allreduce_timeout)
+        mm, rq = float(opts["matchmaking_time"]), float(opts.get("request_timeout", 0.5))
+        # one matchmaking window, not several: a later window could hold peers of the next epoch
+        self.matchmaking_timeout = matchmaking_timeout if matchmaking_timeout is not None else mm + 2 * rq + 0.5
+        super().__init__(optimizer, prefix=prefix, scheduler=scheduler, model=model, initial_peers=initial_peers,
+                         listen=listen, averager_opts=opts, load_state_on_start=load_state_on_start,
+                         startup_timeout=startup_timeout, load_state_timeout=load_state_timeout,
+                         state_chunk_timeout=state_chunk_timeout)
+
+    # ------------------------------------------------------------------ TrainerPeer hooks
+    def _averaged_tensors(self) -> tuple[list[torch.Tensor], list[str]]:
+        self._grads = [torch.zeros(p.shape, dtype=p.dtype) for p in self.params]
+        return self._grads, list(self.param_names)
+
+    def _progress_samples(self) -> float:
+        return float(self.samples)
+
+    def _progress_rate(self) -> float:
+        return self._rate
+
+    def _after_state_loaded(self) -> None:
+        self.samples = 0
+        self._epoch_nonfinite = 0
+        with self.averager.get_tensors():
+            for g in self._grads:
+                g.zero_()
+
+    # ------------------------------------------------------------------ public
+    @property
+    def global_progress(self) -> GlobalProgress:
+        view = self._view()
+        ep = view.max_epoch
+        have, rate = view.estimate_at(ep, time.time(), 4 * self._gossip_interval), view.rate_at(ep)
+        left = max(0.0, self.target_batch_size - have)
+        eta = left / rate if rate > 0 else (0.0 if left == 0 else float("inf"))
+        return GlobalProgress(ep, have, self.target_batch_size, view.num_peers, rate, eta)
+
+    def step(self, closure: Callable[[], Any] | None = None, batch_size: int | None = None) -> Any:
+        """Accumulate this batch's gradients (``p.grad``, from a loss averaged over `batch_size`
+        samples); when the swarm reached the target, average and take one optimizer step."""
+        self._raise_if_closed()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        bs = batch_size if batch_size is not None else self.batch_size
+        if bs is None or bs < 0:
+            raise ValueError("give step() a batch_size (or the constructor a default batch_size)")
+        infos = self.averager.peer_infos()
+        view = self._view(infos)
+        self._check_layouts(view)
+        if self._resync_if_needed(view):
+            return loss  # this batch's gradients belonged to a model we no longer have
+        self._accumulate(int(bs))
+        view = self._view(infos)
+        # records lag by the gossip delay: extrapolate them with each peer's throughput, and follow
+        # any peer that already entered the round, so that the peers of an epoch meet in one window
+        horizon = 4 * self._gossip_interval
+        if (view.estimate_at(self.local_epoch, time.time(), horizon) >= self.target_batch_size
+                or view.averaging_at(self.local_epoch)):
+            self._finish_epoch(view)
+        else:
+            self._publish()
+        return loss
+
+    # ------------------------------------------------------------------ internals
+    def _accumulate(self, bs: int) -> None:
+        now = time.monotonic()
+        if self._last_step_time is not None and now > self._last_step_time:
+            inst = bs / (now - self._last_step_time)
+            self._rate = inst if self._rate == 0 else 0.8 * self._rate + 0.2 * inst
+        self._last_step_time = now
+        if bs == 0:
+            return
+        grads = [p.grad for p in self.params]
+        bad = first_nonfinite(grads)
+        if bad is not None:
+            self.nonfinite_batches += 1
+            self._epoch_nonfinite += 1
+            log.warning("%s: NaN/inf in the gradient of %s: this batch of %d samples is dropped, not averaged "
+                        "(%d such batches so far)", self.peer_id[:8], self.param_layout.describe(bad), bs,
+                        self.nonfinite_batches)
+            return
+        with torch.no_grad(), self.averager.get_tensors():
+            for acc, g in zip(self._grads, grads):
+                if g is not None:
+                    acc.add_(g, alpha=bs)
+        self.samples += bs
+
+    def _resync_if_needed(self, view: SwarmView) -> bool:
+        """Load state if we are behind the swarm or out of sync with it; True if we did."""
+        if view.max_epoch > self.local_epoch:
+            return self._try_load_state(view, f"behind: epoch {self.local_epoch} < swarm's {view.max_epoch}")
+        if self.in_sync:
+            return False
+        ref = [p for p in view.others() if p.in_sync and p.epoch >= self.local_epoch]
+        if ref:
+            return self._try_load_state(view, "out of sync after a failed or partial round")
+        diverged = [p.peer_id for p in view.at(self.local_epoch) if not p.in_sync]
+        if not diverged or min(diverged) == self.peer_id:
+            log.info("%s: no in-sync peer left; this peer becomes the reference for the others", self.peer_id[:8])
+            self.in_sync = True
+            self._update_sharing()
+            self._publish()
+        return False
+
+    def _finish_epoch(self, view: SwarmView) -> None:
+        epoch, n = self.local_epoch, self.samples
+        with torch.no_grad(), self.averager.get_tensors():
+            if n > 0:
+                for g in self._grads:
+                    g.div_(n)
+        # every live peer of the run is expected, not only those whose record shows this epoch: right
+        # after an epoch ends, records still show the previous one for a gossip delay, and a fast peer
+        # that "found itself alone" then would step without the others and drift away
+        expected = view.num_peers
+        gather = {"ep": epoch, "n": n, "bad": self._epoch_nonfinite}
+        result, error = None, None
+        t0 = time.monotonic()
+        if expected > 1:
+            self._averaging = True
+            self._publish()
+            try:
+                result = self.averager.step(weight=n if n > 0 else _NOTHING, gather=gather,
+                                            timeout=self.matchmaking_timeout)
+            except ZGossipError as e:
+                error = e
+            finally:
+                self._averaging = False
+        seconds = time.monotonic() - t0
+        rnd: dict[str, Any] = {"epoch": epoch, "local_samples": n, "seconds": seconds, "expected_peers": expected,
+                               "group_size": 1, "samples": n, "excluded": {}, "ok": result is not None,
+                               "error": None if error is None else f"{type(error).__name__}: {error}"}
+        do_step = n > 0
+        if result is not None:
+            do_step = self._check_round(result, rnd)
+        elif expected > 1:
+            later = self._view()
+            if later.max_epoch > epoch:
+                log.warning("%s: averaging for epoch %d failed (%s) and the swarm moved on: loading its state",
+                            self.peer_id[:8], epoch, rnd["error"])
+                self.last_round = rnd
+                self._try_load_state(later, "missed the round of epoch %d" % epoch)
+                return
+            log.warning("%s: averaging for epoch %d failed (%s); proceeding with local gradients (%d samples) "
+                        "and resynchronising afterwards", self.peer_id[:8], epoch, rnd["error"], n)
+            self.in_sync = False
+        self._apply_step(do_step)
+        rnd["stepped"] = do_step
+        self.last_round = rnd
+        log.debug("%s: epoch %d -> %d: %s", self.peer_id[:8], epoch, self.local_epoch, rnd)
+
+    def _check_round(self, result: Any, rnd: dict) -> bool:
+        gathered = result.gathered
+        contributors = [c for c in result.contributors if isinstance(gathered.get(c), dict)]
+        rnd["group_size"] = len(result.members)
+        rnd["contributors"] = len(result.contributors)
+        total = 0.0
+        epochs = set()
+        for c in contributors:
+            g = gathered[c]
+            n, ep, bad = g.get("n", 0), g.get("ep"), g.get("bad", 0)
+            if type(n) in (int, float) and n > 0:
+                total += n
+            epochs.add(ep)
+            if c != self.peer_id and (not n or bad):
+                rnd["excluded"][c] = f"{bad} batch(es) with NaN/inf gradients dropped" if bad else "no samples"
+        rnd["samples"] = total
+        for c, why in rnd["excluded"].items():
+            log.info("%s: peer %s contributed nothing to epoch %s: %s", self.peer_id[:8], c[:8], rnd["epoch"], why)
+        if epochs != {rnd["epoch"]}:
+            log.warning("%s: the round for epoch %s mixed gradients of epochs %s", self.peer_id[:8], rnd["epoch"],
+                        sorted(e for e in epochs if isinstance(e, int)))
+        if not result.complete:
+            log.warning("%s: the round for epoch %s was partial (lost: %s); stepping, then resynchronising",
+                        self.peer_id[:8], rnd["epoch"], ", ".join(p[:8] for p in result.lost) or "none")
+            self.in_sync = False
+        bad = first_nonfinite(self._grads)
+        if bad is not None:
+            log.error("%s: the averaged gradient of %s is NaN/inf: a peer contributed non-finite values without "
+                      "flagging them. Skipping this optimizer step (every member of the group does the same).",
+                      self.peer_id[:8], self.param_layout.describe(bad))
+            rnd["nonfinite_average"] = True
+            return False
+        return total > 0
+
+    def _apply_step(self, do_step: bool) -> None:
+        with self._lock, torch.no_grad():
+            if do_step:
+                for p, g in zip(self.params, self._grads):
+                    if p.grad is None or p.grad.shape != g.shape:
+                        p.grad = g.clone()
+                    else:
+                        p.grad.copy_(g)
+                self.opt.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+            self.local_epoch += 1
+            self.samples = 0
+            self._epoch_nonfinite = 0
+            with self.averager.get_tensors():
+                for g in self._grads:
+                    g.zero_()
+        self._update_sharing()
+        self._publish()
