@@ -1,0 +1,287 @@
+"""DecentralizedOptimizer / SGD / Adam: periodic averaging of parameters and optimizer statistics.
+
+Peers are threads of this process, each with its own averager on 127.0.0.1 (ephemeral
+ports); every wait is bounded and every averager is shut down.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from zgossip.optim import DecentralizedAdam, DecentralizedOptimizer, DecentralizedSGD, init_optimizer_state
+from zgossip.training_state import ModelLayout, pack_state, unpack_state
+
+FAST = dict(gossip_interval=0.05, peer_timeout=2.0, request_timeout=0.3, part_timeout=2.0)
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+
+
+def _local_steps(model: torch.nn.Module, opt: Any, seed: int, steps: int, inner: bool = False) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x, y = torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)
+        ((model(x) - y) ** 2).mean().backward()
+        (opt.opt if inner else opt).step()
+        opt.zero_grad()
+
+
+def _in_threads(fns: list) -> list:
+    out: list = [None] * len(fns)
+    errors: list = []
+
+    def run(i: int) -> None:
+        try:
+            out[i] = fns[i]()
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return out
+
+
+def _swarm(n: int, make: Any) -> list:
+    opts: list = []
+    try:
+        for i in range(n):
+            opts.append(make(i, [opts[0].endpoint] if opts else []))
+        deadline = time.monotonic() + 10
+        while any(o.num_peers < n for o in opts):
+            assert time.monotonic() < deadline, "peers did not see each other"
+            time.sleep(0.02)
+    except BaseException:
+        for o in opts:
+            o.shutdown()
+        raise
+    return opts
+
+
+def test_decentralized_adam_round_averages_parameters_and_adam_statistics():
+    models = [_model(i) for i in range(3)]
+    opts = _swarm(3, lambda i, peers: DecentralizedAdam(
+        models[i].parameters(), lr=0.01, prefix="adam", average_every=None, average_period=3600.0,
+        matchmaking_time=0.5, target_group_size=3, model=models[i], initial_peers=peers, averager_opts=FAST))
+    try:
+        for i, (m, o) in enumerate(zip(models, opts)):
+            _local_steps(m, o, seed=i, steps=3)
+        names = ("exp_avg", "exp_avg_sq")
+
+        def snapshot(o: DecentralizedAdam) -> list[torch.Tensor]:
+            return [p.detach().clone() for p in o.params] + [o.opt.state[p][n].clone() for n in names for p in o.params]
+
+        before = [snapshot(o) for o in opts]
+        steps_before = [[float(o.opt.state[p]["step"]) for p in o.params] for o in opts]
+        results = _in_threads([lambda o=o: o.average(wait=True, timeout=10) for o in opts])
+        assert all(r is not None and r.complete and len(r.members) == 3 for r in results)
+        after = [snapshot(o) for o in opts]
+        for j in range(len(before[0])):
+            mean = sum(b[j].double() for b in before) / 3
+            for a in after:
+                torch.testing.assert_close(a[j].double(), mean, rtol=1e-6, atol=1e-7)
+        # what is not named is not averaged
+        assert [[float(o.opt.state[p]["step"]) for p in o.params] for o in opts] == steps_before
+        # the averaged tensors are the averager's own buffers, never the live parameters
+        live = {p.data_ptr() for o in opts for p in o.params}
+        with opts[0].averager.get_tensors() as ts:
+            assert not live & {t.data_ptr() for t in ts}
+    finally:
+        for o in opts:
+            o.shutdown()
+
+
+def test_a_round_is_applied_between_steps_with_the_delta_rule():
+    """Local progress made while a round ran is kept: x = x_now + (mean - x_at_round_start)."""
+    models = [_model(i) for i in range(2)]
+    opts = _swarm(2, lambda i, peers: DecentralizedSGD(
+        models[i].parameters(), lr=0.1, prefix="delta", average_every=None, average_period=3600.0,
+        matchmaking_time=0.3, target_group_size=2, initial_peers=peers, averager_opts=FAST))
+    try:
+        start = [[p.detach().clone() for p in o.params] for o in opts]
+        futs = [o.average(wait=False) for o in opts]
+        for f in futs:
+            assert f.result(10).complete
+        # the round is over but not applied: the parameters are untouched
+        for o, s in zip(opts, start):
+            assert all(torch.equal(p, q) for p, q in zip(o.params, s))
+        _local_steps(models[0], opts[0], seed=7, steps=2, inner=True)  # progress while the result waits
+        progressed = [p.detach().clone() for p in opts[0].params]
+        assert opts[0].apply_pending() is not None
+        for p, now, s0, s1 in zip(opts[0].params, progressed, start[0], start[1]):
+            torch.testing.assert_close(p.detach(), now + ((s0 + s1) / 2 - s0), rtol=1e-5, atol=1e-6)
+        # the other peer made no progress: it gets the mean exactly
+        opts[1].apply_pending()
+        for p, s0, s1 in zip(opts[1].params, start[0], start[1]):
+            torch.testing.assert_close(p.detach(), (s0 + s1) / 2, rtol=0, atol=1e-7)
+    finally:
+        for o in opts:
+            o.shutdown()
+
+
+def test_background_averaging_every_k_steps_keeps_peers_together():
+    models = [_model(i) for i in range(3)]  # different starting points
+    opts = _swarm(3, lambda i, peers: DecentralizedSGD(
+        models[i].parameters(), lr=0.05, prefix="bg", average_every=3, matchmaking_time=0.3, target_group_size=3,
+        initial_peers=peers, averager_opts=FAST))
+    try:
+        def spread() -> float:
+            flat = [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in models]
+            return max(float((a - b).abs().max()) for a in flat for b in flat)
+
+        initial = spread()
+
+        def train(i: int) -> None:
+            g = torch.Generator().manual_seed(100 + i)
+            for _ in range(60):
+                x, y = torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)
+                ((models[i](x) - y) ** 2).mean().backward()
+                opts[i].step()
+                opts[i].zero_grad()
+                time.sleep(0.01)
+            opts[i].apply_pending(wait=True, timeout=10)
+
+        _in_threads([lambda i=i: train(i) for i in range(3)])
+        assert all(o.rounds["done"] >= 3 for o in opts), [o.rounds for o in opts]
+        assert spread() < 0.25 * initial, (spread(), initial)
+    finally:
+        for o in opts:
+            o.shutdown()
+
+
+def test_averaging_every_t_seconds():
+    models = [_model(i) for i in range(2)]
+    opts = _swarm(2, lambda i, peers: DecentralizedSGD(
+        models[i].parameters(), lr=0.01, prefix="period", average_every=None, average_period=0.4,
+        matchmaking_time=0.2, target_group_size=2, initial_peers=peers, averager_opts=FAST))
+    try:
+        def train(i: int) -> None:
+            deadline = time.monotonic() + 2.5
+            while time.monotonic() < deadline:
+                _local_steps(models[i], opts[i], seed=i, steps=1)
+                time.sleep(0.01)
+            opts[i].apply_pending(wait=True, timeout=10)
+
+        _in_threads([lambda i=i: train(i) for i in range(2)])
+        assert all(2 <= o.rounds["done"] <= 8 for o in opts), [o.rounds for o in opts]
+    finally:
+        for o in opts:
+            o.shutdown()
+
+
+def test_a_peer_too_far_behind_loads_state_and_one_slightly_behind_adopts_the_epoch():
+    lead_model = _model(0)
+    sched = lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.9)  # noqa: E731
+    lead = DecentralizedAdam(lead_model.parameters(), lr=0.01, prefix="lag", average_every=None,
+                             average_period=3600.0, steps_per_epoch=5, scheduler=sched, averager_opts=FAST)
+    try:
+        _local_steps(lead_model, lead, seed=0, steps=31)  # alone: 6 epochs
+        assert lead.local_epoch == 6
+        new_model = _model(1)
+        new = DecentralizedAdam(new_model.parameters(), lr=0.01, prefix="lag", average_every=None,
+                                average_period=3600.0, steps_per_epoch=5, max_epoch_lag=2, scheduler=sched,
+                                initial_peers=[lead.endpoint], averager_opts=FAST)
+        try:
+            assert new.local_epoch == 6
+            for a, b in zip(lead_model.parameters(), new_model.parameters()):
+                assert torch.equal(a, b)
+            for pa, pb in zip(lead.params, new.params):
+                for k in ("exp_avg", "exp_avg_sq", "step"):
+                    assert torch.equal(lead.opt.state[pa][k], new.opt.state[pb][k])
+            assert new.param_groups[0]["lr"] == pytest.approx(lead.param_groups[0]["lr"])
+            assert new.scheduler.last_epoch == lead.scheduler.last_epoch
+        finally:
+            new.shutdown()
+        near_model = _model(2)
+        near = DecentralizedAdam(near_model.parameters(), lr=0.01, prefix="lag", average_every=None,
+                                 average_period=3600.0, steps_per_epoch=5, max_epoch_lag=10,
+                                 initial_peers=[lead.endpoint], load_state_on_start=False, averager_opts=FAST)
+        try:
+            assert near.local_epoch == 0
+            _local_steps(near_model, near, seed=2, steps=1)
+            deadline = time.monotonic() + 5
+            while near.local_epoch < 6:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+                _local_steps(near_model, near, seed=3, steps=1)
+            # within the allowed lag: it only adopted the epoch, it downloaded nothing
+            assert not torch.equal(next(near_model.parameters()), next(lead_model.parameters()))
+        finally:
+            near.shutdown()
+    finally:
+        lead.shutdown()
+
+
+def test_wrapping_any_optimizer_and_clear_errors():
+    m = _model(0)
+    rms = torch.optim.RMSprop(m.parameters(), lr=0.01, momentum=0.9)
+    with pytest.raises(ValueError, match="nothing to average"):
+        DecentralizedOptimizer(rms, prefix="e", average_parameters=False)
+    with pytest.raises(ValueError, match="say when"):
+        DecentralizedOptimizer(rms, prefix="e", average_every=None)
+    with pytest.raises(Exception, match=r"no floating-point statistic 'nope'.*square_avg"):
+        DecentralizedOptimizer(rms, prefix="e", average_opt_statistics=("nope",), averager_opts=FAST)
+    with DecentralizedOptimizer(rms, prefix="e", average_opt_statistics=("square_avg", "momentum_buffer"),
+                                averager_opts=FAST) as opt:
+        assert len(opt.layout.shapes) == 3 * len(opt.params)
+        _local_steps(m, opt, seed=0, steps=2)  # alone: rounds fail quietly, training goes on
+        assert opt.local_step == 2
+
+
+def test_init_optimizer_state_creates_statistics_without_training():
+    m = _model(0)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.5)
+    before = [p.detach().clone() for p in m.parameters()]
+    init_optimizer_state(opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+    for p in m.parameters():
+        st = opt.state[p]
+        assert float(st["step"]) == 0 and not st["exp_avg"].any() and not st["exp_avg_sq"].any()
+        assert p.grad is None
+
+
+def test_pack_state_round_trip_and_refusals():
+    m = _model(0)
+    opt = torch.optim.Adam(m.parameters(), lr=0.01, betas=(0.8, 0.9))
+    _local_steps(m, opt, seed=0, steps=2)
+    state = {"optimizer": opt.state_dict(), "mask": torch.tensor([True, False]), "arr": np.arange(3),
+             ("a", 1): [1.5, None, "x", b"y"]}
+    meta, arrays = pack_state(state)
+    back = unpack_state(meta, arrays)
+    assert back["optimizer"]["param_groups"][0]["betas"] == (0.8, 0.9)
+    assert set(back["optimizer"]["state"]) == set(opt.state_dict()["state"])  # int keys survive
+    assert back["mask"].dtype == torch.bool and back["mask"].tolist() == [True, False]
+    assert back[("a", 1)] == [1.5, None, "x", b"y"] and back["arr"].tolist() == [0, 1, 2]
+    other = torch.optim.Adam(_model(1).parameters(), lr=0.5)
+    other.load_state_dict(back["optimizer"])
+    assert other.param_groups[0]["lr"] == 0.01
+    # the packed arrays are copies: later training does not change what would be sent
+    _local_steps(m, opt, seed=1, steps=1)
+    assert not torch.equal(unpack_state(meta, arrays)["optimizer"]["state"][0]["exp_avg"],
+                           opt.state_dict()["state"][0]["exp_avg"])
+    with pytest.raises(TypeError, match=r"state\['fn'\]: function cannot be shared"):
+        pack_state({"fn": lambda: 0})
+    with pytest.raises(TypeError, match="bfloat16"):
+        pack_state([torch.zeros(2, dtype=torch.bfloat16)])
+
+
+def test_model_layout_names_the_tensor_that_differs():
+    a = ModelLayout.of([torch.zeros(4, 3), torch.zeros(3)], ["fc.weight", "fc.bias"])
+    b = ModelLayout.of([torch.zeros(4, 5), torch.zeros(3)], ["fc.weight", "fc.bias"])
+    assert a.difference(a) is None
+    assert a.difference(b) == ("tensor 0 'fc.weight' (shape (4, 3), float32) here has shape (4, 5), float32 "
+                               "at the other peer")
+    assert "tensor 0 'fc.weight'" in a.difference_from_digest(2, b.signature)
+    c = ModelLayout.of([torch.zeros(4, 3)], ["fc.weight"])
+    assert a.difference(c) == "this peer has 2 tensors, the other 1"
+    assert a.fingerprint != b.fingerprint and len(a.signature) == 2
