@@ -1,0 +1,212 @@
+"""The moolib-style Accumulator: its documented loop on 3 peers, sample weighting, NaN, leader, connect.
+
+Peers are accumulators in this process (threads where a loop must run concurrently),
+each with its own averager on 127.0.0.1; every wait is bounded and every peer shut down.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import zgossip
+from zgossip.accumulator import Accumulator, Group
+from zgossip.train_demo import Task, evaluate, make_model
+
+FAST = dict(gossip_interval=0.05, peer_timeout=2.0, request_timeout=0.3, part_timeout=2.0)
+
+
+def _until(pred: Callable[[], bool], timeout: float, what: str, tick: Callable[[], None] = lambda: None) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        tick()
+        time.sleep(0.005)
+
+
+def moolib_loop(group: Group, accumulator: Accumulator, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                data: Callable[[], tuple], batch_size: int, keep_going: Callable[[], bool]) -> None:
+    """moolib's documented Accumulator loop; only `while True` became `while keep_going()` and the batch
+    comes from `data()`."""
+    while keep_going():
+        # Update the status of the objects across the network
+        group.update()
+        accumulator.update()
+
+        # 0. Check we are connected.
+        if not accumulator.connected():
+            time.sleep(0.25)
+            continue
+
+        # 1. Synchronize our state.
+        if accumulator.wants_state():
+            accumulator.set_state({"optimizer": opt.state_dict()})
+        if accumulator.has_new_state():
+            opt.load_state_dict(accumulator.state()["optimizer"])
+
+        # 2. Generate our gradients then reduce them.
+        if accumulator.wants_gradients():
+            X, Y = data()
+            y_pred = model(X)
+            loss = torch.nn.functional.cross_entropy(y_pred, Y)
+            loss.backward()
+            accumulator.reduce_gradients(batch_size)  # has_gradients() -> True after this
+
+        # 3. Step our gradients then reset.
+        if accumulator.has_gradients():
+            opt.step()
+            accumulator.zero_gradients()  # has_gradients() -> False after this
+
+
+def test_moolib_loop_runs_unchanged_on_three_peers_and_trains():
+    versions, batch_size = 30, 32
+    task = Task()
+    hx, hy = task.heldout()
+    models = [make_model(i) for i in range(3)]  # different initialisations: the state sync must fix that
+    untrained = evaluate(models[0], hx, hy)[0]
+    groups = [Group("foo_group", **FAST)]
+    accs = [Accumulator("bar", models[0].parameters(), models[0].buffers(), group=groups[0], virtual_batch_size=96,
+                        target_group_size=3)]
+    accs[0].start()
+    for i in (1, 2):
+        groups.append(Group("foo_group", initial_peers=[accs[0].endpoint], **FAST))
+        accs.append(Accumulator("bar", models[i].parameters(), models[i].buffers(), group=groups[i],
+                                virtual_batch_size=96, target_group_size=3))
+    opts = [torch.optim.Adam(m.parameters(), lr=0.01) for m in models]
+    finished = [False] * 3
+    errors: list = []
+
+    def peer(i: int) -> None:
+        try:
+            gen = task.stream(3, i)
+            deadline = time.monotonic() + 60
+            moolib_loop(groups[i], accs[i], models[i], opts[i], lambda: task.sample(gen, batch_size), batch_size,
+                        lambda: accs[i].model_version() < versions and time.monotonic() < deadline)
+            finished[i] = True
+            while not all(finished) and time.monotonic() < deadline:  # stay up for peers still catching up
+                accs[i].update()
+                if accs[i].wants_state():
+                    accs[i].set_state({"optimizer": opts[i].state_dict()})
+                time.sleep(0.005)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=peer, args=(i,)) for i in range(3)]
+    try:
+        accs[1].start()
+        _until(lambda: len(accs[1]._averager.peers()) == 1, 10, "peers 0 and 1 to meet")
+        threads[0].start()
+        threads[1].start()
+        _until(lambda: accs[0].model_version() >= 5 or errors, 30, "the first updates")
+        threads[2].start()  # peer 2 joins a running swarm
+        for t in threads:
+            t.join(70)
+        assert not errors, errors
+        assert all(finished)
+        assert [a.model_version() for a in accs] == [versions] * 3
+        for a, b, c in zip(*(m.parameters() for m in models)):
+            assert torch.equal(a, b) and torch.equal(a, c)
+        assert evaluate(models[0], hx, hy)[0] < 0.8 * untrained
+        stats = [a.get_gradient_stats() for a in accs]
+        assert stats[2]["num_state_downloads"] >= 1 and stats[0]["num_state_downloads"] == 0
+        assert stats[0]["num_updates"] >= versions - 1 and stats[0]["num_peers"] == 3
+        assert stats[0]["batch_size"] >= 96
+        _until(lambda: len({a.get_leader() for a in accs}) == 1, 5, "views of the leader to agree")
+        assert sum(a.is_leader() for a in accs) == 1
+        # the joiner's optimizer state came from the leader through has_new_state()/state()
+        assert all(float(opts[2].state[p]["step"]) == float(opts[0].state[q]["step"])
+                   for p, q in zip(models[2].parameters(), models[0].parameters()))
+    finally:
+        for a in accs:
+            a.shutdown()
+
+
+def _pair(vbs: int, **kw: Any) -> tuple[Accumulator, Accumulator, torch.nn.Module, torch.nn.Module]:
+    ma, mb = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    a = Accumulator("w", ma.parameters(), group=Group("w", **FAST), virtual_batch_size=vbs, target_group_size=2, **kw)
+    a.start()
+    b = Accumulator("w", mb.parameters(), group=Group("w", initial_peers=[a.endpoint], **FAST),
+                    virtual_batch_size=vbs, target_group_size=2, **kw)
+    try:
+        _until(lambda: a.connected() and b.connected(), 10, "both connected", tick=lambda: (a.update(), b.update(),
+                                                                                            a.wants_state() and a.set_state({})))
+    except BaseException:
+        a.shutdown()
+        b.shutdown()
+        raise
+    return a, b, ma, mb
+
+
+def _set_grads(model: torch.nn.Module, value: float) -> list[torch.Tensor]:
+    gs = []
+    for k, p in enumerate(model.parameters()):
+        p.grad = torch.full_like(p, value + k)
+        gs.append(p.grad.clone())
+    return gs
+
+
+def test_gradients_are_weighted_by_samples_not_by_peers():
+    a, b, ma, mb = _pair(vbs=40)
+    try:
+        ga, gb = _set_grads(ma, 1.0), _set_grads(mb, 5.0)
+        a.reduce_gradients(10)
+        assert all(not p.grad.any() for p in ma.parameters())  # taken: the next backward starts clean
+        b.reduce_gradients(30)
+        _until(lambda: a.has_gradients() and b.has_gradients(), 10, "the reduction", tick=lambda: (a.update(), b.update()))
+        for m in (ma, mb):
+            for p, x, y in zip(m.parameters(), ga, gb):
+                torch.testing.assert_close(p.grad, (10 * x + 30 * y) / 40)
+        assert a.get_gradient_stats()["batch_size"] == 40
+        v = a.model_version()
+        a.zero_gradients()
+        assert a.model_version() == v + 1 and not a.has_gradients() and a.wants_gradients()
+        assert all(not p.grad.any() for p in ma.parameters())
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_nan_gradients_are_dropped_and_a_skipping_peer_still_receives_the_mean():
+    a, b, ma, mb = _pair(vbs=20)
+    try:
+        for p in ma.parameters():
+            p.grad = torch.full_like(p, float("nan"))
+        a.reduce_gradients(16)  # dropped, counted
+        assert a.get_gradient_stats()["num_nonfinite_batches"] == 1
+        a.skip_gradients()
+        gb = _set_grads(mb, 2.0)
+        b.reduce_gradients(20)
+        _until(lambda: a.has_gradients() and b.has_gradients(), 10, "the reduction", tick=lambda: (a.update(), b.update()))
+        for p, y in zip(ma.parameters(), gb):
+            torch.testing.assert_close(p.grad, y)  # a contributed nothing, received b's mean
+        assert a.get_gradient_stats()["num_skipped"] == 1
+        with pytest.raises(zgossip.ZGossipError, match="wants_gradients"):
+            a.reduce_gradients(1)
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_connect_and_misuse():
+    g = Group("c")
+    g.connect("127.0.0.1:5555")
+    assert g.initial_peers == ["tcp://127.0.0.1:5555"]
+    acc = Accumulator("c", torch.nn.Linear(2, 1).parameters(), group=Group("c", **FAST))
+    try:
+        with pytest.raises(zgossip.ZGossipError, match="update"):
+            acc.set_state({})
+        acc.connect("127.0.0.1:1")  # before start: recorded
+        acc.group.initial_peers.clear()
+        acc.update()
+        assert acc.connected() and acc.is_leader()  # alone: it starts the run
+        with pytest.raises(zgossip.ZGossipError, match="before the first update"):
+            acc.connect("127.0.0.1:2")
+        with pytest.raises(TypeError, match="cannot be shared"):
+            acc.set_state({"f": print})
+    finally:
+        acc.shutdown()
+    with pytest.raises(ValueError, match="at least one parameter"):
+        Accumulator("c", [])

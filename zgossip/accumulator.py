@@ -1,0 +1,610 @@
+"""A moolib-style gradient `Accumulator`, decentralized: no broker, gradients weighted by samples.
+
+moolib users write this loop (its documentation's, unchanged apart from construction)::
+
+    group = zgossip.accumulator.Group("foo_group", initial_peers=[...])
+    accumulator = zgossip.accumulator.Accumulator("bar", model.parameters(), model.buffers(), group=group)
+    opt = torch.optim.Adam(model.parameters(), lr=0.001)
+    while True:
+        group.update()
+        accumulator.update()
+        if not accumulator.connected():
+            time.sleep(0.25)
+            continue
+        if accumulator.wants_state():
+            accumulator.set_state({"optimizer": opt.state_dict()})
+        if accumulator.has_new_state():
+            opt.load_state_dict(accumulator.state()["optimizer"])
+        if accumulator.wants_gradients():
+            loss = ...; loss.backward()
+            accumulator.reduce_gradients(batch_size)
+        if accumulator.has_gradients():
+            opt.step()
+            accumulator.zero_gradients()
+
+How the pieces map without a broker:
+
+* **Membership and the leader.** Peers find each other by the averager's gossip and
+  publish a progress record (model version, samples held, flags). The leader is the
+  ready peer with the highest model version, ties to the lowest peer id -- every peer
+  computes the same answer from the same records. `connected` is true once this peer
+  has its initial state: it is the first (nobody else ready after `discovery_time`), or
+  it downloaded the state of the swarm.
+* **State.** A peer that needs state (new, behind, or diverged after a failed round)
+  raises a flag in its record; the leader's `wants_state` turns true, the user's
+  `set_state` snapshots the user state plus parameters and buffers at this model version,
+  and the newcomer downloads it (best version first, checksummed, falling back to other
+  donors) in the background. When it is applied, `has_new_state` is true and `state()`
+  returns the user state once. If the swarm moved on during the download, the peer asks again.
+* **Gradients.** `reduce_gradients(batch_size)` adds ``p.grad * batch_size`` to a local
+  accumulator and zeroes ``p.grad`` (so the next backward starts clean). When the peers
+  at this model version together hold `set_virtual_batch_size` samples (any samples, if
+  it is 0), every ready peer joins one averaging round contributing its mean gradient
+  with weight = its samples: the result is the mean gradient over every sample, written
+  into ``p.grad``; `has_gradients` turns true. `zero_gradients` clears them and
+  increments the model version. A peer that skipped (or had NaN/inf gradients, which
+  are dropped and logged) joins with weight ~0 and still receives the mean. If a round
+  fails, the peer steps on its local gradients, logs it, and (unless it is the leader)
+  resynchronises afterwards; if the others finished without it, it resynchronises.
+
+`set_parallel_gradients` is accepted for compatibility; one round runs at a time.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+import time
+from enum import Enum
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from .errors import ZGossipError
+from .progress import PeerProgress, SwarmView, progress_record, run_digest
+from .trainer import TRAINING_DEFAULTS, ServingAverager, first_nonfinite
+from .training_state import LayoutMismatch, ModelLayout, copy_arrays, named_tensors, pack_state, unpack_state
+
+__all__ = ["Accumulator", "Group"]
+
+log = logging.getLogger(__name__)
+
+_NOTHING = 1e-9  # the weight of a member that contributes no samples
+
+
+def _endpoint(address: str) -> str:
+    return address if "://" in address else f"tcp://{address}"
+
+
+class Group:
+    """Where accumulators meet: moolib's ``Group`` without a broker. ``initial_peers`` are the
+    endpoints of any running peers (``host:port`` or ``tcp://host:port``); the remaining
+    keyword arguments go to each accumulator's `Averager`."""
+
+    def __init__(self, name: str = "zgossip", *, initial_peers: Sequence[str] = (),
+                 listen: str = "tcp://127.0.0.1:0", **averager_opts: Any) -> None:
+        self.name = name
+        self.initial_peers = [_endpoint(a) for a in initial_peers]
+        self.listen = listen
+        self.averager_opts = averager_opts
+
+    def connect(self, address: str) -> None:
+        """Add a peer to bootstrap from (before the accumulators' first `update`)."""
+        self.initial_peers.append(_endpoint(address))
+
+    def update(self) -> None:
+        """Kept so moolib loops run unchanged: gossip runs on each averager's own I/O thread."""
+
+
+class _Phase(Enum):
+    NEW = "new"  # not started: connect() may still add peers
+    DISCOVERING = "discovering"  # listening for peers before deciding whether to download state
+    SYNCING = "syncing"  # waiting for, or downloading, the swarm's state
+    READY = "ready"
+
+
+class Accumulator:
+    """See the module docstring. ``virtual_batch_size`` (also `set_virtual_batch_size`) is the number
+    of samples the swarm accumulates per update; ``model`` (optional) names tensors in messages;
+    ``discovery_time`` is how long a starting peer listens for a running swarm (default
+    ``max(1 s, 5 gossip intervals)``); while a peer downloads the swarm's state, the others start no
+    new round for up to ``catchup_pause`` seconds, so that it can catch up; other keyword arguments
+    go to the `Averager`."""
+
+    def __init__(
+        self,
+        name: str,
+        parameters: Iterable[torch.Tensor],
+        buffers: Iterable[torch.Tensor] = (),
+        group: Group | None = None,
+        *,
+        virtual_batch_size: int = 0,
+        model: torch.nn.Module | None = None,
+        discovery_time: float | None = None,
+        matchmaking_time: float = 0.5,
+        target_group_size: int = 64,
+        state_timeout: float = 60.0,
+        catchup_pause: float = 5.0,
+        **averager_opts: Any,
+    ) -> None:
+        self.name = name
+        self.group = group if group is not None else Group(name)
+        self.params = [p for p in parameters]
+        self.buffers = [b for b in buffers]
+        if not self.params:
+            raise ValueError("the accumulator needs at least one parameter")
+        self.param_names = named_tensors(self.params, model)
+        self.buffer_names = named_tensors(self.buffers, model) if self.buffers else []
+        self.layout = ModelLayout.of(self.params, self.param_names)
+        self.prefix = f"moolib/{self.group.name}/{name}"
+        self._run = run_digest(self.prefix)
+        opts = {**TRAINING_DEFAULTS, "matchmaking_time": matchmaking_time, "target_group_size": target_group_size,
+                **self.group.averager_opts, **averager_opts}
+        self._opts = opts
+        self._gossip = float(opts.get("gossip_interval", 0.5))
+        self._mm_timeout = float(opts["matchmaking_time"]) + 2 * float(opts.get("request_timeout", 0.5)) + 0.5
+        self.discovery_time = discovery_time if discovery_time is not None else max(1.0, 5 * self._gossip)
+        self.state_timeout = float(state_timeout)
+        self.catchup_pause = float(catchup_pause)
+        self._want_seen: dict[str, float] = {}
+        self._vbs = int(virtual_batch_size)
+        self._parallel = 1
+        self._version = 0
+        self._phase = _Phase.NEW
+        self._averager: ServingAverager | None = None
+        self._grads: list[torch.Tensor] = [torch.zeros(p.shape, dtype=p.dtype) for p in self.params]
+        self._samples = 0
+        self._rate = 0.0
+        self._last_reduce: float | None = None
+        self._skipped = False
+        self._has_grads = False
+        self._holding = False  # a peer is catching up: no new round for now
+        self._diverged = False
+        self._round: cf.Future | None = None
+        self._round_meta: dict = {}
+        self._view: SwarmView | None = None
+        self._next_view = 0.0
+        self._deadline = 0.0
+        self._stash: tuple[int, Any, list[np.ndarray]] | None = None
+        self._stash_lock = threading.Lock()
+        self._user_state: Any = None
+        self._new_state = False
+        self._download: cf.Future | None = None
+        self._downloader = cf.ThreadPoolExecutor(1, thread_name_prefix="zgossip-acc-state")
+        self._next_download = 0.0
+        self._warned: set[str] = set()
+        self._published: dict | None = None
+        self._stats = {"batch_size": 0, "num_updates": 0, "num_skipped": 0, "num_local_fallbacks": 0,
+                       "num_nonfinite_batches": 0, "num_state_downloads": 0}
+
+    # ------------------------------------------------------------------ moolib API
+    def connect(self, address: str) -> None:
+        """Bootstrap from the peer at `address` (moolib connects to a broker; here any peer will do)."""
+        if self._phase is not _Phase.NEW:
+            raise ZGossipError("connect() must come before the first update(); or give the Group initial_peers")
+        self.group.connect(address)
+
+    def connected(self) -> bool:
+        """True once this peer holds the swarm's state (or is the first) and may train."""
+        return self._phase is _Phase.READY
+
+    def update(self) -> None:
+        """Advance: start up, read the swarm's records, run state sync and gradient rounds. Call it often."""
+        if self._phase is _Phase.NEW:
+            self._start()
+        now = time.monotonic()
+        if self._round is not None and not self._round.done():
+            cf.wait([self._round], timeout=0.002)  # spare the CPU while a round runs
+        if self._round is not None and self._round.done():
+            self._finish_round()
+        if now >= self._next_view or self._view is None:
+            self._next_view = now + min(0.02, self._gossip / 4)  # reading records is a round trip to the I/O thread
+            self._view = SwarmView.of(self._me(), self._averager.peer_infos(), self._run)
+            self._check_layouts(self._view)
+        else:
+            self._view = self._refresh_me()
+        view = self._view
+        if self._phase is _Phase.DISCOVERING:
+            self._discover(view, now)
+        elif self._phase is _Phase.SYNCING:
+            self._sync(view, now)
+        elif self._phase is _Phase.READY:
+            if self._round is None and not self._has_grads and self._behind(view):
+                log.info("%s: model version %d is behind the swarm's %d: synchronising", self.peer_id[:8],
+                         self._version, view.max_epoch)
+                self._enter_sync()
+            else:
+                self._maybe_start_round(view)
+        self._publish()
+        if self._phase is _Phase.READY and self._holding and not self.wants_gradients() and not self._has_grads:
+            time.sleep(0.002)  # nothing to do until the newcomer caught up: do not spin
+
+    def wants_state(self) -> bool:
+        """True on the leader when some peer waits for state newer than the last `set_state`."""
+        if self._phase is not _Phase.READY or self._view is None or not self.is_leader():
+            return False
+        if not any(p.wants_state for p in self._view.others()):
+            return False
+        return self._stash is None or self._stash[0] != self._version
+
+    def set_state(self, state: Any) -> None:
+        """Snapshot the user `state` (tensors, numbers, strings, lists, tuples, dicts -- never pickled),
+        with the parameters and buffers, for peers that need it."""
+        self._require_started()
+        meta, arrays = pack_state(state)
+        params = copy_arrays(self.params)
+        bufs = copy_arrays(self.buffers)
+        full = {"kind": "accumulator", "version": self._version, "layout": self.layout.as_meta(),
+                "buffers": len(bufs), "user": meta}
+        with self._stash_lock:
+            self._stash = (self._version, full, params + bufs + arrays)
+        self._averager.state_sharing_priority = float(self._version)
+        self._averager.allow_state_sharing = True
+        self._publish()
+
+    def has_new_state(self) -> bool:
+        """True after this peer adopted a downloaded state, until `state()` is read."""
+        return self._new_state
+
+    def state(self) -> Any:
+        """The user state (as given to `set_state` on the donor); reading it clears `has_new_state`."""
+        self._new_state = False
+        return self._user_state
+
+    def wants_gradients(self) -> bool:
+        """True when `reduce_gradients` or `skip_gradients` may be called (not while a round runs, while
+        reduced gradients wait for `zero_gradients`, or while holding a full batch during a catch-up pause)."""
+        return self._can_reduce() and not (self._holding and self._samples >= max(1, self._vbs))
+
+    def _can_reduce(self) -> bool:
+        return self._phase is _Phase.READY and self._round is None and not self._has_grads
+
+    def reduce_gradients(self, batch_size: int) -> None:
+        """Contribute ``p.grad`` (from a loss averaged over `batch_size` samples); zeroes ``p.grad``."""
+        if not self.wants_gradients():
+            raise ZGossipError("reduce_gradients() called while wants_gradients() is False: "
+                               "check it first (a round is running, or reduced gradients await zero_gradients())")
+        grads = [p.grad for p in self.params]
+        bad = first_nonfinite(grads)
+        if bad is not None:
+            self._stats["num_nonfinite_batches"] += 1
+            log.warning("%s: NaN/inf in the gradient of %s: this batch of %d samples is dropped, not reduced",
+                        self.peer_id[:8], self.layout.describe(bad), batch_size)
+        else:
+            with torch.no_grad(), self._averager.get_tensors():
+                for acc, g in zip(self._grads, grads):
+                    if g is not None:
+                        acc.add_(g, alpha=float(batch_size))
+            self._samples += int(batch_size)
+        now = time.monotonic()
+        if self._last_reduce is not None and now > self._last_reduce:
+            inst = batch_size / (now - self._last_reduce)
+            self._rate = inst if self._rate == 0 else 0.8 * self._rate + 0.2 * inst
+        self._last_reduce = now
+        with torch.no_grad():
+            for g in grads:
+                if g is not None:
+                    g.zero_()
+        if self._view is not None:
+            self._maybe_start_round(self._refresh_me())
+
+    def skip_gradients(self) -> None:
+        """Contribute nothing to this round (still receive the others' gradients)."""
+        if not self.wants_gradients():
+            raise ZGossipError("skip_gradients() called while wants_gradients() is False")
+        self._stats["num_skipped"] += 1
+        self._skipped = True
+        if self._view is not None:
+            self._maybe_start_round(self._refresh_me())
+
+    def has_gradients(self) -> bool:
+        """True when ``p.grad`` holds reduced gradients, until `zero_gradients`."""
+        return self._has_grads
+
+    def zero_gradients(self) -> None:
+        """Zero the gradients and the accumulator, and increment the model version."""
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.zero_()
+        self._reset_accumulation()
+        was = self._has_grads
+        self._has_grads = False
+        if was:
+            self._version += 1
+        if self._diverged and self._view is not None and not self.is_leader():
+            log.info("%s: resynchronising after a failed or partial round", self.peer_id[:8])
+            self._enter_sync()
+        self._diverged = False
+        self._publish()
+
+    def model_version(self) -> int:
+        return self._version
+
+    def set_model_version(self, n: int) -> None:
+        self._version = int(n)
+        self._publish()
+
+    def set_virtual_batch_size(self, n: int) -> None:
+        """Samples the swarm accumulates per update (0: each round takes whatever peers hold)."""
+        self._vbs = int(n)
+
+    def set_parallel_gradients(self, n: int) -> None:
+        """Accepted for moolib compatibility; zgossip runs one round at a time."""
+        self._parallel = int(n)
+
+    def get_gradient_stats(self) -> dict:
+        """``batch_size`` (samples in the last reduction), ``num_updates``, ``num_skipped``, plus
+        ``num_local_fallbacks``, ``num_nonfinite_batches``, ``num_state_downloads``, ``num_peers``."""
+        return {**self._stats, "num_peers": self._view.num_peers if self._view is not None else 1,
+                "virtual_batch_size": self._vbs}
+
+    def is_leader(self) -> bool:
+        return self.get_leader() == self.peer_id
+
+    def get_leader(self) -> str:
+        """Peer id of the leader: the ready peer with the highest model version (lowest id on ties), from
+        the records as this peer last read them (they spread by gossip, so views agree within moments)."""
+        if self._averager is None:
+            return self.peer_id
+        if self._view is None or time.monotonic() >= self._next_view:
+            self._next_view = time.monotonic() + min(0.02, self._gossip / 4)
+            self._view = SwarmView.of(self._me(), self._averager.peer_infos(), self._run)
+        return self._refresh_me().leader().peer_id
+
+    @property
+    def peer_id(self) -> str:
+        return self._averager.peer_id if self._averager is not None else "(not started)"
+
+    @property
+    def endpoint(self) -> str:
+        self._require_started()
+        return self._averager.endpoint
+
+    def shutdown(self) -> None:
+        if self._averager is not None:
+            self._averager.shutdown()
+        self._downloader.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> "Accumulator":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ start-up and state
+    def start(self) -> None:
+        """Start the averager now (the first `update` does it otherwise): `endpoint` becomes known."""
+        if self._phase is _Phase.NEW:
+            self._start()
+
+    def _start(self) -> None:
+        g = self.group
+        self._averager = ServingAverager(self._grads, state_fn=self._serve, prefix=self.prefix, listen=g.listen,
+                                         initial_peers=list(g.initial_peers), allow_state_sharing=False,
+                                         **self._opts)
+        self._deadline = time.monotonic() + self.discovery_time
+        self._phase = _Phase.DISCOVERING if g.initial_peers else _Phase.READY
+        self._publish()
+
+    def _require_started(self) -> None:
+        if self._averager is None:
+            raise ZGossipError("call update() (or start()) first: the accumulator is not running yet")
+
+    def _serve(self) -> tuple[Any, list[np.ndarray]]:
+        with self._stash_lock:
+            if self._stash is None:
+                raise ZGossipError("no state set yet")
+            _, meta, arrays = self._stash
+            return meta, arrays
+
+    def _discover(self, view: SwarmView, now: float) -> None:
+        ready = [p for p in view.others() if p.ready]
+        if ready:
+            self._enter_sync()
+            return
+        everyone = [p.peer_id for p in view.peers]
+        if now >= self._deadline and (min(everyone) == self.peer_id or now >= self._deadline + 3 * self.discovery_time):
+            log.info("%s: no ready peer found: starting the run here", self.peer_id[:8])
+            self._phase = _Phase.READY
+
+    def _enter_sync(self) -> None:
+        log.debug("%s: synchronising", self.peer_id[:8])
+        self._phase = _Phase.SYNCING
+        self._reset_accumulation()
+        self._publish()
+
+    def _behind(self, view: SwarmView) -> bool:
+        return any(p.ready and p.epoch > self._version for p in view.others())
+
+    def _sync(self, view: SwarmView, now: float) -> None:
+        if self._download is None:
+            ready = [p for p in view.others() if p.ready]
+            if not ready:
+                if now >= self._deadline + 3 * self.discovery_time:
+                    log.warning("%s: no ready peer to synchronise with: carrying on alone", self.peer_id[:8])
+                    self._phase = _Phase.READY
+                return
+            top = max(p.epoch for p in ready)
+            fresh = any(p.state_version >= top for p in ready)
+            # the peers pause for us while a fresh state is on offer (see _paused); if nobody offers
+            # one for a while, take the newest there is and ask again if it turns out stale
+            stale_ok = now >= self._deadline + self.discovery_time and any(p.state_version >= 0 for p in ready)
+            if (fresh or stale_ok) and now >= self._next_download:
+                log.debug("%s: downloading state (swarm at %d, fresh=%s)", self.peer_id[:8], top, fresh)
+                self._deadline = now
+                self._download = self._downloader.submit(
+                    self._averager.load_state_from_peers, timeout=self.state_timeout, apply=False)
+            return
+        if not self._download.done():
+            return
+        fut, self._download = self._download, None
+        try:
+            meta, arrays = fut.result()
+            self._adopt(meta, arrays)
+        except (ZGossipError, ValueError) as e:
+            if isinstance(e, LayoutMismatch):
+                raise
+            self._next_download = time.monotonic() + max(0.5, 2 * self._gossip)
+            log.warning("%s: state download failed, retrying: %s", self.peer_id[:8], e)
+
+    def _adopt(self, meta: Any, arrays: Sequence[np.ndarray]) -> None:
+        if not isinstance(meta, dict) or meta.get("kind") != "accumulator":
+            raise ZGossipError("the donor sent a state that is not an accumulator's")
+        diff = self.layout.difference(ModelLayout.from_meta(meta["layout"]))
+        if diff is not None:
+            raise LayoutMismatch(f"cannot adopt the swarm's state: {diff}. Every peer must build the same model.")
+        n, nb = len(self.params), int(meta["buffers"])
+        if nb != len(self.buffers):
+            raise LayoutMismatch(f"the donor has {nb} buffers, this peer {len(self.buffers)}")
+        for i, (b, a) in enumerate(zip(self.buffers, arrays[n:n + nb])):
+            if tuple(b.shape) != tuple(a.shape):
+                raise LayoutMismatch(f"buffer {i} {self.buffer_names[i]!r}: shape {tuple(b.shape)} here, "
+                                     f"{tuple(a.shape)} at the donor")
+        user = unpack_state(meta["user"], arrays[n + nb:])
+        with torch.no_grad():
+            for p, a in zip(self.params, arrays[:n]):
+                p.copy_(torch.from_numpy(np.asarray(a)))
+            for b, a in zip(self.buffers, arrays[n:n + nb]):
+                b.copy_(torch.from_numpy(np.asarray(a)))
+        self._user_state = user
+        self._new_state = True
+        self._version = int(meta["version"])
+        self._stats["num_state_downloads"] += 1
+        self._phase = _Phase.READY
+        log.info("%s: adopted the swarm's state at model version %d", self.peer_id[:8], self._version)
+
+    # ------------------------------------------------------------------ gradient rounds
+    def _reset_accumulation(self) -> None:
+        with torch.no_grad(), self._averager.get_tensors():
+            for g in self._grads:
+                g.zero_()
+        self._samples = 0
+        self._skipped = False
+
+    def _paused(self, view: SwarmView, now: float) -> bool:
+        """Hold off new rounds while a peer is catching up (at most `catchup_pause` s per request):
+        otherwise a swarm that updates faster than a state download never lets a newcomer in."""
+        wanting = {p.peer_id for p in view.others() if p.wants_state}
+        for pid in list(self._want_seen):
+            if pid not in wanting:
+                del self._want_seen[pid]
+        for pid in wanting:
+            self._want_seen.setdefault(pid, now)
+        return any(now - t < self.catchup_pause for t in self._want_seen.values())
+
+    def _maybe_start_round(self, view: SwarmView) -> None:
+        if not self._can_reduce():
+            return
+        self._holding = self._paused(view, time.monotonic()) and not view.averaging_at(self._version)
+        if self._holding:
+            return
+        have = view.estimate_at(self._version, time.time(), 4 * self._gossip)
+        joining = view.averaging_at(self._version)
+        if not joining and not (have > 0 and have >= self._vbs):
+            return
+        if not joining and self._samples == 0 and not self._skipped:
+            return  # wait until we contributed (or skipped) once: the loop calls us again
+        ready = [p for p in view.peers if p.ready]
+        n = self._samples
+        with torch.no_grad(), self._averager.get_tensors():
+            if n > 0:
+                for g in self._grads:
+                    g.div_(n)
+        self._round_meta = {"version": self._version, "samples": n, "t0": time.monotonic(),
+                            "expected": len(ready)}
+        if len(ready) <= 1:
+            self._round = cf.Future()
+            self._round.set_exception(ZGossipError("alone"))
+            self._round_meta["alone"] = True
+            return
+        self._publish(averaging=True)
+        self._round = self._averager.step(weight=n if n > 0 else _NOTHING, gather={"ep": self._version, "n": n},
+                                          timeout=self._mm_timeout, wait=False)
+
+    def _finish_round(self) -> None:
+        fut, self._round = self._round, None
+        meta = self._round_meta
+        n = meta["samples"]
+        try:
+            result = fut.result()
+        except ZGossipError as e:
+            result = None
+            if not meta.get("alone"):
+                view = SwarmView.of(self._me(), self._averager.peer_infos(), self._run)
+                if self._behind(view):
+                    log.warning("%s: the round for version %d failed (%s) and the swarm moved on: synchronising",
+                                self.peer_id[:8], meta["version"], e)
+                    self._enter_sync()
+                    return
+                log.warning("%s: the round for version %d failed (%s); proceeding with local gradients "
+                            "(%d samples)", self.peer_id[:8], meta["version"], e, n)
+                self._stats["num_local_fallbacks"] += 1
+                self._diverged = True
+        total = float(n)
+        step = n > 0
+        if result is not None:
+            total = sum(float(g.get("n", 0)) for c, g in result.gathered.items()
+                        if c in result.contributors and isinstance(g, dict) and type(g.get("n", 0)) in (int, float))
+            if not result.complete:
+                log.warning("%s: partial round (lost %s); resynchronising after this update", self.peer_id[:8],
+                            ", ".join(p[:8] for p in result.lost) or "none")
+                self._diverged = True
+            bad = first_nonfinite(self._grads)
+            if bad is not None:
+                log.error("%s: the reduced gradient of %s is NaN/inf (a peer sent non-finite values unflagged): "
+                          "this update is skipped", self.peer_id[:8], self.layout.describe(bad))
+                self._reset_accumulation()
+                return
+            step = True
+        if not step:
+            self._reset_accumulation()
+            return
+        with torch.no_grad():
+            for p, g in zip(self.params, self._grads):
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
+        self._stats["batch_size"] = total
+        self._stats["num_updates"] += 1
+        self._has_grads = True
+        log.debug("%s: version %d reduced over %s samples", self.peer_id[:8], self._version, total)
+
+    # ------------------------------------------------------------------ records
+    def _me(self, averaging: bool = False) -> PeerProgress:
+        return PeerProgress(
+            self.peer_id, self._version, float(self._samples), self._rate, self.layout.fingerprint, self.layout.signature,
+            len(self.layout.shapes), in_sync=not self._diverged, ready=self._phase is _Phase.READY,
+            wants_state=self._phase in (_Phase.DISCOVERING, _Phase.SYNCING),
+            state_version=self._stash[0] if self._stash is not None else -1,
+            nonfinite=self._stats["num_nonfinite_batches"], time=time.time(),
+            averaging=averaging or (self._round is not None and not self._round.done()),
+        )
+
+    def _refresh_me(self) -> SwarmView:
+        assert self._view is not None
+        me = self._me()
+        return SwarmView(me, tuple(me if p.peer_id == me.peer_id else p for p in self._view.peers),
+                         self._view.mismatched)
+
+    def _publish(self, averaging: bool = False) -> None:
+        if self._averager is None:
+            return
+        rec = progress_record(self._run, self._me(averaging))
+        key = {k: v for k, v in rec.items() if k not in ("t", "sps")}
+        if key != self._published:
+            self._published = key
+            self._averager.publish(**rec)
+
+    def _check_layouts(self, view: SwarmView) -> None:
+        for p in view.mismatched:
+            if p.peer_id not in self._warned:
+                self._warned.add(p.peer_id)
+                log.error("%s: peer %s trains a different model: %s; never averaging with it", self.peer_id[:8],
+                          p.peer_id[:8], self.layout.difference_from_digest(p.tensors, p.signature))
+        if view.mismatched and len(view.peers) == 1 and any(p.epoch >= self._version for p in view.mismatched):
+            p = view.mismatched[0]
+            raise LayoutMismatch(f"this peer's model differs from every other peer's in {self.prefix!r}: "
+                                 f"{self.layout.difference_from_digest(p.tensors, p.signature)}")
