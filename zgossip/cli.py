@@ -1,4 +1,4 @@
-"""The ``zgossip`` command: ``demo``, ``peer``, ``bench`` and ``train-demo``."""
+"""The ``zgossip`` command: ``demo``, ``peer``, ``bench``, ``train-demo`` and ``bench-train``."""
 from __future__ import annotations
 
 import argparse
@@ -12,15 +12,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zgossip", description="Decentralized tensor averaging over ZeroMQ.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from . import bench, demo, peer, train_demo
+    from . import bench, bench_train, demo, peer, train_demo
 
     demo.add_arguments(sub.add_parser("demo", help="8 local peers average random tensors on a Moshpit grid"))
     peer.add_arguments(sub.add_parser("peer", help="run one peer for real (multi-host) use"))
     bench.add_arguments(sub.add_parser("bench", help="time the all-reduce, optionally against torch.distributed gloo"))
     train_demo.add_arguments(sub.add_parser("train-demo", help="local peers train one model together; one joins late"))
+    bench_train.add_arguments(sub.add_parser("bench-train", help="one collaborative step (4 peers, 10M params) vs gloo"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "WARNING"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return {"demo": demo.run, "peer": peer.run, "bench": bench.run, "train-demo": train_demo.run}[args.command](args)
+    return {"demo": demo.run, "peer": peer.run, "bench": bench.run, "train-demo": train_demo.run,
+            "bench-train": bench_train.run}[args.command](args)
 
 
 if __name__ == "__main__":

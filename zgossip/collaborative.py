@@ -120,6 +120,7 @@ class CollaborativeOptimizer(TrainerPeer):
         self.samples = 0  # accumulated toward the next epoch on this peer
         self.last_round: dict[str, Any] = {}
         self._epoch_nonfinite = 0
+        self._phases: dict[str, float] = {}
         self._rate = 0.0
         self._last_step_time: float | None = None
         self._grads: list[torch.Tensor] = []
@@ -175,12 +176,15 @@ class CollaborativeOptimizer(TrainerPeer):
         bs = batch_size if batch_size is not None else self.batch_size
         if bs is None or bs < 0:
             raise ValueError("give step() a batch_size (or the constructor a default batch_size)")
+        t0 = time.perf_counter()
         infos = self.averager.peer_infos()
         view = self._view(infos)
         self._check_layouts(view)
         if self._resync_if_needed(view):
             return loss  # this batch's gradients belonged to a model we no longer have
+        t1 = time.perf_counter()
         self._accumulate(int(bs))
+        self._phases = {"read_progress": t1 - t0, "accumulate": time.perf_counter() - t1}
         view = self._view(infos)
         # records lag by the gossip delay: extrapolate them with each peer's throughput, and follow
         # any peer that already entered the round, so that the peers of an epoch meet in one window
@@ -234,6 +238,7 @@ class CollaborativeOptimizer(TrainerPeer):
         return False
 
     def _finish_epoch(self, view: SwarmView) -> None:
+        t0 = time.perf_counter()
         epoch, n = self.local_epoch, self.samples
         with torch.no_grad(), self.averager.get_tensors():
             if n > 0:
@@ -246,6 +251,7 @@ class CollaborativeOptimizer(TrainerPeer):
         gather = {"ep": epoch, "n": n, "bad": self._epoch_nonfinite}
         result, error = None, None
         t0 = time.monotonic()
+        t1 = time.perf_counter()
         if expected > 1:
             self._averaging = True
             self._publish()
@@ -261,6 +267,7 @@ class CollaborativeOptimizer(TrainerPeer):
                                "group_size": 1, "samples": n, "excluded": {}, "ok": result is not None,
                                "error": None if error is None else f"{type(error).__name__}: {error}"}
         do_step = n > 0
+        t2 = time.perf_counter()
         if result is not None:
             do_step = self._check_round(result, rnd)
         elif expected > 1:
@@ -274,8 +281,12 @@ class CollaborativeOptimizer(TrainerPeer):
             log.warning("%s: averaging for epoch %d failed (%s); proceeding with local gradients (%d samples) "
                         "and resynchronising afterwards", self.peer_id[:8], epoch, rnd["error"], n)
             self.in_sync = False
+        t3 = time.perf_counter()
         self._apply_step(do_step)
         rnd["stepped"] = do_step
+        # where the time of this step went (the wrapper's overhead over plain averaging, for benchmarks)
+        rnd["phases"] = {**self._phases, "prepare": t1 - t0, "average": t2 - t1, "check": t3 - t2,
+                         "optimizer_step": time.perf_counter() - t3}
         self.last_round = rnd
         log.debug("%s: epoch %d -> %d: %s", self.peer_id[:8], epoch, self.local_epoch, rnd)
 
@@ -284,6 +295,7 @@ class CollaborativeOptimizer(TrainerPeer):
         contributors = [c for c in result.contributors if isinstance(gathered.get(c), dict)]
         rnd["group_size"] = len(result.members)
         rnd["contributors"] = len(result.contributors)
+        rnd["timings"] = dict(result.timings)  # the averager's own matchmaking / all-reduce times
         total = 0.0
         epochs = set()
         for c in contributors:
