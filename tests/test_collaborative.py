@@ -239,6 +239,10 @@ def _peers(n: int, models: list, prefix: str, **kw: Any) -> list[CollaborativeOp
                 initial_peers=[opts[0].endpoint] if opts else [],
                 **{"target_batch_size": 96, "batch_size": 16, "matchmaking_time": 0.5, "target_group_size": n,
                    "averager_opts": dict(FAST), **kw}))
+        deadline = time.monotonic() + 10
+        while any(o.num_peers < n for o in opts):  # everyone sees everyone (and their records) before training
+            assert time.monotonic() < deadline, "peers did not see each other"
+            time.sleep(0.02)
     except BaseException:
         for o in opts:
             o.shutdown()
@@ -377,6 +381,29 @@ def test_unflagged_nan_in_the_average_is_detected_and_every_member_skips_the_ste
         assert any("averaged gradient of tensor 0" in r.getMessage() for r in caplog.records)
         for a, b, c in zip(*(m.parameters() for m in models)):
             assert torch.isfinite(a).all() and torch.equal(a, b) and torch.equal(a, c), repr(out["rounds"])
+    finally:
+        for o in opts:
+            o.shutdown()
+
+
+def test_peers_that_start_apart_are_caught_by_the_parameter_digest_and_converge(caplog):
+    """Different initialisations (a common slip) would train three different models; the published
+    parameter digests disagree at epoch 0, so the two non-reference peers download the reference's state."""
+    models = [make_model(seed) for seed in (0, 1, 2)]
+    opts = _peers(3, models, "drift")
+    try:
+        with caplog.at_level(logging.WARNING, logger="zgossip.collaborative"):
+            out = _train(opts, models, epochs=3)
+            assert not out["errors"], out["errors"]
+            # a peer that stopped right after a round may not have compared digests yet: synchronize() does
+            deadline = time.monotonic() + 10
+            while [o.synchronize() for o in opts] != [False] * 3 or len({o._param_digest for o in opts}) > 1:
+                assert time.monotonic() < deadline, "peers did not converge"
+                time.sleep(0.1)
+        assert any("different sets of parameters" in r.getMessage() for r in caplog.records)
+        for a, b, c in zip(*(m.parameters() for m in models)):
+            assert torch.equal(a, b) and torch.equal(a, c)
+        assert all(o.local_epoch >= 3 for o in opts)
     finally:
         for o in opts:
             o.shutdown()

@@ -27,6 +27,11 @@ What can go wrong, and what happens (the issue's rules, plus what it left open):
   reference so the swarm converges again.
 * **A partial round** (a member died mid-round and part of the vector kept local
   values) is treated the same way: step, then resynchronise.
+* **Silent drift** (peers that started from different initialisations, or a swarm that
+  split into several groups because ``target_group_size`` is smaller than the swarm):
+  each peer publishes a digest of a strided sample of its parameters; at one epoch the
+  largest set of equal digests (ties: the one holding the lowest peer id) is the
+  reference and every other peer marks itself out of sync and downloads the state.
 * **Behind** (a newcomer, or a peer that missed a round): the swarm is at a higher epoch,
   so we load parameters, optimizer and scheduler state and the epoch from the best donor.
 * **NaN/inf gradients** in a local batch: the batch is dropped (not accumulated), the
@@ -53,7 +58,7 @@ import torch
 
 from .errors import ZGossipError
 from .progress import SwarmView
-from .trainer import SchedulerLike, TrainerPeer, first_nonfinite
+from .trainer import SchedulerLike, TrainerPeer, first_nonfinite, params_digest
 
 __all__ = ["CollaborativeOptimizer", "GlobalProgress"]
 
@@ -139,6 +144,7 @@ class CollaborativeOptimizer(TrainerPeer):
 
     # ------------------------------------------------------------------ TrainerPeer hooks
     def _averaged_tensors(self) -> tuple[list[torch.Tensor], list[str]]:
+        self._param_digest = params_digest(self.params, self.local_epoch)  # published from the first record on
         self._grads = [torch.zeros(p.shape, dtype=p.dtype) for p in self.params]
         return self._grads, list(self.param_names)
 
@@ -149,6 +155,7 @@ class CollaborativeOptimizer(TrainerPeer):
         return self._rate
 
     def _after_state_loaded(self) -> None:
+        self._param_digest = params_digest(self.params, self.local_epoch)
         self.samples = 0
         self._epoch_nonfinite = 0
         with self.averager.get_tensors():
@@ -164,6 +171,15 @@ class CollaborativeOptimizer(TrainerPeer):
         left = max(0.0, self.target_batch_size - have)
         eta = left / rate if rate > 0 else (0.0 if left == 0 else float("inf"))
         return GlobalProgress(ep, have, self.target_batch_size, view.num_peers, rate, eta)
+
+    def synchronize(self) -> bool:
+        """Compare with the swarm now (not only at the next `step`): if this peer is behind, out of sync,
+        or holds parameters that differ from the reference at its epoch, load the swarm's state.
+        True if it did. Useful before saving a checkpoint, or at the end of training."""
+        self._raise_if_closed()
+        view = self._view()
+        self._check_layouts(view)
+        return self._resync_if_needed(view)
 
     def step(self, closure: Callable[[], Any] | None = None, batch_size: int | None = None) -> Any:
         """Accumulate this batch's gradients (``p.grad``, from a loss averaged over `batch_size`
@@ -225,6 +241,8 @@ class CollaborativeOptimizer(TrainerPeer):
         if view.max_epoch > self.local_epoch:
             return self._try_load_state(view, f"behind: epoch {self.local_epoch} < swarm's {view.max_epoch}")
         if self.in_sync:
+            self._compare_digests(view)
+        if self.in_sync:
             return False
         ref = [p for p in view.others() if p.in_sync and p.epoch >= self.local_epoch]
         if ref:
@@ -236,6 +254,26 @@ class CollaborativeOptimizer(TrainerPeer):
             self._update_sharing()
             self._publish()
         return False
+
+    def _compare_digests(self, view: SwarmView) -> None:
+        """Peers at one epoch should hold identical parameters. If they do not (the swarm split into
+        several groups, e.g. target_group_size < peers), the largest set of equal digests (ties: the one
+        holding the lowest peer id) is the reference, and every other peer marks itself out of sync."""
+        groups: dict[str, list[str]] = {}
+        for p in view.at(self.local_epoch):
+            if p.in_sync and p.digest:
+                groups.setdefault(p.digest, []).append(p.peer_id)
+        if len(groups) < 2:
+            return
+        ref = sorted(groups.items(), key=lambda kv: (-len(kv[1]), min(kv[1])))[0][0]
+        if ref != self._param_digest:
+            log.warning("%s: at epoch %d the peers hold %d different sets of parameters (groups split? "
+                        "target_group_size=%d, live peers=%d): resynchronising with the majority",
+                        self.peer_id[:8], self.local_epoch, len(groups), self.averager.config.target_group_size,
+                        view.num_peers)
+            self.in_sync = False
+            self._update_sharing()
+            self._publish()
 
     def _finish_epoch(self, view: SwarmView) -> None:
         t0 = time.perf_counter()
@@ -342,5 +380,6 @@ class CollaborativeOptimizer(TrainerPeer):
             with self.averager.get_tensors():
                 for g in self._grads:
                     g.zero_()
+            self._param_digest = params_digest(self.params, self.local_epoch)
         self._update_sharing()
         self._publish()

@@ -44,16 +44,17 @@ class PeerProgress:
     nonfinite: int = 0  # batches it dropped for NaN/inf gradients so far
     time: float = 0.0  # wall-clock time of the record (to extrapolate `samples` with the throughput)
     averaging: bool = False  # it is in (or about to enter) the round that ends `epoch`
+    digest: str = ""  # a short digest of its parameters at `epoch` ("" if it does not publish one)
 
 
 def progress_record(run: str, p: PeerProgress) -> dict:
-    """The dict to `publish`: 11 short scalar entries (the core allows 14; flags share one int)."""
+    """The dict to `publish`: 12 short scalar entries (the core allows 14; flags share one int)."""
     flags = (_IN_SYNC * p.in_sync) | (_READY * p.ready) | (_WANTS * p.wants_state) | (_AVERAGING * p.averaging)
     return {
         "run": run, "ep": int(p.epoch), "n": float(p.samples),
         "sps": float(p.samples_per_second) if math.isfinite(p.samples_per_second) else 0.0,
         "lay": p.layout, "sig": p.signature, "nt": int(p.tensors), "f": flags, "sv": int(p.state_version),
-        "bad": int(p.nonfinite), "t": float(p.time),
+        "bad": int(p.nonfinite), "t": float(p.time), "pd": p.digest,
     }
 
 
@@ -71,7 +72,7 @@ def _parse(peer_id: str, rec: Mapping[str, Any], run: str) -> PeerProgress | Non
             peer_id, ep, float(n), float(sps), str(rec["lay"]), str(rec["sig"]), int(rec["nt"]),
             in_sync=bool(flags & _IN_SYNC), ready=bool(flags & _READY), wants_state=bool(flags & _WANTS),
             state_version=int(rec["sv"]), nonfinite=int(rec["bad"]), time=float(rec["t"]),
-            averaging=bool(flags & _AVERAGING),
+            averaging=bool(flags & _AVERAGING), digest=str(rec.get("pd", "")),
         )
     except (KeyError, TypeError, ValueError):
         return None

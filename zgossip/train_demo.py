@@ -133,6 +133,8 @@ def train_peer(index: int, conn: Any, cfg: dict) -> None:
                 conn.send({"event": "epoch", "epoch": last, "loss": hl, "acc": acc, "peers": opt.num_peers,
                            "samples": opt.last_round.get("samples"), "group": opt.last_round.get("group_size"),
                            "ok": opt.last_round.get("ok")})
+        time.sleep(0.3)  # let the last records spread, then make sure this peer holds the swarm's model
+        opt.synchronize()
         hl, acc = evaluate(model, hx, hy)
         conn.send({"event": "done", "epoch": opt.local_epoch, "loss": hl, "acc": acc, "digest": param_digest(model),
                    "params": [p.detach().numpy().copy() for p in model.parameters()],

@@ -16,6 +16,7 @@ state, would otherwise wait for it.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import threading
@@ -30,7 +31,7 @@ from .errors import StateUnavailable, ZGossipError
 from .progress import PeerProgress, SwarmView, progress_record, run_digest
 from .training_state import LayoutMismatch, ModelLayout, copy_arrays, named_tensors, pack_state, unpack_state
 
-__all__ = ["TrainerPeer", "ServingAverager", "SchedulerLike"]
+__all__ = ["TrainerPeer", "ServingAverager", "SchedulerLike", "first_nonfinite", "params_digest"]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,19 @@ def first_nonfinite(tensors: Sequence[torch.Tensor | None]) -> int | None:
         if not math.isfinite(float(t.sum())) and not bool(torch.isfinite(t).all()):
             return i
     return None
+
+
+def params_digest(params: Sequence[torch.Tensor], epoch: int, samples_per_tensor: int = 512) -> str:
+    """A short digest of (a strided sample of) every parameter: equal models give equal digests, and
+    two models that drifted apart (which touches every element) differ with near certainty. Cheap
+    enough to compute after every optimizer step of a 10M-parameter model (~0.1 ms)."""
+    h = hashlib.blake2b(str(epoch).encode(), digest_size=6)
+    with torch.no_grad():
+        for p in params:
+            flat = p.detach().reshape(-1)
+            stride = max(1, flat.numel() // samples_per_tensor)
+            h.update(flat[::stride].contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 class TrainerPeer:
@@ -110,6 +124,7 @@ class TrainerPeer:
         self.state_chunk_timeout = float(state_chunk_timeout)
         self._closed = False
         self._averaging = False
+        self._param_digest = ""  # published by wrappers whose peers must hold identical parameters
         self._lock = threading.RLock()
         self._run = run_digest(prefix)
         self._warned_layout: set[str] = set()
@@ -229,7 +244,7 @@ class TrainerPeer:
         return PeerProgress(self.peer_id, self.local_epoch, self._progress_samples(), self._progress_rate(),
                             self.layout.fingerprint, self.layout.signature, len(self.layout.shapes),
                             in_sync=self.in_sync, nonfinite=self.nonfinite_batches, time=time.time(),
-                            averaging=self._averaging)
+                            averaging=self._averaging, digest=self._param_digest)
 
     def _publish(self) -> None:
         self.averager.publish(**progress_record(self._run, self._me()))
