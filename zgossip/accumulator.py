@@ -303,7 +303,9 @@ class Accumulator:
         return self._has_grads
 
     def zero_gradients(self) -> None:
-        """Zero the gradients and the accumulator, and increment the model version."""
+        """Zero the gradients and the accumulator; after an update (`has_gradients` was true), increment
+        the model version (moolib increments on every call; here a stray call does not make this peer
+        look ahead of the swarm)."""
         with torch.no_grad():
             for p in self.params:
                 if p.grad is not None:
