@@ -244,14 +244,22 @@ class DecentralizedOptimizer(TrainerPeer):
         fut, generation, _ = self._round
         if not wait and not fut.done():
             return None
-        self._round = None
+        if timeout is None:  # the averager bounds matchmaking and the all-reduce; this only guards against a bug
+            cfg = self.averager.config
+            timeout = (self.averaging_timeout or max(5.0, 3 * cfg.matchmaking_time)) + cfg.allreduce_timeout + 30.0
         try:
-            result = fut.result(timeout=None if timeout is None else timeout + 60.0)
-        except (ZGossipError, cf.TimeoutError) as e:
+            result = fut.result(timeout=timeout)
+        except cf.TimeoutError:
+            log.warning("%s: averaging round still running after %.0fs; its result will be applied later",
+                        self.peer_id[:8], timeout)
+            return None
+        except ZGossipError as e:
+            self._round = None
             self.rounds["failed"] += 1
             self.last_round = {"ok": False, "error": f"{type(e).__name__}: {e}"}
             log.info("%s: averaging round failed: %s", self.peer_id[:8], e)
             return None
+        self._round = None
         if generation != self._generation:
             return None  # state was loaded from a peer while the round ran
         targets = self._targets()
