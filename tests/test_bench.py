@@ -1,0 +1,72 @@
+"""`zgossip bench` end to end at a tiny size: it runs, reports every figure, and is correct.
+
+Functional only: no timing is asserted (timings on a shared 2-core machine are not a
+test). Each run starts and stops its own processes; a run takes a few seconds.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from zgossip import bench
+
+STATS = {"median", "min", "max", "all"}
+
+
+def run_json(capsys: pytest.CaptureFixture, *argv: str) -> dict:
+    rc = bench.main([*argv, "--json", "--timeout", "60"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out, "bench printed nothing"
+    report = json.loads(out[-1])
+    assert rc == 0, report
+    return report
+
+
+def check_stats(s: dict, reps: int) -> None:
+    assert STATS <= set(s)
+    assert len(s["all"]) == reps
+    assert 0 <= s["min"] <= s["median"] <= s["max"]
+
+
+def check_zgossip(report: dict, peers: int, numel: int, reps: int) -> None:
+    assert report["benchmark"] == "allreduce"
+    assert (report["peers"], report["numel"], report["reps"]) == (peers, numel, reps)
+    zg = report["zgossip"]
+    for key in ("step", "allreduce", "matchmaking", "cpu_seconds_all_peers"):
+        check_stats(zg[key], reps)
+    assert zg["correct"] is True
+    assert zg["max_abs_error"] < 1e-5
+    mem = zg["memory"]
+    assert mem["tensor_bytes"] == numel * 4
+    assert len(mem["extra_peak_bytes_per_peer"]) in (0, peers)  # 0 where /proc/self/clear_refs is not writable
+    assert report["other_load_cores"] >= 0
+
+
+def test_bench_zgossip_alone(capsys: pytest.CaptureFixture) -> None:
+    report = run_json(capsys, "--peers", "2", "--numel", "4096", "--reps", "5")
+    check_zgossip(report, 2, 4096, 5)
+    assert "gloo" not in report and "ratio" not in report
+
+
+def test_bench_vs_gloo(capsys: pytest.CaptureFixture) -> None:
+    pytest.importorskip("torch.distributed")
+    report = run_json(capsys, "--peers", "2", "--numel", "4096", "--reps", "5", "--vs", "gloo")
+    check_zgossip(report, 2, 4096, 5)
+    gloo = report["gloo"]
+    check_stats(gloo["all_reduce"], 5)
+    check_stats(gloo["cpu_seconds_all_peers"], 5)
+    assert gloo["correct"] is True
+    assert report["ratio"] == pytest.approx(report["zgossip"]["step"]["median"] / gloo["all_reduce"]["median"])
+
+
+def test_bench_matchmaking(capsys: pytest.CaptureFixture) -> None:
+    report = run_json(capsys, "--matchmaking", "--peers", "3", "--reps", "5")
+    assert report["benchmark"] == "matchmaking"
+    assert report["peers"] == 3 and report["steps"] == 10  # at least 10 steps whatever --reps says
+    check_stats(report["matchmaking"], 10)
+
+
+def test_bench_rejects_too_few_reps(capsys: pytest.CaptureFixture) -> None:
+    assert bench.main(["--reps", "3"]) == 2
+    assert "at least 5" in capsys.readouterr().err
