@@ -21,8 +21,9 @@ alternative a real swarm gets when nodes pick their own coordinates
 (``placement="iid"``, every coordinate uniform) lets cells collide, so some lines
 hold more than 32 peers and are cut in two groups of ~16 while other lines are
 short; the ``moshpit-iid`` variant measures what that costs. ``moshpit-fill``
-measures zgossip's current matchmaker rule (a group closes as soon as 32 peers of a
-line joined; leftovers form one group only if at least ``min_group_size``).
+measures the matchmaker rule with ``straggler_grace=0`` (a group closes as soon as 32 peers
+of a line joined; leftovers form one group only if at least ``min_group_size``); the
+default grace cuts an overfull line evenly, as ``moshpit`` does.
 
 Randomness: the initial scalars depend only on (seed, N, restart), so every method
 and every p starts from the same values in a restart; each run then draws from its

@@ -176,9 +176,9 @@ def _cut_lines(order: np.ndarray, line_counts: np.ndarray, target: int, min_size
     closes; ``n < min_size``: no group; ``g == 1 and n > target``: one group of the
     first ``target``, the rest meet nobody.
 
-    ``fill``: what zgossip's matchmaker does today, where the rendezvous peer closes a
-    group as soon as ``full = max(min_size, min(target, M_axis))`` peers joined
-    (`Matchmaker.on_join`): ``n // full`` groups of ``full`` in arrival order, then
+    ``fill``: what zgossip's matchmaker does with ``straggler_grace=0``, where the rendezvous
+    peer closes a group as soon as ``full = max(min_size, min(target, M_axis))`` peers joined
+    (`Matchmaker.on_join`; by default it waits ``straggler_grace`` and then cuts evenly): ``n // full`` groups of ``full`` in arrival order, then
     the remainder ``r`` as one group at window close if ``r >= min_size``, else the
     remainder meets nobody. The two agree unless a line holds more than ``full``
     peers (possible once cells collide: i.i.d. placement, or faults).

@@ -108,7 +108,7 @@ def run_side_by_side(grid, coords, p, rounds, seed, target, min_size=2, dim=3, l
     values = rng.standard_normal((n, dim))
     real = RealGrid(values, coords, grid, target, min_size, seed=seed)
     model = RoundLevelSwarm(values, Method.MOSHPIT, np.random.default_rng(seed + 1), p_unavailable=p,
-                            group_size=target, min_group_size=min_size, grid=grid, coords=coords, cut="fill")
+                            group_size=target, min_group_size=min_size, grid=grid, coords=coords, cut="even")
     full = max(min_size, min(target, max(grid)))
     history = []
     for r in range(rounds):
@@ -123,7 +123,7 @@ def run_side_by_side(grid, coords, p, rounds, seed, target, min_size=2, dim=3, l
         real_groups, gids = real.groups(outcome)
         # (2) the model's own partition, from its own state, with the same availability
         own = moshpit_groups(model.coords, grid, r, available, np.random.default_rng([seed, r]),
-                             target_group_size=target, min_group_size=min_size, cut="fill")
+                             target_group_size=target, min_group_size=min_size, cut="even")
         assert_same_partition(own, real_groups, coords_before, available, grid, axis, full)
         # peers the model leaves alone failed to find a group in the real run, and nobody else did
         met = set(real_groups.members.tolist())
@@ -170,7 +170,8 @@ def test_random_unavailability_matches_real_protocol(seed):
 
 
 def test_iid_coordinates_with_overfull_lines_match_real_protocol():
-    """Collided cells make lines hold more peers than a group: the matchmaker's fill rule, mirrored by cut='fill'."""
+    """Collided cells make lines hold more peers than a group: the matchmaker cuts them evenly after its
+    straggler grace, mirrored by cut='even'."""
     grid = (3, 3)
     coords = place_on_grid(18, grid, np.random.default_rng(5), placement="iid")
     assert np.bincount(line_keys(coords, grid, 0)).max() > 3  # at least one overfull line at the start

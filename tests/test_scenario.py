@@ -56,12 +56,16 @@ def test_full_16x16_grid_exact_after_two_rounds_at_message_level():
 
 def test_random_groups_shrink_mse_by_about_one_over_group_size():
     """No grid: one key per round, so the rendezvous peer cuts the joiners (in arrival order, which
-    random latencies shuffle) into groups of 8. Expected MSE factor per round: about 1/8."""
+    random latencies shuffle) into groups of 8 (smaller where a pool with stragglers is cut evenly). Expected MSE factor
+    per round: about 1/8."""
     res = run_scenario({"peers": 256, "grid": [], "rounds": 3, "seed": 2, "membership": "static",
                         "bootstrap_time": 0.0, "network": {"latency": {"dist": "uniform", "low": 0.0, "high": 0.05}},
                         "protocol": {"target_group_size": 8}})
     mse = [r["mse"] for r in res.rounds]
-    assert all(r["groups"] == {"8": 32} for r in res.rounds)
+    for r in res.rounds:
+        assert r["succeeded"] == 256
+        # full groups of 8, or a pool cut evenly when stragglers came within the grace (never below 8/2)
+        assert all(5 <= int(k) <= 8 for k in r["groups"]), r["groups"]
     for a, b in zip(mse, mse[1:]):
         assert 1 / 16 < b / a < 1 / 4, mse
 

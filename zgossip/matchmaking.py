@@ -121,6 +121,7 @@ class Matchmaker:
         min_group_size: int,
         matchmaking_time: float,
         request_timeout: float,
+        straggler_grace: float = 0.0,
     ) -> None:
         if not 1 <= min_group_size <= target_group_size:
             raise ValueError("need 1 <= min_group_size <= target_group_size")
@@ -135,6 +136,7 @@ class Matchmaker:
         self.min_group_size = min_group_size
         self.matchmaking_time = matchmaking_time
         self.request_timeout = request_timeout
+        self.straggler_grace = straggler_grace
         self.join: _Join | None = None
         self.pools: dict[str, _Pool] = {}
         self._formed: dict[str, float] = {}  # key -> when a full group last formed early for it
@@ -296,14 +298,13 @@ class Matchmaker:
         same = [e for e in pool.entries if e.layout == msg["layout"]]
         enough = max(self.min_group_size, min([self.target_group_size] + [e.want for e in same]))
         if len(same) >= enough:
-            chosen = same[:enough]
-            pool.entries = [e for e in pool.entries if e not in chosen]
-            self._form(key, chosen)
-            self._formed[key] = now
-            if len(self._formed) > 4096:
-                self._formed.clear()
-            if not pool.entries:
-                del self.pools[key]
+            # Full: close after a short grace for stragglers rather than at once, so that a line that
+            # turns out overfull (33 peers for groups of 32, common after faults) is cut evenly
+            # (17 + 16) at close instead of leaving one peer without a group.
+            if self.straggler_grace <= 0:
+                self._close_pool(key, self.pools.pop(key), now)
+            else:
+                pool.closes = min(pool.closes, now + self.straggler_grace)
 
     def on_leave(self, msg: Message, now: float) -> None:
         pool = self.pools.get(msg["key"])
@@ -325,7 +326,7 @@ class Matchmaker:
             self._send(e.endpoint, self._msg(MsgType.NO_GROUP, key=key, step=e.step_id, reason=reason,
                                              seen=len(entries), retry=int(retry)))
 
-    def _close_pool(self, key: str, pool: _Pool) -> None:
+    def _close_pool(self, key: str, pool: _Pool, now: float) -> None:
         by_layout: dict[str, list[_Entry]] = {}
         for e in pool.entries:
             by_layout.setdefault(e.layout, []).append(e)
@@ -346,10 +347,14 @@ class Matchmaker:
             groups = -(-n // self.target_group_size)
             while groups > 1 and n // groups < self.min_group_size:
                 groups -= 1
+            self._formed[key] = now
+            if len(self._formed) > 4096:
+                self._formed.clear()
             if groups == 1 and n > self.target_group_size:
                 self._form(key, entries[: self.target_group_size])
                 rest = entries[self.target_group_size :]
-                self._refuse(key, rest, f"window closed: {len(rest)} peer(s) left over after cutting full groups")
+                self._refuse(key, rest, f"{len(rest)} peer(s) left over after cutting full groups; "
+                             "a full group for this key already formed this round", retry=False)
                 continue
             start = 0
             for g in range(groups):
@@ -374,7 +379,7 @@ class Matchmaker:
 
     def on_timer(self, now: float) -> None:
         for key in [k for k, p in self.pools.items() if p.closes <= now]:
-            self._close_pool(key, self.pools.pop(key))
+            self._close_pool(key, self.pools.pop(key), now)
         j = self.join
         if j is None:
             return

@@ -42,6 +42,7 @@ class NodeConfig:
     min_group_size: int = 2
     matchmaking_time: float = 1.0  # rendezvous window from the first join
     request_timeout: float = 0.5  # wait for a JOIN_ACK before trying the next candidate
+    straggler_grace: float = 0.02  # a full group still waits this long, to cut an overfull line evenly
     part_size_bytes: int = 4 << 20
     part_timeout: float = 5.0  # a member silent this long while owing data is excluded
     allreduce_timeout: float = 60.0
@@ -185,6 +186,7 @@ class Node:
             self.membership, self._send, rng, self._on_group, self._on_match_fail,
             target_group_size=config.target_group_size, min_group_size=config.min_group_size,
             matchmaking_time=config.matchmaking_time, request_timeout=config.request_timeout,
+            straggler_grace=config.straggler_grace,
         )
         self.grid = MoshpitGrid(config.grid)
         self.coords = self.grid.check(config.grid_coords) if config.grid_coords is not None else self.grid.random_coords(rng)
