@@ -189,7 +189,9 @@ def test_donor_killed_mid_download_falls_back_and_never_applies_partial_state():
                                      state_chunk_timeout=1.0, averager_opts=dict(FAST, part_size_bytes=4096))
         try:
             deadline = time.monotonic() + 20
-            while len(new._view().peers) < 3:  # both donors' records (and priorities) have arrived
+            # both donors' latest records (epoch, and the sharing priority gossiped with it) have arrived
+            while {p.peer_id: p.epoch for p in new._view().peers} != {up_a["peer_id"]: 7, up_b["peer_id"]: 4,
+                                                                       new.peer_id: 0}:
                 assert time.monotonic() < deadline, "donors not seen"
                 time.sleep(0.02)
             seen: list[str] = []
