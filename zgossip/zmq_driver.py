@@ -82,6 +82,7 @@ class ZmqDriver:
         self._wake_lock = threading.Lock()
         self._trackers: list[zmq.MessageTracker] = []
         self._trackers_lock = threading.Lock()
+        self._prune_at = 64
         self._stopping = False
         self.stats = {"received": 0, "invalid": 0, "sent": 0, "send_errors": 0, "errors": 0}
         self._thread = threading.Thread(target=self._run, name=f"{name}-io", daemon=True)
@@ -217,6 +218,11 @@ class ZmqDriver:
                 tracker = sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False, track=True)
                 with self._trackers_lock:
                     self._trackers.append(tracker)
+                    if len(self._trackers) >= self._prune_at:
+                        # nobody may ask `sends_pending` for a long time (in-place steps never do):
+                        # drop finished trackers here so the list stays as short as what is in flight
+                        self._trackers = [t for t in self._trackers if not t.done]
+                        self._prune_at = max(64, 2 * len(self._trackers))
             else:
                 sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=len(frames) == 1)
             self.stats["sent"] += 1
