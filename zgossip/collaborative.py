@@ -129,6 +129,7 @@ class CollaborativeOptimizer(TrainerPeer):
         self._rate = 0.0
         self._last_step_time: float | None = None
         self._grads: list[torch.Tensor] = []
+        self._acc_stale = True  # the accumulators hold nothing of this epoch yet (whatever their contents)
         opts = dict(averager_opts or {})
         opts.setdefault("matchmaking_time", matchmaking_time)
         opts.setdefault("target_group_size", target_group_size)
@@ -158,9 +159,7 @@ class CollaborativeOptimizer(TrainerPeer):
         self._param_digest = params_digest(self.params, self.local_epoch)
         self.samples = 0
         self._epoch_nonfinite = 0
-        with self.averager.get_tensors():
-            for g in self._grads:
-                g.zero_()
+        self._acc_stale = True
 
     # ------------------------------------------------------------------ public
     @property
@@ -183,7 +182,8 @@ class CollaborativeOptimizer(TrainerPeer):
 
     def step(self, closure: Callable[[], Any] | None = None, batch_size: int | None = None) -> Any:
         """Accumulate this batch's gradients (``p.grad``, from a loss averaged over `batch_size`
-        samples); when the swarm reached the target, average and take one optimizer step."""
+        samples); when the swarm reached the target, average and take one optimizer step (after
+        which ``p.grad`` is None, as after ``zero_grad()``)."""
         self._raise_if_closed()
         loss = None
         if closure is not None:
@@ -231,9 +231,17 @@ class CollaborativeOptimizer(TrainerPeer):
                         self.nonfinite_batches)
             return
         with torch.no_grad(), self.averager.get_tensors():
-            for acc, g in zip(self._grads, grads):
-                if g is not None:
-                    acc.add_(g, alpha=bs)
+            if self._acc_stale:  # first batch of the epoch: overwrite instead of zeroing, then adding
+                for acc, g in zip(self._grads, grads):
+                    if g is None:
+                        acc.zero_()
+                    else:
+                        torch.mul(g, bs, out=acc)
+                self._acc_stale = False
+            else:
+                for acc, g in zip(self._grads, grads):
+                    if g is not None:
+                        acc.add_(g, alpha=bs)
         self.samples += bs
 
     def _resync_if_needed(self, view: SwarmView) -> bool:
@@ -279,6 +287,10 @@ class CollaborativeOptimizer(TrainerPeer):
         t0 = time.perf_counter()
         epoch, n = self.local_epoch, self.samples
         with torch.no_grad(), self.averager.get_tensors():
+            if self._acc_stale:  # nothing accumulated this epoch: contribute zeros (with weight ~0)
+                for g in self._grads:
+                    g.zero_()
+                self._acc_stale = False
             if n > 0:
                 for g in self._grads:
                     g.div_(n)
@@ -366,20 +378,21 @@ class CollaborativeOptimizer(TrainerPeer):
     def _apply_step(self, do_step: bool) -> None:
         with self._lock, torch.no_grad():
             if do_step:
+                # the optimizer reads the averaged gradients where they are (no copy); afterwards p.grad is
+                # None, as after zero_grad(), so a later backward cannot write into the averager's buffers
                 for p, g in zip(self.params, self._grads):
-                    if p.grad is None or p.grad.shape != g.shape:
-                        p.grad = g.clone()
-                    else:
-                        p.grad.copy_(g)
-                self.opt.step()
+                    p.grad = g if p.requires_grad else None
+                try:
+                    self.opt.step()
+                finally:
+                    for p in self.params:
+                        p.grad = None
             if self.scheduler is not None:
                 self.scheduler.step()
             self.local_epoch += 1
             self.samples = 0
             self._epoch_nonfinite = 0
-            with self.averager.get_tensors():
-                for g in self._grads:
-                    g.zero_()
+            self._acc_stale = True  # overwritten by the next epoch's first batch
             self._param_digest = params_digest(self.params, self.local_epoch)
         self._update_sharing()
         self._publish()
