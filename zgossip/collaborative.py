@@ -300,7 +300,6 @@ class CollaborativeOptimizer(TrainerPeer):
         expected = view.num_peers
         gather = {"ep": epoch, "n": n, "bad": self._epoch_nonfinite}
         result, error = None, None
-        t0 = time.monotonic()
         t1 = time.perf_counter()
         if expected > 1:
             self._averaging = True
@@ -312,7 +311,7 @@ class CollaborativeOptimizer(TrainerPeer):
                 error = e
             finally:
                 self._averaging = False
-        seconds = time.monotonic() - t0
+        seconds = time.perf_counter() - t1
         rnd: dict[str, Any] = {"epoch": epoch, "local_samples": n, "seconds": seconds, "expected_peers": expected,
                                "group_size": 1, "samples": n, "excluded": {}, "ok": result is not None,
                                "error": None if error is None else f"{type(error).__name__}: {error}"}
@@ -326,6 +325,7 @@ class CollaborativeOptimizer(TrainerPeer):
                 log.warning("%s: averaging for epoch %d failed (%s) and the swarm moved on: loading its state",
                             self.peer_id[:8], epoch, rnd["error"])
                 self.last_round = rnd
+                self.samples, self._acc_stale = 0, True  # these gradients are stale either way
                 self._try_load_state(later, "missed the round of epoch %d" % epoch)
                 return
             log.warning("%s: averaging for epoch %d failed (%s); proceeding with local gradients (%d samples) "
