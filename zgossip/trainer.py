@@ -115,6 +115,9 @@ class TrainerPeer:
         self.param_layout = ModelLayout.of(self.params, self.param_names)
         if scheduler is not None and not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
             scheduler = scheduler(optimizer)  # a factory, e.g. functools.partial(StepLR, step_size=10)
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise TypeError("ReduceLROnPlateau needs a metric at every step, which the optimizer does not have: "
+                            "step it yourself, or use an epoch-based scheduler")
         self.scheduler = scheduler
         self._check_packable()
         self.local_epoch = 0
