@@ -7,8 +7,9 @@ float32 parameters, identical initialisation everywhere) and the same machine:
   ``target_batch_size`` equals one local batch, so that every peer's `step()` ends an
   epoch. Each repetition, every peer first runs forward/backward on its batch (not
   timed); then all are told to go at once and each times its ``opt.step()``: gradient
-  accumulation, reading the swarm's progress, matchmaking, the sample-weighted
-  all-reduce of all 10M gradients, and the optimizer step. The figure is the max over
+  accumulation, reading the swarm's progress, matchmaking (which includes waiting for
+  the last peer to be told to go), the sample-weighted all-reduce of all 10M gradients,
+  and the optimizer step. The figure is the max over
   peers. Reported alongside: the averager's own matchmaking and all-reduce times (from
   the round's `StepResult.timings`) and the wrapper's overhead over plain averaging
   (the step minus the averager's ``timings['total']``).

@@ -167,10 +167,10 @@ def single_process_reference(cfg: dict) -> tuple[float, float]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", type=int, default=3, help="peers that start together (default 3)")
     p.add_argument("--late-at", type=int, default=5, help="epoch at which one more peer joins (default 5; -1: none)")
-    p.add_argument("--epochs", type=int, default=25)
-    p.add_argument("--target-batch-size", type=int, default=512)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--epochs", type=int, default=25, help="global steps to train (default 25)")
+    p.add_argument("--target-batch-size", type=int, default=512, help="samples per global step (default 512)")
+    p.add_argument("--batch-size", type=int, default=32, help="samples per local batch (default 32)")
+    p.add_argument("--lr", type=float, default=0.01, help="Adam learning rate (default 0.01)")
     p.add_argument("--step-delay", type=float, default=0.01,
                    help="seconds each local step sleeps, standing in for a bigger model (default 0.01)")
     p.add_argument("--seed", type=int, default=0, help="data seed")
