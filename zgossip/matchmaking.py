@@ -301,10 +301,19 @@ class Matchmaker:
             # Full: close after a short grace for stragglers rather than at once, so that a line that
             # turns out overfull (33 peers for groups of 32, common after faults) is cut evenly
             # (17 + 16) at close instead of leaving one peer without a group.
-            if self.straggler_grace <= 0:
+            if self.straggler_grace <= 0 or self._nobody_missing(pool):
                 self._close_pool(key, self.pools.pop(key), now)
             else:
                 pool.closes = min(pool.closes, now + self.straggler_grace)
+
+    def _nobody_missing(self, pool: _Pool) -> bool:
+        """Every peer this node knows alive, itself included, is in the pool: no straggler can come,
+        so waiting `straggler_grace` would only delay the group (e.g. a swarm that is one group)."""
+        live = self.membership.live_ids()
+        if len(pool.entries) <= len(live):
+            return False
+        joined = {e.peer_id for e in pool.entries}
+        return self.peer_id in joined and joined.issuperset(live)
 
     def on_leave(self, msg: Message, now: float) -> None:
         pool = self.pools.get(msg["key"])
