@@ -163,3 +163,27 @@ def test_peer_down_notice_excludes_at_once():
         res = evs[i].value.result
         assert victim.peer_id in res.lost
         _check_semantics(before, weights, peers[i].tensors[0], i, res)
+
+
+def test_a_peer_with_nan_data_is_left_out_without_stalling_the_round():
+    cl, peers, weights = _cluster(part_timeout=5.0)
+    peers[2].tensors[0][100] = np.nan
+    before = [p.tensors[0].copy() for p in peers]
+    evs = [p.step_tensors(weight=float(w)) for p, w in zip(peers, weights)]
+    t0 = cl.env.now
+    cl.run(until=cl.env.all_of(evs))
+    assert cl.env.now - t0 < 1.0  # no timeout was needed (part_timeout is 5 s)
+    ok = [0, 1, 3]
+    w = weights[ok]
+    mean_others = sum(wi * before[i] for wi, i in zip(w, ok)) / w.sum()
+    mean_all = sum(wi * b for wi, b in zip(weights, before)) / weights.sum()
+    span = slice(0, NUMEL // N)  # the span holding element 100: its owner left peer 2 out of it
+    rest = slice(NUMEL // N, NUMEL)  # other owners got only finite parts from peer 2 and kept it
+    for i in ok:
+        assert np.isfinite(peers[i].tensors[0]).all()
+        np.testing.assert_allclose(peers[i].tensors[0][span], mean_others[span], atol=1e-12)
+        np.testing.assert_allclose(peers[i].tensors[0][rest], mean_all[rest], atol=1e-12)
+    # the NaN peer keeps its own copy of that span exactly (nothing averaged without it there)
+    np.testing.assert_array_equal(peers[2].tensors[0][span], before[2][span])
+    np.testing.assert_allclose(peers[2].tensors[0][rest], mean_all[rest], atol=1e-12)
+    assert peers[2].peer_id in evs[0].value.result.contributors  # per span: it did contribute elsewhere

@@ -218,6 +218,10 @@ class AllReduceRound:
             lo, hi = self.plan.part(r.owner, p)
             if j == self.rank:
                 data, w = self.buf[lo:hi], self.weight
+                if not np.isfinite(data).all():
+                    log.warning("%s: own data in span %d part %d holds NaN or inf: left out", self.me.peer_id[:8], r.owner, p)
+                    r.pos[p] += 1
+                    continue
             else:
                 item = r.pending.pop((j, p), None)
                 if item is None:
@@ -234,17 +238,29 @@ class AllReduceRound:
         r.finished[p] = True
         r.left -= 1
         contrib = tuple(r.contrib[p])
-        if not contrib:
-            return
-        lo, hi = self.plan.part(r.owner, p)
-        a = r.acc[lo - r.lo : hi - r.lo]
-        np.divide(a, a.dtype.type(r.wsum[p]), out=a)
-        msg = self._msg(MsgType.RESULT, (a,), owner=r.owner, part=p, contrib=list(contrib), resc=int(r.rescue))
-        for j in contrib:
-            if j != self.rank:
-                self._send(j, msg)
-        if self.rank in contrib:
-            self._resolve(r.owner, p, contrib, a, rescued=r.rescue)
+        if contrib:
+            lo, hi = self.plan.part(r.owner, p)
+            a = r.acc[lo - r.lo : hi - r.lo]
+            np.divide(a, a.dtype.type(r.wsum[p]), out=a)
+            msg = self._msg(MsgType.RESULT, (a,), owner=r.owner, part=p, contrib=list(contrib), resc=int(r.rescue))
+            for j in contrib:
+                if j != self.rank:
+                    self._send(j, msg)
+            # members we left out but believe alive (e.g. their data held NaN) get an empty notice,
+            # so they settle this part as unchanged instead of waiting for it until a timeout
+            expected = r.declared if r.rescue else range(self.n)
+            notice = None
+            for j in expected:
+                if j != self.rank and j not in contrib and j not in self.lost and (not r.rescue or p in r.declared[j]):
+                    notice = notice or self._msg(MsgType.RESULT, (a[:0],), owner=r.owner, part=p,
+                                                 contrib=list(contrib), resc=int(r.rescue))
+                    self._send(j, notice)
+            if self.rank in contrib:
+                self._resolve(r.owner, p, contrib, a, rescued=r.rescue)
+                return
+        # our own data is not in this part (we excluded it, e.g. NaN): our copy stays unchanged
+        # (a no-op when the part was resolved already, e.g. a rescue part we did not need)
+        self._resolve(r.owner, p, None, None)
 
     def _resolve(self, owner: int, p: int, contrib: tuple[int, ...] | None, data: np.ndarray | None, rescued: bool = False) -> None:
         if self.status[owner][p] != _WAITING:
@@ -377,6 +393,16 @@ class AllReduceRound:
             r = self.own
         if j in r.excluded or r.finished[p] or r.pos[p] > j or (j, p) in r.pending:
             return  # late or duplicate: that member's share of this part is already settled
+        if not np.isfinite(arr).all():
+            # one NaN would poison every member's average: the sender is excluded from this
+            # reduction (its own copy of these elements stays unchanged), the others go on at once
+            self._bad(j, msg, "part holds NaN or inf: sender excluded from this span")
+            r.excluded.add(j)
+            for key in [k for k in r.pending if k[0] == j]:
+                del r.pending[key]
+            for q in range(r.nparts):
+                self._advance(r, q, now)
+            return
         self.bytes_received += arr.nbytes
         self.weights.setdefault(j, msg["w"])
         r.pending[(j, p)] = (arr, msg["w"])
@@ -384,8 +410,11 @@ class AllReduceRound:
 
     def _on_result(self, j: int, msg: Message, now: float) -> None:
         owner, p, arr = msg["owner"], msg["part"], msg.payload[0]
-        rng = self._part_range(owner, p, arr)
-        if rng is None or any(c >= self.n for c in msg["contrib"]):
+        contrib = tuple(msg["contrib"])
+        left_out = self.rank not in contrib and arr.size == 0  # a notice: this part was averaged without us
+        rng = (owner, p) if left_out and owner < self.n and p < self.plan.num_parts(owner) else \
+            self._part_range(owner, p, arr)
+        if rng is None or any(c >= self.n for c in contrib):
             return self._bad(j, msg, "result does not match the group's plan")
         if not msg["resc"] and owner in self.rescue_target:
             # a late result from an owner we already declared lost: our part of its span was handed to
@@ -399,7 +428,6 @@ class AllReduceRound:
         if not np.isfinite(arr).all():
             return self._bad(j, msg, "result holds NaN or inf")
         self.bytes_received += arr.nbytes
-        contrib = tuple(msg["contrib"])
         if self.rank in contrib:
             self._resolve(owner, p, contrib, arr, rescued=bool(msg["resc"]))
         else:

@@ -119,6 +119,9 @@ class Averager:
         self._seq = itertools.count(1)
         self._closed = False
         self._applier = cf.ThreadPoolExecutor(1, thread_name_prefix="zgossip-apply")
+        # serving our state to a downloader copies it under the tensor lock: its own thread, so a
+        # large state never delays writing back a finished round
+        self._server = cf.ThreadPoolExecutor(1, thread_name_prefix="zgossip-serve")
         self._driver = ZmqDriver(
             lambda ep: Node(self.peer_id, ep, self.config, self._rng, tuple(initial_peers)),
             listen, self._on_result, limits=wire.WireLimits(max_frame_bytes=frame_limit),
@@ -292,26 +295,41 @@ class Averager:
                 np.copyto(dst, src, casting="same_kind")
 
     def publish(self, **info: Any) -> None:
-        """Gossip a small public record about this peer (at most 16 scalar entries), e.g. training
-        progress; others read it with `peer_infos()` within a few gossip intervals."""
-        from .wire import check_info
-
-        record = check_info(dict(info))
+        """Gossip a small public record about this peer (at most 14 scalar entries; keys starting
+        with 'zg.' are reserved), e.g. training progress; others read it with `peer_infos()` within
+        a few gossip intervals. Raises ValueError here, in the caller, on a record peers would refuse."""
+        record = Node.check_user_info(info)
         self._driver.call(lambda now: self._driver.node.set_info(record))
+
+    def _ask_node(self, fn: Any, timeout: float = 10.0) -> Any:
+        """Run ``fn(node)`` on the I/O thread (which owns the node's state) and return its result."""
+        if self._closed:
+            raise AveragerClosed("this averager was shut down")
+        done: cf.Future = cf.Future()
+
+        def run(now: float) -> None:
+            try:
+                done.set_result(fn(self._driver.node))
+            except Exception as e:
+                done.set_exception(e)
+
+        self._driver.call(run)
+        return done.result(timeout)
 
     def peer_infos(self) -> dict[str, dict]:
         """The latest record every live peer published (this peer's included), by peer id."""
-        done: cf.Future = cf.Future()
-        self._driver.call(lambda now: done.set_result(self._driver.node.peer_infos()))
-        return done.result(10)
+        return self._ask_node(lambda node: node.peer_infos())
 
     def peers(self) -> list[str]:
         """Peer ids this averager currently believes alive (a snapshot, for monitoring)."""
-        return list(self._driver.node.membership.live_ids())
+        return self._ask_node(lambda node: list(node.membership.live_ids()))
 
     @property
     def stats(self) -> dict[str, int]:
-        return {**self._driver.stats, **self._driver.node.stats}
+        """Counters: messages received/sent, invalid (failed validation), dropped (valid but refused), ..."""
+        if self._closed:
+            return {**self._driver.stats}
+        return self._ask_node(lambda node: {**self._driver.stats, **node.stats})
 
     def shutdown(self, timeout: float = 5.0) -> None:
         if self._closed:
@@ -321,6 +339,7 @@ class Averager:
             self._driver.call(lambda now, s=sid: self._driver.node.cancel_step(s, now, "averager shut down"))
         self._driver.close(timeout)
         self._applier.shutdown(wait=True)
+        self._server.shutdown(wait=True, cancel_futures=True)
         for fut, _ in self._futures.values():
             if not fut.done():
                 fut.set_exception(AveragerClosed("averager shut down during the step"))
@@ -362,7 +381,7 @@ class Averager:
 
     def _on_result(self, act: Any) -> None:
         if isinstance(act, ServeState):
-            self._applier.submit(self._serve, act)
+            self._server.submit(self._serve, act)
             return
         if isinstance(act, (DownloadDone, DownloadFailed)):
             dfut = self._downloads.get(act.req)

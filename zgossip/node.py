@@ -263,6 +263,8 @@ class Node:
         self._move(StepPhase.MATCHMAKING)
         self.round_index = req.round if req.round is not None else self.swarm_round()
         key = self.current_key()
+        if req.round is not None:
+            key += f"/r{req.round}"  # a pinned round (e.g. an epoch) only ever meets the same round
         self.step = _Step(req, now, key)
         axis = self.grid.axis(self.round_index)
         want = self.grid.shape[axis] if axis is not None else None
@@ -296,12 +298,17 @@ class Node:
         """Declare (by gossip) that we share state with this priority; None stops sharing."""
         self.membership.share = None if priority is None else float(priority)
 
-    def set_info(self, info: dict) -> None:
-        """Publish a small record about this peer (<= 16 scalar entries) with the membership gossip."""
+    @staticmethod
+    def check_user_info(info: dict) -> dict:
+        """What a user may publish: at most 14 scalar entries (2 of the 16 are the node's own), no 'zg.' keys."""
         info = dict(check_info(dict(info)))  # the same check peers apply on receipt
         if any(k.startswith("zg.") for k in info) or len(info) > 14:
             raise ValueError("info keys starting with 'zg.' are reserved; at most 14 entries")
-        self._user_info = info
+        return info
+
+    def set_info(self, info: dict) -> None:
+        """Publish a small record about this peer (<= 14 scalar entries) with the membership gossip."""
+        self._user_info = self.check_user_info(info)
         self._publish_round()
         self.membership.heartbeat += 1  # fresher than what others hold, so they take it at once
 
