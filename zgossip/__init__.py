@@ -19,6 +19,23 @@ from .node import NodeConfig, StepResult
 
 __version__ = "0.1.0"
 
+# The training integrations import torch; load them on first use so `import zgossip` stays light.
+_LAZY = {
+    "CollaborativeOptimizer": "collaborative",
+    "DecentralizedOptimizer": "optim",
+    "DecentralizedSGD": "optim",
+    "DecentralizedAdam": "optim",
+    "Accumulator": "accumulator",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'zgossip' has no attribute {name!r}")
+
 __all__ = [
     "Averager",
     "NodeConfig",
@@ -32,5 +49,10 @@ __all__ = [
     "AveragerClosed",
     "StepInProgress",
     "StateUnavailable",
+    "CollaborativeOptimizer",
+    "DecentralizedOptimizer",
+    "DecentralizedSGD",
+    "DecentralizedAdam",
+    "Accumulator",
     "__version__",
 ]
