@@ -42,6 +42,17 @@ log = logging.getLogger(__name__)
 _WAITING, _AVERAGED, _UNCHANGED = 0, 1, 2
 
 
+def _all_finite(arr: np.ndarray) -> bool:
+    """No NaN or inf in `arr`. The dot product reads the array once and writes nothing, where
+    ``isfinite(arr).all()`` writes a bool array and reads it again (this check runs on every part
+    and result, so that is ~6% of a step's I/O-thread CPU); it is non-finite whenever an element
+    is, and a finite array whose squares overflow falls through to the exact check."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        if np.isfinite(np.dot(arr, arr)):
+            return True
+    return bool(np.isfinite(arr).all())
+
+
 class RoundPhase(Enum):
     RUNNING = "running"
     DONE = "done"
@@ -218,7 +229,7 @@ class AllReduceRound:
             lo, hi = self.plan.part(r.owner, p)
             if j == self.rank:
                 data, w = self.buf[lo:hi], self.weight
-                if not np.isfinite(data).all():
+                if not _all_finite(data):
                     log.warning("%s: own data in span %d part %d holds NaN or inf: left out", self.me.peer_id[:8], r.owner, p)
                     r.pos[p] += 1
                     continue
@@ -393,7 +404,7 @@ class AllReduceRound:
             r = self.own
         if j in r.excluded or r.finished[p] or r.pos[p] > j or (j, p) in r.pending:
             return  # late or duplicate: that member's share of this part is already settled
-        if not np.isfinite(arr).all():
+        if not _all_finite(arr):
             # one NaN would poison every member's average: the sender is excluded from this
             # reduction (its own copy of these elements stays unchanged), the others go on at once
             self._bad(j, msg, "part holds NaN or inf: sender excluded from this span")
@@ -425,7 +436,7 @@ class AllReduceRound:
         expected = self.rescue_target.get(owner) if msg["resc"] else owner
         if j != expected:
             return self._bad(j, msg, "result from a member that does not reduce that span")
-        if not np.isfinite(arr).all():
+        if not _all_finite(arr):
             return self._bad(j, msg, "result holds NaN or inf")
         self.bytes_received += arr.nbytes
         if self.rank in contrib:
