@@ -196,9 +196,10 @@ class ZmqDriver:
         return sock
 
     def _execute(self) -> None:
+        shared: dict = {}  # one batch's encodings, by message object: see _transmit
         for act in self.node.take_actions():
             if isinstance(act, Send):
-                self._transmit(act.endpoint, act.msg)
+                self._transmit(act.endpoint, act.msg, shared)
             elif not isinstance(act, Disconnect):  # StepDone, StepFailed, ServeState, Download*: for the owner
                 try:
                     self._on_result(act)
@@ -209,13 +210,34 @@ class ZmqDriver:
                 if sock is not None:
                     sock.close(0)
 
-    def _transmit(self, endpoint: str, msg: wire.Message) -> None:
+    def _encode(self, msg: wire.Message, shared: dict) -> tuple[list, bool]:
+        """Frames for `msg`, and whether its payload goes zero-copy and tracked.
+
+        The protocol sends one message object to several peers in a row (a RESULT to every
+        contributor, a GROUP to every member): it is encoded once per batch, and its payload
+        becomes one `zmq.Frame` that every send shares by reference count, so libzmq releases
+        it once -- one wake-up of pyzmq's garbage-collector thread instead of one per peer.
+        The batch's frames are dropped when the batch is done, so a tracker finishes as soon
+        as libzmq has sent the last copy.
+        """
+        hit = shared.get(id(msg))
+        if hit is not None and hit[0] is msg:
+            return hit[1], hit[2]
+        frames = wire.encode(msg)
+        big = bool(msg.payload) and msg.payload[-1].nbytes >= _TRACK_BYTES
+        if big:
+            frames = [frames[0], *(zmq.Frame(a, copy=False, track=True) for a in frames[1:])]
+        shared[id(msg)] = (msg, frames, big)
+        return frames, big
+
+    def _transmit(self, endpoint: str, msg: wire.Message, shared: dict | None = None) -> None:
         try:
-            frames = wire.encode(msg)
+            frames, big = self._encode(msg, {} if shared is None else shared)
             sock = self._dealer(endpoint)
-            big = bool(msg.payload) and msg.payload[-1].nbytes >= _TRACK_BYTES
             if big:
                 tracker = sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False, track=True)
+                if len(frames) > 2:  # several payload frames: pending until libzmq released them all
+                    tracker = zmq.MessageTracker(*frames[1:])
                 with self._trackers_lock:
                     self._trackers.append(tracker)
                     if len(self._trackers) >= self._prune_at:
