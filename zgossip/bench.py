@@ -8,7 +8,8 @@ Two benchmarks, chosen by flag:
     membership, runs 2 warm-up steps, then R timed steps (default 7, at least 5).
     For each repetition it takes the *max over peers* of the wall time of
     ``Averager.step()`` measured inside each peer -- everything a user waits for:
-    copying the tensors in, matchmaking, the all-reduce, writing the result back --
+    matchmaking and the all-reduce (the single tensor is averaged in place; with
+    several tensors a step would also copy them in and the result back) --
     and, separately, of ``result.timings['allreduce']`` and ``['matchmaking']``;
     it reports their median, min and max, and the CPU seconds all peers spent per
     step. It checks once that a peer's tensor equals the float64 mean of all peers'
