@@ -365,8 +365,9 @@ class _Saboteur(CollaborativeOptimizer):
 
 
 def test_unflagged_nan_in_the_average_is_detected_and_every_member_skips_the_step(caplog):
-    """The core drops a RESULT holding NaN, so members whose span came from the poisoned owner keep local
-    values there (a partial round: they step, then resynchronise); members holding the NaN mean skip."""
+    """A NaN gradient sent without the local check is refused by the span owner: the others average
+    that span without the saboteur and step; the saboteur keeps its NaN there, sees a non-finite
+    average, skips the step, and resynchronises from the others (the parameter digests disagree)."""
     models = [make_model(0) for _ in range(3)]
     fast = dict(FAST, part_timeout=0.5)
     opts = _peers(2, models, "sab", target_group_size=3, averager_opts=fast)
@@ -380,7 +381,13 @@ def test_unflagged_nan_in_the_average_is_detected_and_every_member_skips_the_ste
         assert not out["errors"], out["errors"]
         skipped = [r for i in range(3) for r in out["rounds"][i] if r.get("nonfinite_average")]
         assert skipped, out["rounds"]
+        assert not any(r.get("nonfinite_average") for i in range(2) for r in out["rounds"][i])  # never poisoned
         assert any("averaged gradient of tensor 0" in r.getMessage() for r in caplog.records)
+        # the saboteur missed a step: it notices by the parameter digests and downloads the others' state
+        deadline = time.monotonic() + 15
+        while [o.synchronize() for o in opts] != [False] * 3 or len({o._param_digest for o in opts}) > 1:
+            assert time.monotonic() < deadline, "the saboteur did not resynchronise"
+            time.sleep(0.1)
         for a, b, c in zip(*(m.parameters() for m in models)):
             assert torch.isfinite(a).all() and torch.equal(a, b) and torch.equal(a, c), repr(out["rounds"])
     finally:

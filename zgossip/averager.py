@@ -206,7 +206,12 @@ class Averager:
             raise
         finally:
             if in_place:
-                self._lock.release()
+                try:
+                    # parts of the tensor still queued for a slow or dead peer must not leave after
+                    # the caller changes the tensor: wait for them briefly, then drop them
+                    self._driver.settle_sends(self.config.part_timeout)
+                finally:
+                    self._lock.release()
 
     def _cancel(self, step_id: str, settle: bool) -> None:
         """Drop the step on the I/O thread; with `settle`, wait (bounded) until it is dropped,

@@ -71,6 +71,8 @@ class ZmqDriver:
         self.endpoint = _advertised(bound, announce_host)
         self.node = make_node(self.endpoint)
         self._dealers: dict[str, zmq.Socket] = {}
+        self._monitors: dict[zmq.Socket, str] = {}  # monitor PAIR socket -> the dealer's endpoint
+        self._poller = zmq.Poller()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         wake_addr = f"inproc://zgossip-wake-{id(self)}"
         self._wake_in = self._ctx.socket(zmq.PAIR)
@@ -80,11 +82,11 @@ class ZmqDriver:
         self._wake_out.setsockopt(zmq.LINGER, 0)
         self._wake_out.connect(wake_addr)
         self._wake_lock = threading.Lock()
-        self._trackers: list[zmq.MessageTracker] = []
+        self._trackers: list[tuple[zmq.MessageTracker, str]] = []  # zero-copy sends in flight, by endpoint
         self._trackers_lock = threading.Lock()
         self._prune_at = 64
         self._stopping = False
-        self.stats = {"received": 0, "invalid": 0, "sent": 0, "send_errors": 0, "errors": 0}
+        self.stats = {"received": 0, "invalid": 0, "sent": 0, "send_errors": 0, "errors": 0, "disconnects": 0}
         self._thread = threading.Thread(target=self._run, name=f"{name}-io", daemon=True)
         self._started = threading.Event()
         self._thread.start()
@@ -103,8 +105,45 @@ class ZmqDriver:
     def sends_pending(self) -> bool:
         """True while a zero-copy payload handed to libzmq has not been transmitted yet."""
         with self._trackers_lock:
-            self._trackers = [t for t in self._trackers if not t.done]
+            self._trackers = [(t, ep) for t, ep in self._trackers if not t.done]
             return bool(self._trackers)
+
+    def settle_sends(self, timeout: float) -> int:
+        """Wait (at most `timeout`) until libzmq released every zero-copy payload; then drop what is
+        still queued by resetting the sockets to those peers (linger 0 discards their queues).
+
+        A step that averaged the user's tensor in place calls this before handing the tensor back:
+        bytes still waiting for a slow or dead peer must never leave later, after the user changed
+        them. Such a peer simply misses those parts and, by the protocol's rules, leaves us out.
+        Returns the number of sockets reset.
+        """
+        deadline = time.monotonic() + timeout
+        with self._trackers_lock:
+            pending = [(t, ep) for t, ep in self._trackers if not t.done]
+        for t, _ in pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                t.wait(left)
+            except zmq.NotDone:
+                break
+        stuck = sorted({ep for t, ep in pending if not t.done})
+        if not stuck or self._stopping:
+            return 0
+        done = threading.Event()
+
+        def reset(now: float) -> None:
+            try:
+                for ep in stuck:
+                    self._close_dealer(ep)
+                    log.warning("zgossip node %s: dropped unsent data for %s (the step is over)", self.endpoint, ep)
+            finally:
+                done.set()
+
+        self.call(reset)
+        done.wait(5.0)
+        return len(stuck)
 
     def close(self, timeout: float = 5.0) -> None:
         if self._stopping:
@@ -120,7 +159,7 @@ class ZmqDriver:
 
     # ---------------------------------------------------------------- I/O thread
     def _run(self) -> None:
-        poller = zmq.Poller()
+        poller = self._poller
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_in, zmq.POLLIN)
         try:
@@ -136,6 +175,8 @@ class ZmqDriver:
                     self._drain_commands()
                 if self._router in events:
                     self._drain_router()
+                if len(events) > (self._wake_in in events) + (self._router in events):
+                    self._drain_monitors(events)
                 now = time.monotonic()
                 dl = self.node.next_deadline()
                 if dl is not None and now >= dl:
@@ -143,8 +184,8 @@ class ZmqDriver:
                 self._execute()
         finally:
             self._started.set()
-            for s in self._dealers.values():
-                s.close(0)
+            for ep in list(self._dealers):
+                self._close_dealer(ep)
             self._router.close(0)
             self._wake_in.close(0)
 
@@ -191,9 +232,45 @@ class ZmqDriver:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 0)  # never drop: payloads are zero-copy, queueing costs no copy
+            # a dropped connection (the peer's process died) is reported at once, so the protocol
+            # need not wait out its timeouts: messages queued on a dropped connection may be lost
+            mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._monitors[mon] = endpoint
+            self._poller.register(mon, zmq.POLLIN)
             sock.connect(endpoint)
             self._dealers[endpoint] = sock
         return sock
+
+    def _close_dealer(self, endpoint: str) -> None:
+        sock = self._dealers.pop(endpoint, None)
+        if sock is None:
+            return
+        for mon, ep in list(self._monitors.items()):
+            if ep == endpoint:
+                self._poller.unregister(mon)
+                del self._monitors[mon]
+                try:
+                    sock.disable_monitor()
+                except zmq.ZMQError:
+                    pass
+                mon.close(0)
+        sock.close(0)
+
+    def _drain_monitors(self, ready: dict) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        for mon, endpoint in list(self._monitors.items()):
+            if mon not in ready:
+                continue
+            while True:
+                try:
+                    event = recv_monitor_message(mon, zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    self.stats["disconnects"] += 1
+                    self._guard(self.node.on_peer_down, endpoint, time.monotonic())
+            self._execute()
 
     def _execute(self) -> None:
         shared: dict = {}  # one batch's encodings, by message object: see _transmit
@@ -206,9 +283,7 @@ class ZmqDriver:
                 except Exception:
                     log.exception("zgossip: result callback failed")
             elif isinstance(act, Disconnect):
-                sock = self._dealers.pop(act.endpoint, None)
-                if sock is not None:
-                    sock.close(0)
+                self._close_dealer(act.endpoint)
 
     def _encode(self, msg: wire.Message, shared: dict) -> tuple[list, bool]:
         """Frames for `msg`, and whether its payload goes zero-copy and tracked.
@@ -239,11 +314,11 @@ class ZmqDriver:
                 if len(frames) > 2:  # several payload frames: pending until libzmq released them all
                     tracker = zmq.MessageTracker(*frames[1:])
                 with self._trackers_lock:
-                    self._trackers.append(tracker)
+                    self._trackers.append((tracker, endpoint))
                     if len(self._trackers) >= self._prune_at:
                         # nobody may ask `sends_pending` for a long time (in-place steps never do):
                         # drop finished trackers here so the list stays as short as what is in flight
-                        self._trackers = [t for t in self._trackers if not t.done]
+                        self._trackers = [(t, ep) for t, ep in self._trackers if not t.done]
                         self._prune_at = max(64, 2 * len(self._trackers))
             else:
                 sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=len(frames) == 1)
