@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 import torch
 
+from zgossip.swarm import stop_children
+
 import zgossip
 from zgossip.collaborative import CollaborativeOptimizer
 from zgossip.train_demo import Task, evaluate, make_model, single_process_reference, train_peer
@@ -47,18 +49,7 @@ class _Procs:
         return len(self.procs) - 1
 
     def close(self) -> None:
-        for c in self.conns:
-            try:
-                c.send("stop")
-            except (OSError, BrokenPipeError):
-                pass
-        for p in self.procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        for c in self.conns:
-            c.close()
+        stop_children(self.conns, self.procs, "stop", 10.0)
 
 
 # ---------------------------------------------------------------------------- 4 processes

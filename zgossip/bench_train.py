@@ -36,6 +36,8 @@ import sys
 import time
 from typing import Any, Sequence
 
+from .swarm import stop_children
+
 __all__ = ["add_arguments", "run", "bench_train", "PARAMS"]
 
 HIDDEN, IN, OUT = 2560, 1024, 320
@@ -197,18 +199,7 @@ class _Group:
         return out
 
     def close(self) -> None:
-        for c in self.conns:
-            try:
-                c.send("stop")
-            except (OSError, BrokenPipeError):
-                pass
-        for p in self.procs:
-            p.join(15)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        for c in self.conns:
-            c.close()
+        stop_children(self.conns, self.procs, "stop", 15.0)
 
 
 def _summary(xs: Sequence[float]) -> dict:

@@ -113,6 +113,24 @@ def _child(index: int, conn: Any, numel: int, seed: int, dtype: str, kwargs: dic
         avg.shutdown()
 
 
+def stop_children(conns: Sequence[Any], procs: Sequence[Any], stop_message: Any, timeout: float = 10.0) -> None:
+    """Ask every live child to stop over its pipe, wait (bounded) and kill the ones that do not."""
+    for conn, p in zip(conns, procs):
+        if p.is_alive():
+            try:
+                conn.send(stop_message)
+            except (OSError, BrokenPipeError):
+                pass
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    for conn in conns:
+        conn.close()
+
+
 @dataclass
 class LocalSwarm:
     n: int
@@ -217,20 +235,7 @@ class LocalSwarm:
         p.join(5)
 
     def close(self, timeout: float = 10.0) -> None:
-        for conn, p in zip(self.conns, self.procs):
-            if p.is_alive():
-                try:
-                    conn.send(("stop", {}))
-                except (OSError, BrokenPipeError):
-                    pass
-        deadline = time.monotonic() + timeout
-        for p in self.procs:
-            p.join(max(0.1, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        for conn in self.conns:
-            conn.close()
+        stop_children(self.conns, self.procs, ("stop", {}), timeout)
 
     def __enter__(self) -> "LocalSwarm":
         return self

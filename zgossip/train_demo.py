@@ -24,6 +24,8 @@ import os
 import time
 from typing import Any
 
+from .swarm import stop_children
+
 __all__ = ["add_arguments", "run", "Task", "make_model", "train_peer"]
 
 DIM, CLASSES, HIDDEN = 16, 4, 64
@@ -200,18 +202,7 @@ class _Peers:
         return self.conns[k].recv()
 
     def close(self) -> None:
-        for c in self.conns:
-            try:
-                c.send("stop")
-            except (OSError, BrokenPipeError):
-                pass
-        for p in self.procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        for c in self.conns:
-            c.close()
+        stop_children(self.conns, self.procs, "stop", 10.0)
 
 
 def run(args: argparse.Namespace) -> int:
