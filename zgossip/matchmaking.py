@@ -105,6 +105,7 @@ class _Entry:
 @dataclass
 class _Pool:
     closes: float
+    opened: float
     entries: list = field(default_factory=list)
 
 
@@ -291,7 +292,7 @@ class Matchmaker:
                 return
         pool = self.pools.get(key)
         if pool is None:
-            pool = self.pools[key] = _Pool(closes=now + self.matchmaking_time)
+            pool = self.pools[key] = _Pool(closes=now + self.matchmaking_time, opened=now)
         pool.entries = [e for e in pool.entries if e.peer_id != msg.sender]
         pool.entries.append(_Entry(msg.sender, msg.endpoint, msg["step"], msg["bw"], msg["layout"], msg["want"], msg["g"]))
         self._send(msg.endpoint, self._msg(MsgType.JOIN_ACK, key=key, step=msg["step"]))
@@ -346,7 +347,9 @@ class Matchmaker:
                 why = f"window closed with {n} peer(s) for this key (min_group_size={self.min_group_size})"
                 if n < total:
                     why += f"; {total - n} other peer(s) used this key with a different tensor layout"
-                full = self._formed.get(key, float("-inf")) >= pool.closes - 2 * self.matchmaking_time
+                # "this round": the group closed shortly before this pool opened (the leftover came
+                # late) or while it was open -- not a group of an earlier round
+                full = self._formed.get(key, float("-inf")) >= pool.opened - self.matchmaking_time / 2
                 if full:
                     # the key's line already filled a group this round: nobody else is coming, so
                     # waiting another window would only burn the joiner's timeout
