@@ -61,7 +61,9 @@ class Averager:
     a round that fails midway may leave some parts already averaged (every element is
     still a weighted mean over contributors including this peer, or unchanged). With
     ``in_place=False``, several tensors, or ``wait=False``, a step averages a snapshot
-    and writes the result back at the end, so a failed step changes nothing.
+    and writes the result back at the end, so a failed step changes nothing. Before an
+    in-place step returns, parts still queued for a slow or dead peer are dropped, so bytes
+    of the tensor never leave after the caller changed them.
     """
 
     def __init__(
