@@ -187,3 +187,78 @@ def test_a_peer_with_nan_data_is_left_out_without_stalling_the_round():
     np.testing.assert_array_equal(peers[2].tensors[0][span], before[2][span])
     np.testing.assert_allclose(peers[2].tensors[0][rest], mean_all[rest], atol=1e-12)
     assert peers[2].peer_id in evs[0].value.result.contributors  # per span: it did contribute elsewhere
+
+
+def test_a_result_holding_nan_is_taken_only_up_to_its_first_bad_block(monkeypatch):
+    """A buggy reducer sends a result with a NaN in it: receivers copy the result block by block
+    and stop before the bad block; `updated` says exactly which elements changed."""
+    from zgossip import kernels
+    from zgossip.allreduce import AllReduceRound
+    from zgossip.wire import Message, MsgType
+
+    numel = 4 * 4096  # spans of 4096 float64, parts of 2048: blocks of kernels.BLOCK=1024 inside
+    cl = SimCluster(seed=3, network=NetworkModel(latency=0.001, bandwidth=2e6))
+    kw = dict(prefix="f", target_group_size=N, min_group_size=2, part_size_bytes=2048 * 8, part_timeout=5.0,
+              gossip_interval=0.05, peer_timeout=3.0, matchmaking_time=0.3, request_timeout=0.2)
+    rng = np.random.default_rng(3)
+    weights = rng.uniform(0.5, 2.0, N)
+    peers = []
+    for i in range(N):
+        peers.append(cl.add_peer(NodeConfig(**kw), tensors=[rng.standard_normal(numel)], known=peers))
+    buggy = peers[1].peer_id
+    bad_at = 1500  # inside the second block of part 0 of the buggy peer's span
+    orig_send = AllReduceRound._send
+
+    def send(self, member, msg):
+        if self.me.peer_id == buggy and msg.type is MsgType.RESULT and msg["part"] == 0 and msg.payload[0].size:
+            data = msg.payload[0].copy()
+            data[bad_at] = np.nan
+            msg = Message(msg.type, msg.sender, msg.endpoint, msg.body, (data,))
+        orig_send(self, member, msg)
+
+    monkeypatch.setattr(AllReduceRound, "_send", send)
+    before = [p.tensors[0].copy() for p in peers]
+    evs = [p.step_tensors(weight=float(w)) for p, w in zip(peers, weights)]
+    t0 = cl.env.now
+    cl.run(until=cl.env.all_of(evs))
+    assert cl.env.now - t0 < 1.0  # nobody waited for a timeout
+    mean_all = sum(w * b for w, b in zip(weights, before)) / weights.sum()
+    for i, p in enumerate(peers):
+        res = evs[i].value.result
+        after = p.tensors[0]
+        assert np.isfinite(after).all()
+        span = [s for s in res.spans if s.owner == buggy][0]
+        start = [k for k, s in enumerate(res.spans) if s.owner == buggy][0] * 4096
+        cut = start + bad_at - bad_at % kernels.BLOCK
+        if p.peer_id == buggy:
+            assert res.complete  # the reducer's own copy was correct
+            continue
+        assert not res.complete
+        assert span.averaged == span.parts - 1  # part 0 was taken only in part
+        np.testing.assert_allclose(after[start:cut], mean_all[start:cut], atol=1e-12)
+        np.testing.assert_array_equal(after[cut:start + 2048], before[i][cut:start + 2048])
+        np.testing.assert_allclose(after[start + 2048:start + 4096], mean_all[start + 2048:start + 4096], atol=1e-12)
+        mask = np.zeros(numel, bool)
+        for a, b in res.updated:
+            mask[a:b] = True
+        assert not mask[cut:start + 2048].any() and mask[start:cut].all()
+        np.testing.assert_array_equal(after[~mask], before[i][~mask])
+
+
+def test_a_mean_that_overflows_is_left_unchanged_for_everyone_without_a_timeout():
+    cl, peers, weights = _cluster(part_timeout=5.0)
+    big = np.finfo(np.float64).max
+    for p in peers:
+        p.tensors[0][:] = big / 8  # the sum of N=4 of these is finite
+    for p in peers:
+        p.tensors[0][:NUMEL // N] = big / 2  # every term finite, their mean too, but their sum overflows
+    before = [p.tensors[0].copy() for p in peers]
+    evs = [p.step_tensors(weight=1.0) for p in peers]
+    t0 = cl.env.now
+    cl.run(until=cl.env.all_of(evs))
+    assert cl.env.now - t0 < 1.0
+    for i, p in enumerate(peers):
+        res = evs[i].value.result
+        np.testing.assert_array_equal(p.tensors[0][:NUMEL // N], before[i][:NUMEL // N])
+        assert res.spans[0].averaged == 0
+        assert all(lo >= NUMEL // N for lo, _ in res.updated)

@@ -32,7 +32,8 @@ import numpy as np
 
 from .errors import ProtocolError
 from .matchmaking import GroupSpec
-from .partition import PartPlan, make_plan, ordered_weighted_sum
+from .kernels import OVERFLOW, copy_finite, weighted_mean
+from .partition import PartPlan, make_plan
 from .wire import Message, MsgType
 
 __all__ = ["AllReduceRound", "RoundOutcome", "SpanOutcome", "RoundPhase"]
@@ -40,17 +41,6 @@ __all__ = ["AllReduceRound", "RoundOutcome", "SpanOutcome", "RoundPhase"]
 log = logging.getLogger(__name__)
 
 _WAITING, _AVERAGED, _UNCHANGED = 0, 1, 2
-
-
-def _all_finite(arr: np.ndarray) -> bool:
-    """No NaN or inf in `arr`. The dot product reads the array once and writes nothing, where
-    ``isfinite(arr).all()`` writes a bool array and reads it again (this check runs on every part
-    and result, so that is ~6% of a step's I/O-thread CPU); it is non-finite whenever an element
-    is, and a finite array whose squares overflow falls through to the exact check."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        if np.isfinite(np.dot(arr, arr)):
-            return True
-    return bool(np.isfinite(arr).all())
 
 
 class RoundPhase(Enum):
@@ -106,7 +96,7 @@ class _Reduce:
         self.nparts = plan.num_parts(owner)
         self.acc = np.empty(hi - lo, dtype=dtype)
         self.pos = [0] * self.nparts
-        self.wsum = [0.0] * self.nparts
+        self.own_left_out: set[int] = set()  # parts our own data was left out of (it held NaN/inf)
         self.contrib: list[list[int]] = [[] for _ in range(self.nparts)]
         self.pending: dict[tuple[int, int], tuple[np.ndarray, float]] = {}
         self.finished = [False] * self.nparts
@@ -177,6 +167,7 @@ class AllReduceRound:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.late_results = 0
+        self.partial: list[tuple[int, int, int, tuple[int, ...]]] = []  # (owner, lo, hi, contrib) of results taken in part
         self.dropped = 0  # messages refused by validation against the group's plan (logged too)
 
     # ------------------------------------------------------------------ helpers
@@ -212,6 +203,8 @@ class AllReduceRound:
 
     # ------------------------------------------------------------------ reduction
     def _advance(self, r: _Reduce, p: int, now: float) -> None:
+        """Move part p's scan over the members in fixed order; once every expected term is here
+        (or its member excluded), reduce the part."""
         if r.finished[p]:
             return
         while r.pos[p] < self.n:
@@ -226,64 +219,122 @@ class AllReduceRound:
                 if p not in need:
                     r.pos[p] += 1
                     continue
-            lo, hi = self.plan.part(r.owner, p)
-            if j == self.rank:
-                data, w = self.buf[lo:hi], self.weight
-                if not _all_finite(data):
-                    log.warning("%s: own data in span %d part %d holds NaN or inf: left out", self.me.peer_id[:8], r.owner, p)
-                    r.pos[p] += 1
-                    continue
-            else:
-                item = r.pending.pop((j, p), None)
-                if item is None:
-                    return  # wait for j's part
-                data, w = item
-            a = r.acc[lo - r.lo : hi - r.lo]
-            ordered_weighted_sum(a, data, w, first=not r.contrib[p])
-            r.wsum[p] += w
-            r.contrib[p].append(j)
+            if j != self.rank and (j, p) not in r.pending:
+                return  # wait for j's part
             r.pos[p] += 1
-        self._finish_part(r, p, now)
+        self._reduce_part(r, p, now)
 
-    def _finish_part(self, r: _Reduce, p: int, now: float) -> None:
+    def _reduce_part(self, r: _Reduce, p: int, now: float) -> None:
+        """Weighted mean of part p over the terms present, summed in fixed member order.
+
+        The terms are checked for NaN/inf inside the same pass (`kernels.weighted_mean`): a
+        member whose term is not finite is excluded from this span (our own data is only left
+        out of this part) and the part is recomputed from the remaining terms, which are all
+        still held, so the mean is exact over whoever is left."""
+        lo, hi = self.plan.part(r.owner, p)
+        a = r.acc[lo - r.lo : hi - r.lo]
+        excluded_now = False
+        while True:
+            members, terms, weights = [], [], []
+            for j in range(self.n):
+                if j in r.excluded or (r.rescue and (j == r.owner or p not in r.declared.get(j, ()))):
+                    continue
+                if j == self.rank:
+                    if p in r.own_left_out:
+                        continue
+                    members.append(j)
+                    terms.append(self.buf[lo:hi])
+                    weights.append(self.weight)
+                else:
+                    item = r.pending.get((j, p))
+                    if item is None:  # cannot happen after _advance's scan; be safe, not sorry
+                        continue
+                    members.append(j)
+                    terms.append(item[0])
+                    weights.append(item[1])
+            if not terms:
+                contrib: tuple[int, ...] = ()
+                break
+            bad = weighted_mean(a, terms, weights)
+            if bad == -1:
+                contrib = tuple(members)
+                break
+            if bad == OVERFLOW:
+                log.warning("%s: span %d part %d: the sum of finite terms overflowed: left unchanged for everyone",
+                            self.me.peer_id[:8], r.owner, p)
+                contrib = ()
+                break
+            j = members[bad]
+            if j == self.rank:
+                log.warning("%s: own data in span %d part %d holds NaN or inf: left out", self.me.peer_id[:8], r.owner, p)
+                r.own_left_out.add(p)
+            else:
+                # one NaN would poison every member's average: the sender is excluded from this
+                # reduction (its own copy of these elements stays unchanged), the others go on
+                self.dropped += 1
+                log.warning("%s: part %d of span %d from %s holds NaN or inf: sender excluded from this span",
+                            self.me.peer_id[:8], p, r.owner, self.members[j].peer_id[:8])
+                r.excluded.add(j)
+                excluded_now = True
+        for key in [k for k in r.pending if k[1] == p or k[0] in r.excluded]:
+            del r.pending[key]
+        r.contrib[p] = list(contrib)
+        self._finish_part(r, p, contrib, a, now)
+        if excluded_now:
+            for q in range(r.nparts):
+                self._advance(r, q, now)
+
+    def _finish_part(self, r: _Reduce, p: int, contrib: tuple[int, ...], a: np.ndarray, now: float) -> None:
         r.finished[p] = True
         r.left -= 1
-        contrib = tuple(r.contrib[p])
         if contrib:
-            lo, hi = self.plan.part(r.owner, p)
-            a = r.acc[lo - r.lo : hi - r.lo]
-            np.divide(a, a.dtype.type(r.wsum[p]), out=a)
             msg = self._msg(MsgType.RESULT, (a,), owner=r.owner, part=p, contrib=list(contrib), resc=int(r.rescue))
             for j in contrib:
                 if j != self.rank:
                     self._send(j, msg)
-            # members we left out but believe alive (e.g. their data held NaN) get an empty notice,
-            # so they settle this part as unchanged instead of waiting for it until a timeout
-            expected = r.declared if r.rescue else range(self.n)
-            notice = None
-            for j in expected:
-                if j != self.rank and j not in contrib and j not in self.lost and (not r.rescue or p in r.declared[j]):
-                    notice = notice or self._msg(MsgType.RESULT, (a[:0],), owner=r.owner, part=p,
-                                                 contrib=list(contrib), resc=int(r.rescue))
-                    self._send(j, notice)
-            if self.rank in contrib:
-                self._resolve(r.owner, p, contrib, a, rescued=r.rescue)
-                return
-        # our own data is not in this part (we excluded it, e.g. NaN): our copy stays unchanged
-        # (a no-op when the part was resolved already, e.g. a rescue part we did not need)
-        self._resolve(r.owner, p, None, None)
+        # members we left out but believe alive (e.g. their data held NaN, or the mean overflowed)
+        # get an empty notice, so they settle this part as unchanged instead of waiting for it
+        # until a timeout
+        expected = r.declared if r.rescue else range(self.n)
+        notice = None
+        for j in expected:
+            if j != self.rank and j not in contrib and j not in self.lost and (not r.rescue or p in r.declared[j]):
+                notice = notice or self._msg(MsgType.RESULT, (a[:0],), owner=r.owner, part=p,
+                                             contrib=list(contrib), resc=int(r.rescue))
+                self._send(j, notice)
+        if self.rank in contrib:
+            lo, hi = self.plan.part(r.owner, p)
+            self.buf[lo:hi] = a  # checked finite by the reduction
+            self._settle(r.owner, p, contrib, rescued=r.rescue)
+        else:
+            # our own data is not in this part (we left it out, e.g. NaN): our copy stays unchanged
+            # (a no-op when the part was resolved already, e.g. a rescue part we did not need)
+            self._resolve(r.owner, p, None, None)
+
+    def _settle(self, owner: int, p: int, contrib: tuple[int, ...], rescued: bool) -> None:
+        self.status[owner][p] = _AVERAGED
+        self.part_contrib[owner][p] = contrib
+        self.rescued[owner] += int(rescued)
+        self.unresolved -= 1
 
     def _resolve(self, owner: int, p: int, contrib: tuple[int, ...] | None, data: np.ndarray | None, rescued: bool = False) -> None:
+        """Settle part p of `owner`'s span: with a result (copied into the buffer only as far as it
+        is finite) or, without one, as unchanged."""
         if self.status[owner][p] != _WAITING:
             return
         if contrib is not None and data is not None:
             lo, hi = self.plan.part(owner, p)
-            self.buf[lo:hi] = data
-            self.status[owner][p] = _AVERAGED
-            self.part_contrib[owner][p] = contrib
-            self.rescued[owner] += int(rescued)
-        else:
-            self.status[owner][p] = _UNCHANGED
+            done = copy_finite(self.buf[lo:hi], data)
+            if done == hi - lo:
+                self._settle(owner, p, contrib, rescued)
+                return
+            self.dropped += 1
+            log.warning("%s: result for span %d part %d from its reducer holds NaN or inf: %d of %d elements taken "
+                        "(those before the first bad block), the rest left unchanged",
+                        self.me.peer_id[:8], owner, p, done, hi - lo)
+            if done:
+                self.partial.append((owner, lo, lo + done, contrib))
+        self.status[owner][p] = _UNCHANGED
         self.unresolved -= 1
 
     def _exclude(self, j: int, now: float) -> None:
@@ -404,16 +455,6 @@ class AllReduceRound:
             r = self.own
         if j in r.excluded or r.finished[p] or r.pos[p] > j or (j, p) in r.pending:
             return  # late or duplicate: that member's share of this part is already settled
-        if not _all_finite(arr):
-            # one NaN would poison every member's average: the sender is excluded from this
-            # reduction (its own copy of these elements stays unchanged), the others go on at once
-            self._bad(j, msg, "part holds NaN or inf: sender excluded from this span")
-            r.excluded.add(j)
-            for key in [k for k in r.pending if k[0] == j]:
-                del r.pending[key]
-            for q in range(r.nparts):
-                self._advance(r, q, now)
-            return
         self.bytes_received += arr.nbytes
         self.weights.setdefault(j, msg["w"])
         r.pending[(j, p)] = (arr, msg["w"])
@@ -436,8 +477,6 @@ class AllReduceRound:
         expected = self.rescue_target.get(owner) if msg["resc"] else owner
         if j != expected:
             return self._bad(j, msg, "result from a member that does not reduce that span")
-        if not _all_finite(arr):
-            return self._bad(j, msg, "result holds NaN or inf")
         self.bytes_received += arr.nbytes
         if self.rank in contrib:
             self._resolve(owner, p, contrib, arr, rescued=bool(msg["resc"]))
@@ -531,17 +570,17 @@ class AllReduceRound:
     # ------------------------------------------------------------------ result
     def outcome(self) -> RoundOutcome:
         ids = tuple(m.peer_id for m in self.members)
-        spans, updated = [], []
+        spans, ranges = [], []
         for o in range(self.n):
             contrib: set[int] = set()
             for p, s in enumerate(self.status[o]):
                 if s == _AVERAGED:
                     contrib.update(self.part_contrib[o][p])
-                    lo, hi = self.plan.part(o, p)
-                    if updated and updated[-1][1] == lo:
-                        updated[-1] = (updated[-1][0], hi)
-                    else:
-                        updated.append((lo, hi))
+                    ranges.append(self.plan.part(o, p))
+            for owner, lo, hi, who in self.partial:  # results taken up to their first non-finite block
+                if owner == o:
+                    contrib.update(who)
+                    ranges.append((lo, hi))
             spans.append(
                 SpanOutcome(
                     owner=ids[o],
@@ -551,6 +590,12 @@ class AllReduceRound:
                     contributors=tuple(ids[i] for i in sorted(contrib)),
                 )
             )
+        updated: list[tuple[int, int]] = []
+        for lo, hi in sorted(ranges):
+            if updated and updated[-1][1] == lo:
+                updated[-1] = (updated[-1][0], hi)
+            else:
+                updated.append((lo, hi))
         return RoundOutcome(
             group_id=self.spec.group_id,
             key=self.spec.key,
