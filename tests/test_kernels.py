@@ -47,6 +47,20 @@ def test_native_kernels_are_built():
     assert kernels.NATIVE
 
 
+def _mean(terms, weights, out, chunk=1):
+    """The owner's loop: accumulate the terms in order, `chunk` at a time, the weight sum with the
+    last; returns (index of the first term of the failing call, verdict) or (None, (-1, 0))."""
+    wsum = 0.0
+    for i in range(0, len(terms), chunk):
+        ts, ws = terms[i:i + chunk], weights[i:i + chunk]
+        wsum += sum(ws)
+        last = i + chunk >= len(terms)
+        verdict = kernels.accumulate(out, ts, ws, first=i == 0, divisor=wsum if last else 0.0)
+        if verdict != (-1, 0):
+            return i, verdict
+    return None, (-1, 0)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     n=st.integers(1, 40000),
@@ -54,40 +68,59 @@ def test_native_kernels_are_built():
     dtype=st.sampled_from([np.float32, np.float64]),
     seed=st.integers(0, 2**32 - 1),
     unit=st.booleans(),
+    chunk=st.integers(1, 6),
 )
-def test_weighted_mean_same_bits_both_paths(n, k, dtype, seed, unit):
+def test_accumulate_same_bits_both_paths(n, k, dtype, seed, unit, chunk):
     rng = np.random.default_rng(seed)
     terms = [(rng.standard_normal(n) * 10.0 ** rng.integers(-3, 4)).astype(dtype) for _ in range(k)]
-    weights = [1.0] * k if unit else list(rng.uniform(0.01, 5.0, k))
-    (r1, (o1, _, _)), (r2, (o2, _, _)) = _both(kernels.weighted_mean, np.empty(n, dtype), terms, weights)
-    assert r1 == r2 == -1
+    weights = [1.0] * k if unit else [float(w) for w in rng.uniform(0.01, 5.0, k)]
+    (r1, (_, _, o1, _)), (r2, (_, _, o2, _)) = _both(_mean, terms, weights, np.empty(n, dtype), chunk)
+    assert r1 == r2 == (None, (-1, 0))
     assert o1.tobytes() == o2.tobytes()
     want = sum(w * t.astype(np.float64) for w, t in zip(weights, terms)) / sum(weights)
-    np.testing.assert_allclose(o1, want, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-5)
+    scale = max(float(np.abs(t).max()) for t in terms)  # float32 sums lose digits relative to the largest term
+    eps = 1e-6 if dtype == np.float32 else 1e-14
+    np.testing.assert_allclose(o1, want, rtol=0, atol=eps * k * scale * max(weights) / sum(weights) * 4)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-@pytest.mark.parametrize("where", [0, 1023, 1024, 16383, 16384, 50000])
-def test_weighted_mean_names_the_first_bad_term(dtype, bad, where):
+@pytest.mark.parametrize("where", [0, 16383, 16384, 50000])
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_accumulate_reports_the_block_of_the_first_bad_value(dtype, bad, where, chunk):
     rng = np.random.default_rng(1)
-    terms = [rng.standard_normal(60000).astype(dtype) for _ in range(4)]
-    terms[2][where] = bad
-    terms[3][7] = bad  # a later term is bad too: the first one in order is reported
-    for r, _ in _both(kernels.weighted_mean, np.empty(60000, dtype), terms, [1.0, 2.0, 0.5, 1.0]):
-        assert r == 2
+    terms = [rng.standard_normal(60000).astype(dtype) for _ in range(3)]
+    terms[1][where] = bad
+    terms[1][59999] = bad  # a later bad value does not matter: the first one is reported
+    terms[2][59999] = bad  # nor a bad value of a later term in a later block
+    for (i, verdict), _ in _both(_mean, terms, [1.0, 2.0, 0.5], np.empty(60000, dtype), chunk):
+        assert i + verdict[0] == 1
+        assert verdict[1] == where - where % kernels.ACC_BLOCK
+
+
+def test_accumulate_reports_the_first_bad_block_across_terms():
+    terms = [np.ones(40000, np.float32) for _ in range(3)]
+    terms[0][39000] = np.nan
+    terms[2][100] = np.inf  # an earlier block wins over an earlier term
+    for verdict, _ in _both(kernels.accumulate, np.empty(40000, np.float32), terms, [1.0] * 3, True, 3.0):
+        assert verdict == (2, 0)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_weighted_mean_reports_overflow(dtype):
+def test_accumulate_reports_overflow_with_the_division(dtype):
     big = np.finfo(dtype).max
     terms = [np.full(3000, big, dtype), np.full(3000, big, dtype)]
     terms[0][:10] = 1.0  # finite terms, but most of their sum is not
-    for r, _ in _both(kernels.weighted_mean, np.empty(3000, dtype), terms, [1.0, 1.0]):
-        assert r == kernels.OVERFLOW
-    terms[1][2999] = np.nan  # a bad term anywhere is named, even past the first overflow
-    for r, _ in _both(kernels.weighted_mean, np.empty(3000, dtype), terms, [1.0, 1.0]):
-        assert r == 1
+    for chunk in (1, 2):
+        for (i, verdict), _ in _both(_mean, terms, [1.0, 1.0], np.empty(3000, dtype), chunk):
+            assert i == (1 if chunk == 1 else 0) and verdict == (kernels.OVERFLOW, 0)
+
+
+def test_finish_mean_divides_and_checks():
+    a = np.array([2.0, 4.0])
+    assert kernels.finish_mean(a, 2.0) and a.tolist() == [1.0, 2.0]
+    b = np.array([np.finfo(np.float64).max, 1.0])
+    assert not kernels.finish_mean(b, 0.5)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

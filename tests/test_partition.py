@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zgossip.partition import make_plan, ordered_weighted_sum, span_sizes
+from zgossip.kernels import accumulate
+from zgossip.partition import make_plan, span_sizes
 
 bandwidths = st.lists(st.one_of(st.just(0.0), st.floats(0.01, 1000.0)), min_size=1, max_size=24).filter(lambda b: sum(b) > 0)
 
@@ -57,9 +58,11 @@ def test_partitioned_ordered_reduction_equals_weighted_mean(n, numel, part, seed
         for p in range(plan.num_parts(o)):
             a, b = plan.part(o, p)
             acc = np.empty(b - a)
-            for j in range(n):  # fixed member order, as the owner does
-                ordered_weighted_sum(acc, xs[j, a:b], w[j], first=j == 0)
-            out[a:b] = acc / w.sum()
+            wsum = 0.0
+            for j in range(n):  # fixed member order, as the owner does; the weight sum comes with the last
+                wsum += w[j]
+                assert accumulate(acc, [xs[j, a:b]], [w[j]], first=j == 0, divisor=wsum if j == n - 1 else 0.0) == (-1, 0)
+            out[a:b] = acc
     np.testing.assert_allclose(out, (w[:, None] * xs).sum(0) / w.sum(), rtol=1e-12, atol=1e-12)
 
 

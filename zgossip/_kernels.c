@@ -1,12 +1,13 @@
 /* Fused reductions for the all-reduce's hot path (optional: zgossip/kernels.py falls back to numpy).
  *
- * Why C: an owner's part is reduced from the members' terms, each of which must be free of NaN
- * and inf before it may touch the sum. In numpy that is one pass per term to check and one or two
- * more to accumulate, over data that no longer sits in the cache; here each block of every term is
- * checked and then summed while it is still in L1, so every byte is read from memory once.
+ * Why C: an owner sums the members' terms of a part as they arrive, and each term must be free of
+ * NaN and inf before it may touch the sum. In numpy that is one pass over a term to check it and
+ * more to add it (and to divide, after the last), over data no longer in the cache; here the
+ * blocks of all terms at hand are checked, added and (with the last) divided while they are in L2,
+ * and a result is checked and copied the same way, so every byte is read from memory once.
  *
- * The arithmetic is exactly numpy's: out = w0*t0, then out = out + (w_i*t_i) term by term in the
- * order given, then out / wsum, each operation rounded to the element type. setup.py compiles this
+ * The arithmetic is exactly numpy's: out = x*w for the first term, out = out + x*w for the next
+ * (out + x when w is 1), then out / wsum, each operation rounded to the element type. setup.py compiles this
  * file with -ffp-contract=off, so no multiply-add is fused and both paths give identical bits.
  * Only float32 and float64 are handled here; other dtypes stay on the numpy path.
  */
@@ -15,14 +16,13 @@
 #include <stdint.h>
 #include <string.h>
 
-#ifndef BLOCK
-/* weighted_mean's block, in elements: 64-128 KiB per term, so a handful of terms stay in L2
- * together, and long enough runs of each term that the hardware prefetchers keep up (blocks of one
- * 4 KiB page per term, switching terms every page, measured ~2x slower) */
-#define BLOCK 16384
-#endif
+/* accumulate's block, in elements (64-128 KiB per term): the terms' blocks are checked, then summed
+ * while they are still in L2; long enough runs of each term for the hardware prefetchers (blocks
+ * of one 4 KiB page per term, switching terms every page, measured ~2x slower).
+ * kernels.ACC_BLOCK must match. */
+#define ACC_BLOCK 16384
 #define COPY_BLOCK 1024 /* copy_finite's block, in elements: kernels.BLOCK must match */
-#define MAX_TERMS 256
+#define MAX_TERMS 64
 
 static int finite_f32(const float *x, Py_ssize_t n) {
     const uint32_t *u = (const uint32_t *)x;
@@ -40,46 +40,44 @@ static int finite_f64(const double *x, Py_ssize_t n) {
     return !bad;
 }
 
-/* Returns -1 when every term was finite and the mean is finite; the index of the first term (in the
- * given order) holding a NaN or inf anywhere; or -2 when the terms are finite but the mean is not (overflow).
- * `out` is scratch in the last two cases. */
-#define WEIGHTED_MEAN(T, FINITE)                                                                   \
-    static Py_ssize_t weighted_mean_##T(T *restrict out, const T *const *terms, const T *w,       \
-                                        Py_ssize_t k, T wsum, Py_ssize_t n) {                      \
-        for (Py_ssize_t s = 0; s < n; s += BLOCK) {                                                \
-            Py_ssize_t m = n - s < BLOCK ? n - s : BLOCK;                                          \
-            for (Py_ssize_t t = 0; t < k; t++)                                                     \
-                if (!FINITE(terms[t] + s, m)) {                                                    \
-                    /* report the first term *in order* holding a bad value anywhere, as numpy */  \
-                    for (Py_ssize_t u = 0; u < t; u++)                                             \
-                        if (!FINITE(terms[u] + s + m, n - s - m)) return u;                        \
+/* Adds k terms to out in the order given, block by block: out = x0*w0 (when `first`) or
+ * out + x0*w0, then out + x1*w1, ...; then, when `divisor` is not 0, out / divisor. All terms'
+ * blocks are checked for NaN/inf before the block is used. Returns -1 on success; when a term is
+ * not finite, its index, with *bad_at set to the offset of the first block holding a bad value
+ * (in any term; the first such term in order is reported; blocks before it were committed); or
+ * -2 when the terms are finite but the divided result is not (the sum overflowed). */
+#define ACCUMULATE(T, FINITE)                                                                      \
+    static Py_ssize_t accumulate_##T(T *restrict out, const T *const *xs, const T *ws, int k,      \
+                                     int first, T divisor, Py_ssize_t n, Py_ssize_t *bad_at) {     \
+        int overflow = 0;                                                                          \
+        for (Py_ssize_t s = 0; s < n; s += ACC_BLOCK) {                                            \
+            Py_ssize_t m = n - s < ACC_BLOCK ? n - s : ACC_BLOCK;                                  \
+            T *restrict o = out + s;                                                               \
+            for (int t = 0; t < k; t++)                                                            \
+                if (!FINITE(xs[t] + s, m)) {                                                       \
+                    *bad_at = s;                                                                   \
                     return t;                                                                      \
                 }                                                                                  \
-            T *restrict o = out + s;                                                               \
-            const T *restrict x = terms[0] + s;                                                    \
-            T w0 = w[0];                                                                           \
-            for (Py_ssize_t i = 0; i < m; i++) o[i] = x[i] * w0;                                   \
-            for (Py_ssize_t t = 1; t < k; t++) {                                                   \
-                const T *restrict y = terms[t] + s;                                                \
-                T wt = w[t];                                                                       \
-                if (wt == (T)1)                                                                    \
+            for (int t = 0; t < k; t++) {                                                          \
+                const T *restrict y = xs[t] + s;                                                   \
+                T w = ws[t];                                                                       \
+                if (t == 0 && first)                                                               \
+                    for (Py_ssize_t i = 0; i < m; i++) o[i] = y[i] * w;                            \
+                else if (w == (T)1)                                                                \
                     for (Py_ssize_t i = 0; i < m; i++) o[i] = o[i] + y[i];                         \
                 else                                                                               \
-                    for (Py_ssize_t i = 0; i < m; i++) o[i] = o[i] + y[i] * wt;                    \
+                    for (Py_ssize_t i = 0; i < m; i++) o[i] = o[i] + y[i] * w;                     \
             }                                                                                      \
-            for (Py_ssize_t i = 0; i < m; i++) o[i] = o[i] / wsum;                                 \
-            if (!FINITE(o, m)) {                                                                   \
-                /* a bad term further on takes precedence over the overflow, as in numpy */         \
-                for (Py_ssize_t u = 0; u < k; u++)                                                 \
-                    if (!FINITE(terms[u] + s + m, n - s - m)) return u;                            \
-                return -2;                                                                         \
+            if (divisor != (T)0) {                                                                 \
+                for (Py_ssize_t i = 0; i < m; i++) o[i] = o[i] / divisor;                          \
+                if (!overflow && !FINITE(o, m)) overflow = 1;                                      \
             }                                                                                      \
         }                                                                                          \
-        return -1;                                                                                 \
+        return overflow ? -2 : -1;                                                                 \
     }
 
-WEIGHTED_MEAN(float, finite_f32)
-WEIGHTED_MEAN(double, finite_f64)
+ACCUMULATE(float, finite_f32)
+ACCUMULATE(double, finite_f64)
 
 static int get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *what) {
     int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
@@ -90,12 +88,13 @@ static int get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *
     return 0;
 }
 
-/* weighted_mean(out, terms, weights, wsum, itemsize) -> int (see weighted_mean_##T) */
-static PyObject *py_weighted_mean(PyObject *self, PyObject *args) {
+/* accumulate(out, terms, weights, first, divisor, itemsize) -> (verdict, bad_at) (see accumulate_##T) */
+static PyObject *py_accumulate(PyObject *self, PyObject *args) {
     PyObject *out_obj, *terms_obj, *weights_obj;
-    double wsum;
-    int itemsize;
-    if (!PyArg_ParseTuple(args, "OOOdi", &out_obj, &terms_obj, &weights_obj, &wsum, &itemsize)) return NULL;
+    double divisor;
+    int first, itemsize;
+    if (!PyArg_ParseTuple(args, "OOOpdi", &out_obj, &terms_obj, &weights_obj, &first, &divisor, &itemsize))
+        return NULL;
     if (itemsize != 4 && itemsize != 8) {
         PyErr_SetString(PyExc_ValueError, "itemsize must be 4 or 8");
         return NULL;
@@ -107,15 +106,14 @@ static PyObject *py_weighted_mean(PyObject *self, PyObject *args) {
         Py_DECREF(terms);
         return NULL;
     }
-    Py_ssize_t k = PySequence_Fast_GET_SIZE(terms);
+    Py_ssize_t k = PySequence_Fast_GET_SIZE(terms), got = 0, verdict = -3, bad_at = 0;
     Py_buffer out, views[MAX_TERMS];
     const void *ptrs[MAX_TERMS];
     float wf[MAX_TERMS];
     double wd[MAX_TERMS];
-    Py_ssize_t got = 0, result = -3;
     int have_out = 0;
     if (k < 1 || k > MAX_TERMS || PySequence_Fast_GET_SIZE(weights) != k) {
-        PyErr_SetString(PyExc_ValueError, "need 1..256 terms and one weight per term");
+        PyErr_SetString(PyExc_ValueError, "need 1..64 terms and one weight per term");
         goto done;
     }
     if (get_buffer(out_obj, &out, 1, "out") < 0) goto done;
@@ -125,6 +123,8 @@ static PyObject *py_weighted_mean(PyObject *self, PyObject *args) {
         goto done;
     }
     for (; got < k; got++) {
+        double w = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(weights, got));
+        if (w == -1.0 && PyErr_Occurred()) goto done;
         if (get_buffer(PySequence_Fast_GET_ITEM(terms, got), &views[got], 0, "every term") < 0) goto done;
         if (views[got].len != out.len) {
             got++;
@@ -132,28 +132,25 @@ static PyObject *py_weighted_mean(PyObject *self, PyObject *args) {
             goto done;
         }
         ptrs[got] = views[got].buf;
-        double w = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(weights, got));
-        if (w == -1.0 && PyErr_Occurred()) {
-            got++;
-            goto done;
-        }
         wd[got] = w;
         wf[got] = (float)w;
     }
     Py_ssize_t n = out.len / itemsize;
     Py_BEGIN_ALLOW_THREADS
     if (itemsize == 4)
-        result = weighted_mean_float((float *)out.buf, (const float *const *)ptrs, wf, k, (float)wsum, n);
+        verdict = accumulate_float((float *)out.buf, (const float *const *)ptrs, wf, (int)k, first, (float)divisor,
+                                   n, &bad_at);
     else
-        result = weighted_mean_double((double *)out.buf, (const double *const *)ptrs, wd, k, wsum, n);
+        verdict = accumulate_double((double *)out.buf, (const double *const *)ptrs, wd, (int)k, first, divisor, n,
+                                    &bad_at);
     Py_END_ALLOW_THREADS
 done:
     for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&views[i]);
     if (have_out) PyBuffer_Release(&out);
     Py_DECREF(terms);
     Py_DECREF(weights);
-    if (result == -3) return NULL;
-    return PyLong_FromSsize_t(result);
+    if (verdict == -3) return NULL;
+    return Py_BuildValue("(nn)", verdict, bad_at);
 }
 
 /* copy_finite(dst, src, itemsize) -> elements copied: blocks are checked and copied in order, and
@@ -214,7 +211,7 @@ static PyObject *py_all_finite(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"weighted_mean", py_weighted_mean, METH_VARARGS, "out = sum(w_i * t_i) / wsum with NaN/inf checks"},
+    {"accumulate", py_accumulate, METH_VARARGS, "out (+)= sum of w_i*x_i, optionally / divisor, with NaN/inf checks"},
     {"copy_finite", py_copy_finite, METH_VARARGS, "copy block by block up to the first non-finite block"},
     {"all_finite", py_all_finite, METH_VARARGS, "no NaN or inf in the buffer"},
     {NULL, NULL, 0, NULL},

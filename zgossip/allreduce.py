@@ -32,7 +32,7 @@ import numpy as np
 
 from .errors import ProtocolError
 from .matchmaking import GroupSpec
-from .kernels import OVERFLOW, copy_finite, weighted_mean
+from .kernels import OVERFLOW, accumulate, copy_finite, finish_mean
 from .partition import PartPlan, make_plan
 from .wire import Message, MsgType
 
@@ -96,6 +96,8 @@ class _Reduce:
         self.nparts = plan.num_parts(owner)
         self.acc = np.empty(hi - lo, dtype=dtype)
         self.pos = [0] * self.nparts
+        self.wsum = [0.0] * self.nparts
+        self.divided = [False] * self.nparts  # the weight sum's division was fused into the last term
         self.own_left_out: set[int] = set()  # parts our own data was left out of (it held NaN/inf)
         self.contrib: list[list[int]] = [[] for _ in range(self.nparts)]
         self.pending: dict[tuple[int, int], tuple[np.ndarray, float]] = {}
@@ -202,69 +204,86 @@ class AllReduceRound:
         self._check_done(now)
 
     # ------------------------------------------------------------------ reduction
+    def _expected(self, r: _Reduce, p: int, j: int) -> bool:
+        """Is member j's term of part p still part of this reduction?"""
+        if j in r.excluded or (r.rescue and j == r.owner):
+            return False
+        if j == self.rank and p in r.own_left_out:
+            return False
+        if r.rescue:
+            need = r.declared.get(j)
+            return need is None or p in need  # undeclared: it may still declare this part
+        return True
+
     def _advance(self, r: _Reduce, p: int, now: float) -> None:
-        """Move part p's scan over the members in fixed order; once every expected term is here
-        (or its member excluded), reduce the part."""
+        """Add the terms of part p that are here, in fixed member order, up to the first one that
+        is not; after the last, the part is done.
+
+        The terms at hand are added in one pass (`kernels.accumulate`), which checks them for
+        NaN/inf block by block; a lone first term waits for the next one, so that the sum is
+        never written out just to be read back. A member whose term is not finite is excluded
+        from this span (our own data is only left out of this part); its term is dropped exactly
+        when nothing of the pass was committed yet (the bad value is in the first block, or no
+        term came before), and otherwise the part is spoiled: it is left unchanged for everyone,
+        who are told so at once.
+        """
+        excluded = self._sum_part(r, p, now)
+        if excluded is not None:  # parts that were waiting for that member's data may be complete now
+            for q in range(r.nparts):
+                if q != p:
+                    self._advance(r, q, now)
+
+    def _sum_part(self, r: _Reduce, p: int, now: float) -> int | None:
+        """The body of `_advance`; returns a member it excluded, if any."""
         if r.finished[p]:
-            return
-        while r.pos[p] < self.n:
-            j = r.pos[p]
-            if j in r.excluded or (r.rescue and j == r.owner):
-                r.pos[p] += 1
-                continue
-            if r.rescue:
-                need = r.declared.get(j)
-                if need is None:
-                    return  # wait for j's declaration (or its exclusion)
-                if p not in need:
-                    r.pos[p] += 1
-                    continue
-            if j != self.rank and (j, p) not in r.pending:
-                return  # wait for j's part
-            r.pos[p] += 1
-        self._reduce_part(r, p, now)
-
-    def _reduce_part(self, r: _Reduce, p: int, now: float) -> None:
-        """Weighted mean of part p over the terms present, summed in fixed member order.
-
-        The terms are checked for NaN/inf inside the same pass (`kernels.weighted_mean`): a
-        member whose term is not finite is excluded from this span (our own data is only left
-        out of this part) and the part is recomputed from the remaining terms, which are all
-        still held, so the mean is exact over whoever is left."""
+            return None
         lo, hi = self.plan.part(r.owner, p)
         a = r.acc[lo - r.lo : hi - r.lo]
-        excluded_now = False
+        excluded = None
         while True:
-            members, terms, weights = [], [], []
-            for j in range(self.n):
-                if j in r.excluded or (r.rescue and (j == r.owner or p not in r.declared.get(j, ()))):
-                    continue
-                if j == self.rank:
-                    if p in r.own_left_out:
-                        continue
-                    members.append(j)
-                    terms.append(self.buf[lo:hi])
-                    weights.append(self.weight)
+            run: list[tuple[int, np.ndarray, float]] = []
+            k = r.pos[p]
+            while k < self.n:
+                if not self._expected(r, p, k):
+                    k += 1
+                elif r.rescue and k not in r.declared:
+                    break  # wait for k's declaration (or its exclusion)
+                elif k == self.rank:
+                    run.append((k, self.buf[lo:hi], self.weight))
+                    k += 1
+                elif (k, p) in r.pending:
+                    data, w = r.pending[(k, p)]
+                    run.append((k, data, w))
+                    k += 1
                 else:
-                    item = r.pending.get((j, p))
-                    if item is None:  # cannot happen after _advance's scan; be safe, not sorry
-                        continue
-                    members.append(j)
-                    terms.append(item[0])
-                    weights.append(item[1])
-            if not terms:
-                contrib: tuple[int, ...] = ()
-                break
-            bad = weighted_mean(a, terms, weights)
-            if bad == -1:
-                contrib = tuple(members)
-                break
-            if bad == OVERFLOW:
+                    break  # wait for k's part
+            complete = k >= self.n
+            first = not r.contrib[p]
+            if not run:
+                if complete:
+                    break
+                return excluded
+            if first and len(run) == 1 and not complete:
+                return excluded  # a lone first term: added with the next one
+            wsum = r.wsum[p] + sum(w for _, _, w in run)
+            verdict, bad_at = accumulate(a, [d for _, d, _ in run], [w for _, _, w in run], first,
+                                         wsum if complete else 0.0)
+            if verdict == -1:
+                for j, _, _ in run:
+                    r.pending.pop((j, p), None)
+                    r.contrib[p].append(j)
+                r.wsum[p] = wsum
+                r.pos[p] = k
+                r.divided[p] = complete
+                if complete:
+                    break
+                return excluded
+            if verdict == OVERFLOW:
                 log.warning("%s: span %d part %d: the sum of finite terms overflowed: left unchanged for everyone",
                             self.me.peer_id[:8], r.owner, p)
-                contrib = ()
-                break
-            j = members[bad]
+                self._finish_part(r, p, (), a, now)
+                return excluded
+            j = run[verdict][0]
             if j == self.rank:
                 log.warning("%s: own data in span %d part %d holds NaN or inf: left out", self.me.peer_id[:8], r.owner, p)
                 r.own_left_out.add(p)
@@ -275,18 +294,30 @@ class AllReduceRound:
                 log.warning("%s: part %d of span %d from %s holds NaN or inf: sender excluded from this span",
                             self.me.peer_id[:8], p, r.owner, self.members[j].peer_id[:8])
                 r.excluded.add(j)
-                excluded_now = True
-        for key in [k for k in r.pending if k[1] == p or k[0] in r.excluded]:
-            del r.pending[key]
-        r.contrib[p] = list(contrib)
+                for key in [key for key in r.pending if key[0] == j]:
+                    del r.pending[key]
+                excluded = j
+            if bad_at > 0 and not first:
+                log.warning("%s: span %d part %d was partly summed before the bad block: left unchanged for everyone",
+                            self.me.peer_id[:8], r.owner, p)
+                self._finish_part(r, p, (), a, now)
+                return excluded
+            # nothing of that pass counts: try again without the bad term
+        contrib = tuple(r.contrib[p])
+        if contrib and not r.divided[p] and not finish_mean(a, r.wsum[p]):
+            # the last expected term never came (its member was excluded), so the division was not
+            # fused into it; done here, it can still overflow
+            log.warning("%s: span %d part %d: the sum of finite terms overflowed: left unchanged for everyone",
+                        self.me.peer_id[:8], r.owner, p)
+            contrib = ()
         self._finish_part(r, p, contrib, a, now)
-        if excluded_now:
-            for q in range(r.nparts):
-                self._advance(r, q, now)
+        return excluded
 
     def _finish_part(self, r: _Reduce, p: int, contrib: tuple[int, ...], a: np.ndarray, now: float) -> None:
         r.finished[p] = True
         r.left -= 1
+        for key in [k for k in r.pending if k[1] == p]:  # terms that came after the part was given up
+            del r.pending[key]
         if contrib:
             msg = self._msg(MsgType.RESULT, (a,), owner=r.owner, part=p, contrib=list(contrib), resc=int(r.rescue))
             for j in contrib:

@@ -2,7 +2,7 @@
 
 Two implementations with identical results: the C extension `zgossip._kernels` (built by
 ``pip install`` when a C compiler is present; it checks and sums each block while it is in
-L1, so every byte is read from memory once) and numpy (always there). Which one runs is
+cache, so every byte is read from memory once) and numpy (always there). Which one runs is
 `NATIVE`; ``ZGOSSIP_NATIVE=0`` forces numpy. Both sum terms in the order given, each
 operation rounded to the element type, so the bits do not depend on the path: peers with
 and without the extension produce the same averages, and a simulation gives the same trace.
@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["NATIVE", "BLOCK", "OVERFLOW", "all_finite", "weighted_mean", "copy_finite"]
+__all__ = ["NATIVE", "BLOCK", "ACC_BLOCK", "OVERFLOW", "all_finite", "accumulate", "finish_mean", "copy_finite"]
 
 try:  # pragma: no cover - depends on the build
     from . import _kernels as _native
@@ -29,7 +29,9 @@ if os.environ.get("ZGOSSIP_NATIVE", "1") == "0":
 NATIVE = _native is not None
 #: Granularity of `copy_finite`: it copies whole blocks of this many elements.
 BLOCK = 1024
-#: `weighted_mean` result: every term was finite, but their mean is not (it overflowed).
+#: Granularity of `accumulate`'s checks: it reports the block where a bad value sits.
+ACC_BLOCK = 16384
+#: `accumulate` result: the term was finite, but the divided sum is not (the sum overflowed).
 OVERFLOW = -2
 
 _FAST = (np.dtype(np.float32), np.dtype(np.float64))
@@ -58,32 +60,52 @@ def all_finite(arr: np.ndarray) -> bool:
     return _numpy_finite(arr)
 
 
-def weighted_mean(out: np.ndarray, terms: Sequence[np.ndarray], weights: Sequence[float]) -> int:
-    """``out = (w0*t0 + w1*t1 + ...) / (w0 + w1 + ...)`` for float arrays, summed in the order given.
+def accumulate(out: np.ndarray, terms: Sequence[np.ndarray], weights: Sequence[float], first: bool,
+               divisor: float = 0.0) -> tuple[int, int]:
+    """Add `terms` to `out` in the order given: ``out = t0*w0`` (`first`) or ``out + t0*w0``, then
+    ``out + t1*w1``, ...; then, if `divisor` is not 0, ``out /= divisor``.
 
-    Returns -1 on success; the index of the first term, in order, holding a NaN or inf anywhere;
-    or `OVERFLOW` when the terms are finite but the mean is not. In the last two cases `out`
-    holds scratch. The weight sum is accumulated in Python floats in order.
+    Callers feed the terms of a sum in a fixed order (float addition is not associative, so a
+    fixed order is what makes every run give identical bits), as many at a time as they have,
+    and pass the weight sum as `divisor` with the last. All terms are checked for NaN/inf block
+    by block (`ACC_BLOCK` elements) before a block is used. Returns ``(-1, 0)`` on success;
+    ``(i, offset)`` when a term is not finite: `offset` is the first block holding a bad value
+    in any term and `i` the first term, in order, bad there (blocks before `offset` were
+    committed, so `out` is spoiled unless `offset` is 0 or `first`); or ``(OVERFLOW, 0)``
+    when the terms are finite but the divided result is not.
     """
-    wsum = 0.0
-    for w in weights:
-        wsum += float(w)
-    if _fast(out, *terms) and len(terms) <= 256 and all(t.dtype == out.dtype for t in terms):
-        return _native.weighted_mean(out, terms, [float(w) for w in weights], wsum, out.itemsize)
+    if _fast(out, *terms) and len(terms) <= 64 and all(t.dtype == out.dtype for t in terms):
+        return _native.accumulate(out, terms, [float(w) for w in weights], first, float(divisor), out.itemsize)
+    worst = None
     for i, t in enumerate(terms):
         if not _numpy_finite(t):
-            return i
-    one = out.dtype.type
+            bad = int(np.flatnonzero(~np.isfinite(t))[0])
+            offset = bad - bad % ACC_BLOCK
+            if worst is None or offset < worst[1]:
+                worst = (i, offset)
+    if worst is not None:
+        return worst
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # overflow is reported below
         for i, (t, w) in enumerate(zip(terms, weights)):
-            if i == 0:
-                np.multiply(t, one(w), out=out)
-            elif float(w) == 1.0:
+            wt = out.dtype.type(w)
+            if i == 0 and first:
+                np.multiply(t, wt, out=out)
+            elif float(wt) == 1.0:
                 np.add(out, t, out=out)
             else:
-                out += t * one(w)
-        np.divide(out, one(wsum), out=out)
-    return -1 if _numpy_finite(out) else OVERFLOW
+                out += t * wt
+        if divisor == 0:
+            return -1, 0
+        np.divide(out, out.dtype.type(divisor), out=out)
+    return (-1, 0) if _numpy_finite(out) else (OVERFLOW, 0)
+
+
+def finish_mean(out: np.ndarray, divisor: float) -> bool:
+    """``out /= divisor`` for a sum whose last term came without the divisor (its sender was lost
+    after the earlier ones were added); False if the result is not finite."""
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        np.divide(out, out.dtype.type(divisor), out=out)
+    return all_finite(out)
 
 
 def copy_finite(dst: np.ndarray, src: np.ndarray) -> int:

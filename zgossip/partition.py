@@ -10,9 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
 
-__all__ = ["PartPlan", "make_plan", "span_sizes", "ordered_weighted_sum"]
+__all__ = ["PartPlan", "make_plan", "span_sizes"]
 
 
 def span_sizes(numel: int, bandwidths: Sequence[float]) -> list[int]:
@@ -75,17 +74,3 @@ def make_plan(numel: int, bandwidths: Sequence[float], part_elems: int) -> PartP
     for s in sizes:
         bounds.append(bounds[-1] + s)
     return PartPlan(numel, tuple(bounds), part_elems)
-
-
-def ordered_weighted_sum(out: np.ndarray, term: np.ndarray, weight: float, first: bool) -> None:
-    """``out = weight*term`` (first term) or ``out += weight*term``.
-
-    Callers feed terms in the group's fixed member order: float addition is not
-    associative, so a fixed order is what makes every run give identical bits.
-    """
-    if first:
-        np.multiply(term, out.dtype.type(weight), out=out)
-    elif weight == 1.0:
-        np.add(out, term, out=out)
-    else:
-        out += term * out.dtype.type(weight)
