@@ -220,8 +220,8 @@ class AllReduceRound:
         is not; after the last, the part is done.
 
         The terms at hand are added in one pass (`kernels.accumulate`), which checks them for
-        NaN/inf block by block; a lone first term waits for the next one, so that the sum is
-        never written out just to be read back. A member whose term is not finite is excluded
+        NaN/inf block by block; a lone first term waits for the next one rather than being
+        copied into the sum on its own. A member whose term is not finite is excluded
         from this span (our own data is only left out of this part); its term is dropped exactly
         when nothing of the pass was committed yet (the bad value is in the first block, or no
         term came before), and otherwise the part is spoiled: it is left unchanged for everyone,
@@ -279,9 +279,7 @@ class AllReduceRound:
                     break
                 return excluded
             if verdict == OVERFLOW:
-                log.warning("%s: span %d part %d: the sum of finite terms overflowed: left unchanged for everyone",
-                            self.me.peer_id[:8], r.owner, p)
-                self._finish_part(r, p, (), a, now)
+                self._give_up(r, p, a, now, "the sum of finite terms overflowed")
                 return excluded
             j = run[verdict][0]
             if j == self.rank:
@@ -298,20 +296,21 @@ class AllReduceRound:
                     del r.pending[key]
                 excluded = j
             if bad_at > 0 and not first:
-                log.warning("%s: span %d part %d was partly summed before the bad block: left unchanged for everyone",
-                            self.me.peer_id[:8], r.owner, p)
-                self._finish_part(r, p, (), a, now)
+                self._give_up(r, p, a, now, "it was partly summed before the bad block")
                 return excluded
             # nothing of that pass counts: try again without the bad term
-        contrib = tuple(r.contrib[p])
-        if contrib and not r.divided[p] and not finish_mean(a, r.wsum[p]):
-            # the last expected term never came (its member was excluded), so the division was not
-            # fused into it; done here, it can still overflow
-            log.warning("%s: span %d part %d: the sum of finite terms overflowed: left unchanged for everyone",
-                        self.me.peer_id[:8], r.owner, p)
-            contrib = ()
-        self._finish_part(r, p, contrib, a, now)
+        # when the last expected term never came (its member was excluded), the division was not
+        # fused into it: done here, it can still overflow
+        if r.contrib[p] and not r.divided[p] and not finish_mean(a, r.wsum[p]):
+            self._give_up(r, p, a, now, "the sum of finite terms overflowed")
+        else:
+            self._finish_part(r, p, tuple(r.contrib[p]), a, now)
         return excluded
+
+    def _give_up(self, r: _Reduce, p: int, a: np.ndarray, now: float, why: str) -> None:
+        """Leave part p unchanged for every member (they get notices, so nobody waits)."""
+        log.warning("%s: span %d part %d left unchanged for everyone: %s", self.me.peer_id[:8], r.owner, p, why)
+        self._finish_part(r, p, (), a, now)
 
     def _finish_part(self, r: _Reduce, p: int, contrib: tuple[int, ...], a: np.ndarray, now: float) -> None:
         r.finished[p] = True

@@ -1,8 +1,9 @@
-"""The all-reduce's arithmetic on parts: checked weighted means and checked copies.
+"""The all-reduce's arithmetic on parts: checked fixed-order weighted sums and checked copies.
 
 Two implementations with identical results: the C extension `zgossip._kernels` (built by
 ``pip install`` when a C compiler is present; it checks and sums each block while it is in
-cache, so every byte is read from memory once) and numpy (always there). Which one runs is
+cache, so each term is read from memory once) and numpy (always there, one more pass per
+term). Which one runs is
 `NATIVE`; ``ZGOSSIP_NATIVE=0`` forces numpy. Both sum terms in the order given, each
 operation rounded to the element type, so the bits do not depend on the path: peers with
 and without the extension produce the same averages, and a simulation gives the same trace.
