@@ -23,8 +23,21 @@
 #define ACC_BLOCK 16384
 #define COPY_BLOCK 1024 /* copy_finite's block, in elements: kernels.BLOCK must match */
 #define MAX_TERMS 64
+/* the sum is built SUB_BLOCK elements at a time (8-16 KiB): the partial sum stays in L1 while every
+ * term is added to it, and each element still sees the same operations in the same order */
+#define SUB_BLOCK 2048
 
-static int finite_f32(const float *x, Py_ssize_t n) {
+/* The loops below are plain C that the compiler vectorizes. Built for the baseline x86-64 (SSE2)
+ * they run at a quarter of the memory bandwidth, so on x86-64 Linux with GCC each kernel is also
+ * compiled for AVX2 and AVX-512 and the loader picks the best the CPU has (ifunc). Vector width
+ * does not change the bits: every element gets the same IEEE operations in the same order. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define MULTIARCH __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define MULTIARCH
+#endif
+
+MULTIARCH static int finite_f32(const float *x, Py_ssize_t n) {
     const uint32_t *u = (const uint32_t *)x;
     uint32_t bad = 0;
     for (Py_ssize_t i = 0; i < n; i++)
@@ -32,7 +45,7 @@ static int finite_f32(const float *x, Py_ssize_t n) {
     return !bad;
 }
 
-static int finite_f64(const double *x, Py_ssize_t n) {
+MULTIARCH static int finite_f64(const double *x, Py_ssize_t n) {
     const uint64_t *u = (const uint64_t *)x;
     uint64_t bad = 0;
     for (Py_ssize_t i = 0; i < n; i++)
@@ -47,30 +60,33 @@ static int finite_f64(const double *x, Py_ssize_t n) {
  * (in any term; the first such term in order is reported; blocks before it were committed); or
  * -2 when the terms are finite but the divided result is not (the sum overflowed). */
 #define ACCUMULATE(T, FINITE)                                                                      \
-    static Py_ssize_t accumulate_##T(T *restrict out, const T *const *xs, const T *ws, int k,      \
+    MULTIARCH static Py_ssize_t accumulate_##T(T *restrict out, const T *const *xs, const T *ws, int k, \
                                      int first, T divisor, Py_ssize_t n, Py_ssize_t *bad_at) {     \
         int overflow = 0;                                                                          \
         for (Py_ssize_t s = 0; s < n; s += ACC_BLOCK) {                                            \
             Py_ssize_t m = n - s < ACC_BLOCK ? n - s : ACC_BLOCK;                                  \
-            T *restrict o = out + s;                                                               \
             for (int t = 0; t < k; t++)                                                            \
                 if (!FINITE(xs[t] + s, m)) {                                                       \
                     *bad_at = s;                                                                   \
                     return t;                                                                      \
                 }                                                                                  \
-            for (int t = 0; t < k; t++) {                                                          \
-                const T *restrict y = xs[t] + s;                                                   \
-                T w = ws[t];                                                                       \
-                if (t == 0 && first)                                                               \
-                    for (Py_ssize_t i = 0; i < m; i++) o[i] = y[i] * w;                            \
-                else if (w == (T)1)                                                                \
-                    for (Py_ssize_t i = 0; i < m; i++) o[i] = o[i] + y[i];                         \
-                else                                                                               \
-                    for (Py_ssize_t i = 0; i < m; i++) o[i] = o[i] + y[i] * w;                     \
-            }                                                                                      \
-            if (divisor != (T)0) {                                                                 \
-                for (Py_ssize_t i = 0; i < m; i++) o[i] = o[i] / divisor;                          \
-                if (!overflow && !FINITE(o, m)) overflow = 1;                                      \
+            for (Py_ssize_t b = s; b < s + m; b += SUB_BLOCK) {                                    \
+                Py_ssize_t mb = s + m - b < SUB_BLOCK ? s + m - b : SUB_BLOCK;                     \
+                T *restrict o = out + b;                                                           \
+                for (int t = 0; t < k; t++) {                                                      \
+                    const T *restrict y = xs[t] + b;                                               \
+                    T w = ws[t];                                                                   \
+                    if (t == 0 && first)                                                           \
+                        for (Py_ssize_t i = 0; i < mb; i++) o[i] = y[i] * w;                       \
+                    else if (w == (T)1)                                                            \
+                        for (Py_ssize_t i = 0; i < mb; i++) o[i] = o[i] + y[i];                    \
+                    else                                                                           \
+                        for (Py_ssize_t i = 0; i < mb; i++) o[i] = o[i] + y[i] * w;                \
+                }                                                                                  \
+                if (divisor != (T)0) {                                                             \
+                    for (Py_ssize_t i = 0; i < mb; i++) o[i] = o[i] / divisor;                     \
+                    if (!overflow && !FINITE(o, mb)) overflow = 1;                                 \
+                }                                                                                  \
             }                                                                                      \
         }                                                                                          \
         return overflow ? -2 : -1;                                                                 \
