@@ -262,3 +262,83 @@ def test_a_mean_that_overflows_is_left_unchanged_for_everyone_without_a_timeout(
         np.testing.assert_array_equal(p.tensors[0][:NUMEL // N], before[i][:NUMEL // N])
         assert res.spans[0].averaged == 0
         assert all(lo >= NUMEL // N for lo, _ in res.updated)
+
+
+def _big_part_cluster(n, span, seed=5):
+    """n peers, float64, one part per span of `span` elements (several accumulate blocks)."""
+    cl = SimCluster(seed=seed, network=NetworkModel(latency=0.001, bandwidth=1e8))
+    kw = dict(prefix="f", target_group_size=n, min_group_size=2, part_size_bytes=span * 8, part_timeout=5.0,
+              gossip_interval=0.05, peer_timeout=3.0, matchmaking_time=0.3, request_timeout=0.2)
+    rng = np.random.default_rng(seed)
+    peers = []
+    for _ in range(n):
+        peers.append(cl.add_peer(NodeConfig(**kw), tensors=[rng.standard_normal(n * span)], known=peers))
+    return cl, peers, rng.uniform(0.5, 2.0, n)
+
+
+def _own_span(res, me, span):
+    k = [s.owner for s in res.spans].index(me)
+    return k * span, (k + 1) * span
+
+
+def test_a_nan_met_in_the_owners_last_pass_keeps_the_mean_it_already_stored_in_its_own_tensor():
+    """The owner's last pass writes the mean straight into its tensor; a NaN found there after some
+    blocks were stored leaves those blocks averaged for the owner only: the part is unchanged for
+    everyone else, and `updated` says exactly that."""
+    from zgossip import kernels
+
+    n, span = 3, 2 * kernels.ACC_BLOCK
+    cl, peers, weights = _big_part_cluster(n, span)
+    off = kernels.ACC_BLOCK + 5  # in the second block of every span
+    for k in range(n):
+        peers[2].tensors[0][k * span + off] = np.nan
+    before = [p.tensors[0].copy() for p in peers]
+    t0 = cl.env.now
+    evs = [p.step_tensors(weight=float(w)) for p, w in zip(peers[:2], weights)]
+    cl.run(until=t0 + 0.02)  # peer 2 joins last, so it is the last member: its term is in every owner's last pass
+    evs.append(peers[2].step_tensors(weight=float(weights[2])))
+    cl.run(until=cl.env.all_of(evs))
+    assert evs[0].value.result.members[-1] == peers[2].peer_id
+    assert cl.env.now - t0 < 1.0  # no timeout
+    mean_all = sum(w * b for w, b in zip(weights, before)) / weights.sum()
+    for i, p in enumerate(peers):
+        res = evs[i].value.result
+        lo, hi = _own_span(res, p.peer_id, span)
+        cut = lo + kernels.ACC_BLOCK
+        after = p.tensors[0]
+        assert res.updated == [(lo, cut)]
+        np.testing.assert_allclose(after[lo:cut], mean_all[lo:cut], rtol=0, atol=1e-12)
+        mask = np.zeros(after.size, bool)
+        mask[lo:cut] = True
+        np.testing.assert_array_equal(after[~mask], before[i][~mask])  # NaN included, for peer 2
+        assert set(res.contributors) == {q.peer_id for q in peers}
+        assert not res.complete
+
+
+def test_a_mean_that_overflows_part_way_keeps_what_the_owner_stored_before():
+    from zgossip import kernels
+
+    n, span = 3, 2 * kernels.ACC_BLOCK
+    cl, peers, weights = _big_part_cluster(n, span, seed=6)
+    big = np.finfo(np.float64).max
+    ok = 3 * kernels.SUB_BLOCK + 11
+    for p in peers:
+        for k in range(n):
+            p.tensors[0][k * span + ok:(k + 1) * span] = big / 2  # every term finite, the sum is not
+    before = [p.tensors[0].copy() for p in peers]
+    evs = [p.step_tensors(weight=1.0) for p in peers]
+    t0 = cl.env.now
+    cl.run(until=cl.env.all_of(evs))
+    assert cl.env.now - t0 < 1.0
+    with np.errstate(over="ignore"):
+        mean_all = sum(before) / n  # inf past the cut, where it is not compared
+    for i, p in enumerate(peers):
+        res = evs[i].value.result
+        lo, hi = _own_span(res, p.peer_id, span)
+        cut = lo + ok - ok % kernels.SUB_BLOCK  # the owner stored the sub-blocks before the overflow
+        assert res.updated == [(lo, cut)]
+        np.testing.assert_allclose(p.tensors[0][lo:cut], mean_all[lo:cut], rtol=0, atol=1e-12)
+        mask = np.zeros(p.tensors[0].size, bool)
+        mask[lo:cut] = True
+        np.testing.assert_array_equal(p.tensors[0][~mask], before[i][~mask])
+        assert np.isfinite(p.tensors[0]).all()

@@ -116,6 +116,61 @@ def test_accumulate_reports_overflow_with_the_division(dtype):
             assert i == (1 if chunk == 1 else 0) and verdict == (kernels.OVERFLOW, 0)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_overflow_is_reported_at_its_sub_block_and_nothing_from_there_is_stored(dtype):
+    big = np.finfo(dtype).max
+    n = 3 * kernels.ACC_BLOCK
+    at = kernels.ACC_BLOCK + 3 * kernels.SUB_BLOCK + 7  # in the second block's fourth sub-block
+    terms = [np.ones(n, dtype), np.ones(n, dtype)]
+    terms[0][at:] = big
+    terms[1][at:] = big
+    cut = at - at % kernels.SUB_BLOCK
+    for verdict, (out, _, _, _, _) in _both(kernels.accumulate, np.zeros(n, dtype), terms, [1.0, 1.0], True, 2.0):
+        assert verdict == (kernels.OVERFLOW, cut)
+        assert (out[:cut] == 1.0).all() and not out[cut:].any()  # stored up to the cut, untouched after
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_bad_term_stops_the_pass_at_its_block_with_the_blocks_before_stored(dtype):
+    n = 3 * kernels.ACC_BLOCK + 5
+    rng = np.random.default_rng(4)
+    terms = [rng.standard_normal(n).astype(dtype) for _ in range(3)]
+    terms[2][2 * kernels.ACC_BLOCK + 1] = np.nan
+    src = rng.standard_normal(n).astype(dtype)
+    results = _both(kernels.accumulate, np.zeros(n, dtype), terms, [1.0, 0.5, 2.0], False, 3.5, src)
+    (v1, (o1, *_)), (v2, (o2, *_)) = results
+    assert v1 == v2 == (2, 2 * kernels.ACC_BLOCK)
+    assert o1.tobytes() == o2.tobytes()
+    cut = 2 * kernels.ACC_BLOCK
+    want = (src[:cut] + terms[0][:cut] + terms[1][:cut] * dtype(0.5) + terms[2][:cut] * dtype(2.0)) / dtype(3.5)
+    assert o1[:cut].tobytes() == want.astype(dtype).tobytes() and not o1[cut:].any()
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 40000), k=st.integers(1, 5), alias=st.integers(0, 4), first=st.booleans(),
+       dtype=st.sampled_from([np.float32, np.float64]), seed=st.integers(0, 2**32 - 1))
+def test_accumulate_from_src_into_one_of_its_terms(n, k, alias, first, dtype, seed):
+    """The owner's last pass: partial sum in `src`, result stored over one of the terms (its own
+    data): same bits as summing into a fresh array, on both paths."""
+    rng = np.random.default_rng(seed)
+    terms = [rng.standard_normal(n).astype(dtype) for _ in range(k)]
+    weights = [float(w) for w in rng.uniform(0.1, 3.0, k)]
+    src = rng.standard_normal(n).astype(dtype)
+    alias %= k
+    ref = src.copy()
+    assert kernels.accumulate(ref, terms, weights, first, 2.5) == (-1, 0)  # the in-place form
+    for native in ([kernels._native, None] if kernels.NATIVE else [None]):
+        saved, kernels._native = kernels._native, native
+        try:
+            ts = [t.copy() for t in terms]
+            s = src.copy()
+            assert kernels.accumulate(ts[alias], ts, weights, first, 2.5, src=s) == (-1, 0)
+        finally:
+            kernels._native = saved
+        assert ts[alias].tobytes() == ref.tobytes()
+        assert s.tobytes() == src.tobytes()  # src is only read
+
+
 def test_finish_mean_divides_and_checks():
     a = np.array([2.0, 4.0])
     assert kernels.finish_mean(a, 2.0) and a.tolist() == [1.0, 2.0]

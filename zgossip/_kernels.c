@@ -25,7 +25,7 @@
 #define MAX_TERMS 64
 /* the sum is built SUB_BLOCK elements at a time (8-16 KiB): the partial sum stays in L1 while every
  * term is added to it, and each element still sees the same operations in the same order */
-#define SUB_BLOCK 2048
+#define SUB_BLOCK 2048 /* kernels.SUB_BLOCK must match */
 
 /* The loops below are plain C that the compiler vectorizes. Built for the baseline x86-64 (SSE2)
  * they run at a quarter of the memory bandwidth, so on x86-64 Linux with GCC each kernel is also
@@ -53,16 +53,22 @@ MULTIARCH static int finite_f64(const double *x, Py_ssize_t n) {
     return !bad;
 }
 
-/* Adds k terms to out in the order given, block by block: out = x0*w0 (when `first`) or
- * out + x0*w0, then out + x1*w1, ...; then, when `divisor` is not 0, out / divisor. All terms'
- * blocks are checked for NaN/inf before the block is used. Returns -1 on success; when a term is
- * not finite, its index, with *bad_at set to the offset of the first block holding a bad value
- * (in any term; the first such term in order is reported; blocks before it were committed); or
- * -2 when the terms are finite but the divided result is not (the sum overflowed). */
+/* Adds k terms, in the order given, to the partial sum in src and writes the result to out, block
+ * by block: x0*w0 (when `first`: src is not read) or src + x0*w0, then + x1*w1, ...; then, when
+ * `divisor` is not 0, / divisor. Each sub-block is built in a scratch array in L1 and stored when
+ * done, so out may be src (the usual in-place sum) or one of the terms (an owner writing the
+ * final mean straight into its own tensor, whose data is a term). All terms' blocks are checked
+ * for NaN/inf before the block is used, and a divided sub-block is checked before it is stored.
+ * Returns -1 on success; when a term is not finite, its index, with *bad_at set to the offset of
+ * the first block holding a bad value (in any term; the first such term in order is reported);
+ * or -2 when the terms are finite but a divided sub-block is not (the sum overflowed), with
+ * *bad_at set to that sub-block's offset. Either way out[0:*bad_at] was stored and the rest of
+ * out is untouched. */
 #define ACCUMULATE(T, FINITE)                                                                      \
-    MULTIARCH static Py_ssize_t accumulate_##T(T *restrict out, const T *const *xs, const T *ws, int k, \
-                                     int first, T divisor, Py_ssize_t n, Py_ssize_t *bad_at) {     \
-        int overflow = 0;                                                                          \
+    MULTIARCH static Py_ssize_t accumulate_##T(T *out, const T *src, const T *const *xs, const T *ws, \
+                                               int k, int first, T divisor, Py_ssize_t n,          \
+                                               Py_ssize_t *bad_at) {                               \
+        T scratch[SUB_BLOCK];                                                                       \
         for (Py_ssize_t s = 0; s < n; s += ACC_BLOCK) {                                            \
             Py_ssize_t m = n - s < ACC_BLOCK ? n - s : ACC_BLOCK;                                  \
             for (int t = 0; t < k; t++)                                                            \
@@ -72,12 +78,17 @@ MULTIARCH static int finite_f64(const double *x, Py_ssize_t n) {
                 }                                                                                  \
             for (Py_ssize_t b = s; b < s + m; b += SUB_BLOCK) {                                    \
                 Py_ssize_t mb = s + m - b < SUB_BLOCK ? s + m - b : SUB_BLOCK;                     \
-                T *restrict o = out + b;                                                           \
+                T *restrict o = scratch;                                                           \
+                const T *restrict base = src + b;                                                  \
                 for (int t = 0; t < k; t++) {                                                      \
                     const T *restrict y = xs[t] + b;                                               \
                     T w = ws[t];                                                                   \
                     if (t == 0 && first)                                                           \
                         for (Py_ssize_t i = 0; i < mb; i++) o[i] = y[i] * w;                       \
+                    else if (t == 0 && w == (T)1)                                                  \
+                        for (Py_ssize_t i = 0; i < mb; i++) o[i] = base[i] + y[i];                 \
+                    else if (t == 0)                                                               \
+                        for (Py_ssize_t i = 0; i < mb; i++) o[i] = base[i] + y[i] * w;             \
                     else if (w == (T)1)                                                            \
                         for (Py_ssize_t i = 0; i < mb; i++) o[i] = o[i] + y[i];                    \
                     else                                                                           \
@@ -85,11 +96,15 @@ MULTIARCH static int finite_f64(const double *x, Py_ssize_t n) {
                 }                                                                                  \
                 if (divisor != (T)0) {                                                             \
                     for (Py_ssize_t i = 0; i < mb; i++) o[i] = o[i] / divisor;                     \
-                    if (!overflow && !FINITE(o, mb)) overflow = 1;                                 \
+                    if (!FINITE(o, mb)) {                                                          \
+                        *bad_at = b;                                                               \
+                        return -2;                                                                 \
+                    }                                                                              \
                 }                                                                                  \
+                memcpy(out + b, o, (size_t)mb * sizeof(T));                                        \
             }                                                                                      \
         }                                                                                          \
-        return overflow ? -2 : -1;                                                                 \
+        return -1;                                                                                 \
     }
 
 ACCUMULATE(float, finite_f32)
@@ -104,12 +119,14 @@ static int get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *
     return 0;
 }
 
-/* accumulate(out, terms, weights, first, divisor, itemsize) -> (verdict, bad_at) (see accumulate_##T) */
+/* accumulate(out, terms, weights, first, divisor, itemsize, src) -> (verdict, bad_at) (see accumulate_##T);
+ * src None: the partial sum is in out */
 static PyObject *py_accumulate(PyObject *self, PyObject *args) {
-    PyObject *out_obj, *terms_obj, *weights_obj;
+    PyObject *out_obj, *terms_obj, *weights_obj, *src_obj = Py_None;
     double divisor;
     int first, itemsize;
-    if (!PyArg_ParseTuple(args, "OOOpdi", &out_obj, &terms_obj, &weights_obj, &first, &divisor, &itemsize))
+    if (!PyArg_ParseTuple(args, "OOOpdi|O", &out_obj, &terms_obj, &weights_obj, &first, &divisor, &itemsize,
+                          &src_obj))
         return NULL;
     if (itemsize != 4 && itemsize != 8) {
         PyErr_SetString(PyExc_ValueError, "itemsize must be 4 or 8");
@@ -123,11 +140,11 @@ static PyObject *py_accumulate(PyObject *self, PyObject *args) {
         return NULL;
     }
     Py_ssize_t k = PySequence_Fast_GET_SIZE(terms), got = 0, verdict = -3, bad_at = 0;
-    Py_buffer out, views[MAX_TERMS];
+    Py_buffer out, src, views[MAX_TERMS];
     const void *ptrs[MAX_TERMS];
     float wf[MAX_TERMS];
     double wd[MAX_TERMS];
-    int have_out = 0;
+    int have_out = 0, have_src = 0;
     if (k < 1 || k > MAX_TERMS || PySequence_Fast_GET_SIZE(weights) != k) {
         PyErr_SetString(PyExc_ValueError, "need 1..64 terms and one weight per term");
         goto done;
@@ -138,6 +155,15 @@ static PyObject *py_accumulate(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "out's length is not a whole number of elements");
         goto done;
     }
+    if (src_obj != Py_None) {
+        if (get_buffer(src_obj, &src, 0, "src") < 0) goto done;
+        have_src = 1;
+        if (src.len != out.len) {
+            PyErr_SetString(PyExc_ValueError, "src must be as long as out");
+            goto done;
+        }
+    }
+    const void *from = have_src ? src.buf : out.buf;
     for (; got < k; got++) {
         double w = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(weights, got));
         if (w == -1.0 && PyErr_Occurred()) goto done;
@@ -154,14 +180,15 @@ static PyObject *py_accumulate(PyObject *self, PyObject *args) {
     Py_ssize_t n = out.len / itemsize;
     Py_BEGIN_ALLOW_THREADS
     if (itemsize == 4)
-        verdict = accumulate_float((float *)out.buf, (const float *const *)ptrs, wf, (int)k, first, (float)divisor,
-                                   n, &bad_at);
+        verdict = accumulate_float((float *)out.buf, (const float *)from, (const float *const *)ptrs, wf, (int)k,
+                                   first, (float)divisor, n, &bad_at);
     else
-        verdict = accumulate_double((double *)out.buf, (const double *const *)ptrs, wd, (int)k, first, divisor, n,
-                                    &bad_at);
+        verdict = accumulate_double((double *)out.buf, (const double *)from, (const double *const *)ptrs, wd, (int)k,
+                                    first, divisor, n, &bad_at);
     Py_END_ALLOW_THREADS
 done:
     for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&views[i]);
+    if (have_src) PyBuffer_Release(&src);
     if (have_out) PyBuffer_Release(&out);
     Py_DECREF(terms);
     Py_DECREF(weights);

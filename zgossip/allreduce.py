@@ -221,11 +221,14 @@ class AllReduceRound:
 
         The terms at hand are added in one pass (`kernels.accumulate`), which checks them for
         NaN/inf block by block; a lone first term waits for the next one rather than being
-        copied into the sum on its own. A member whose term is not finite is excluded
-        from this span (our own data is only left out of this part); its term is dropped exactly
-        when nothing of the pass was committed yet (the bad value is in the first block, or no
-        term came before), and otherwise the part is spoiled: it is left unchanged for everyone,
-        who are told so at once.
+        copied into the sum on its own. The owner's last pass stores the mean straight into its
+        own tensor (the result is sent from there), other passes into scratch space. A member
+        whose term is not finite is excluded from this span (our own data is only left out of
+        this part); its term is dropped exactly when nothing of the pass was stored yet (the bad
+        value is in the first block, or the pass was the first and wrote scratch space), and
+        otherwise the part is left unchanged for everyone, who are told so at once -- except
+        the blocks the owner's last pass already stored in its own tensor: those are the mean
+        over the pass's terms, and `updated` lists them. A sum that overflows is treated alike.
         """
         excluded = self._sum_part(r, p, now)
         if excluded is not None:  # parts that were waiting for that member's data may be complete now
@@ -266,8 +269,12 @@ class AllReduceRound:
             if first and len(run) == 1 and not complete:
                 return excluded  # a lone first term: added with the next one
             wsum = r.wsum[p] + sum(w for _, _, w in run)
-            verdict, bad_at = accumulate(a, [d for _, d, _ in run], [w for _, _, w in run], first,
-                                         wsum if complete else 0.0)
+            # the owner's last pass writes the mean straight into its own tensor (saving a copy of
+            # the part) when its own data is in the mean; a rescuer's always goes to scratch space
+            mine = not r.rescue and (self.rank in r.contrib[p] or any(j == self.rank for j, _, _ in run))
+            out = self.buf[lo:hi] if complete and mine else a
+            verdict, bad_at = accumulate(out, [d for _, d, _ in run], [w for _, _, w in run], first,
+                                         wsum if complete else 0.0, src=a)
             if verdict == -1:
                 for j, _, _ in run:
                     r.pending.pop((j, p), None)
@@ -276,10 +283,14 @@ class AllReduceRound:
                 r.pos[p] = k
                 r.divided[p] = complete
                 if complete:
-                    break
+                    self._finish_part(r, p, tuple(r.contrib[p]), a, now, in_buf=out is not a)
                 return excluded
+            # what was stored before the bad block: in scratch space it is a spoiled sum unless it
+            # is to be overwritten anyway (`first`); in our tensor it is the mean over these terms
+            kept = (lo, lo + bad_at, tuple(r.contrib[p]) + tuple(j for j, _, _ in run)) \
+                if out is not a and bad_at else None
             if verdict == OVERFLOW:
-                self._give_up(r, p, a, now, "the sum of finite terms overflowed")
+                self._give_up(r, p, a, now, "the sum of finite terms overflowed", kept)
                 return excluded
             j = run[verdict][0]
             if j == self.rank:
@@ -295,11 +306,11 @@ class AllReduceRound:
                 for key in [key for key in r.pending if key[0] == j]:
                     del r.pending[key]
                 excluded = j
-            if bad_at > 0 and not first:
-                self._give_up(r, p, a, now, "it was partly summed before the bad block")
+            if bad_at > 0 and (kept is not None or not first):
+                self._give_up(r, p, a, now, "it was partly summed before the bad block", kept)
                 return excluded
             # nothing of that pass counts: try again without the bad term
-        # when the last expected term never came (its member was excluded), the division was not
+        # the last expected term never came (its member was excluded), so the division was not
         # fused into it: done here, it can still overflow
         if r.contrib[p] and not r.divided[p] and not finish_mean(a, r.wsum[p]):
             self._give_up(r, p, a, now, "the sum of finite terms overflowed")
@@ -307,16 +318,27 @@ class AllReduceRound:
             self._finish_part(r, p, tuple(r.contrib[p]), a, now)
         return excluded
 
-    def _give_up(self, r: _Reduce, p: int, a: np.ndarray, now: float, why: str) -> None:
-        """Leave part p unchanged for every member (they get notices, so nobody waits)."""
-        log.warning("%s: span %d part %d left unchanged for everyone: %s", self.me.peer_id[:8], r.owner, p, why)
+    def _give_up(self, r: _Reduce, p: int, a: np.ndarray, now: float, why: str,
+                 kept: tuple[int, int, tuple[int, ...]] | None = None) -> None:
+        """Leave part p unchanged for every member (they get notices, so nobody waits) -- except
+        for `kept`, a leading range (lo, hi, contributors) our own tensor already holds the mean of."""
+        log.warning("%s: span %d part %d left unchanged for everyone%s: %s", self.me.peer_id[:8], r.owner, p,
+                    f" (but the first {kept[1] - kept[0]} elements here)" if kept else "", why)
+        if kept:
+            self.partial.append((r.owner, *kept))
         self._finish_part(r, p, (), a, now)
 
-    def _finish_part(self, r: _Reduce, p: int, contrib: tuple[int, ...], a: np.ndarray, now: float) -> None:
+    def _finish_part(self, r: _Reduce, p: int, contrib: tuple[int, ...], a: np.ndarray, now: float,
+                     in_buf: bool = False) -> None:
+        """Part p is reduced (its mean is in `a`, or already in our tensor when `in_buf`), or given
+        up (no contributors): send the result or notices, and settle the part here."""
         r.finished[p] = True
         r.left -= 1
         for key in [k for k in r.pending if k[1] == p]:  # terms that came after the part was given up
             del r.pending[key]
+        lo, hi = self.plan.part(r.owner, p)
+        if in_buf:
+            a = self.buf[lo:hi]  # sent zero-copy from there; nothing writes a settled part again
         if contrib:
             msg = self._msg(MsgType.RESULT, (a,), owner=r.owner, part=p, contrib=list(contrib), resc=int(r.rescue))
             for j in contrib:
@@ -333,8 +355,8 @@ class AllReduceRound:
                                              contrib=list(contrib), resc=int(r.rescue))
                 self._send(j, notice)
         if self.rank in contrib:
-            lo, hi = self.plan.part(r.owner, p)
-            self.buf[lo:hi] = a  # checked finite by the reduction
+            if not in_buf:
+                self.buf[lo:hi] = a  # checked finite by the reduction
             self._settle(r.owner, p, contrib, rescued=r.rescue)
         else:
             # our own data is not in this part (we left it out, e.g. NaN): our copy stays unchanged

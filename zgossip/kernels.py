@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["NATIVE", "BLOCK", "ACC_BLOCK", "OVERFLOW", "all_finite", "accumulate", "finish_mean", "copy_finite"]
+__all__ = ["NATIVE", "BLOCK", "ACC_BLOCK", "SUB_BLOCK", "OVERFLOW", "all_finite", "accumulate", "finish_mean", "copy_finite"]
 
 try:  # pragma: no cover - depends on the build
     from . import _kernels as _native
@@ -32,7 +32,9 @@ NATIVE = _native is not None
 BLOCK = 1024
 #: Granularity of `accumulate`'s checks: it reports the block where a bad value sits.
 ACC_BLOCK = 16384
-#: `accumulate` result: the term was finite, but the divided sum is not (the sum overflowed).
+#: Granularity of `accumulate`'s overflow check: a divided sub-block is stored only when finite.
+SUB_BLOCK = 2048
+#: `accumulate` result: the terms were finite, but the divided sum is not (the sum overflowed).
 OVERFLOW = -2
 
 _FAST = (np.dtype(np.float32), np.dtype(np.float64))
@@ -62,43 +64,54 @@ def all_finite(arr: np.ndarray) -> bool:
 
 
 def accumulate(out: np.ndarray, terms: Sequence[np.ndarray], weights: Sequence[float], first: bool,
-               divisor: float = 0.0) -> tuple[int, int]:
-    """Add `terms` to `out` in the order given: ``out = t0*w0`` (`first`) or ``out + t0*w0``, then
-    ``out + t1*w1``, ...; then, if `divisor` is not 0, ``out /= divisor``.
+               divisor: float = 0.0, src: np.ndarray | None = None) -> tuple[int, int]:
+    """Add `terms` in the order given to the partial sum in `src` (default: `out` itself) and store
+    the result in `out`: ``t0*w0`` (`first`: `src` is not read) or ``src + t0*w0``, then
+    ``+ t1*w1``, ...; then, if `divisor` is not 0, ``/ divisor``.
 
     Callers feed the terms of a sum in a fixed order (float addition is not associative, so a
     fixed order is what makes every run give identical bits), as many at a time as they have,
-    and pass the weight sum as `divisor` with the last. All terms are checked for NaN/inf block
-    by block (`ACC_BLOCK` elements) before a block is used. Returns ``(-1, 0)`` on success;
-    ``(i, offset)`` when a term is not finite: `offset` is the first block holding a bad value
-    in any term and `i` the first term, in order, bad there (blocks before `offset` were
-    committed, so `out` is spoiled unless `offset` is 0 or `first`); or ``(OVERFLOW, 0)``
-    when the terms are finite but the divided result is not.
+    and pass the weight sum as `divisor` with the last. `out` may be `src` or one of the terms
+    (an owner writes its final mean over its own data). All terms are checked for NaN/inf block
+    by block (`ACC_BLOCK` elements) before a block is used, and a divided sub-block (`SUB_BLOCK`)
+    before it is stored. Returns ``(-1, 0)`` on success; ``(i, offset)`` when a term is not
+    finite: `offset` is the first block holding a bad value in any term and `i` the first term,
+    in order, bad there; or ``(OVERFLOW, offset)`` when the terms are finite but the divided sub-
+    block at `offset` is not. Either way ``out[:offset]`` was stored and the rest is untouched.
     """
-    if _fast(out, *terms) and len(terms) <= 64 and all(t.dtype == out.dtype for t in terms):
-        return _native.accumulate(out, terms, [float(w) for w in weights], first, float(divisor), out.itemsize)
-    worst = None
+    if src is not None and src.shape != out.shape:
+        raise ValueError("src and out differ in shape")
+    if _fast(out, *terms) and len(terms) <= 64 and all(t.dtype == out.dtype for t in terms) and (
+            src is None or (src.dtype == out.dtype and src.flags.c_contiguous)):
+        return _native.accumulate(out, terms, [float(w) for w in weights], first, float(divisor), out.itemsize, src)
+    n = out.size
+    cut, verdict = n, -1
     for i, t in enumerate(terms):
         if not _numpy_finite(t):
             bad = int(np.flatnonzero(~np.isfinite(t))[0])
             offset = bad - bad % ACC_BLOCK
-            if worst is None or offset < worst[1]:
-                worst = (i, offset)
-    if worst is not None:
-        return worst
+            if offset < cut:
+                cut, verdict = offset, i
+    acc = out if src is None else src
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # overflow is reported below
+        tmp = np.empty_like(out) if not first else None
         for i, (t, w) in enumerate(zip(terms, weights)):
             wt = out.dtype.type(w)
             if i == 0 and first:
-                np.multiply(t, wt, out=out)
+                tmp = np.multiply(t, wt)
+            elif i == 0:
+                np.add(acc, t if float(wt) == 1.0 else t * wt, out=tmp)
             elif float(wt) == 1.0:
-                np.add(out, t, out=out)
+                np.add(tmp, t, out=tmp)
             else:
-                out += t * wt
-        if divisor == 0:
-            return -1, 0
-        np.divide(out, out.dtype.type(divisor), out=out)
-    return (-1, 0) if _numpy_finite(out) else (OVERFLOW, 0)
+                tmp += t * wt
+        if divisor != 0:
+            np.divide(tmp, out.dtype.type(divisor), out=tmp)
+            if not _numpy_finite(tmp[:cut]):
+                bad = int(np.flatnonzero(~np.isfinite(tmp[:cut]))[0])
+                cut, verdict = bad - bad % SUB_BLOCK, OVERFLOW
+    out[:cut] = tmp[:cut]
+    return (verdict, cut) if verdict != -1 else (-1, 0)
 
 
 def finish_mean(out: np.ndarray, divisor: float) -> bool:
