@@ -58,6 +58,8 @@ def test_bench_vs_gloo(capsys: pytest.CaptureFixture) -> None:
     check_stats(gloo["cpu_seconds_all_peers"], 5)
     assert gloo["correct"] is True
     assert report["ratio"] == pytest.approx(report["zgossip"]["step"]["median"] / gloo["all_reduce"]["median"])
+    assert report["ratio_allreduce_phase"] == pytest.approx(
+        report["zgossip"]["allreduce"]["median"] / gloo["all_reduce"]["median"])
 
 
 def test_bench_matchmaking(capsys: pytest.CaptureFixture) -> None:
