@@ -210,3 +210,68 @@ def test_connect_and_misuse():
         acc.shutdown()
     with pytest.raises(ValueError, match="at least one parameter"):
         Accumulator("c", [])
+
+
+def test_a_failed_round_never_leaves_peers_at_one_version_with_different_parameters():
+    """Regression: a peer whose round failed (here: the others were busy and never joined its
+    matchmaking window) used to step on its local gradients, which made it the highest model
+    version -- the leader -- so it never resynchronised, while the others, in a round of their
+    own, updated to the same version with other parameters. A failed round must change nothing."""
+    opts = dict(FAST, matchmaking_time=0.2)
+    models = [torch.nn.Linear(4, 3) for _ in range(3)]
+    accs = [Accumulator("f", models[0].parameters(), group=Group("f", **opts), target_group_size=3)]
+    accs[0].start()
+    for m in models[1:]:
+        accs.append(Accumulator("f", m.parameters(), group=Group("f", initial_peers=[accs[0].endpoint], **opts),
+                                target_group_size=3))
+    sgd = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    contributed = [False, False, False]
+
+    def tick(i: int, contribute: bool) -> None:
+        acc = accs[i]
+        acc.update()
+        if not acc.connected():
+            return
+        if acc.wants_state():
+            acc.set_state({"optimizer": sgd[i].state_dict()})
+        if acc.has_new_state():
+            sgd[i].load_state_dict(acc.state()["optimizer"])
+        if contribute and not contributed[i] and acc.wants_gradients() and acc.model_version() == 0:
+            contributed[i] = True
+            _set_grads(models[i], float(i + 1))
+            acc.reduce_gradients(8)
+        if acc.has_gradients():
+            sgd[i].step()
+            acc.zero_gradients()
+
+    try:
+        def settled(a: Accumulator) -> bool:  # connected, and nobody pauses rounds for a catch-up any more
+            return a.connected() and a._view is not None and a._view.num_peers == 3 and all(
+                p.ready and not p.wants_state for p in a._view.peers)
+
+        _until(lambda: all(settled(a) for a in accs), 10, "three connected peers",
+               tick=lambda: [tick(i, False) for i in range(3)])
+        for a, b, c in zip(*(m.parameters() for m in models)):
+            assert torch.equal(a, b) and torch.equal(a, c)  # the state sync gave everyone peer 0's
+        # peer 0 starts a round alone and it fails: the others are busy (their loops do not run)
+        contributed[0] = True
+        _set_grads(models[0], 1.0)
+        accs[0].reduce_gradients(8)
+        assert accs[0]._round is not None  # its round runs
+        _until(lambda: accs[0]._round.done(), 10, "the lonely round to fail")
+        # before peer 0's loop sees the failure, peers 1 and 2 contribute and start a round together
+        for i in (1, 2):
+            contributed[i] = True
+            _set_grads(models[i], float(i + 1))
+            accs[i].reduce_gradients(8)
+            assert accs[i]._round is not None  # its round runs
+        # every loop runs until each peer made one update (peer 0: in their round if still open, else by a resync)
+        _until(lambda: all(a.model_version() == 1 and a.connected() and a.wants_gradients() for a in accs), 20,
+               "every peer at version 1", tick=lambda: [tick(i, True) for i in range(3)])
+        for a, b, c in zip(*(m.parameters() for m in models)):
+            assert torch.equal(a, b) and torch.equal(a, c)
+        stats = accs[0].get_gradient_stats()
+        assert stats["num_failed_rounds"] >= 1 and stats["num_local_fallbacks"] == 0
+    finally:
+        for a in accs:
+            a.shutdown()

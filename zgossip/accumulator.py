@@ -30,11 +30,15 @@ How the pieces map without a broker:
   computes the same answer from the same records. `connected` is true once this peer
   has its initial state: it is the first (nobody else ready after `discovery_time`), or
   it downloaded the state of the swarm.
-* **State.** A peer that needs state (new, behind, or diverged after a failed round)
-  raises a flag in its record; the leader's `wants_state` turns true, the user's
-  `set_state` snapshots the user state plus parameters and buffers at this model version,
-  and the newcomer downloads it (best version first, checksummed, falling back to other
-  donors) in the background. When it is applied, `has_new_state` is true and `state()`
+* **The model version names the parameters.** Peers at the same model version hold
+  identical parameters (given the same `opt.step` on the same reduced gradients): a
+  version advances only through a complete round in which no member was ahead, or on a
+  peer that is alone; a newcomer takes the version together with the state it downloads.
+* **State.** A peer that needs state (new, or behind the swarm) raises a flag in its
+  record; the leader's `wants_state` turns true, the user's `set_state` snapshots the
+  user state plus parameters and buffers at this model version, and the newcomer
+  downloads it (best version first, checksummed, falling back to other donors) in the
+  background. When it is applied, `has_new_state` is true and `state()`
   returns the user state once. If the swarm moved on during the download, the peer asks again.
 * **Gradients.** `reduce_gradients(batch_size)` adds ``p.grad * batch_size`` to a local
   accumulator and zeroes ``p.grad`` (so the next backward starts clean). When the peers
@@ -43,9 +47,15 @@ How the pieces map without a broker:
   with weight = its samples: the result is the mean gradient over every sample, written
   into ``p.grad``; `has_gradients` turns true. `zero_gradients` clears them and
   increments the model version. A peer that skipped (or had NaN/inf gradients, which
-  are dropped and logged) joins with weight ~0 and still receives the mean. If a round
-  fails, the peer steps on its local gradients, logs it, and (unless it is the leader)
-  resynchronises afterwards; if the others finished without it, it resynchronises.
+  are dropped and logged) joins with weight ~0 and still receives the mean. A round that
+  fails changes nothing: the peer logs it, keeps its gradients (`wants_gradients` stays true)
+  and joins the next round -- or resynchronises if the others finished without it. It never
+  steps on its local gradients while other peers are ready: that step would give it a model
+  version the others reach with other parameters (and, being the highest version, make it
+  the leader whose state newcomers copy). A partial round (a member was lost midway, so
+  some elements hold local values that differ from peer to peer) is dropped the same way,
+  with its gradients; a round in which a member was at a higher version means this peer is
+  behind: it resynchronises instead of stepping.
 
 `set_parallel_gradients` is accepted for compatibility; one round runs at a time.
 """
@@ -160,7 +170,7 @@ class Accumulator:
         self._skipped = False
         self._has_grads = False
         self._holding = False  # a peer is catching up: no new round for now
-        self._diverged = False
+        self._next_round = 0.0  # after a failed round: retry once fresh records arrived
         self._round: cf.Future | None = None
         self._round_meta: dict = {}
         self._view: SwarmView | None = None
@@ -176,7 +186,7 @@ class Accumulator:
         self._warned: set[str] = set()
         self._published: dict | None = None
         self._stats = {"batch_size": 0, "num_updates": 0, "num_skipped": 0, "num_local_fallbacks": 0,
-                       "num_nonfinite_batches": 0, "num_state_downloads": 0}
+                       "num_failed_rounds": 0, "num_nonfinite_batches": 0, "num_state_downloads": 0}
 
     # ------------------------------------------------------------------ moolib API
     def connect(self, address: str) -> None:
@@ -315,10 +325,6 @@ class Accumulator:
         self._has_grads = False
         if was:
             self._version += 1
-        if self._diverged and self._view is not None and not self.is_leader():
-            log.info("%s: resynchronising after a failed or partial round", self.peer_id[:8])
-            self._enter_sync()
-        self._diverged = False
         self._publish()
 
     def model_version(self) -> int:
@@ -338,7 +344,9 @@ class Accumulator:
 
     def get_gradient_stats(self) -> dict:
         """``batch_size`` (samples in the last reduction), ``num_updates``, ``num_skipped``, plus
-        ``num_local_fallbacks``, ``num_nonfinite_batches``, ``num_state_downloads``, ``num_peers``."""
+        ``num_local_fallbacks`` (updates on local gradients alone: no other peer was ready),
+        ``num_failed_rounds`` (failed or partial rounds: no update, see the module docstring),
+        ``num_nonfinite_batches``, ``num_state_downloads``, ``num_peers``."""
         return {**self._stats, "num_peers": self._view.num_peers if self._view is not None else 1,
                 "virtual_batch_size": self._vbs}
 
@@ -499,13 +507,16 @@ class Accumulator:
     def _maybe_start_round(self, view: SwarmView) -> None:
         if not self._can_reduce():
             return
-        self._holding = self._paused(view, time.monotonic()) and not view.averaging_at(self._version)
+        now = time.monotonic()
+        self._holding = self._paused(view, now) and not view.averaging_at(self._version)
         if self._holding:
             return
         have = view.estimate_at(self._version, time.time(), 4 * self._gossip)
         joining = view.averaging_at(self._version)
         if not joining and not (have > 0 and have >= self._vbs):
             return
+        if not joining and now < self._next_round:
+            return  # our last round failed: start the next one on records at least a gossip interval newer
         if not joining and self._samples == 0 and not self._skipped:
             return  # wait until we contributed (or skipped) once: the loop calls us again
         ready = [p for p in view.peers if p.ready]
@@ -529,40 +540,69 @@ class Accumulator:
         fut, self._round = self._round, None
         meta = self._round_meta
         n = meta["samples"]
+        if meta.get("alone"):
+            # nobody else is ready: this peer alone is the swarm, and whoever joins later downloads its state
+            if n > 0:
+                self._stats["num_local_fallbacks"] += 1
+                self._step_on_grads(float(n))
+            else:
+                self._reset_accumulation()
+            return
         try:
             result = fut.result()
         except ZGossipError as e:
-            result = None
-            if not meta.get("alone"):
-                view = SwarmView.of(self._me(), self._averager.peer_infos(), self._run)
-                if self._behind(view):
-                    log.warning("%s: the round for version %d failed (%s) and the swarm moved on: synchronising",
-                                self.peer_id[:8], meta["version"], e)
-                    self._enter_sync()
-                    return
-                log.warning("%s: the round for version %d failed (%s); proceeding with local gradients "
-                            "(%d samples)", self.peer_id[:8], meta["version"], e, n)
-                self._stats["num_local_fallbacks"] += 1
-                self._diverged = True
-        total = float(n)
-        step = n > 0
-        if result is not None:
-            total = sum(float(g.get("n", 0)) for c, g in result.gathered.items()
-                        if c in result.contributors and isinstance(g, dict) and type(g.get("n", 0)) in (int, float))
-            if not result.complete:
-                log.warning("%s: partial round (lost %s); resynchronising after this update", self.peer_id[:8],
-                            ", ".join(p[:8] for p in result.lost) or "none")
-                self._diverged = True
-            bad = first_nonfinite(self._grads)
-            if bad is not None:
-                log.error("%s: the reduced gradient of %s is NaN/inf (a peer sent non-finite values unflagged): "
-                          "this update is skipped", self.peer_id[:8], self.layout.describe(bad))
-                self._reset_accumulation()
-                return
-            step = True
-        if not step:
+            self._round_failed(f"failed ({e})", keep=n)
+            return
+        if not result.complete:
+            # the elements whose owner was lost kept each member's local values: stepping on them
+            # would give every member a different model at the same version
+            self._round_failed(f"was partial (lost {', '.join(p[:8] for p in result.lost) or 'none'})", keep=0)
+            return
+        eps = [g.get("ep") for c, g in result.gathered.items() if c in result.contributors and isinstance(g, dict)]
+        ahead = [e for e in eps if type(e) is int and e > self._version]
+        if ahead:
+            # rounds are keyed by the prefix alone: peers that already reached a later version met this
+            # one; they step from their parameters, which are not ours -- catch up with them instead
+            log.warning("%s: the round for version %d met peers at version %d: synchronising",
+                        self.peer_id[:8], meta["version"], max(ahead))
+            self._stats["num_failed_rounds"] += 1
+            self._enter_sync()
+            return
+        total = sum(float(g.get("n", 0)) for c, g in result.gathered.items()
+                    if c in result.contributors and isinstance(g, dict) and type(g.get("n", 0)) in (int, float))
+        bad = first_nonfinite(self._grads)
+        if bad is not None:
+            log.error("%s: the reduced gradient of %s is NaN/inf (a peer sent non-finite values unflagged): "
+                      "this update is skipped", self.peer_id[:8], self.layout.describe(bad))
             self._reset_accumulation()
             return
+        self._step_on_grads(total)
+
+    def _round_failed(self, what: str, keep: int) -> None:
+        """A round that did not reduce every element over every member: no update. With `keep` > 0
+        samples (a failed round leaves the tensors untouched) the gradients are kept for the next
+        round; otherwise they are dropped. If the swarm moved on meanwhile, synchronise."""
+        self._stats["num_failed_rounds"] += 1
+        version = self._round_meta["version"]
+        view = SwarmView.of(self._me(), self._averager.peer_infos(), self._run)
+        if self._behind(view):
+            log.warning("%s: the round for version %d %s and the swarm moved on: synchronising",
+                        self.peer_id[:8], version, what)
+            self._enter_sync()
+            return
+        self._next_round = time.monotonic() + self._gossip
+        if keep > 0:
+            with torch.no_grad(), self._averager.get_tensors():
+                for g in self._grads:
+                    g.mul_(keep)  # back to the sum of batch gradients (the round started from their mean)
+            log.warning("%s: the round for version %d %s; no update: the %d samples wait for the next round",
+                        self.peer_id[:8], version, what, keep)
+        else:
+            log.warning("%s: the round for version %d %s; no update: its gradients are dropped",
+                        self.peer_id[:8], version, what)
+            self._reset_accumulation()
+
+    def _step_on_grads(self, total: float) -> None:
         with torch.no_grad():
             for p, g in zip(self.params, self._grads):
                 if p.grad is None:
@@ -578,7 +618,7 @@ class Accumulator:
     def _me(self, averaging: bool = False) -> PeerProgress:
         return PeerProgress(
             self.peer_id, self._version, float(self._samples), self._rate, self.layout.fingerprint, self.layout.signature,
-            len(self.layout.shapes), in_sync=not self._diverged, ready=self._phase is _Phase.READY,
+            len(self.layout.shapes), in_sync=True, ready=self._phase is _Phase.READY,
             wants_state=self._phase in (_Phase.DISCOVERING, _Phase.SYNCING),
             state_version=self._stash[0] if self._stash is not None else -1,
             nonfinite=self._stats["num_nonfinite_batches"], time=time.time(),
