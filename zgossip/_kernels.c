@@ -15,6 +15,9 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 /* accumulate's block, in elements (64-128 KiB per term): the terms' blocks are checked, then summed
  * while they are still in L2; long enough runs of each term for the hardware prefetchers (blocks
@@ -196,7 +199,37 @@ done:
     return Py_BuildValue("(nn)", verdict, bad_at);
 }
 
-/* copy_finite(dst, src, itemsize) -> elements copied: blocks are checked and copied in order, and
+/* Copies n bytes with non-temporal stores where the CPU has them (SSE2): a received result is
+ * written into the tensor and not read again this round, so there is no point reading the
+ * destination's cache lines first (which an ordinary store does) or keeping them in cache.
+ * The caller issues the store fence (`_mm_sfence`) after its last call. */
+static void stream_copy(char *dst, const char *src, size_t n) {
+#if defined(__SSE2__)
+    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+    if (n < 256 || head >= n) {
+        memcpy(dst, src, n);
+        return;
+    }
+    memcpy(dst, src, head);
+    dst += head, src += head, n -= head;
+    size_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+        _mm_stream_si128((__m128i *)(dst + i), a);
+        _mm_stream_si128((__m128i *)(dst + i + 16), b);
+        _mm_stream_si128((__m128i *)(dst + i + 32), c);
+        _mm_stream_si128((__m128i *)(dst + i + 48), d);
+    }
+    memcpy(dst + i, src + i, n - i);
+#else
+    memcpy(dst, src, n);
+#endif
+}
+
+/* copy_finite(dst, src, itemsize) -> elements copied: blocks are checked and copied (streamed) in order, and
  * copying stops before the first block holding a NaN or inf (so the return value is a multiple of
  * the block size, or the full length when everything was finite). */
 static PyObject *py_copy_finite(PyObject *self, PyObject *args) {
@@ -225,8 +258,11 @@ static PyObject *py_copy_finite(PyObject *self, PyObject *args) {
         Py_ssize_t m = n - s < COPY_BLOCK ? n - s : COPY_BLOCK;
         const char *from = (const char *)src.buf + s * itemsize;
         if (itemsize == 4 ? !finite_f32((const float *)from, m) : !finite_f64((const double *)from, m)) break;
-        memcpy((char *)dst.buf + s * itemsize, from, (size_t)(m * itemsize));
+        stream_copy((char *)dst.buf + s * itemsize, from, (size_t)(m * itemsize));
     }
+#if defined(__SSE2__)
+    _mm_sfence();
+#endif
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
