@@ -342,3 +342,32 @@ def test_a_mean_that_overflows_part_way_keeps_what_the_owner_stored_before():
         mask[lo:cut] = True
         np.testing.assert_array_equal(p.tensors[0][~mask], before[i][~mask])
         assert np.isfinite(p.tensors[0]).all()
+
+
+def test_a_part_left_with_one_contributor_stays_bit_for_bit_unchanged():
+    """When every other member of a part is gone, its "mean" is the survivor's own data: the part
+    is left unchanged (and not listed in `updated`), not rewritten as x*w/w, which can differ in
+    the last bit."""
+    cl = SimCluster(seed=9, network=NetworkModel(latency=0.001, bandwidth=2e6))
+    kw = dict(prefix="f", target_group_size=2, min_group_size=2, part_size_bytes=1024, part_timeout=0.5,
+              gossip_interval=0.05, peer_timeout=3.0, matchmaking_time=0.3, request_timeout=0.2)
+    rng = np.random.default_rng(9)
+    peers = []
+    for _ in range(2):
+        peers.append(cl.add_peer(NodeConfig(**kw), tensors=[rng.standard_normal(NUMEL)], known=peers))
+    before = [p.tensors[0].copy() for p in peers]
+    evs = [p.step_tensors(weight=3.0) for p in peers]  # x*3/3 != x for some x
+    while not all(p.node.step is not None and p.node.step.round is not None for p in peers):
+        cl.run(until=cl.env.now + 0.0001)
+    peers[1].crash()  # before its parts of peer 0's span could arrive (1 ms latency)
+    cl.run(until=evs[0])
+    res = evs[0].value.result
+    after = peers[0].tensors[0]
+    assert peers[1].peer_id in res.lost
+    own = [s for s in res.spans if s.owner == peers[0].peer_id][0]
+    assert own.averaged < own.parts  # parts of our own span were left with our term alone
+    mask = np.zeros(NUMEL, bool)
+    for a, b in res.updated:  # results peer 1 had sent before it died: means over both
+        mask[a:b] = True
+        np.testing.assert_allclose(after[a:b], (before[0][a:b] + before[1][a:b]) / 2, rtol=0, atol=1e-12)
+    assert np.array_equal(after[~mask], before[0][~mask])  # the rest, own span included: the same bits

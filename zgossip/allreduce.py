@@ -275,6 +275,13 @@ class AllReduceRound:
                 return excluded
             if not complete and len(run) < _MIN_RUN:
                 return excluded  # wait for more terms (see _MIN_RUN)
+            if complete and first and len(run) == 1:
+                # every other member's term is gone (lost, excluded): a "mean" over one member is
+                # its own data, which x*w/w would not always give back to the last bit. The part
+                # is left unchanged for that member too, as the others are told.
+                r.pending.pop((run[0][0], p), None)
+                self._finish_part(r, p, (), a, now)
+                return excluded
             wsum = r.wsum[p] + sum(w for _, _, w in run)
             # the owner's last pass writes the mean straight into its own tensor (saving a copy of
             # the part) when its own data is in the mean; a rescuer's always goes to scratch space
