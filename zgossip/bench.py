@@ -169,6 +169,10 @@ def _gloo_child(rank: int, n: int, port: int, numel: int, seed: int, timeout: fl
     import torch
     import torch.distributed as dist
 
+    # the untimed `t.div_(n)` below would otherwise run on an OpenMP pool whose idle threads spin
+    # for a while after every call, burning a core of this 2-core machine during the next
+    # zgossip repetition; gloo's all_reduce runs on gloo's own threads either way
+    torch.set_num_threads(1)
     try:
         store = dist.TCPStore("127.0.0.1", port, n, False, timeout=timedelta(seconds=timeout))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=n, timeout=timedelta(seconds=timeout))
