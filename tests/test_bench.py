@@ -72,3 +72,32 @@ def test_bench_matchmaking(capsys: pytest.CaptureFixture) -> None:
 def test_bench_rejects_too_few_reps(capsys: pytest.CaptureFixture) -> None:
     assert bench.main(["--reps", "3"]) == 2
     assert "at least 5" in capsys.readouterr().err
+
+
+def test_bench_vs_checkout_runs_the_other_code(capsys: pytest.CaptureFixture, tmp_path) -> None:
+    import os
+    import shutil
+
+    import zgossip
+
+    # "another checkout": a copy of this package, with its built extension, in a fresh directory
+    shutil.copytree(os.path.dirname(zgossip.__file__), tmp_path / "zgossip",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    report = run_json(capsys, "--peers", "2", "--numel", "4096", "--reps", "5", "--vs-checkout", str(tmp_path))
+    check_zgossip(report, 2, 4096, 5)
+    ck = report["checkout"]
+    assert ck["path"] == str(tmp_path)
+    check_stats(ck["step"], 5)
+    assert ck["correct"] is True
+    ratios = [a / b for a, b in zip(report["zgossip"]["step"]["all"], ck["step"]["all"])]
+    assert report["paired_ratio_vs_checkout"] == pytest.approx(sorted(ratios)[2])
+
+
+def test_bench_vs_checkout_refuses_this_very_code(capsys: pytest.CaptureFixture) -> None:
+    import os
+
+    import zgossip
+
+    with pytest.raises(RuntimeError, match="imported this zgossip"):
+        bench.main(["--peers", "2", "--numel", "1024", "--reps", "5", "--timeout", "60",
+                    "--vs-checkout", os.path.dirname(os.path.dirname(zgossip.__file__))])

@@ -32,6 +32,12 @@ Two benchmarks, chosen by flag:
     The ratio printed is zgossip's median step time / gloo's median all_reduce time
     (lower is better for zgossip).
 
+    With ``--vs-checkout DIR`` (for developers), a second swarm runs the zgossip found in
+    DIR (another checkout, its C extension built in place) on the same data, under
+    another prefix, and the two step in turn; the figure is the median over
+    repetitions of this step time / that one's right next to it, which cancels most
+    of the drift of a shared machine that separate runs suffer from.
+
 ``zgossip bench --matchmaking [--peers 8] [--numel 1024] [--reps 10]``
     Matchmaking latency: 8 local peers that already know each other (membership is
     awaited first), a small tensor, target group size 8, at least 10 timed steps
@@ -73,6 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--part-size", type=int, default=None, metavar="BYTES",
                    help="zgossip part_size_bytes (default: the Averager's default)")
     p.add_argument("--vs", choices=["gloo"], default=None, help="also time torch.distributed all_reduce on the same data")
+    p.add_argument("--vs-checkout", default=None, metavar="DIR",
+                   help="also time the zgossip found in DIR (another checkout, C kernels built in place) on the "
+                        "same data, stepping in turn with this one, and report the paired ratio")
     p.add_argument("--matchmaking", action="store_true", help="benchmark matchmaking latency instead of the all-reduce")
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
     p.add_argument("--seed", type=int, default=0)
@@ -294,32 +303,52 @@ class GlooGroup:
 
 # ---------------------------------------------------------------------------- all-reduce
 def bench_allreduce(peers: int, numel: int, reps: int, part_size: int | None = None, seed: int = 0,
-                    timeout: float = 120.0, vs_gloo: bool = False) -> dict:
+                    timeout: float = 120.0, vs_gloo: bool = False, vs_checkout: str | None = None) -> dict:
     truth = _mean_of_peers(seed, peers, numel)
     gloo = GlooGroup(peers, numel, seed, timeout) if vs_gloo else None
+    other = None
     try:
         kw = _swarm_kwargs(peers, part_size, timeout)
+        if vs_checkout is not None:
+            # a second swarm on the other checkout's code, under its own prefix (the two never meet)
+            other = LocalSwarm(peers, numel, seed=seed, averager_kwargs={**kw, "prefix": "bench-other"},
+                               start_timeout=timeout, import_path=vs_checkout)
+            here = os.path.dirname(os.path.abspath(__file__))
+            if any(i.get("module") and os.path.samefile(i["module"], here) for i in other.info):
+                raise RuntimeError(f"--vs-checkout {vs_checkout}: its peers imported this zgossip ({here}), "
+                                   "not the one in that directory")
+            other.wait_membership(timeout=min(timeout, 30.0))
+            for _ in range(WARMUP):
+                _step_once(other, timeout)
         with LocalSwarm(peers, numel, seed=seed, averager_kwargs=kw, start_timeout=timeout) as swarm:
             swarm.wait_membership(timeout=min(timeout, 30.0))
             before = _checked([swarm.call(i, "rss", timeout=timeout, reset=True) for i in range(peers)], "rss")
             for _ in range(WARMUP):
                 _step_once(swarm, timeout)
-            load = _ForeignLoad([i["pid"] for i in swarm.info] + (gloo.pids if gloo else []))
-            zg_rows, gl_rows = [], []
+            load = _ForeignLoad([i["pid"] for i in swarm.info] + (gloo.pids if gloo else [])
+                                + ([i["pid"] for i in other.info] if other else []))
+            zg_rows, gl_rows, ot_rows = [], [], []
             for k in range(reps):
                 # alternate the order so that neither side always runs right after the other
                 if gloo is not None and k % 2:
                     gl_rows.append(gloo.rep())
+                if other is not None and k % 2:
+                    ot_rows.append(_step_once(other, timeout))
                 zg_rows.append(_step_once(swarm, timeout))
                 if gloo is not None and not k % 2:
                     gl_rows.append(gloo.rep())
+                if other is not None and not k % 2:
+                    ot_rows.append(_step_once(other, timeout))
             foreign = load.cores()
             after = _checked([swarm.call(i, "rss", timeout=timeout) for i in range(peers)], "rss")
             got = _checked([swarm.call(0, "tensor", timeout=timeout)], "tensor")[0]["tensor"]
         gl_tensor = gloo.tensor() if gloo is not None else None
+        ot_tensor = _checked([other.call(0, "tensor", timeout=timeout)], "tensor")[0]["tensor"] if other else None
     finally:
         if gloo is not None:
             gloo.close()
+        if other is not None:
+            other.close()
     times = _collect(zg_rows)
     tensor_bytes = numel * 4
     extra = [a["VmHWM"] - b["VmRSS"] for b, a in zip(before, after)
@@ -361,6 +390,20 @@ def bench_allreduce(peers: int, numel: int, reps: int, part_size: int | None = N
         out["ratio"] = zg["step"]["median"] / out["gloo"]["all_reduce"]["median"]
         # the all-reduce phase alone (without matchmaking, which gloo's fixed group does not need)
         out["ratio_allreduce_phase"] = zg["allreduce"]["median"] / out["gloo"]["all_reduce"]["median"]
+    if other is not None and ot_tensor is not None:
+        o = _collect(ot_rows)
+        o_correct, o_err = _accuracy(ot_tensor, truth)
+        out["checkout"] = {
+            "path": os.path.abspath(vs_checkout),
+            "native_kernels": all(i.get("native", True) for i in other.info),  # older versions do not say
+            "step": _summary(o["wall"]),
+            "allreduce": _summary(o["allreduce"]),
+            "cpu_seconds_all_peers": _summary(o["cpu"]),
+            "correct": o_correct,
+            "max_abs_error": o_err,
+        }
+        # each repetition of this code against the other code's repetition next to it in time
+        out["paired_ratio_vs_checkout"] = statistics.median(a["wall"] / b["wall"] for a, b in zip(zg_rows, ot_rows))
     return out
 
 
@@ -425,7 +468,8 @@ def run(args: argparse.Namespace) -> int:
     if peers < 2 or numel < 1:
         print("zgossip bench: need --peers >= 2 and --numel >= 1", file=sys.stderr)
         return 2
-    out = bench_allreduce(peers, numel, args.reps, args.part_size, args.seed, args.timeout, args.vs == "gloo")
+    out = bench_allreduce(peers, numel, args.reps, args.part_size, args.seed, args.timeout, args.vs == "gloo",
+                          args.vs_checkout)
     zg = out["zgossip"]
     if args.json:
         print(json.dumps(out))
@@ -449,6 +493,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"  gloo correct: {'yes' if gl['correct'] else 'NO'}")
         print(f"  ratio zgossip/gloo (medians): {out['ratio']:.2f}x (lower is better for zgossip)")
         print(f"    all-reduce phase alone (no matchmaking): {out['ratio_allreduce_phase']:.2f}x")
+    if "checkout" in out:
+        ck = out["checkout"]
+        print(_line("checkout step()", ck["step"]) + f"   ({ck['path']}"
+              + ("" if ck["native_kernels"] else ", numpy kernels: build its C extension in place") + ")")
+        print(_line("  CPU, all peers", ck["cpu_seconds_all_peers"]))
+        print(f"  checkout correct: {'yes' if ck['correct'] else 'NO'}")
+        print(f"  paired ratio this/checkout (median over repetitions side by side): "
+              f"{out['paired_ratio_vs_checkout']:.3f}x")
     print(f"  other processes kept {out['other_load_cores']:.2f} cores busy meanwhile")
     return 0 if zg["correct"] else 1
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -78,7 +79,11 @@ def _child(index: int, conn: Any, numel: int, seed: int, dtype: str, kwargs: dic
 
     data = peer_data(seed, index, numel, dtype)
     avg = Averager([data], initial_peers=list(initial), seed=seed * 1000 + index, **kwargs)
-    conn.send({"endpoint": avg.endpoint, "peer_id": avg.peer_id, "pid": os.getpid()})
+    from . import kernels
+
+    # which zgossip this process runs (a bench may start a swarm from another checkout)
+    conn.send({"endpoint": avg.endpoint, "peer_id": avg.peer_id, "pid": os.getpid(),
+               "module": os.path.dirname(os.path.abspath(__file__)), "native": kernels.NATIVE})
     try:
         while True:
             cmd, args = conn.recv()
@@ -141,12 +146,18 @@ class LocalSwarm:
     per_peer_kwargs: Sequence[dict] | None = None
     initial_peers: Sequence[str] = ()
     start_timeout: float = 60.0
+    import_path: str | None = None  # run the peers on the zgossip found there (another checkout)
 
     def __post_init__(self) -> None:
         ctx = mp.get_context("spawn")
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         self.info: list[dict] = []
+        saved_path, saved_env = list(sys.path), os.environ.get("PYTHONPATH")
+        if self.import_path is not None:
+            # spawned children take this process's sys.path: put the other checkout first
+            sys.path.insert(0, os.path.abspath(self.import_path))
+            os.environ["PYTHONPATH"] = os.path.abspath(self.import_path)
         try:
             # peer 0 first (the others bootstrap from it), then the rest in parallel
             self._spawn(ctx, 0, list(self.initial_peers))
@@ -159,6 +170,12 @@ class LocalSwarm:
         except BaseException:
             self.close()
             raise
+        finally:
+            sys.path[:] = saved_path
+            if saved_env is None:
+                os.environ.pop("PYTHONPATH", None)
+            else:
+                os.environ["PYTHONPATH"] = saved_env
 
     def _spawn(self, ctx: Any, i: int, initial: list) -> None:
         kw = dict(self.averager_kwargs)
