@@ -4,8 +4,9 @@ That thread owns every socket (zmq sockets are not thread-safe): a ROUTER bound 
 the node's endpoint receives everything; a DEALER per remote endpoint and lane sends to
 that peer's ROUTER (messages are one-way; replies travel on the replier's own
 DEALER). Lane 1 carries only averaged results (see `_LANE`), lane 0 everything else;
-messages keep their order within a lane, not across lanes (the protocol needs no more). User threads hand work in through `call`, which queues a function and
-pokes an inproc PAIR socket the loop also polls. The loop sleeps until a socket is
+messages keep their order within a lane, not across lanes (the protocol needs no more).
+User threads hand work in through `call`, which queues a function and pokes an
+inproc PAIR socket the loop also polls. The loop sleeps until a socket is
 readable or the node's next deadline.
 
 Every socket has linger 0 so shutdown never hangs (the default linger makes
@@ -39,7 +40,7 @@ _TRACK_BYTES = 1 << 16  # payloads at least this large are sent zero-copy and tr
 # Averaged parts (RESULT) travel to a peer on a connection of their own, so they are not queued
 # behind the bulk of PART data still streaming to that peer: a member gets each result as soon
 # as its owner has it, copies it and frees the buffer while the parts are still coming. On the
-# 4-peer bench that was 8-9% faster (paired runs). Everything else shares lane 0, in order.
+# 4-peer bench that was 5-9% faster (paired runs). Everything else shares lane 0, in order.
 _LANES = 2
 _LANE = {wire.MsgType.RESULT: 1}
 
@@ -63,7 +64,6 @@ def _context() -> zmq.Context:
             _ctx = zmq.Context()
             _ctx.set(zmq.MAX_SOCKETS, 32768)
         return _ctx
-
 
 
 def tune_malloc() -> bool:
