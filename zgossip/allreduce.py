@@ -46,7 +46,7 @@ _WAITING, _AVERAGED, _UNCHANGED = 0, 1, 2
 # once and writes the mean once, straight into its own tensor. In large groups it does not hold
 # every term that long: as soon as this many consecutive terms (in member order) are at hand, it
 # adds them to a partial sum in scratch space. (Adding terms as they came, in passes of two or
-# three, was measured 3-10% slower on the 4-peer bench: every pass reads and writes the partial sum.)
+# three, was measured 2-4% slower on the 4-peer bench: every pass reads and writes the partial sum.)
 _MIN_RUN = 4
 
 
@@ -229,9 +229,8 @@ class AllReduceRound:
         The terms at hand are added in one pass (`kernels.accumulate`), which checks them for
         NaN/inf block by block, once they are all in or at least `_MIN_RUN` of them are. The
         owner's last pass stores the mean straight into its own tensor (the result is sent from
-        there), other passes into scratch space. A member
-        whose term is not finite is excluded from this span (our own data is only left out of
-        this part); its term is dropped exactly when nothing of the pass was stored yet (the bad
+        there), other passes into scratch space. A member whose term is not finite is excluded
+        from this span (our own data is only left out of this part); its term is dropped exactly when nothing of the pass was stored yet (the bad
         value is in the first block, or the pass was the first and wrote scratch space), and
         otherwise the part is left unchanged for everyone, who are told so at once -- except
         the blocks the owner's last pass already stored in its own tensor: those are the mean

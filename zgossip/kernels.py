@@ -17,7 +17,8 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["NATIVE", "BLOCK", "ACC_BLOCK", "SUB_BLOCK", "OVERFLOW", "all_finite", "accumulate", "finish_mean", "copy_finite"]
+__all__ = ["NATIVE", "BLOCK", "ACC_BLOCK", "SUB_BLOCK", "OVERFLOW", "all_finite", "accumulate", "finish_mean",
+           "copy_finite"]
 
 try:  # pragma: no cover - depends on the build
     from . import _kernels as _native
