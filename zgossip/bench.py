@@ -322,6 +322,8 @@ def bench_allreduce(peers: int, numel: int, reps: int, part_size: int | None = N
                 _step_once(other, timeout)
         with LocalSwarm(peers, numel, seed=seed, averager_kwargs=kw, start_timeout=timeout) as swarm:
             swarm.wait_membership(timeout=min(timeout, 30.0))
+            build = {"native_kernels": all(i.get("native", False) for i in swarm.info),
+                     "fast_send": all(i.get("fast_send", False) for i in swarm.info)}
             before = _checked([swarm.call(i, "rss", timeout=timeout, reset=True) for i in range(peers)], "rss")
             for _ in range(WARMUP):
                 _step_once(swarm, timeout)
@@ -362,6 +364,7 @@ def bench_allreduce(peers: int, numel: int, reps: int, part_size: int | None = N
         "cpu_seconds_all_peers": _summary(times["cpu"]),
         "correct": correct,
         "max_abs_error": err,
+        **build,
         "memory": {
             "tensor_bytes": tensor_bytes,
             "extra_peak_bytes_per_peer": extra,
@@ -396,6 +399,7 @@ def bench_allreduce(peers: int, numel: int, reps: int, part_size: int | None = N
         out["checkout"] = {
             "path": os.path.abspath(vs_checkout),
             "native_kernels": all(i.get("native", True) for i in other.info),  # older versions do not say
+            "fast_send": all(i.get("fast_send", False) for i in other.info),
             "step": _summary(o["wall"]),
             "allreduce": _summary(o["allreduce"]),
             "cpu_seconds_all_peers": _summary(o["cpu"]),
@@ -477,6 +481,8 @@ def run(args: argparse.Namespace) -> int:
     part = "default" if args.part_size is None else f"{args.part_size / 2**20:g} MiB"
     print(f"zgossip bench: {peers} peers x {numel} float32 ({numel * 4 / 2**20:.1f} MiB), {args.reps} reps "
           f"after {WARMUP} warm-up, part size {part}; max over peers per rep")
+    print(f"  C kernels: {'yes' if zg['native_kernels'] else 'no (numpy)'}; "
+          f"zero-copy sends: {'zgossip._zsend' if zg['fast_send'] else 'pyzmq'}")
     print(_line("zgossip step()", zg["step"]))
     print(_line("  of which all-reduce", zg["allreduce"]))
     print(_line("  of which matchmaking", zg["matchmaking"]))

@@ -36,7 +36,7 @@ def _summary(result: Any, t0: float, t1: float, cpu: float = 0.0) -> dict:
         "lost": list(result.lost),
         "complete": result.complete,
         "gathered": result.gathered,
-        "timings": dict(result.timings, wall=t1 - t0, cpu=cpu),
+        "timings": dict(result.timings, wall=t1 - t0, cpu=cpu, start=t0, end=t1),
         "bytes_sent": result.bytes_sent,
         "bytes_received": result.bytes_received,
         "coords": list(result.coords),
@@ -79,11 +79,12 @@ def _child(index: int, conn: Any, numel: int, seed: int, dtype: str, kwargs: dic
 
     data = peer_data(seed, index, numel, dtype)
     avg = Averager([data], initial_peers=list(initial), seed=seed * 1000 + index, **kwargs)
-    from . import kernels
+    from . import kernels, zmq_driver
 
     # which zgossip this process runs (a bench may start a swarm from another checkout)
     conn.send({"endpoint": avg.endpoint, "peer_id": avg.peer_id, "pid": os.getpid(),
-               "module": os.path.dirname(os.path.abspath(__file__)), "native": kernels.NATIVE})
+               "module": os.path.dirname(os.path.abspath(__file__)), "native": kernels.NATIVE,
+               "fast_send": getattr(zmq_driver, "FAST_SEND", False)})
     try:
         while True:
             cmd, args = conn.recv()

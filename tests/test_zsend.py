@@ -1,0 +1,143 @@
+"""zgossip's own zero-copy sends (`zgossip._zsend`): bytes arrive intact, a lent buffer stays
+alive exactly as long as libzmq holds it, bad calls raise, and the driver falls back to pyzmq."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+import weakref
+
+import numpy as np
+import pytest
+import zmq
+
+from zgossip import zmq_driver
+
+
+def test_fast_send_is_built_on_linux():
+    # where it can be built, `pip install` must have built it (the pyzmq fallback is tested below)
+    if (not sys.platform.startswith("linux") or not (shutil.which("cc") or shutil.which("gcc"))
+            or os.environ.get("ZGOSSIP_FAST_SEND") == "0"):
+        pytest.skip("not Linux, no C compiler, or fallback forced")
+    assert zmq_driver.FAST_SEND
+
+
+@pytest.fixture
+def zs():
+    if not zmq_driver.FAST_SEND:
+        pytest.skip("zgossip._zsend not in use here")
+    return zmq_driver._zsend
+
+
+@pytest.fixture
+def pair():
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    yield router, dealer
+    router.close(0)
+    dealer.close(0)
+    ctx.term()
+
+
+def _recv(sock: zmq.Socket, timeout: float = 5.0) -> list[bytes]:
+    assert sock.poll(int(timeout * 1000)), "nothing arrived"
+    return sock.recv_multipart()
+
+
+def test_bytes_and_payloads_arrive_intact(zs, pair):
+    router, dealer = pair
+    a = np.arange(1 << 18, dtype=np.float32)
+    b = np.linspace(-1, 1, 1000, dtype=np.float64)
+    pa, pb = zs.Payload(a), zs.Payload(b)
+    assert pa.nbytes == a.nbytes and pb.nbytes == b.nbytes
+    zs.send(dealer.underlying, (b"head", pa, b"", pb))
+    zs.send(dealer.underlying, (b"second",))
+    got = _recv(router)
+    assert got[1:3] == [b"head", a.tobytes()] and got[3] == b"" and got[4] == b.tobytes()
+    assert _recv(router)[1:] == [b"second"]
+    assert pa.wait(5.0) and pb.wait(5.0) and pa.done and pb.done
+
+
+def test_one_payload_in_several_messages_is_released_after_the_last(zs, pair):
+    router, dealer = pair
+    a = np.full(1 << 16, 7, dtype=np.float32)
+    p = zs.Payload(a)
+    for _ in range(3):
+        zs.send(dealer.underlying, (b"h", p))
+    for _ in range(3):
+        assert np.array_equal(np.frombuffer(_recv(router)[2], np.float32), a)
+    assert p.wait(5.0)
+
+
+def test_buffer_lives_until_libzmq_releases_it(zs):
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect("tcp://127.0.0.1:9")  # nobody listens: the message stays queued in libzmq
+    a = np.ones(1 << 16, dtype=np.float32)
+    ref = weakref.ref(a)
+    p = zs.Payload(a)
+    zs.send(dealer.underlying, (b"h", p))
+    assert not p.wait(0.05) and not p.done
+    del a, p  # only libzmq holds the buffer now
+    zs.reap()
+    assert ref() is not None, "the array was freed while libzmq still had its bytes"
+    dealer.close(0)  # drops the queued message: libzmq calls the release function
+    deadline = time.monotonic() + 5
+    while ref() is not None and time.monotonic() < deadline:
+        zs.reap()
+        time.sleep(0.01)
+    assert ref() is None, "the buffer was never released after libzmq dropped the message"
+    ctx.term()
+
+
+def test_bad_calls_raise(zs, pair):
+    _, dealer = pair
+    with pytest.raises(TypeError):
+        zs.send(dealer.underlying, (b"h", np.zeros(4)))  # arrays must be wrapped in a Payload
+    with pytest.raises(TypeError):
+        zs.send(dealer.underlying, [b"h"])  # frames are a tuple
+    with pytest.raises(ValueError):
+        zs.send(dealer.underlying, ())
+    with pytest.raises(ValueError):
+        zs.send(0, (b"h",))
+    with pytest.raises((BufferError, ValueError)):
+        zs.Payload(np.zeros((4, 4))[:, 1])  # not contiguous
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)  # cannot send: libzmq's error comes back as OSError
+    p = zs.Payload(np.zeros(1 << 14, np.float32))
+    try:
+        with pytest.raises(OSError, match="zmq_msg_send failed on frame 0"):
+            zs.send(sub.underlying, (p,))
+        assert p.done  # the failed message gave its reference back
+    finally:
+        sub.close(0)
+        ctx.term()
+
+
+def test_driver_falls_back_to_pyzmq():
+    # the whole path without _zsend, in a fresh interpreter: two peers average correctly
+    code = textwrap.dedent("""
+        import numpy as np, zgossip
+        from zgossip import zmq_driver
+        assert not zmq_driver.FAST_SEND
+        a, b = np.zeros(1 << 18, np.float32), np.full(1 << 18, 2, np.float32)
+        kw = dict(prefix="fb", target_group_size=2, min_group_size=2, matchmaking_time=0.5)
+        with zgossip.Averager([a], **kw) as x, zgossip.Averager([b], initial_peers=[x.endpoint], **kw) as y:
+            fx = x.step(wait=False, timeout=20)
+            fy = y.step(wait=False, timeout=20)
+            assert fx.result(40).complete and fy.result(40).complete
+        assert np.array_equal(a, np.ones_like(a)) and np.array_equal(b, np.ones_like(b))
+        print("ok")
+    """)
+    env = dict(os.environ, ZGOSSIP_FAST_SEND="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
