@@ -6,6 +6,8 @@ test). Each run starts and stops its own processes; a run takes a few seconds.
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 import pytest
 
@@ -47,6 +49,16 @@ def test_bench_zgossip_alone(capsys: pytest.CaptureFixture) -> None:
     report = run_json(capsys, "--peers", "2", "--numel", "4096", "--reps", "5")
     check_zgossip(report, 2, 4096, 5)
     assert "gloo" not in report and "ratio" not in report
+
+
+@pytest.mark.parametrize("tcp_only", [False, True])
+def test_bench_reports_the_transport_it_ran(capsys: pytest.CaptureFixture, tcp_only: bool) -> None:
+    before = os.environ.get("ZGOSSIP_LOCAL_IPC")
+    report = run_json(capsys, "--peers", "2", "--numel", "4096", "--reps", "5", *(["--tcp-only"] if tcp_only else []))
+    check_zgossip(report, 2, 4096, 5)
+    local = sys.platform.startswith("linux") and not tcp_only and before != "0"
+    assert report["zgossip"]["transport"] == ("unix sockets" if local else "tcp")
+    assert os.environ.get("ZGOSSIP_LOCAL_IPC") == before  # --tcp-only leaves the environment as it was
 
 
 def test_bench_vs_gloo(capsys: pytest.CaptureFixture) -> None:

@@ -11,6 +11,7 @@ contributor set that includes that survivor, or unchanged.
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 import time
 from typing import Callable, Sequence
@@ -77,9 +78,11 @@ def assert_exact_round(results: list[dict], ids: Sequence[str]) -> None:
 
 
 # --------------------------------------------------------------------------- a. 4 x 2^22
-def test_four_processes_average_4m_floats() -> None:
+@pytest.mark.parametrize("local_ipc", [False, True], ids=["tcp-loopback", "local-sockets"])
+def test_four_processes_average_4m_floats(local_ipc: bool) -> None:
+    # over TCP loopback as asked, and the default: peers on one host find each other's Unix sockets
     numel = 1 << 22
-    with LocalSwarm(4, numel, seed=11, averager_kwargs=dict(FAST)) as swarm:
+    with LocalSwarm(4, numel, seed=11, averager_kwargs=dict(FAST, local_ipc=local_ipc)) as swarm:
         swarm.wait_membership(timeout=20)
         ids = [info["peer_id"] for info in swarm.info]
         results = step(swarm, range(4))
@@ -87,6 +90,11 @@ def test_four_processes_average_4m_floats() -> None:
         truth = swarm.truth()
         for i in range(4):
             np.testing.assert_allclose(tensor(swarm, i), truth, rtol=RTOL, atol=ATOL)
+        local = [swarm.call(i, "stats")["stats"]["local_connections"] for i in range(4)]
+        if local_ipc and sys.platform.startswith("linux"):
+            assert all(n >= 3 for n in local), local  # at least one connection to each of the other three
+        else:
+            assert local == [0] * 4
 
 
 # --------------------------------------------------------------------------- b. SIGKILL mid-round
@@ -123,13 +131,17 @@ def assert_documented_semantics(
     )
 
 
-@pytest.mark.parametrize("part_timeout", [1.0, 30.0], ids=["timeouts", "disconnect-notice"])
-def test_sigkill_during_allreduce_survivors_finish_with_documented_semantics(part_timeout: float) -> None:
+@pytest.mark.parametrize("part_timeout,local_ipc", [(1.0, True), (30.0, True), (30.0, False)],
+                         ids=["timeouts", "disconnect-notice", "disconnect-notice-tcp"])
+def test_sigkill_during_allreduce_survivors_finish_with_documented_semantics(part_timeout: float,
+                                                                             local_ipc: bool) -> None:
     # many small parts make a round take ~1 s on this machine, so a kill lands mid-round. With a
-    # part_timeout of 30 s only the transport's notice of the dropped connection can end it early.
+    # part_timeout of 30 s only the transport's notice of the dropped connection can end it early
+    # (on Unix sockets, the default between local peers, and on TCP).
     numel, part_bytes = 1 << 20, 1024
     allreduce_timeout = 60.0
-    kwargs = dict(FAST, part_size_bytes=part_bytes, part_timeout=part_timeout, allreduce_timeout=allreduce_timeout)
+    kwargs = dict(FAST, part_size_bytes=part_bytes, part_timeout=part_timeout, allreduce_timeout=allreduce_timeout,
+                  local_ipc=local_ipc)
     weights = [1.0, 2.0, 3.0, 4.0]
     with LocalSwarm(4, numel, seed=22, averager_kwargs=kwargs) as swarm:
         swarm.wait_membership(timeout=20)

@@ -2,9 +2,11 @@
 
 Two benchmarks, chosen by flag:
 
-``zgossip bench --peers N --numel M [--reps R] [--part-size BYTES] [--vs gloo] [--json]``
-    The all-reduce. A `LocalSwarm` of N peer processes over tcp loopback (ephemeral
-    ports), one group of exactly N (target = min group size = N), waits for
+``zgossip bench --peers N --numel M [--reps R] [--part-size BYTES] [--vs gloo] [--tcp-only] [--json]``
+    The all-reduce. A `LocalSwarm` of N peer processes listening on tcp loopback
+    (ephemeral ports); as on any host, peers that find each other's local Unix socket
+    use it for their connections (the output says which transport ran), and with
+    ``--tcp-only`` they keep to TCP, like gloo does. One group of exactly N (target = min group size = N), waits for
     membership, runs 2 warm-up steps, then R timed steps (default 7, at least 5).
     For each repetition it takes the *max over peers* of the wall time of
     ``Averager.step()`` measured inside each peer -- everything a user waits for:
@@ -51,6 +53,7 @@ timeout, and everything listens on 127.0.0.1 only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -58,7 +61,7 @@ import socket
 import statistics
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -82,6 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vs-checkout", default=None, metavar="DIR",
                    help="also time the zgossip found in DIR (another checkout, C kernels built in place) on the "
                         "same data, stepping in turn with this one, and report the paired ratio")
+    p.add_argument("--tcp-only", action="store_true",
+                   help="zgossip peers talk over TCP loopback, like gloo, instead of finding each other's "
+                        "Unix sockets (the default between peers on one host)")
     p.add_argument("--matchmaking", action="store_true", help="benchmark matchmaking latency instead of the all-reduce")
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
     p.add_argument("--seed", type=int, default=0)
@@ -302,17 +308,38 @@ class GlooGroup:
 
 
 # ---------------------------------------------------------------------------- all-reduce
+@contextlib.contextmanager
+def _environ(**env: str) -> Iterator[None]:
+    """Set environment variables for the processes started inside (spawned peers inherit them)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def bench_allreduce(peers: int, numel: int, reps: int, part_size: int | None = None, seed: int = 0,
-                    timeout: float = 120.0, vs_gloo: bool = False, vs_checkout: str | None = None) -> dict:
+                    timeout: float = 120.0, vs_gloo: bool = False, vs_checkout: str | None = None,
+                    tcp_only: bool = False) -> dict:
     truth = _mean_of_peers(seed, peers, numel)
     gloo = GlooGroup(peers, numel, seed, timeout) if vs_gloo else None
     other = None
+    # with tcp_only, both zgossip swarms (this code and --vs-checkout's) keep to TCP loopback
+    def transport_env() -> Any:
+        return _environ(ZGOSSIP_LOCAL_IPC="0") if tcp_only else contextlib.nullcontext()
+
     try:
         kw = _swarm_kwargs(peers, part_size, timeout)
         if vs_checkout is not None:
             # a second swarm on the other checkout's code, under its own prefix (the two never meet)
-            other = LocalSwarm(peers, numel, seed=seed, averager_kwargs={**kw, "prefix": "bench-other"},
-                               start_timeout=timeout, import_path=vs_checkout)
+            with transport_env():
+                other = LocalSwarm(peers, numel, seed=seed, averager_kwargs={**kw, "prefix": "bench-other"},
+                                   start_timeout=timeout, import_path=vs_checkout)
             here = os.path.dirname(os.path.abspath(__file__))
             if any(i.get("module") and os.path.samefile(i["module"], here) for i in other.info):
                 raise RuntimeError(f"--vs-checkout {vs_checkout}: its peers imported this zgossip ({here}), "
@@ -320,7 +347,9 @@ def bench_allreduce(peers: int, numel: int, reps: int, part_size: int | None = N
             other.wait_membership(timeout=min(timeout, 30.0))
             for _ in range(WARMUP):
                 _step_once(other, timeout)
-        with LocalSwarm(peers, numel, seed=seed, averager_kwargs=kw, start_timeout=timeout) as swarm:
+        with transport_env():
+            swarm = LocalSwarm(peers, numel, seed=seed, averager_kwargs=kw, start_timeout=timeout)
+        with swarm:
             swarm.wait_membership(timeout=min(timeout, 30.0))
             build = {"native_kernels": all(i.get("native", False) for i in swarm.info),
                      "fast_send": all(i.get("fast_send", False) for i in swarm.info)}
@@ -342,6 +371,9 @@ def bench_allreduce(peers: int, numel: int, reps: int, part_size: int | None = N
                 if other is not None and not k % 2:
                     ot_rows.append(_step_once(other, timeout))
             foreign = load.cores()
+            stats = _checked([swarm.call(i, "stats", timeout=timeout) for i in range(peers)], "stats")
+            local = [a["stats"].get("local_connections", 0) for a in stats]
+            build["transport"] = "unix sockets" if all(local) else "tcp" if not any(local) else "mixed"
             after = _checked([swarm.call(i, "rss", timeout=timeout) for i in range(peers)], "rss")
             got = _checked([swarm.call(0, "tensor", timeout=timeout)], "tensor")[0]["tensor"]
         gl_tensor = gloo.tensor() if gloo is not None else None
@@ -473,7 +505,7 @@ def run(args: argparse.Namespace) -> int:
         print("zgossip bench: need --peers >= 2 and --numel >= 1", file=sys.stderr)
         return 2
     out = bench_allreduce(peers, numel, args.reps, args.part_size, args.seed, args.timeout, args.vs == "gloo",
-                          args.vs_checkout)
+                          args.vs_checkout, args.tcp_only)
     zg = out["zgossip"]
     if args.json:
         print(json.dumps(out))
@@ -481,7 +513,7 @@ def run(args: argparse.Namespace) -> int:
     part = "default" if args.part_size is None else f"{args.part_size / 2**20:g} MiB"
     print(f"zgossip bench: {peers} peers x {numel} float32 ({numel * 4 / 2**20:.1f} MiB), {args.reps} reps "
           f"after {WARMUP} warm-up, part size {part}; max over peers per rep")
-    print(f"  C kernels: {'yes' if zg['native_kernels'] else 'no (numpy)'}; "
+    print(f"  between peers: {zg['transport']}; C kernels: {'yes' if zg['native_kernels'] else 'no (numpy)'}; "
           f"zero-copy sends: {'zgossip._zsend' if zg['fast_send'] else 'pyzmq'}")
     print(_line("zgossip step()", zg["step"]))
     print(_line("  of which all-reduce", zg["allreduce"]))

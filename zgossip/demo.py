@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     per_peer = [{"grid_coords": c} for c in coords]
     kw = dict(prefix="demo", grid=shape, target_group_size=max(shape), min_group_size=2,
               gossip_interval=0.1, matchmaking_time=1.0, part_size_bytes=1 << 20)
-    print(f"zgossip demo: {args.peers} peer processes on tcp loopback, grid {'x'.join(map(str, shape))}, "
+    print(f"zgossip demo: {args.peers} peer processes on tcp loopback endpoints (connected by local Unix sockets), grid {'x'.join(map(str, shape))}, "
           f"{args.numel:,} float32 each ({args.numel * 4 / 2**20:.1f} MiB)")
     t0 = time.perf_counter()
     with LocalSwarm(args.peers, args.numel, seed=args.seed, averager_kwargs=kw, per_peer_kwargs=per_peer) as swarm:

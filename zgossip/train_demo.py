@@ -215,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
                data_seed=args.seed, step_delay=args.step_delay, log_level=args.log_level, target_group_size=n,
                matchmaking_time=1.0, averager_opts=dict(gossip_interval=0.05, peer_timeout=3.0), time_limit=240.0,
                linger=60.0, wait_for_go=True)
-    print(f"zgossip train-demo: {args.peers} peer processes on tcp loopback train a 16-64-4 MLP on a synthetic "
+    print(f"zgossip train-demo: {args.peers} local peer processes train a 16-64-4 MLP on a synthetic "
           f"4-class task (nothing is downloaded); global batch {args.target_batch_size} from local batches of "
           f"{args.batch_size}; {args.epochs} epochs"
           + (f"; one more peer joins at epoch {late_at}" if late_at >= 0 else ""))

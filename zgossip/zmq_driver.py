@@ -15,6 +15,17 @@ MAXMSGSIZE, so an oversize frame drops that connection inside libzmq before a by
 reaches Python; everything else that arrives goes through `wire.decode`, and an
 invalid message is logged and counted, never raised.
 
+Peers on the same host talk over Unix sockets (Linux): every node also listens on the abstract
+socket ``@zgossip-<host>:<port>`` named after its advertised TCP endpoint, and before its first
+connection to a TCP endpoint a node checks whether that abstract socket exists here; if it does,
+the connection goes there instead. The protocol still knows the peer by its TCP endpoint.
+Abstract sockets belong to a network namespace, exactly like the local addresses such an
+endpoint names, and vanish with their process, so a name that answers is that peer's, or a
+squatter's: abstract sockets have no permissions, so only a listener running as this user
+(SO_PEERCRED) is used, and any other means TCP. On the 4-peer bench
+that took 21% off the step (kernel TCP work); ``local_ipc=False`` or ``ZGOSSIP_LOCAL_IPC=0``
+keeps everything on TCP.
+
 Payloads of 64 KiB and more are lent to libzmq zero-copy (through `_zsend` where it is built,
 else pyzmq): the node must not change those bytes until libzmq is done (`sends_pending`,
 `settle_sends`).
@@ -26,6 +37,8 @@ import logging
 import os
 import queue
 import socket
+import struct
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -133,6 +146,31 @@ def tune_malloc() -> bool:
     return _malloc_tuned
 
 
+def local_name(endpoint: str) -> str | None:
+    """The abstract Unix socket name a node advertised at tcp `endpoint` also listens on, or None
+    (not TCP, not Linux, or too long for a socket address)."""
+    if not (sys.platform.startswith("linux") and endpoint.startswith("tcp://")):
+        return None
+    name = "zgossip-" + endpoint[6:]
+    return name if len(name.encode()) <= 100 else None
+
+
+def _listener_uid(name: str) -> int | None:
+    """The user id of the process listening on abstract Unix socket `name`, or None if nobody
+    does (or it cannot be told: a full backlog counts as unknown)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.setblocking(False)
+    try:
+        probe.connect("\0" + name)
+        _pid, uid, _gid = struct.unpack("3i", probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                              struct.calcsize("3i")))
+        return uid
+    except OSError:
+        return None
+    finally:
+        probe.close()
+
+
 def _advertised(endpoint: str, announce_host: str | None) -> str:
     if not endpoint.startswith("tcp://"):
         return endpoint
@@ -154,6 +192,7 @@ class ZmqDriver:
         limits: wire.WireLimits = wire.WireLimits(),
         announce_host: str | None = None,
         name: str = "zgossip",
+        local_ipc: bool = True,
     ) -> None:
         self.limits = limits
         self._on_result = on_result
@@ -169,6 +208,18 @@ class ZmqDriver:
         self._router.bind(bind_to)
         bound = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.endpoint = _advertised(bound, announce_host)
+        self.local_ipc = bool(local_ipc) and os.environ.get("ZGOSSIP_LOCAL_IPC", "1") != "0"
+        self._routes: dict[str, str] = {}  # endpoint -> address connected (ipc://@... for peers on this host)
+        self.local_address: str | None = None  # the abstract socket this node listens on as well
+        name = local_name(self.endpoint) if self.local_ipc else None
+        if name is not None:
+            try:
+                self._router.bind("ipc://@" + name)
+                self.local_address = "ipc://@" + name
+            except zmq.ZMQError as e:  # taken: peers on this host that find it would reach its owner
+                log.warning("zgossip node %s: could not listen on the local socket @%s (%s); "
+                            "peers on this host will connect over TCP only if they do not find it",
+                            self.endpoint, name, e)
         self.node = make_node(self.endpoint)
         self._dealers: dict[tuple[str, int], tuple[zmq.Socket, zmq.Socket | None]] = {}  # (endpoint, lane) -> dealer, monitor
         self._monitors: dict[zmq.Socket, str] = {}  # monitor PAIR socket -> the dealer's endpoint
@@ -186,7 +237,8 @@ class ZmqDriver:
         self._trackers_lock = threading.Lock()
         self._prune_at = 64
         self._stopping = False
-        self.stats = {"received": 0, "invalid": 0, "sent": 0, "send_errors": 0, "errors": 0, "disconnects": 0}
+        self.stats = {"received": 0, "invalid": 0, "sent": 0, "send_errors": 0, "errors": 0, "disconnects": 0,
+                      "local_connections": 0}
         self._thread = threading.Thread(target=self._run, name=f"{name}-io", daemon=True)
         self._started = threading.Event()
         self._thread.start()
@@ -349,12 +401,39 @@ class ZmqDriver:
             mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             self._monitors[mon] = endpoint
             self._poller.register(mon, zmq.POLLIN)
-        sock.connect(endpoint)
+        route = self._routes.get(endpoint)
+        if route is None:
+            route = self._routes[endpoint] = self._route(endpoint)
+        sock.connect(route)
+        if route != endpoint:
+            self.stats["local_connections"] += 1
         self._dealers[(endpoint, lane)] = (sock, mon)
         return sock
 
+    def _route(self, endpoint: str) -> str:
+        """Where to connect for `endpoint`: the peer's local socket when it has one on this host."""
+        name = local_name(endpoint) if self.local_ipc else None
+        if name is None:
+            return endpoint
+        uid = _listener_uid(name)
+        if uid is None:  # nobody listens under that name here: the peer is elsewhere (or older)
+            return endpoint
+        if uid != os.getuid():
+            # abstract sockets have no permissions: only a listener of our own user is trusted
+            # with the data (another user's could be squatting the name); TCP reaches the port's owner
+            log.warning("zgossip node %s: local socket @%s belongs to uid %d, not to this user: using TCP",
+                        self.endpoint, name, uid)
+            return endpoint
+        return "ipc://@" + name
+
+    def route(self, endpoint: str) -> str | None:
+        """The address this node connected to for `endpoint` (None before the first message)."""
+        return self._routes.get(endpoint)
+
     def _close_dealer(self, endpoint: str) -> None:
-        """Close every connection to `endpoint` (all lanes); whatever they still queued is dropped."""
+        """Close every connection to `endpoint` (all lanes); whatever they still queued is dropped.
+        The next connection looks for a local socket again (the peer may have restarted)."""
+        self._routes.pop(endpoint, None)
         for lane in range(_LANES):
             got = self._dealers.pop((endpoint, lane), None)
             if got is None:
