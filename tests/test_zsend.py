@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
@@ -141,3 +142,35 @@ def test_driver_falls_back_to_pyzmq():
     env = dict(os.environ, ZGOSSIP_FAST_SEND="0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("path", ["zsend", "pyzmq"])
+def test_settle_sends_drops_what_a_dead_peer_never_took(monkeypatch, path):
+    # an in-place step ends with settle_sends: a payload still queued for a peer that does not read
+    # must be dropped, and released by libzmq, before the caller may change the tensor
+    if path == "zsend" and not zmq_driver.FAST_SEND:
+        pytest.skip("zgossip._zsend not in use here")
+    if path == "pyzmq":
+        monkeypatch.setattr(zmq_driver, "_zsend", None)
+    from zgossip import Averager, wire
+
+    with Averager([np.zeros(4, np.float32)], prefix="settle") as x:
+        d = x._driver
+        silent = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # accepts, never reads
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        ep = f"tcp://127.0.0.1:{silent.getsockname()[1]}"
+        data = np.ones(8 << 20, np.float32)  # 32 MiB: more than the kernel buffers of one connection
+        msg = wire.Message(wire.MsgType.PART, x.peer_id, x.endpoint,
+                           {"gid": "0" * 16, "owner": 0, "part": 0, "w": 1.0, "resc": 0}, (data,))
+        try:
+            x._driver.call(lambda now: d._transmit(ep, msg))
+            deadline = time.monotonic() + 5
+            while not d.sends_pending() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert d.sends_pending()
+            assert d.settle_sends(0.3) == 1  # one peer's sockets reset
+            assert not d.sends_pending()  # and libzmq let go of the bytes
+            assert d.stats["send_errors"] == 0
+        finally:
+            silent.close()

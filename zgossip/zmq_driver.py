@@ -155,6 +155,22 @@ def local_name(endpoint: str) -> str | None:
     return name if len(name.encode()) <= 100 else None
 
 
+def _wait_released(tracker: Any, timeout: float) -> bool:
+    """Wait up to `timeout` until libzmq released a zero-copy payload (a pyzmq MessageTracker or
+    a `_zsend.Payload`); True if it did."""
+    if tracker.done:
+        return True
+    if timeout <= 0:
+        return False
+    if _zsend is not None and isinstance(tracker, _zsend.Payload):
+        return bool(tracker.wait(timeout))
+    try:
+        tracker.wait(timeout)
+    except zmq.NotDone:
+        return False
+    return True
+
+
 def _listener_uid(name: str) -> int | None:
     """The user id of the process listening on abstract Unix socket `name`, or None if nobody
     does (or it cannot be told: a full backlog counts as unknown)."""
@@ -273,16 +289,7 @@ class ZmqDriver:
         with self._trackers_lock:
             pending = [(t, ep) for t, ep in self._trackers if not t.done]
         for t, _ in pending:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            if _zsend is not None:
-                if not t.wait(left):
-                    break
-                continue
-            try:
-                t.wait(left)
-            except zmq.NotDone:
+            if not _wait_released(t, deadline - time.monotonic()):
                 break
         stuck = sorted({ep for t, ep in pending if not t.done})
         if not stuck or self._stopping:
@@ -299,6 +306,12 @@ class ZmqDriver:
 
         self.call(reset)
         done.wait(5.0)
+        # closing is asynchronous in libzmq: only once it released the payloads has it stopped
+        # reading them, so that the caller may change the tensor
+        until = time.monotonic() + 5.0
+        if not all(_wait_released(t, until - time.monotonic()) for t, _ in pending):
+            log.warning("zgossip node %s: libzmq still holds parts of the tensor 5 s after their "
+                        "connections were closed", self.endpoint)
         return len(stuck)
 
     def close(self, timeout: float = 5.0) -> None:
