@@ -35,7 +35,7 @@ def check_zgossip(report: dict, peers: int, numel: int, reps: int) -> None:
     assert report["benchmark"] == "allreduce"
     assert (report["peers"], report["numel"], report["reps"]) == (peers, numel, reps)
     zg = report["zgossip"]
-    for key in ("step", "allreduce", "matchmaking", "cpu_seconds_all_peers"):
+    for key in ("step", "allreduce", "matchmaking", "cpu_seconds_all_peers", "start_skew"):
         check_stats(zg[key], reps)
     assert zg["correct"] is True
     assert zg["max_abs_error"] < 1e-5

@@ -8,6 +8,8 @@ Two benchmarks, chosen by flag:
     use it for their connections (the output says which transport ran), and with
     ``--tcp-only`` they keep to TCP, like gloo does. One group of exactly N (target = min group size = N), waits for
     membership, runs 2 warm-up steps, then R timed steps (default 7, at least 5).
+    The peers start each step at one instant, 5 ms after the command goes out (gloo's
+    ranks start after a barrier); ``start_skew`` reports how far apart they started.
     For each repetition it takes the *max over peers* of the wall time of
     ``Averager.step()`` measured inside each peer -- everything a user waits for:
     matchmaking and the all-reduce (the single tensor is averaged in place; with
@@ -155,15 +157,25 @@ def _swarm_kwargs(n: int, part_size: int | None, timeout: float) -> dict:
     return kw
 
 
+#: Peers start each timed step together, this long after the parent sends the command (gloo's ranks
+#: start theirs right after a barrier): otherwise the first peer's time includes waiting for the
+#: last one to receive its command.
+START_LEAD = 0.005
+
+
 def _step_once(swarm: LocalSwarm, timeout: float) -> dict[str, float]:
     t0 = time.perf_counter()
-    res = _checked(swarm.step_all(timeout=timeout), "step")
+    # older checkouts (--vs-checkout) cannot start at a given time: they start on receipt
+    at = {"at": time.monotonic() + START_LEAD} if all(i.get("start_at") for i in swarm.info) else {}
+    res = _checked(swarm.step_all(timeout=timeout, **at), "step")
     parent = time.perf_counter() - t0
     if not all(r["complete"] and r["group_size"] == swarm.n for r in res):
         raise RuntimeError(f"a step did not average over all {swarm.n} peers: {[r['group_size'] for r in res]}")
     out = {k: max(r["timings"][k] for r in res) for k in ("wall", "allreduce", "matchmaking")}
     out["cpu"] = sum(r["timings"]["cpu"] for r in res)
     out["parent"] = parent
+    starts = [r["timings"].get("start") for r in res]
+    out["start_skew"] = max(starts) - min(starts) if None not in starts else 0.0
     return out
 
 
@@ -393,6 +405,7 @@ def bench_allreduce(peers: int, numel: int, reps: int, part_size: int | None = N
         "allreduce": _summary(times["allreduce"]),
         "matchmaking": _summary(times["matchmaking"]),
         "parent_round_trip": _summary(times["parent"]),
+        "start_skew": _summary(times["start_skew"]),
         "cpu_seconds_all_peers": _summary(times["cpu"]),
         "correct": correct,
         "max_abs_error": err,

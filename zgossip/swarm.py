@@ -84,7 +84,7 @@ def _child(index: int, conn: Any, numel: int, seed: int, dtype: str, kwargs: dic
     # which zgossip this process runs (a bench may start a swarm from another checkout)
     conn.send({"endpoint": avg.endpoint, "peer_id": avg.peer_id, "pid": os.getpid(),
                "module": os.path.dirname(os.path.abspath(__file__)), "native": kernels.NATIVE,
-               "fast_send": getattr(zmq_driver, "FAST_SEND", False)})
+               "fast_send": getattr(zmq_driver, "FAST_SEND", False), "start_at": True})
     try:
         while True:
             cmd, args = conn.recv()
@@ -92,6 +92,9 @@ def _child(index: int, conn: Any, numel: int, seed: int, dtype: str, kwargs: dic
                 break
             try:
                 if cmd == "step":
+                    at = args.pop("at", None)
+                    if at is not None:  # a common start (time.monotonic() is one clock for every process here)
+                        time.sleep(max(0.0, at - time.monotonic()))
                     c0, t0 = time.process_time(), time.perf_counter()
                     res = avg.step(**args)
                     t1 = time.perf_counter()
