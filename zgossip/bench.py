@@ -163,10 +163,9 @@ def _swarm_kwargs(n: int, part_size: int | None, timeout: float) -> dict:
 START_LEAD = 0.005
 
 
-def _step_once(swarm: LocalSwarm, timeout: float) -> dict[str, float]:
+def _step_once(swarm: LocalSwarm, timeout: float, aligned: bool = True) -> dict[str, float]:
     t0 = time.perf_counter()
-    # older checkouts (--vs-checkout) cannot start at a given time: they start on receipt
-    at = {"at": time.monotonic() + START_LEAD} if all(i.get("start_at") for i in swarm.info) else {}
+    at = {"at": time.monotonic() + START_LEAD} if aligned else {}
     res = _checked(swarm.step_all(timeout=timeout, **at), "step")
     parent = time.perf_counter() - t0
     if not all(r["complete"] and r["group_size"] == swarm.n for r in res):
@@ -342,6 +341,8 @@ def bench_allreduce(peers: int, numel: int, reps: int, part_size: int | None = N
     gloo = GlooGroup(peers, numel, seed, timeout) if vs_gloo else None
     other = None
     # with tcp_only, both zgossip swarms (this code and --vs-checkout's) keep to TCP loopback
+    aligned = True  # a common start for every step (older --vs-checkout code starts on receipt: then nobody does)
+
     def transport_env() -> Any:
         return _environ(ZGOSSIP_LOCAL_IPC="0") if tcp_only else contextlib.nullcontext()
 
@@ -356,9 +357,10 @@ def bench_allreduce(peers: int, numel: int, reps: int, part_size: int | None = N
             if any(i.get("module") and os.path.samefile(i["module"], here) for i in other.info):
                 raise RuntimeError(f"--vs-checkout {vs_checkout}: its peers imported this zgossip ({here}), "
                                    "not the one in that directory")
+            aligned = all(i.get("start_at") for i in other.info)
             other.wait_membership(timeout=min(timeout, 30.0))
             for _ in range(WARMUP):
-                _step_once(other, timeout)
+                _step_once(other, timeout, aligned)
         with transport_env():
             swarm = LocalSwarm(peers, numel, seed=seed, averager_kwargs=kw, start_timeout=timeout)
         with swarm:
@@ -367,7 +369,7 @@ def bench_allreduce(peers: int, numel: int, reps: int, part_size: int | None = N
                      "fast_send": all(i.get("fast_send", False) for i in swarm.info)}
             before = _checked([swarm.call(i, "rss", timeout=timeout, reset=True) for i in range(peers)], "rss")
             for _ in range(WARMUP):
-                _step_once(swarm, timeout)
+                _step_once(swarm, timeout, aligned)
             load = _ForeignLoad([i["pid"] for i in swarm.info] + (gloo.pids if gloo else [])
                                 + ([i["pid"] for i in other.info] if other else []))
             zg_rows, gl_rows, ot_rows = [], [], []
@@ -376,12 +378,12 @@ def bench_allreduce(peers: int, numel: int, reps: int, part_size: int | None = N
                 if gloo is not None and k % 2:
                     gl_rows.append(gloo.rep())
                 if other is not None and k % 2:
-                    ot_rows.append(_step_once(other, timeout))
-                zg_rows.append(_step_once(swarm, timeout))
+                    ot_rows.append(_step_once(other, timeout, aligned))
+                zg_rows.append(_step_once(swarm, timeout, aligned))
                 if gloo is not None and not k % 2:
                     gl_rows.append(gloo.rep())
                 if other is not None and not k % 2:
-                    ot_rows.append(_step_once(other, timeout))
+                    ot_rows.append(_step_once(other, timeout, aligned))
             foreign = load.cores()
             stats = _checked([swarm.call(i, "stats", timeout=timeout) for i in range(peers)], "stats")
             local = [a["stats"].get("local_connections", 0) for a in stats]
