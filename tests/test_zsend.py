@@ -174,3 +174,38 @@ def test_settle_sends_drops_what_a_dead_peer_never_took(monkeypatch, path):
             assert d.stats["send_errors"] == 0
         finally:
             silent.close()
+
+
+def test_recv_whole_messages_small_frames_as_bytes(zs, pair):
+    router, dealer = pair
+    assert zs.recv(router.underlying, 4096) is None  # nothing waiting: None, not an exception
+    a = np.arange(1 << 16, dtype=np.float32)
+    dealer.send_multipart([b"header", a.tobytes(), b""])
+    deadline = time.monotonic() + 5
+    got = None
+    while got is None and time.monotonic() < deadline:
+        got = zs.recv(router.underlying, 4096)
+        time.sleep(0.005)
+    assert got is not None and len(got) == 4  # routing id, header, payload, empty frame
+    ident, header, payload, empty = got
+    assert isinstance(ident, bytes) and header == b"header" and empty == b""
+    assert not isinstance(payload, bytes) and len(payload) == a.nbytes  # not copied
+    view = np.frombuffer(payload, dtype=np.float32)
+    del payload, got  # the array keeps libzmq's message alive
+    assert np.array_equal(view, a)
+    with pytest.raises(ValueError, match="read-only"):
+        view[0] = 1  # read-only: received bytes are never written in place
+    assert zs.recv(router.underlying, 4096) is None
+
+
+def test_recv_errors_raise(zs):
+    with pytest.raises(ValueError):
+        zs.recv(0, 10)
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)  # cannot receive
+    try:
+        with pytest.raises(OSError, match="zmq_msg_recv failed on frame 0"):
+            zs.recv(pub.underlying, 10)
+    finally:
+        pub.close(0)
+        ctx.term()

@@ -1,4 +1,5 @@
-/* Zero-copy sends straight through libzmq, without pyzmq's release thread.
+/* Zero-copy sends straight through libzmq, without pyzmq's release thread; and receives
+ * without zmq.Frame objects.
  *
  * pyzmq sends a buffer zero-copy by handing libzmq a free function that, when libzmq is done
  * with the bytes, posts a message to a garbage-collector thread, which takes the GIL to drop
@@ -35,6 +36,10 @@ typedef void(zfree_fn)(void *data, void *hint);
 #define ZMQ_SNDMORE_ 2
 
 static int (*z_msg_init_data)(zmsg_t *, void *, size_t, zfree_fn *, void *);
+static int (*z_msg_init)(zmsg_t *);
+static int (*z_msg_recv)(zmsg_t *, void *, int);
+static size_t (*z_msg_size)(const zmsg_t *);
+static int (*z_msg_more)(const zmsg_t *);
 static int (*z_msg_init_size)(zmsg_t *, size_t);
 static void *(*z_msg_data)(zmsg_t *);
 static int (*z_msg_send)(zmsg_t *, void *, int);
@@ -236,6 +241,87 @@ static PyObject *py_send(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* A received frame too large to copy into bytes: it owns libzmq's message and exposes its bytes
+ * (read-only) through the buffer protocol; the message is closed when the last view is gone. */
+typedef struct {
+    PyObject_HEAD zmsg_t msg;
+} FrameObject;
+
+static int frame_getbuffer(FrameObject *self, Py_buffer *view, int flags) {
+    return PyBuffer_FillInfo(view, (PyObject *)self, z_msg_data(&self->msg), (Py_ssize_t)z_msg_size(&self->msg), 1,
+                             flags);
+}
+
+static void frame_dealloc(FrameObject *self) {
+    z_msg_close(&self->msg);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static Py_ssize_t frame_len(FrameObject *self) { return (Py_ssize_t)z_msg_size(&self->msg); }
+
+static PyBufferProcs frame_as_buffer = {(getbufferproc)frame_getbuffer, NULL};
+static PySequenceMethods frame_as_sequence = {.sq_length = (lenfunc)frame_len};
+
+static PyTypeObject FrameType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "zgossip._zsend.Frame",
+    .tp_basicsize = sizeof(FrameObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A received ZeroMQ frame, read-only, without a copy.",
+    .tp_dealloc = (destructor)frame_dealloc,
+    .tp_as_buffer = &frame_as_buffer,
+    .tp_as_sequence = &frame_as_sequence,
+};
+
+/* recv(socket_address, inline_max) -> tuple of frames, or None when nothing is waiting.
+ * One whole multipart message, ZMQ_DONTWAIT; frames of at most inline_max bytes come as bytes,
+ * larger ones as Frame objects (no copy). */
+static PyObject *py_recv(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *addr_obj;
+    Py_ssize_t inline_max;
+    if (!PyArg_ParseTuple(args, "On", &addr_obj, &inline_max)) return NULL;
+    void *sock = PyLong_AsVoidPtr(addr_obj);
+    if (sock == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "null socket");
+        return NULL;
+    }
+    PyObject *out = PyList_New(0);
+    if (out == NULL) return NULL;
+    for (int i = 0;; i++) {
+        FrameObject *f = PyObject_New(FrameObject, &FrameType);
+        if (f == NULL) goto fail;
+        z_msg_init(&f->msg);
+        if (z_msg_recv(&f->msg, sock, ZMQ_DONTWAIT_) < 0) {
+            int e = z_errno();
+            Py_DECREF(f);
+            if (i == 0 && e == EAGAIN) {
+                Py_DECREF(out);
+                Py_RETURN_NONE;
+            }
+            PyErr_Format(PyExc_OSError, "zmq_msg_recv failed on frame %d: %s (errno %d)", i, z_strerror(e), e);
+            goto fail;
+        }
+        int more = z_msg_more(&f->msg);
+        PyObject *item = (PyObject *)f;
+        size_t size = z_msg_size(&f->msg);
+        if ((Py_ssize_t)size <= inline_max) {
+            item = PyBytes_FromStringAndSize((const char *)z_msg_data(&f->msg), (Py_ssize_t)size);
+            Py_DECREF(f);
+            if (item == NULL) goto fail;
+        }
+        int rc = PyList_Append(out, item);
+        Py_DECREF(item);
+        if (rc < 0) goto fail;
+        if (!more) break;
+    }
+    PyObject *t = PyList_AsTuple(out);
+    Py_DECREF(out);
+    return t;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
 static PyObject *py_reap(PyObject *self, PyObject *noargs) {
     (void)self;
     (void)noargs;
@@ -260,6 +346,10 @@ static PyObject *py_load(PyObject *self, PyObject *args) {
     SYM(z_errno, "zmq_errno")
     SYM(z_strerror, "zmq_strerror")
     SYM(z_version, "zmq_version")
+    SYM(z_msg_init, "zmq_msg_init")
+    SYM(z_msg_recv, "zmq_msg_recv")
+    SYM(z_msg_size, "zmq_msg_size")
+    SYM(z_msg_more, "zmq_msg_more")
 #undef SYM
     int a, b, c;
     z_version(&a, &b, &c);
@@ -269,6 +359,7 @@ static PyObject *py_load(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"load", py_load, METH_VARARGS, "load(path) -> libzmq version; bind to the already loaded libzmq"},
     {"send", py_send, METH_VARARGS, "send(socket_address, frames): one multipart message, DONTWAIT"},
+    {"recv", py_recv, METH_VARARGS, "recv(socket_address, inline_max) -> tuple of frames or None"},
     {"reap", py_reap, METH_NOARGS, "release buffers libzmq is done with; returns how many"},
     {NULL, NULL, 0, NULL},
 };
@@ -276,7 +367,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_zsend", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__zsend(void) {
-    if (PyType_Ready(&PayloadType) < 0) return NULL;
+    if (PyType_Ready(&PayloadType) < 0 || PyType_Ready(&FrameType) < 0) return NULL;
     PyObject *m = PyModule_Create(&moddef);
     if (m == NULL) return NULL;
     Py_INCREF(&PayloadType);
