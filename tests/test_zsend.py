@@ -78,6 +78,14 @@ def test_one_payload_in_several_messages_is_released_after_the_last(zs, pair):
     assert p.wait(5.0)
 
 
+def test_empty_payload_is_sent_and_never_pending(zs, pair):
+    router, dealer = pair
+    p = zs.Payload(np.zeros(0, np.float32))
+    zs.send(dealer.underlying, (b"h", p))
+    assert p.done  # nothing was lent
+    assert _recv(router)[1:] == [b"h", b""]
+
+
 def test_buffer_lives_until_libzmq_releases_it(zs):
     ctx = zmq.Context()
     dealer = ctx.socket(zmq.DEALER)

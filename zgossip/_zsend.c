@@ -220,8 +220,8 @@ static PyObject *py_send(PyObject *self, PyObject *args) {
         PyObject *f = PyTuple_GET_ITEM(frames, i);
         int flags = ZMQ_DONTWAIT_ | (i + 1 < n ? ZMQ_SNDMORE_ : 0);
         zmsg_t msg;
-        if (PyBytes_Check(f)) {
-            Py_ssize_t len = PyBytes_GET_SIZE(f);
+        if (PyBytes_Check(f) || ((PayloadObject *)f)->h->view.len == 0) { /* nothing to lend: copy */
+            Py_ssize_t len = PyBytes_Check(f) ? PyBytes_GET_SIZE(f) : 0;
             if (z_msg_init_size(&msg, (size_t)len) != 0) return zmq_failure((int)i);
             if (len) memcpy(z_msg_data(&msg), PyBytes_AS_STRING(f), (size_t)len);
         } else {
