@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     per_peer = [{"grid_coords": c} for c in coords]
     kw = dict(prefix="demo", grid=shape, target_group_size=max(shape), min_group_size=2,
               gossip_interval=0.1, matchmaking_time=1.0, part_size_bytes=1 << 20)
-    print(f"zgossip demo: {args.peers} peer processes on tcp loopback endpoints (connected by local Unix sockets), grid {'x'.join(map(str, shape))}, "
+    print(f"zgossip demo: {args.peers} peer processes listening on tcp loopback, grid {'x'.join(map(str, shape))}, "
           f"{args.numel:,} float32 each ({args.numel * 4 / 2**20:.1f} MiB)")
     t0 = time.perf_counter()
     with LocalSwarm(args.peers, args.numel, seed=args.seed, averager_kwargs=kw, per_peer_kwargs=per_peer) as swarm:
@@ -63,6 +63,10 @@ def run(args: argparse.Namespace) -> int:
             for x in res:
                 if not x.get("ok"):
                     print(f"      a peer failed: {x.get('type')}: {x.get('error')}")
+        stats = [swarm.call(i, "stats")["stats"] for i in range(args.peers)]
+    local, total = sum(s["local_connections"] for s in stats), sum(s["connections"] for s in stats)
     print()
+    print(f"{local} of the {total} connections the peers opened went through local Unix sockets, "
+          f"{total - local} over TCP (peers on one host find each other's sockets; ZGOSSIP_LOCAL_IPC=0 keeps TCP).")
     print("max |x - mean| is over all peers and elements; MB/s counts every byte of tensor data sent by all peers.")
     return 1 if failures else 0

@@ -258,7 +258,7 @@ class ZmqDriver:
         self._prune_at = 64
         self._stopping = False
         self.stats = {"received": 0, "invalid": 0, "sent": 0, "send_errors": 0, "errors": 0, "disconnects": 0,
-                      "local_connections": 0}
+                      "connections": 0, "local_connections": 0}
         self._thread = threading.Thread(target=self._run, name=f"{name}-io", daemon=True)
         self._started = threading.Event()
         self._thread.start()
@@ -432,6 +432,7 @@ class ZmqDriver:
         if route is None:
             route = self._routes[endpoint] = self._route(endpoint)
         sock.connect(route)
+        self.stats["connections"] += 1
         if route != endpoint:
             self.stats["local_connections"] += 1
         self._dealers[(endpoint, lane)] = (sock, mon)
