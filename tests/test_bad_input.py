@@ -13,6 +13,7 @@ exactly one thing. A hypothesis test checks that `wire.decode` only ever raises
 """
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any, Callable, Iterator
 
@@ -514,3 +515,30 @@ def test_decode_of_valid_header_with_one_body_field_replaced_only_raises_invalid
     field = data.draw(st.sampled_from(sorted(head[4])))
     head[4][field] = data.draw(_msgpack_values)
     _check_decode([msgpack.packb(head, use_bin_type=True), *_VALID[which][1:]])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="local Unix sockets are Linux-only")
+def test_bad_input_over_the_local_socket(pair, ctx) -> None:
+    """The node's local Unix socket (peers on its host use it) is the same ROUTER: same checks, same limits."""
+    a, b = pair
+    local = a._driver.local_address
+    assert local and local.startswith("ipc://@")
+    before, tensors = a.stats, snapshot(a)
+    bad = [_garbage(), frames_of(part(), with_body(part=-1)), frames_of(gossip(), set_item(0, 99))]
+    socks = [send_raw(ctx, local, frames) for frames in bad]
+    wait_for(lambda: a.stats["invalid"] == before["invalid"] + len(bad), 10, "the driver to count the bad messages")
+    for s in socks:
+        s.close(0)
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    sock.connect(local)
+    sock.send_multipart([b"\x96" + b"\0" * (MAX_MSG + 1024)])  # oversize: libzmq drops the connection
+    assert monitor.poll(10_000), "the node did not drop the local connection that sent an oversize frame"
+    sock.disable_monitor()
+    monitor.close(0)
+    sock.close(0)
+    assert a.stats["errors"] == 0 and a.stats["dropped"] == before["dropped"]
+    for t0, t1 in zip(tensors, snapshot(a)):
+        assert np.array_equal(t0, t1)
+    assert_next_round_exact(a, b)
