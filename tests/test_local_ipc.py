@@ -21,6 +21,8 @@ KW = dict(prefix="ipc", target_group_size=2, min_group_size=2, matchmaking_time=
 def _pair_step(**kw_b):
     a, b = np.zeros(1 << 16, np.float32), np.full(1 << 16, 2, np.float32)
     with zgossip.Averager([a], **KW) as x, zgossip.Averager([b], initial_peers=[x.endpoint], **KW, **kw_b) as y:
+        # the I/O thread keeps the averager's name (the local socket's name once overwrote it)
+        assert x._driver._thread.name == f"zgossip-{x.peer_id[:8]}-io"
         fx, fy = x.step(wait=False, timeout=20), y.step(wait=False, timeout=20)
         assert fx.result(40).complete and fy.result(40).complete
         routes = (x._driver.route(y.endpoint), y._driver.route(x.endpoint))

@@ -231,15 +231,15 @@ class ZmqDriver:
         self.local_ipc = bool(local_ipc) and os.environ.get("ZGOSSIP_LOCAL_IPC", "1") != "0"
         self._routes: dict[str, str] = {}  # endpoint -> address connected (ipc://@... for peers on this host)
         self.local_address: str | None = None  # the abstract socket this node listens on as well
-        name = local_name(self.endpoint) if self.local_ipc else None
-        if name is not None:
+        local = local_name(self.endpoint) if self.local_ipc else None
+        if local is not None:
             try:
-                self._router.bind("ipc://@" + name)
-                self.local_address = "ipc://@" + name
+                self._router.bind("ipc://@" + local)
+                self.local_address = "ipc://@" + local
             except zmq.ZMQError as e:  # taken: peers on this host that find it would reach its owner
                 log.warning("zgossip node %s: could not listen on the local socket @%s (%s); "
                             "peers on this host will connect over TCP only if they do not find it",
-                            self.endpoint, name, e)
+                            self.endpoint, local, e)
         self.node = make_node(self.endpoint)
         self._dealers: dict[tuple[str, int], tuple[zmq.Socket, zmq.Socket | None]] = {}  # (endpoint, lane) -> dealer, monitor
         self._monitors: dict[zmq.Socket, str] = {}  # monitor PAIR socket -> the dealer's endpoint
