@@ -529,6 +529,18 @@ class ZmqDriver:
         shared[id(msg)] = (msg, frames, big)
         return frames, big
 
+    def _track(self, lent: list[tuple[Any, str]]) -> None:
+        """Remember zero-copy payloads in flight (tracker, endpoint) until libzmq releases them."""
+        if not lent:
+            return
+        with self._trackers_lock:
+            self._trackers.extend(lent)
+            if len(self._trackers) >= self._prune_at:
+                # nobody may ask `sends_pending` for a long time (in-place steps never do):
+                # drop finished trackers here so the list stays as short as what is in flight
+                self._trackers = [(t, ep) for t, ep in self._trackers if not t.done]
+                self._prune_at = max(64, 2 * len(self._trackers))
+
     def _transmit(self, endpoint: str, msg: wire.Message, shared: dict | None = None) -> None:
         try:
             frames, big = self._encode(msg, {} if shared is None else shared)
@@ -539,24 +551,12 @@ class ZmqDriver:
                 except OSError:
                     self._close_dealer(endpoint)  # a multipart message may be cut short on that socket
                     raise
-                lent = [(f, endpoint) for f in frames if isinstance(f, _zsend.Payload)]
-                if lent:
-                    with self._trackers_lock:
-                        self._trackers.extend(lent)
-                        if len(self._trackers) >= self._prune_at:
-                            self._trackers = [(t, ep) for t, ep in self._trackers if not t.done]
-                            self._prune_at = max(64, 2 * len(self._trackers))
+                self._track([(f, endpoint) for f in frames if isinstance(f, _zsend.Payload)])
             elif big:
                 tracker = sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False, track=True)
                 if len(frames) > 2:  # several payload frames: pending until libzmq released them all
                     tracker = zmq.MessageTracker(*frames[1:])
-                with self._trackers_lock:
-                    self._trackers.append((tracker, endpoint))
-                    if len(self._trackers) >= self._prune_at:
-                        # nobody may ask `sends_pending` for a long time (in-place steps never do):
-                        # drop finished trackers here so the list stays as short as what is in flight
-                        self._trackers = [(t, ep) for t, ep in self._trackers if not t.done]
-                        self._prune_at = max(64, 2 * len(self._trackers))
+                self._track([(tracker, endpoint)])
             else:
                 sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=len(frames) == 1)
             self.stats["sent"] += 1
