@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--interval", type=float, default=5.0, help="seconds between steps")
     p.add_argument("--rounds", type=int, default=0, help="stop after this many steps (0 = run until Ctrl-C)")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--tcp-only", action="store_true",
+                   help="reach peers on this host over TCP too (by default through their local Unix sockets)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -45,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with Averager([data], prefix=args.prefix, listen=args.listen, initial_peers=args.initial_peers,
                   announce_host=args.announce_host, target_group_size=args.target_group_size,
-                  min_group_size=args.min_group_size, seed=args.seed) as avg:
+                  min_group_size=args.min_group_size, seed=args.seed, local_ipc=not args.tcp_only) as avg:
         print(f"peer {avg.peer_id} listening; others can join with:\n"
               f"  zgossip peer --initial-peers {avg.endpoint}", flush=True)
         done = 0
