@@ -6,8 +6,8 @@ Two benchmarks, chosen by flag:
     The all-reduce. A `LocalSwarm` of N peer processes listening on tcp loopback
     (ephemeral ports); as on any host, peers that find each other's local Unix socket
     use it for their connections (the output says which transport ran), and with
-    ``--tcp-only`` they keep to TCP, like gloo does. One group of exactly N (target = min group size = N), waits for
-    membership, runs 2 warm-up steps, then R timed steps (default 7, at least 5).
+    ``--tcp-only`` they keep to TCP, like gloo does. One group of exactly N (target =
+    min group size = N); the bench waits for membership, runs 2 warm-up steps, then R timed steps (default 7, at least 5).
     The peers start each step at one instant, 5 ms after the command goes out (gloo's
     ranks start after a barrier); ``start_skew`` reports how far apart they started.
     For each repetition it takes the *max over peers* of the wall time of
@@ -55,7 +55,6 @@ timeout, and everything listens on 127.0.0.1 only.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -63,7 +62,7 @@ import socket
 import statistics
 import sys
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -319,21 +318,6 @@ class GlooGroup:
 
 
 # ---------------------------------------------------------------------------- all-reduce
-@contextlib.contextmanager
-def _environ(**env: str) -> Iterator[None]:
-    """Set environment variables for the processes started inside (spawned peers inherit them)."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def bench_allreduce(peers: int, numel: int, reps: int, part_size: int | None = None, seed: int = 0,
                     timeout: float = 120.0, vs_gloo: bool = False, vs_checkout: str | None = None,
                     tcp_only: bool = False) -> dict:
@@ -341,18 +325,14 @@ def bench_allreduce(peers: int, numel: int, reps: int, part_size: int | None = N
     gloo = GlooGroup(peers, numel, seed, timeout) if vs_gloo else None
     other = None
     # with tcp_only, both zgossip swarms (this code and --vs-checkout's) keep to TCP loopback
+    env = {"ZGOSSIP_LOCAL_IPC": "0"} if tcp_only else None
     aligned = True  # a common start for every step (older --vs-checkout code starts on receipt: then nobody does)
-
-    def transport_env() -> Any:
-        return _environ(ZGOSSIP_LOCAL_IPC="0") if tcp_only else contextlib.nullcontext()
-
     try:
         kw = _swarm_kwargs(peers, part_size, timeout)
         if vs_checkout is not None:
             # a second swarm on the other checkout's code, under its own prefix (the two never meet)
-            with transport_env():
-                other = LocalSwarm(peers, numel, seed=seed, averager_kwargs={**kw, "prefix": "bench-other"},
-                                   start_timeout=timeout, import_path=vs_checkout)
+            other = LocalSwarm(peers, numel, seed=seed, averager_kwargs={**kw, "prefix": "bench-other"},
+                               start_timeout=timeout, import_path=vs_checkout, env=env)
             here = os.path.dirname(os.path.abspath(__file__))
             if any(i.get("module") and os.path.samefile(i["module"], here) for i in other.info):
                 raise RuntimeError(f"--vs-checkout {vs_checkout}: its peers imported this zgossip ({here}), "
@@ -361,9 +341,7 @@ def bench_allreduce(peers: int, numel: int, reps: int, part_size: int | None = N
             other.wait_membership(timeout=min(timeout, 30.0))
             for _ in range(WARMUP):
                 _step_once(other, timeout, aligned)
-        with transport_env():
-            swarm = LocalSwarm(peers, numel, seed=seed, averager_kwargs=kw, start_timeout=timeout)
-        with swarm:
+        with LocalSwarm(peers, numel, seed=seed, averager_kwargs=kw, start_timeout=timeout, env=env) as swarm:
             swarm.wait_membership(timeout=min(timeout, 30.0))
             build = {"native_kernels": all(i.get("native", False) for i in swarm.info),
                      "fast_send": all(i.get("fast_send", False) for i in swarm.info)}

@@ -36,7 +36,7 @@ def _summary(result: Any, t0: float, t1: float, cpu: float = 0.0) -> dict:
         "lost": list(result.lost),
         "complete": result.complete,
         "gathered": result.gathered,
-        "timings": dict(result.timings, wall=t1 - t0, cpu=cpu, start=t0, end=t1),
+        "timings": dict(result.timings, wall=t1 - t0, cpu=cpu, start=t0),
         "bytes_sent": result.bytes_sent,
         "bytes_received": result.bytes_received,
         "coords": list(result.coords),
@@ -151,17 +151,21 @@ class LocalSwarm:
     initial_peers: Sequence[str] = ()
     start_timeout: float = 60.0
     import_path: str | None = None  # run the peers on the zgossip found there (another checkout)
+    env: dict | None = None  # extra environment variables for the peer processes
 
     def __post_init__(self) -> None:
         ctx = mp.get_context("spawn")
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         self.info: list[dict] = []
-        saved_path, saved_env = list(sys.path), os.environ.get("PYTHONPATH")
-        if self.import_path is not None:
-            # spawned children take this process's sys.path: put the other checkout first
+        # spawned children take this process's environment and sys.path: set them while spawning
+        extra = dict(self.env or {})
+        saved_path = list(sys.path)
+        if self.import_path is not None:  # put the other checkout first
             sys.path.insert(0, os.path.abspath(self.import_path))
-            os.environ["PYTHONPATH"] = os.path.abspath(self.import_path)
+            extra["PYTHONPATH"] = os.path.abspath(self.import_path)
+        saved_env = {k: os.environ.get(k) for k in extra}
+        os.environ.update(extra)
         try:
             # peer 0 first (the others bootstrap from it), then the rest in parallel
             self._spawn(ctx, 0, list(self.initial_peers))
@@ -176,10 +180,11 @@ class LocalSwarm:
             raise
         finally:
             sys.path[:] = saved_path
-            if saved_env is None:
-                os.environ.pop("PYTHONPATH", None)
-            else:
-                os.environ["PYTHONPATH"] = saved_env
+            for k, v in saved_env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
     def _spawn(self, ctx: Any, i: int, initial: list) -> None:
         kw = dict(self.averager_kwargs)
