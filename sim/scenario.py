@@ -8,7 +8,8 @@ never inside them). Keys, with defaults:
     seed = 0
     peers = 16                  # initial peers (indices 0..peers-1 in faults)
     profiles = {}               # e.g. {home = 0.7, datacenter = 0.3}: fractions of named PROFILES
-    numel = 1                   # float64 values per peer, drawn from N(0, 1)
+    numel = 1                   # values per peer, drawn from N(0, 1)
+    dtype = "float64"           # "float64" or "float32" (what real runs average)
     rounds = 5
     grid = [4, 4]               # Moshpit grid; [] = no grid (one key per round)
     placement = "full"          # full: grid order (needs peers == cells); distinct: random distinct
@@ -21,6 +22,13 @@ never inside them). Keys, with defaults:
     encode = true               # pass every message through the wire codec, as ZeroMQ does
     [protocol]                  # zgossip.NodeConfig fields, e.g. target_group_size, part_timeout
     [network]                   # latency (number or {dist=...}), bandwidth, loss, jitter
+    [[hosts]]                   # explicit hosts (then `peers` may be left out: it is their count);
+                                # each: up_mbit, down_mbit, latency_ms (one way, host <-> switch:
+                                # host i to host j takes latency_i + latency_j), jitter_ms, loss
+                                # (packet loss probability on this host's link, each direction),
+                                # hint (the protocol's `bandwidth` for this peer; omitted = 1.0),
+                                # count (this many identical hosts). The testbed (sim.testbed)
+                                # builds exactly these links.
     [[faults]]                  # see sim.faults: crash, crash_rejoin, pause, partition, slow
     [churn]                     # arrival_rate, departure_rate, until
 
@@ -47,12 +55,59 @@ from zgossip.node import NodeConfig, StepDone, StepFailed
 
 from .driver import SimCluster, SimPeer
 from .faults import Churn, FaultContext, fault_from_dict
-from .network import PROFILES, NetworkModel
+from .network import PROFILES, NetworkModel, Profile
 
 __all__ = ["Scenario", "ScenarioRun", "ScenarioResult", "run_scenario", "load_scenario"]
 
 _FAST_PROTOCOL = dict(gossip_interval=0.5, peer_timeout=5.0, matchmaking_time=0.5, request_timeout=0.3,
                       part_timeout=1.0, allreduce_timeout=10.0)
+
+
+_HOST_KEYS = ("up_mbit", "down_mbit", "latency_ms", "jitter_ms", "loss", "hint", "count")
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """One emulated host's access link (what `[[hosts]]` holds): rates in Mbit/s, one-way
+    latency and jitter to the switch in ms, packet loss per direction, the bandwidth hint the
+    peer declares to the protocol (None = the default), and how many such hosts."""
+
+    up_mbit: float = 1000.0
+    down_mbit: float = 1000.0
+    latency_ms: float = 0.0
+    jitter_ms: float = 0.0
+    loss: float = 0.0
+    hint: float | None = None
+    count: int = 1
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HostSpec":
+        unknown = set(d) - set(_HOST_KEYS)
+        if unknown:
+            raise ValueError(f"unknown [[hosts]] keys: {sorted(unknown)} (known: {sorted(_HOST_KEYS)})")
+        h = cls(**d)
+        if h.up_mbit <= 0 or h.down_mbit <= 0:
+            raise ValueError("hosts: up_mbit and down_mbit must be > 0")
+        if h.latency_ms < 0 or h.jitter_ms < 0:
+            raise ValueError("hosts: latency_ms and jitter_ms must be >= 0")
+        if not 0.0 <= h.loss < 1.0:
+            raise ValueError("hosts: loss is a probability below 1")
+        if h.hint is not None and h.hint < 0:
+            raise ValueError("hosts: hint must be >= 0")
+        if int(h.count) != h.count or h.count < 1:
+            raise ValueError("hosts: count must be a positive integer")
+        return h
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        if d["hint"] is None:
+            del d["hint"]
+        return d
+
+    def profile(self, name: str) -> Profile:
+        """The simulator's view of this link (bytes/s, seconds)."""
+        return Profile(name, up=self.up_mbit * 125_000.0, down=self.down_mbit * 125_000.0,
+                       latency=self.latency_ms / 1000.0, loss=self.loss)
 
 
 @dataclass
@@ -61,6 +116,7 @@ class Scenario:
     peers: int = 16
     profiles: dict = field(default_factory=dict)
     numel: int = 1
+    dtype: str = "float64"
     rounds: int = 5
     grid: list = field(default_factory=lambda: [4, 4])
     placement: str = "full"
@@ -74,6 +130,7 @@ class Scenario:
     network: dict = field(default_factory=dict)
     faults: list = field(default_factory=list)
     churn: dict = field(default_factory=dict)
+    hosts: list = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Scenario":
@@ -81,9 +138,24 @@ class Scenario:
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown scenario keys: {sorted(unknown)} (known: {sorted(known)})")
+        d = dict(d)
+        if d.get("hosts"):
+            d["hosts"] = [HostSpec.from_dict(h).to_dict() for h in d["hosts"]]
+            n = sum(h["count"] for h in d["hosts"])
+            if "peers" in d and d["peers"] != n:
+                raise ValueError(f"peers = {d['peers']} but [[hosts]] lists {n} hosts")
+            d["peers"] = n
         sc = cls(**d)
         sc.validate()
         return sc
+
+    def host_list(self) -> list["HostSpec"]:
+        """One `HostSpec` per peer slot (``count`` expanded), or [] when the scenario names no hosts."""
+        out: list[HostSpec] = []
+        for h in self.hosts:
+            spec = HostSpec.from_dict(h)
+            out.extend([spec] * spec.count)
+        return out
 
     def validate(self) -> None:
         if self.peers < 1 or self.rounds < 0 or self.numel < 1:
@@ -94,6 +166,10 @@ class Scenario:
             raise ValueError("placement must be full, distinct or random")
         if self.membership not in ("gossip", "static"):
             raise ValueError("membership must be gossip or static")
+        if self.dtype not in ("float32", "float64"):
+            raise ValueError(f"dtype must be float32 or float64, not {self.dtype!r}")
+        if self.hosts and self.profiles:
+            raise ValueError("give either [[hosts]] or profiles, not both")
         cells = int(np.prod(self.grid)) if self.grid else 1
         if self.grid and self.placement in ("full", "distinct") and self.peers > cells:
             raise ValueError(f"{self.peers} peers do not fit {cells} grid cells with placement={self.placement}")
@@ -163,10 +239,11 @@ class ScenarioRun(FaultContext):
         self._bootstrapped = False
         self.walls: list[float] = []
         self._coords = self._placement()
+        self._hosts = sc.host_list()
         for i in range(sc.peers):
             self._add(i, self._coords[i])
         initial = np.stack([p.tensors[0] for p in self.slots])
-        self.truth = initial.mean(axis=0)
+        self.truth = initial.astype(np.float64).mean(axis=0)
         for f in sc.faults:
             fault_from_dict(f).install(self)
         if sc.churn:
@@ -220,30 +297,35 @@ class ScenarioRun(FaultContext):
             return [tuple(int(x) for x in cells[i]) for i in pick]
         return [g.random_coords(self._place_rng) for _ in range(sc.peers)]
 
-    def _config(self, coords: tuple) -> NodeConfig:
+    def _config(self, coords: tuple, index: int | None = None) -> NodeConfig:
         sc = self.sc
         kw = {**_FAST_PROTOCOL, "prefix": "scenario", "grid": tuple(sc.grid), **sc.protocol}
         if sc.grid:
             kw.setdefault("target_group_size", max(sc.grid))
         kw["grid_coords"] = tuple(coords) if sc.grid else None
+        if index is not None and index < len(self._hosts) and self._hosts[index].hint is not None:
+            kw["bandwidth"] = float(self._hosts[index].hint)
         return NodeConfig(**kw)
 
     def _add(self, index: int, coords: tuple, tensors: list | None = None, replace: bool = False) -> SimPeer:
         sc = self.sc
         if tensors is None:
-            tensors = [self._values_rng.standard_normal(sc.numel)]
+            tensors = [self._values_rng.standard_normal(sc.numel).astype(sc.dtype)]
         ep = self.endpoint(index)
-        if sc.profiles:
+        if index < len(self._hosts):
+            self.network.profiles[ep] = self._hosts[index].profile(f"host{index}")
+        elif sc.profiles:
             names = sorted(sc.profiles)
             w = np.array([sc.profiles[n] for n in names], dtype=float)
             name = names[int(self._profile_rng.choice(len(names), p=w / w.sum()))]
             self.network.profiles[ep] = PROFILES[name]
         live = [p for p in self.slots if p.alive]
         if sc.membership == "static":
-            peer = self.cluster.add_peer(self._config(coords), tensors=tensors, endpoint=ep)
+            peer = self.cluster.add_peer(self._config(coords, index), tensors=tensors, endpoint=ep)
         else:
             boot = [live[0].endpoint] if live else []
-            peer = self.cluster.add_peer(self._config(coords), tensors=tensors, initial_peers=boot, endpoint=ep)
+            peer = self.cluster.add_peer(self._config(coords, index), tensors=tensors, initial_peers=boot,
+                                         endpoint=ep)
         if replace:
             self.slots[index] = peer
         else:
@@ -279,9 +361,14 @@ class ScenarioRun(FaultContext):
             sent0 = dict(self.network.sent_bytes)
             recv0 = dict(self.network.received_bytes)
             evs = {i: self.slots[i].step_tensors(timeout=sc.step_timeout, round=r) for i in steppers}
+            ends: dict[int, float] = {}
+            for i, ev in evs.items():
+                ev.callbacks.append(lambda _e, i=i: ends.__setitem__(i, self.env.now))
             if evs:
                 self.cluster.run(until=self.env.any_of([self.env.all_of(list(evs.values())), self.env.timeout(limit)]))
             rounds.append(self._metrics(r, t0, steppers, evs, sent0, recv0))
+            # per-peer step durations (slot, seconds), as the testbed reports them
+            rounds[-1]["step_seconds"] = [[i, ends[i] - t0] for i in sorted(ends)]
             walls.append(time.perf_counter() - w0)
             if sc.round_gap:
                 self.cluster.run(until=self.env.now + sc.round_gap)
