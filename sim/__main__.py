@@ -5,6 +5,8 @@
                           --seed 0 --level message|round [--json]
     python -m sim table [--quick] [--json]      # the Moshpit paper's averaging table (round level)
     python -m sim bench [--json]                # speed vs a bare SimPy model, memory at 16,384 peers
+    python -m sim compare RUN.json [--skip K]   # a testbed run replayed in the simulator, side by side
+    python -m sim fidelity [--quick] [--cases a,b] [--out F]  # testbed vs simulator over a case matrix
 """
 from __future__ import annotations
 
@@ -167,6 +169,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     t.add_argument("--quick", action="store_true")
     t.add_argument("--json", action="store_true")
     t.set_defaults(fn=cmd_table)
+    c = sub.add_parser("compare", help="replay a testbed run in the simulator: measured vs predicted per round")
+    c.add_argument("run", help="results JSON written by `python -m sim testbed SCENARIO --out RUN.json`")
+    c.add_argument("--skip", type=int, default=0, help="leave this many leading rounds out of the overall figures")
+    c.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    c.set_defaults(fn=lambda a: __import__("sim.compare", fromlist=["run_cli"]).run_cli(a))
+    fi = sub.add_parser("fidelity", help="testbed vs simulator over a matrix of network cases (root)")
+    fi.add_argument("--quick", action="store_true", help="only the small case the test suite runs")
+    fi.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    fi.add_argument("--rounds", type=int, default=4, help="steps per case (the median is reported)")
+    fi.add_argument("--seed", type=int, default=1)
+    fi.add_argument("--out", help="write every case's runs and the table as JSON here")
+    fi.set_defaults(fn=lambda a: __import__("sim.fidelity", fromlist=["main"]).main(a))
     b = sub.add_parser("bench", help="speed and memory of the simulator against a bare SimPy model")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=lambda a: __import__("sim.bench", fromlist=["main"]).main(a.rest))

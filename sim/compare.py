@@ -1,0 +1,128 @@
+"""Record and replay: a testbed run's scenario replayed in the simulator, measured against predicted.
+
+``python -m sim compare RUN.json`` reads what ``python -m sim testbed SCENARIO --out RUN.json``
+wrote (the scenario it ran is inside), runs the same scenario in the simulator and prints,
+per round and overall, the measured and predicted step time (median and slowest peer),
+bytes sent per peer and outcomes, with their ratios (predicted / measured). The numbers
+come from one place, `compare_runs`, which the fidelity matrix (`sim.fidelity`) uses too.
+
+Step time of a round = the median over the peers that stepped of the time their `step()`
+took (``step_seconds``); "slowest" is the largest. Overall figures are medians over rounds.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["RoundComparison", "Comparison", "compare_runs", "replay", "format_comparison", "step_stats"]
+
+
+def step_stats(rnd: dict) -> tuple[float, float]:
+    """(median, max) of a round's per-peer step durations; NaN when nobody finished."""
+    xs = [float(s) for _, s in rnd.get("step_seconds", [])]
+    if not xs:
+        return math.nan, math.nan
+    return float(np.median(xs)), float(max(xs))
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b and not (math.isnan(a) or math.isnan(b)) else math.nan
+
+
+@dataclass
+class RoundComparison:
+    round: int
+    measured: float
+    predicted: float
+    measured_max: float
+    predicted_max: float
+    bytes_measured: float
+    bytes_predicted: float
+    ok_measured: int
+    ok_predicted: int
+    failures_measured: dict
+    failures_predicted: dict
+
+    @property
+    def ratio(self) -> float:
+        return _ratio(self.predicted, self.measured)
+
+
+@dataclass
+class Comparison:
+    rounds: list[RoundComparison]
+    measured: float  # median over rounds
+    predicted: float
+    skip: int = 0  # leading rounds left out of the overall figures (warm-up)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        return _ratio(self.predicted, self.measured)
+
+    def to_dict(self) -> dict:
+        return {"measured": self.measured, "predicted": self.predicted, "ratio": self.ratio, "skip": self.skip,
+                "rounds": [{**r.__dict__, "ratio": r.ratio} for r in self.rounds], **self.extra}
+
+
+def replay(scenario: dict) -> dict:
+    """Run a scenario (as a testbed run recorded it) in the simulator; the results dict."""
+    from .scenario import run_scenario
+
+    return json.loads(run_scenario(dict(scenario)).to_json())
+
+
+def compare_runs(measured: dict, predicted: dict, skip: int = 0) -> Comparison:
+    """Compare two results dicts round by round (`measured`: testbed, `predicted`: simulator).
+    `skip` leading rounds are shown but left out of the overall medians."""
+    out = []
+    for rm, rp in zip(measured["rounds"], predicted["rounds"]):
+        mm, mx = step_stats(rm)
+        pm, px = step_stats(rp)
+        out.append(RoundComparison(rm["round"], mm, pm, mx, px, float(rm.get("bytes_sent_mean", math.nan)),
+                                   float(rp.get("bytes_sent_mean", math.nan)), int(rm.get("succeeded", 0)),
+                                   int(rp.get("succeeded", 0)), dict(rm.get("failures", {})),
+                                   dict(rp.get("failures", {}))))
+    used = [r for r in out[skip:] if not (math.isnan(r.measured) or math.isnan(r.predicted))]
+    med = lambda xs: float(np.median(xs)) if xs else math.nan  # noqa: E731
+    return Comparison(out, med([r.measured for r in used]), med([r.predicted for r in used]), skip)
+
+
+def format_comparison(c: Comparison) -> str:
+    head = (f"{'round':>5} {'measured s':>10} {'predicted s':>11} {'ratio':>6} {'slowest m/p':>13} "
+            f"{'MB sent m/p':>13} {'ok m/p':>7}  failures m / p")
+    lines = [head]
+    for r in c.rounds:
+        fm = ",".join(f"{k}:{v}" for k, v in sorted(r.failures_measured.items())) or "-"
+        fp = ",".join(f"{k}:{v}" for k, v in sorted(r.failures_predicted.items())) or "-"
+        lines.append(f"{r.round:>5} {r.measured:>10.3f} {r.predicted:>11.3f} {r.ratio:>6.2f} "
+                     f"{r.measured_max:>6.2f}/{r.predicted_max:<6.2f} "
+                     f"{r.bytes_measured / 1e6:>6.2f}/{r.bytes_predicted / 1e6:<6.2f} "
+                     f"{r.ok_measured:>3}/{r.ok_predicted:<3}  {fm} / {fp}")
+    note = f" (rounds {c.skip}+)" if c.skip else ""
+    lines.append(f"overall{note}: measured median step {c.measured:.3f} s, predicted {c.predicted:.3f} s, "
+                 f"ratio {c.ratio:.3f}")
+    return "\n".join(lines)
+
+
+def main(path: str, skip: int = 0, as_json: bool = False) -> int:
+    run = json.loads(Path(path).read_text())
+    if "scenario" not in run or "rounds" not in run:
+        raise SystemExit(f"{path}: not a results file (no 'scenario' and 'rounds'); "
+                         "write one with python -m sim testbed SCENARIO --out RUN.json")
+    pred = replay(run["scenario"])
+    c = compare_runs(run, pred, skip=skip)
+    if as_json:
+        print(json.dumps(c.to_dict(), sort_keys=True, indent=1))
+    else:
+        print(format_comparison(c))
+    return 0
+
+
+def run_cli(args: Any) -> int:
+    return main(args.run, skip=args.skip, as_json=args.json)

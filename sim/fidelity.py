@@ -1,0 +1,231 @@
+"""The fidelity matrix: the same cases on the testbed (real peers, shaped links) and in the simulator.
+
+``python -m sim fidelity`` runs every case below on the testbed (`sim.testbed`, root and
+network namespaces needed) and replays it in the simulator, then prints one row per case:
+measured median step (over rounds; each round's step is the median over its peers),
+predicted, their ratio, the link floor (`sim.linkfloor`) and measured / floor. After the
+table it checks, for every pair of cases that differ in one knob (bandwidth hints on/off,
+packet loss on/off, one slow host), that the simulator moves the step time in the same
+direction as the testbed. A change smaller than `FLAT` (relative) on the testbed counts
+as "no change", and then the simulator must not move by more than 2 × `FLAT` either.
+
+The goal (issue 10): every ratio within 0.85–1.15 and every direction right.
+``--quick`` runs `QUICK` (the suite's small version); ``--cases a,b`` picks cases.
+"""
+from __future__ import annotations
+
+import json
+import math
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from .compare import compare_runs, replay
+from .linkfloor import floor_for_scenario
+from .scenario import Scenario
+
+__all__ = ["CASES", "PAIRS", "QUICK", "case_scenario", "run_case", "run_matrix", "directions", "main"]
+
+GOAL = (0.85, 1.15)
+FLAT = 0.05
+
+
+def _h(up: float, lat: float, *, down: float | None = None, loss: float = 0.0, hint: float | None = None,
+       count: int = 1) -> dict:
+    d: dict[str, Any] = {"up_mbit": up, "down_mbit": down if down is not None else up, "latency_ms": lat,
+                         "loss": loss, "count": count}
+    if hint is not None:
+        d["hint"] = hint
+    return d
+
+
+def _hints(hosts: list[dict]) -> list[dict]:
+    """The same hosts declaring their uplink rate as the bandwidth hint."""
+    return [{**h, "hint": float(min(h["up_mbit"], h["down_mbit"]))} for h in hosts]
+
+
+def _lossy(hosts: list[dict], p: float) -> list[dict]:
+    return [{**h, "loss": p} for h in hosts]
+
+
+_HOME = [_h(100, 10), _h(20, 40), _h(50, 80), _h(100, 20)]
+_ISSUE = [_h(1000, 1), _h(100, 10), _h(20, 40), _h(50, 80)]
+_FAST4 = [_h(1000, 1, count=4)]
+_SLOW1 = [_h(10, 5), _h(1000, 1, count=3)]
+_LAT150 = [_h(1000, 75, count=4)]
+_HOME6 = [_h(100, 10), _h(20, 40), _h(50, 80), _h(100, 20), _h(30, 30), _h(60, 15)]
+
+MIB = 1 << 18  # float32 values in one MiB
+
+#: name -> (hosts, MiB of float32 per peer)
+CASES: dict[str, tuple[list[dict], int]] = {
+    "fast4-1g-4m": (_FAST4, 4),
+    "fast8-1g-16m": ([_h(1000, 1, count=8)], 16),
+    "slow1-4m": (_SLOW1, 4),
+    "slow1-hints-4m": (_hints(_SLOW1), 4),
+    "home4-4m": (_HOME, 4),
+    "home4-hints-4m": (_hints(_HOME), 4),
+    "home4-loss-1m": (_lossy(_HOME, 0.01), 1),
+    "home4-1m": (_HOME, 1),
+    "home6-1m": (_HOME6, 1),
+    "issue4-4m": (_ISSUE, 4),
+    "issue4-hints-4m": (_hints(_ISSUE), 4),
+    "lat150-1m": (_LAT150, 1),
+    "lat150-loss-1m": (_lossy(_LAT150, 0.01), 1),
+    "home4-100m-16m": ([_h(100, 10, count=4)], 16),
+}
+
+#: pairs of cases that differ in one knob: (knob, without, with)
+PAIRS: list[tuple[str, str, str]] = [
+    ("hints", "home4-4m", "home4-hints-4m"),
+    ("hints", "issue4-4m", "issue4-hints-4m"),
+    ("hints", "slow1-4m", "slow1-hints-4m"),
+    ("loss", "home4-1m", "home4-loss-1m"),
+    ("loss", "lat150-1m", "lat150-loss-1m"),
+    ("slow host", "fast4-1g-4m", "slow1-4m"),
+]
+
+QUICK = ["home4-1m"]
+
+
+def case_scenario(name: str, rounds: int = 4, seed: int = 1) -> dict:
+    hosts, mib = CASES[name]
+    return {
+        "seed": seed, "rounds": rounds, "numel": mib * MIB, "dtype": "float32", "grid": [],
+        "step_timeout": 20.0, "round_gap": 0.5, "bootstrap_time": 2.0,
+        "protocol": {"target_group_size": sum(h.get("count", 1) for h in hosts), "min_group_size": 2,
+                     "matchmaking_time": 1.0, "part_timeout": 5.0, "allreduce_timeout": 60.0},
+        "hosts": [dict(h) for h in hosts],
+    }
+
+
+@dataclass
+class CaseResult:
+    name: str
+    hosts: int
+    mib: int
+    measured: float
+    predicted: float
+    floor: float
+    wall: float
+    testbed: dict
+    simulated: dict
+
+    @property
+    def ratio(self) -> float:
+        return self.predicted / self.measured if self.measured and not math.isnan(self.measured) else math.nan
+
+    @property
+    def over_floor(self) -> float:
+        return self.measured / self.floor if self.floor else math.nan
+
+    def row(self) -> dict:
+        return {"case": self.name, "hosts": self.hosts, "MiB": self.mib, "measured": self.measured,
+                "predicted": self.predicted, "ratio": self.ratio, "floor": self.floor, "over_floor": self.over_floor,
+                "wall": self.wall}
+
+
+def run_case(name: str, rounds: int = 4, seed: int = 1,
+             testbed: Callable[[dict], dict] | None = None) -> CaseResult:
+    """One case on the testbed and in the simulator."""
+    if testbed is None:
+        from .testbed import run_testbed as testbed
+    sc = case_scenario(name, rounds, seed)
+    t0 = time.perf_counter()
+    measured = testbed(sc)
+    wall = time.perf_counter() - t0
+    predicted = replay(measured.get("scenario", sc))
+    c = compare_runs(measured, predicted)
+    floor = floor_for_scenario(Scenario.from_dict(sc)).seconds
+    hosts, mib = CASES[name]
+    return CaseResult(name, sum(h.get("count", 1) for h in hosts), mib, c.measured, c.predicted, floor, wall,
+                      measured, predicted)
+
+
+def directions(results: dict[str, CaseResult], pairs: Sequence[tuple[str, str, str]] = PAIRS) -> list[dict]:
+    """For each pair present in `results`: the relative change on the testbed and in the simulator,
+    and whether they agree (same sign, or both flat)."""
+    out = []
+    for knob, a, b in pairs:
+        if a not in results or b not in results:
+            continue
+        ra, rb = results[a], results[b]
+        dm = (rb.measured - ra.measured) / ra.measured
+        dp = (rb.predicted - ra.predicted) / ra.predicted
+        if abs(dm) < FLAT:
+            ok = abs(dp) < 2 * FLAT
+        else:
+            ok = (dm > 0) == (dp > 0) and abs(dp) >= FLAT / 2
+        out.append({"knob": knob, "without": a, "with": b, "testbed": dm, "simulator": dp, "agree": ok})
+    return out
+
+
+def format_table(results: Sequence[CaseResult], dirs: Sequence[dict]) -> str:
+    lines = [f"{'case':<18} {'hosts':>5} {'MiB':>4} {'measured s':>10} {'predicted s':>11} {'ratio':>6} "
+             f"{'floor s':>8} {'meas/floor':>10}"]
+    for r in results:
+        flag = "" if GOAL[0] <= r.ratio <= GOAL[1] else "  *"
+        lines.append(f"{r.name:<18} {r.hosts:>5} {r.mib:>4} {r.measured:>10.3f} {r.predicted:>11.3f} "
+                     f"{r.ratio:>6.2f} {r.floor:>8.3f} {r.over_floor:>10.2f}{flag}")
+    if dirs:
+        lines.append("")
+        lines.append(f"{'knob':<10} {'without -> with':<36} {'testbed':>8} {'simulator':>9}  agree")
+        for d in dirs:
+            lines.append(f"{d['knob']:<10} {d['without'] + ' -> ' + d['with']:<36} {d['testbed']:>+8.1%} "
+                         f"{d['simulator']:>+9.1%}  {'yes' if d['agree'] else 'NO'}")
+    inside = sum(GOAL[0] <= r.ratio <= GOAL[1] for r in results)
+    lines.append("")
+    lines.append(f"{inside} of {len(results)} cases within {GOAL[0]}-{GOAL[1]} (* outside); "
+                 f"{sum(d['agree'] for d in dirs)} of {len(dirs)} directions agree")
+    return "\n".join(lines)
+
+
+def run_matrix(names: Sequence[str], rounds: int = 4, seed: int = 1,
+               progress: Callable[[str], None] | None = None) -> tuple[list[CaseResult], list[dict]]:
+    results: dict[str, CaseResult] = {}
+    for name in names:
+        if progress:
+            progress(name)
+        results[name] = run_case(name, rounds, seed)
+    return list(results.values()), directions(results)
+
+
+def _machine() -> str:
+    model = "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    import os
+
+    return f"machine: {model}, {os.cpu_count()} cores, kernel {platform.release()}"
+
+
+def main(args: Any) -> int:
+    from .testbed import require_testbed
+
+    reason = require_testbed()
+    if reason:
+        print(f"python -m sim fidelity: {reason}", file=sys.stderr)
+        return 2
+    if args.cases:
+        names = [c.strip() for c in args.cases.split(",") if c.strip()]
+        unknown = [n for n in names if n not in CASES]
+        if unknown:
+            print(f"unknown cases {unknown}; known: {', '.join(CASES)}", file=sys.stderr)
+            return 2
+    else:
+        names = QUICK if args.quick else list(CASES)
+    print(_machine(), flush=True)
+    results, dirs = run_matrix(names, args.rounds, args.seed,
+                               progress=lambda n: print(f"... {n}", file=sys.stderr, flush=True))
+    print(format_table(results, dirs))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"machine": _machine(), "cases": [r.row() for r in results], "directions": dirs,
+                       "runs": {r.name: {"testbed": r.testbed, "simulator": r.simulated} for r in results}},
+                      f, indent=1, sort_keys=True)
+    return 0
