@@ -5,6 +5,7 @@
                           --seed 0 --level message|round [--json]
     python -m sim table [--quick] [--json]      # the Moshpit paper's averaging table (round level)
     python -m sim bench [--json]                # speed vs a bare SimPy model, memory at 16,384 peers
+    python -m sim calibrate [--out PROFILE.json] # CPU costs and TCP sysctls of this machine (sim.cpu)
 """
 from __future__ import annotations
 
@@ -142,6 +143,11 @@ def cmd_table(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["calibrate"]:  # its own options (argparse's REMAINDER would take them as ours)
+        from .cpu import main as calibrate_main
+
+        return calibrate_main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m sim", description="Simulate zgossip on a modelled network.")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run a scenario file (TOML or JSON)")
@@ -170,6 +176,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     b = sub.add_parser("bench", help="speed and memory of the simulator against a bare SimPy model")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=lambda a: __import__("sim.bench", fromlist=["main"]).main(a.rest))
+    c = sub.add_parser("calibrate", help="measure this machine's CPU costs and TCP settings (a profile for cpu = ...)")
+    c.add_argument("rest", nargs=argparse.REMAINDER)
+    c.set_defaults(fn=lambda a: __import__("sim.cpu", fromlist=["main"]).main(a.rest))
     args = p.parse_args(argv)
     return args.fn(args)
 

@@ -254,10 +254,10 @@ def calibrate(quick: bool = False) -> dict:
     enc_s = per(lambda: wire.encode(m_small), 200)
     enc_b = per(lambda: wire.encode(m_big), 200)
     f_small = [bytes(f) if isinstance(f, bytes) else memoryview(f).tobytes() for f in wire.encode(m_small)]
-    f_big = [f_small[0], memoryview(big)]
+    f_big = [wire.encode(m_big)[0], memoryview(big)]
     dec_s = per(lambda: wire.decode(f_small), 200)
     dec_b = per(lambda: wire.decode(f_big), 200)
-    nb_small, nb_big = sum(len(memoryview(f).cast("B")) for f in f_small), len(f_small[0]) + big.nbytes
+    nb_small, nb_big = sum(memoryview(f).nbytes for f in f_small), len(f_big[0]) + big.nbytes
     span = nb_big - nb_small
 
     # the node's own work per message: a gossip digest of 8 peers (the commonest message)
