@@ -144,10 +144,15 @@ def cmd_table(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["calibrate"]:  # its own options (argparse's REMAINDER would take them as ours)
+    # subcommands with parsers of their own (argparse's REMAINDER would take their options as ours)
+    if argv[:1] == ["calibrate"]:
         from .cpu import main as calibrate_main
 
         return calibrate_main(argv[1:])
+    if argv[:1] == ["bench"]:
+        from .bench import main as bench_main
+
+        return bench_main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m sim", description="Simulate zgossip on a modelled network.")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run a scenario file (TOML or JSON)")
