@@ -7,6 +7,7 @@
     python -m sim bench [--json]                # speed vs a bare SimPy model, memory at 16,384 peers
     python -m sim compare RUN.json [--skip K]   # a testbed run replayed in the simulator, side by side
     python -m sim fidelity [--quick] [--cases a,b] [--out F]  # testbed vs simulator over a case matrix
+    python -m sim calibrate [--out PROFILE.json] # CPU costs and TCP sysctls of this machine (sim.cpu)
 """
 from __future__ import annotations
 
@@ -144,6 +145,16 @@ def cmd_table(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # subcommands with parsers of their own (argparse's REMAINDER would take their options as ours)
+    if argv[:1] == ["calibrate"]:
+        from .cpu import main as calibrate_main
+
+        return calibrate_main(argv[1:])
+    if argv[:1] == ["bench"]:
+        from .bench import main as bench_main
+
+        return bench_main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m sim", description="Simulate zgossip on a modelled network.")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run a scenario file (TOML or JSON)")
@@ -184,6 +195,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     b = sub.add_parser("bench", help="speed and memory of the simulator against a bare SimPy model")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=lambda a: __import__("sim.bench", fromlist=["main"]).main(a.rest))
+    c = sub.add_parser("calibrate", help="measure this machine's CPU costs and TCP settings (a profile for cpu = ...)")
+    c.add_argument("rest", nargs=argparse.REMAINDER)
+    c.set_defaults(fn=lambda a: __import__("sim.cpu", fromlist=["main"]).main(a.rest))
     args = p.parse_args(argv)
     return args.fn(args)
 

@@ -4,6 +4,8 @@
   of 32 (SimPy, every message through the network model), wall seconds per round; beside it a
   bare SimPy model with no protocol code (1,024 peers in groups of 16, 30 messages each per
   round, latency only), so the ratio shows what the protocol adds on top of SimPy itself.
+  The same round runs on FIFO links (the default without hosts) and on TCP connections
+  (`sim.tcp`, 100 Mbit/s access links), whose per-RTT rounds cost more events.
 * **Memory:** peak resident memory of a child process that builds and runs one round of
   16,384 peers (128x128 grid, groups of 32).
 * **Round level:** seconds per round of 10^6 peers (`sim.roundlevel`).
@@ -42,12 +44,14 @@ def bare_simpy_round(n: int = 1024, group: int = 16, messages: int = 30, seed: i
     return time.perf_counter() - t0
 
 
-def message_level_round(n: int = 1024, side: int = 32, group: int = 32, rounds: int = 3, seed: int = 0) -> list[float]:
+def message_level_round(n: int = 1024, side: int = 32, group: int = 32, rounds: int = 3, seed: int = 0,
+                        transfer: str = "fifo") -> list[float]:
     from .scenario import run_scenario
 
+    network = {} if transfer == "fifo" else {"transfer": transfer, "bandwidth": 12.5e6}
     res = run_scenario({"peers": n, "grid": [side, n // side], "rounds": rounds, "seed": seed, "membership": "static",
                         "encode": False, "bootstrap_time": 0.0, "placement": "full",
-                        "protocol": {"target_group_size": group}})
+                        "protocol": {"target_group_size": group}, "network": network})
     assert all(r["succeeded"] == n for r in res.rounds)
     return res.wall_seconds
 
@@ -75,8 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     out: dict = {}
     bare = [bare_simpy_round() for _ in range(3)]
     real = message_level_round()
+    tcp = message_level_round(transfer="tcp")
     out["bare_simpy_round_s"] = float(np.median(bare))
     out["message_level_round_s"] = float(np.median(real))
+    out["message_level_tcp_round_s"] = float(np.median(tcp))
     out["ratio"] = out["message_level_round_s"] / out["bare_simpy_round_s"]
     from .roundlevel import bench as round_bench
 
@@ -92,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"message level, real protocol: 1,024 peers, 32x32 grid, groups of 32: "
               f"{out['message_level_round_s']:.3f} s/round (median of {len(real)})")
+        print(f"  the same on TCP connections (sim.tcp, 100 Mbit/s links):        "
+              f"{out['message_level_tcp_round_s']:.3f} s/round (median of {len(tcp)})")
         print(f"bare SimPy, no protocol:      1,024 peers, groups of 16, 30 msgs each: "
               f"{out['bare_simpy_round_s']:.3f} s/round  -> ratio {out['ratio']:.2f}x")
         print(f"round level: {rl}")

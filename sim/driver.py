@@ -1,10 +1,30 @@
 """SimPy driver: runs `zgossip.node.Node` objects in one `simpy.Environment`, in virtual time.
 
 It is the simulated twin of `zgossip.zmq_driver`: it carries out the node's `Send`
-actions through a `NetworkModel`, calls `on_timer` at the node's next deadline and
-collects `StepDone` / `StepFailed`. Every random draw comes from one seeded
-generator and events are scheduled in a fixed order, so one seed gives one trace;
-`trace_hash` digests every delivery (time, src, dst, header).
+actions through a `NetworkModel` (FIFO links, or TCP connections with `sim.tcp`), calls
+`on_timer` at the node's next deadline and collects `StepDone` / `StepFailed`. Every
+random draw comes from one seeded generator and events are scheduled in a fixed order, so
+one seed gives one trace; `trace_hash` digests every delivery (time, src, dst, header).
+
+What the ZeroMQ driver does with connections is modelled too:
+
+* **Lanes.** A message travels on the connection of its lane (`zgossip.wire.lane_of`):
+  order is kept per lane, and a RESULT may overtake PART data queued before it.
+* **Disconnect notices.** The ZeroMQ driver monitors its lane-0 DEALER to each peer it has
+  sent to and calls ``node.on_peer_down`` on ``EVENT_DISCONNECTED``. A crashed process's
+  kernel closes its sockets at once (FIN, or RST when unread data was waiting), which reaches
+  the other end one-way latency later, and libzmq reports the disconnect on reading it: so
+  each live peer that holds such a DEALER to the crashed endpoint gets the notice one-way
+  latency after the crash. A paused process keeps its sockets open, and a partition breaks no
+  connection within TCP's retry budget (the driver sets no ZeroMQ heartbeats, and TCP
+  keepalive takes two hours), so neither produces one.
+* **Disconnect actions** (the node forgot a peer) close the DEALERs to that endpoint: the
+  monitor goes with them, and under TCP the connections are closed (a later message opens a
+  new one, in slow start; messages not yet sent are dropped, as linger 0 does).
+* **CPU** (optional, `sim.cpu`): each handling of a message, timer or step start takes the
+  calibrated time on a per-peer queue (and on a shared pool of cores if the scenario says so);
+  the node sees the time the handling starts, as the real driver passes ``time.monotonic()``
+  before calling it, and its sends leave when their encoding is done.
 """
 from __future__ import annotations
 
@@ -21,6 +41,7 @@ from zgossip.node import (Disconnect, DownloadDone, DownloadFailed, Node, NodeCo
 from zgossip.tensors import FlatLayout
 
 from .network import NetworkModel
+from .tcp import TcpTransport
 from .static import StaticTable, StaticView
 
 __all__ = ["SimPeer", "SimCluster", "Crashed"]
@@ -44,7 +65,7 @@ class SimPeer:
         self._step_seq = 0
         self.crashed_at: float | None = None
         self.paused = False
-        self._inbox: list[wire.Message] = []
+        self._inbox: list[tuple[Any, float]] = []  # (handling, its CPU cost) held while paused
         self._missed_timer = False
         self.state_provider: Any = None  # callable -> (metadata, arrays); default: copies of `tensors`
 
@@ -57,6 +78,45 @@ class SimPeer:
         return self.node.endpoint
 
     # --------------------------------------------------------------- driver loop
+    def _enter(self, fn: Any, cost: float = 0.0) -> None:
+        """Run ``fn(now)`` on the node, then carry out its actions: at once, or as a job on the
+        peer's CPU queue when the cluster models CPU time (`cost` is the handling's own part)."""
+        if not self.alive:
+            return
+        if self.paused:
+            self._inbox.append((fn, cost))  # held (in socket buffers) until the process runs again
+            return
+        cpu = self.cluster.cpu_model
+        if cpu is None:
+            fn(self.cluster.env.now)
+            self.pump()
+        else:
+            cpu.submit(self.endpoint, lambda now, fn=fn, cost=cost: self._job(fn, cost, now))
+
+    def _job(self, fn: Any, cost: float, now: float) -> float:
+        if not self.alive:
+            return 0.0
+        if self.paused:
+            self._inbox.append((fn, cost))
+            return 0.0
+        cl = self.cluster
+        cl._cursor = now + cost
+        try:
+            fn(now)
+            self.pump()
+            return cl._cursor - now
+        finally:
+            cl._cursor = None
+
+    def _finish(self, ev: simpy.Event, act: Any) -> None:
+        cursor = self.cluster._cursor
+        now = self.cluster.env.now
+        if cursor is None or cursor <= now:
+            ev.succeed(act)
+        else:  # the handling that ended the step is still running on the CPU
+            t = self.cluster.env.timeout(cursor - now)
+            t.callbacks.append(lambda _e: ev.succeed(act))
+
     def pump(self) -> None:
         """Carry out the node's actions and (re)arm its timer."""
         env = self.cluster.env
@@ -66,11 +126,11 @@ class SimPeer:
             elif isinstance(act, (StepDone, StepFailed)):
                 ev = self._waiters.pop(act.step_id, None)
                 if ev is not None:
-                    ev.succeed(act)
+                    self._finish(ev, act)
             elif isinstance(act, (DownloadDone, DownloadFailed)):
                 ev = self._waiters.pop(act.req, None)
                 if ev is not None:
-                    ev.succeed(act)
+                    self._finish(ev, act)
             elif isinstance(act, ServeState):
                 # a donor answers from its current tensors (or `state_provider`), like Averager.get_current_state
                 if self.state_provider is not None:
@@ -80,7 +140,7 @@ class SimPeer:
                 self.node.serve_state(act.req, act.endpoint, meta, arrays, env.now)
                 self.pump()
             elif isinstance(act, Disconnect):
-                pass
+                self.cluster._disconnect(self, act.endpoint)
         dl = self.node.next_deadline()
         if dl is not None and (self._timer_at is None or dl < self._timer_at):
             self._timer_at = dl
@@ -96,17 +156,15 @@ class SimPeer:
         if self.paused:
             self._missed_timer = True  # a frozen process runs no timers; it catches up when it resumes
             return
-        self.node.on_timer(self.cluster.env.now)
-        self.pump()
+        cpu = self.cluster.cpu_model
+        self._enter(self.node.on_timer, cpu.costs.handle_msg if cpu is not None else 0.0)
 
-    def deliver(self, msg: wire.Message) -> None:
-        if not self.alive:
-            return
-        if self.paused:
-            self._inbox.append(msg)  # held in the socket buffers until the process runs again
-            return
-        self.node.on_message(msg, self.cluster.env.now)
-        self.pump()
+    def deliver(self, msg: wire.Message, cost: float = 0.0) -> None:
+        self._enter(lambda now, msg=msg: self.node.on_message(msg, now), cost)
+
+    def peer_down(self, endpoint: str) -> None:
+        """The ZeroMQ driver's monitor saw the connection to `endpoint` drop."""
+        self._enter(lambda now, ep=endpoint: self.node.on_peer_down(ep, now))
 
     # --------------------------------------------------------------- faults
     def pause(self) -> None:
@@ -119,8 +177,15 @@ class SimPeer:
         self.paused = False
         now = self.cluster.env.now
         inbox, self._inbox = self._inbox, []
-        for msg in inbox:
-            self.node.on_message(msg, now)
+        if self.cluster.cpu_model is not None:
+            for fn, cost in inbox:
+                self._enter(fn, cost)
+            if self._missed_timer:
+                self._missed_timer = False
+                self._enter(self.node.on_timer, self.cluster.cpu_model.costs.handle_msg)
+            return
+        for fn, _cost in inbox:
+            fn(now)
         if self._missed_timer:
             self._missed_timer = False
             self.node.on_timer(now)
@@ -135,8 +200,8 @@ class SimPeer:
         ev = self.cluster.env.event()
         self._waiters[step_id] = ev
         layout = layout or f"{buffer.size}:{buffer.dtype.str}"
-        self.node.submit_step(StepRequest(step_id, buffer, weight, gather, timeout, layout, round), self.cluster.env.now)
-        self.pump()
+        req = StepRequest(step_id, buffer, weight, gather, timeout, layout, round)
+        self._enter(lambda now: self.node.submit_step(req, now))
         return ev
 
     def step_tensors(self, *, weight: float = 1.0, gather: Any = None, timeout: float = 10.0,
@@ -162,8 +227,7 @@ class SimPeer:
         req = f"{self.peer_id[:8]}-s{self._step_seq}"
         ev = self.cluster.env.event()
         self._waiters[req] = ev
-        self.node.begin_download(req, self.cluster.env.now, timeout, chunk_timeout)
-        self.pump()
+        self._enter(lambda now: self.node.begin_download(req, now, timeout, chunk_timeout))
         return ev
 
     def crash(self) -> None:
@@ -172,6 +236,7 @@ class SimPeer:
         self.alive = False
         self.crashed_at = self.cluster.env.now
         self._inbox.clear()
+        self.cluster._on_crash(self)
         table = self.cluster.table
         if table is not None:  # a converged membership forgets the dead after peer_timeout
             ev = self.cluster.env.timeout(self.node.config.peer_timeout)
@@ -189,10 +254,23 @@ class SimCluster:
     network: NetworkModel = field(default_factory=NetworkModel)
     encode: bool = True  # pass every message through wire.encode/decode, as the real transport does
     membership: str = "gossip"  # or "static": one converged table shared by all nodes (sim.static)
+    cpu: Any = None  # sim.cpu.CpuSpec: model CPU time per handling (None: handlings take no time)
 
     def __post_init__(self) -> None:
         self.env = simpy.Environment()
         self.rng = np.random.default_rng(self.seed)
+        self.tcp = (TcpTransport(self.network, self.network.tcp, self.env, self.rng, self._tcp_arrive)
+                    if self.network.transfer == "tcp" else None)
+        self.cpu_model = None
+        if self.cpu is not None:
+            from .cpu import CpuModel
+
+            self.cpu_model = CpuModel(self.env, self.cpu)
+        self._cursor: float | None = None  # while a CPU job runs: when its next send is encoded
+        # lane-0 DEALERs (src, dst endpoint) the ZeroMQ driver would hold, each with a disconnect
+        # monitor; insertion-ordered, so notices go out in a fixed order
+        self._dealers: dict[tuple[str, str], None] = {}
+        self.notices = 0
         self.peers: dict[str, SimPeer] = {}
         self._trace = hashlib.blake2b(digest_size=16)
         self.delivered = 0
@@ -230,6 +308,9 @@ class SimCluster:
         dst = self.peers.get(endpoint)
         if dst is None or not src.alive or src.paused:
             return
+        lane = wire.lane_of(msg.type)
+        if lane == 0:
+            self._dealers[(src.endpoint, endpoint)] = None
         if self.encode:
             frames = wire.encode(msg)
             frames = [frames[0]] + [bytes(memoryview(a)) for a in frames[1:]]
@@ -241,17 +322,35 @@ class SimCluster:
             payload = wire.Message._trusted(msg.type, msg.sender, msg.endpoint, msg.body,
                                             tuple(a.copy() for a in msg.payload))
             tag = repr(sorted(msg.body.items())).encode()
-        t = self.network.send(src.endpoint, endpoint, nbytes, self.env.now, self.rng)
+        if self._cursor is not None:  # CPU model: the message leaves once it is encoded
+            self._cursor += self.cpu_model.costs.send(nbytes)
+            if self._cursor > self.env.now:
+                ev = self.env.timeout(self._cursor - self.env.now)
+                ev.callbacks.append(lambda _e: self._launch(src, dst, lane, payload, nbytes, tag))
+                return
+        self._launch(src, dst, lane, payload, nbytes, tag)
+
+    def _launch(self, src: SimPeer, dst: SimPeer, lane: int, payload: Any, nbytes: int, tag: bytes) -> None:
+        if not src.alive:
+            return
+        endpoint = dst.endpoint
+        if self.tcp is not None:
+            sb = self.network.sent_bytes
+            sb[src.endpoint] = sb.get(src.endpoint, 0) + nbytes
+            self.tcp.send(src.endpoint, endpoint, lane, nbytes, (src, dst, payload, nbytes, tag))
+            return
+        t = self.network.send(src.endpoint, endpoint, nbytes, self.env.now, self.rng, lane)
         if t.lost:
             self.lost += 1
             return
         # two stages: the first byte reaches the receiver's downlink, which is shared in order of
         # arrival (not of sending); then the message is delivered when its last byte is in
         ev = self.env.timeout(t.first - self.env.now)
-        ev.callbacks.append(lambda _e: self._at_downlink(src, dst, payload, t, nbytes, tag))
+        ev.callbacks.append(lambda _e: self._at_downlink(src, dst, payload, t, nbytes, tag, lane))
 
-    def _at_downlink(self, src: SimPeer, dst: SimPeer, payload: Any, t: Any, nbytes: int, tag: bytes) -> None:
-        at = self.network.receive(src.endpoint, dst.endpoint, nbytes, t)
+    def _at_downlink(self, src: SimPeer, dst: SimPeer, payload: Any, t: Any, nbytes: int, tag: bytes,
+                     lane: int = 0) -> None:
+        at = self.network.receive(src.endpoint, dst.endpoint, nbytes, t, lane)
         if at <= self.env.now:
             self._arrive(src, dst, payload, t.sent, nbytes, tag)
             return
@@ -263,8 +362,8 @@ class SimCluster:
             return
         if src.crashed_at is not None and src.crashed_at < sent:
             return  # the sender died while this message still sat in its uplink queue
-        if self.network.cut(src.endpoint, dst.endpoint, self.env.now):
-            self.lost += 1  # a partition began while it was in flight
+        if self.tcp is None and self.network.cut(src.endpoint, dst.endpoint, self.env.now):
+            self.lost += 1  # a partition began while it was in flight (TCP would retransmit: see sim.tcp)
             return
         msg = wire.decode(payload) if self.encode else payload
         self.delivered += 1
@@ -272,7 +371,44 @@ class SimCluster:
         rb[dst.endpoint] = rb.get(dst.endpoint, 0) + nbytes
         self._trace.update(f"{self.env.now!r}|{src.endpoint}|{dst.endpoint}|".encode())
         self._trace.update(tag)
-        dst.deliver(msg)
+        cost = 0.0
+        if self.cpu_model is not None:
+            cost = self.cpu_model.costs.receive(msg.type, sum(a.nbytes for a in msg.payload), nbytes)
+        dst.deliver(msg, cost)
+
+    def _tcp_arrive(self, token: Any, sent: float) -> None:
+        src, dst, payload, nbytes, tag = token
+        self._arrive(src, dst, payload, sent, nbytes, tag)
+
+    # --------------------------------------------------------------- connections
+    def _on_crash(self, peer: SimPeer) -> None:
+        """A process died: its kernel resets its connections, and every live peer that monitors a
+        lane-0 DEALER to it hears of it one-way latency later (see the module docstring)."""
+        ep = peer.endpoint
+        if self.tcp is not None:
+            self.tcp.reset(ep)
+        for key in list(self._dealers):
+            src, dst = key
+            if src == ep:
+                del self._dealers[key]  # its own sockets died with it
+            elif dst == ep:
+                obs = self.peers.get(src)
+                if obs is None or not obs.alive:
+                    continue
+                delay = self.network.base_latency(ep, src, self.rng)
+                ev = self.env.timeout(delay)
+                ev.callbacks.append(lambda _e, obs=obs: self._notice(obs, ep))
+
+    def _notice(self, obs: SimPeer, endpoint: str) -> None:
+        if obs.alive and self.peers.get(obs.endpoint) is obs:
+            self.notices += 1
+            obs.peer_down(endpoint)
+
+    def _disconnect(self, src: SimPeer, endpoint: str) -> None:
+        """The node forgot `endpoint`: the driver closes its DEALERs (and their monitor) to it."""
+        self._dealers.pop((src.endpoint, endpoint), None)
+        if self.tcp is not None:
+            self.tcp.close(src.endpoint, endpoint)
 
     @property
     def trace_hash(self) -> str:

@@ -18,6 +18,13 @@ Timing of one message of B bytes from s to d:
   ``B / bw + latency``, not twice ``B / bw``).
 
 Every random draw comes from the generator the caller passes in.
+
+That is the ``transfer = "fifo"`` model: a message is a unit on a FIFO link, and loss drops
+whole messages. ``transfer = "tcp"`` (`sim.tcp`) keeps the links, latencies, partitions and
+slow links defined here but moves the bytes as TCP would: per-connection windows, slow
+start, restart after idle, fair sharing, loss as retransmissions (nothing is lost).
+Order is kept per connection -- ``(src, dst, lane)``, see `zgossip.wire.lane_of` -- so a
+later message on another lane may overtake.
 """
 from __future__ import annotations
 
@@ -127,6 +134,8 @@ class NetworkModel:
     profiles: dict[str, Profile] = field(default_factory=dict)  # endpoint -> profile
     partitions: list[Partition] = field(default_factory=list)
     slow_links: list[SlowLink] = field(default_factory=list)
+    transfer: str = "fifo"  # "fifo" (messages on FIFO links, loss drops messages) or "tcp" (sim.tcp)
+    tcp: Any = None  # sim.tcp.TcpParams, or a dict of its fields (+ "profile": a calibrate JSON); tcp only
     _up_free: dict = field(default_factory=dict, repr=False)
     _down_free: dict = field(default_factory=dict, repr=False)
     _last: dict = field(default_factory=dict, repr=False)
@@ -138,6 +147,20 @@ class NetworkModel:
         self._latency = _sampler(self.latency)
         if not 0.0 <= self.loss <= 1.0:
             raise ValueError("loss must be a probability")
+        if self.transfer not in ("fifo", "tcp"):
+            raise ValueError(f"transfer must be 'fifo' or 'tcp', not {self.transfer!r}")
+        from .tcp import TcpParams
+
+        if self.tcp is None or isinstance(self.tcp, dict):
+            spec = dict(self.tcp or {})
+            prof = spec.pop("profile", None)
+            base = TcpParams()
+            if prof is not None:  # the machine's sysctls, as `python -m sim calibrate` stored them
+                import json
+                from pathlib import Path
+
+                base = TcpParams.from_dict(json.loads(Path(prof).read_text()).get("tcp", {}))
+            self.tcp = TcpParams.from_dict({**base.to_dict(), **spec})
 
     def _bw(self, peer: str, up: bool, t: float) -> float | None:
         prof = self.profiles.get(peer)
@@ -154,15 +177,20 @@ class NetworkModel:
                 bw = bw / s.factor
         return bw
 
-    def _lat(self, src: str, dst: str, rng: np.random.Generator) -> float:
+    def base_latency(self, src: str, dst: str, rng: np.random.Generator) -> float:
+        """One-way latency without jitter: the link's plus both ends' access latency."""
         lat = self._latency(src, dst, rng)
         for ep in (src, dst):
             prof = self.profiles.get(ep)
             if prof is not None:
                 lat += prof.latency
-        if self.jitter > 0:
-            lat += max(0.0, float(rng.normal(0.0, self.jitter)))
         return lat
+
+    def jitter_draw(self, rng: np.random.Generator) -> float:
+        return max(0.0, float(rng.normal(0.0, self.jitter))) if self.jitter > 0 else 0.0
+
+    def _lat(self, src: str, dst: str, rng: np.random.Generator) -> float:
+        return self.base_latency(src, dst, rng) + self.jitter_draw(rng)
 
     def _loss(self, src: str, dst: str) -> float:
         p = self.loss
@@ -175,7 +203,16 @@ class NetworkModel:
     def cut(self, src: str, dst: str, t: float) -> bool:
         return any(p.cuts(src, dst, t) for p in self.partitions)
 
-    def send(self, src: str, dst: str, nbytes: int, now: float, rng: np.random.Generator) -> Transfer:
+    def cut_until(self, src: str, dst: str, t: float) -> float | None:
+        """When the traffic from src to dst flows again, if a partition cuts it at `t` (else None)."""
+        ends = [p.end for p in self.partitions if p.cuts(src, dst, t)]
+        if not ends:
+            return None
+        end = max(ends)
+        nxt = self.cut_until(src, dst, end)  # back-to-back partitions
+        return end if nxt is None else nxt
+
+    def send(self, src: str, dst: str, nbytes: int, now: float, rng: np.random.Generator, lane: int = 0) -> Transfer:
         """Uplink + latency. Call `receive` at ``transfer.first``, in order of arrival."""
         up = self._bw(src, True, now)
         tx_start = max(now, self._up_free.get(src, now))
@@ -186,11 +223,11 @@ class NetworkModel:
         p = self._loss(src, dst)
         lost = (p > 0 and rng.random() < p) or self.cut(src, dst, now)
         # in order per pair: a message never reaches the receiver before the previous one on this pair
-        first = max(tx_start + lat, self._first.get((src, dst), 0.0))
-        self._first[(src, dst)] = first
+        first = max(tx_start + lat, self._first.get((src, dst, lane), 0.0))
+        self._first[(src, dst, lane)] = first
         return Transfer(first, max(tx_end + lat, first), tx_end, lost)
 
-    def receive(self, src: str, dst: str, nbytes: int, t: Transfer) -> float:
+    def receive(self, src: str, dst: str, nbytes: int, t: Transfer, lane: int = 0) -> float:
         """The receiver's downlink (shared in order of arrival) and the per-pair order: delivery time."""
         down = self._bw(dst, False, t.first)
         if down:
@@ -199,12 +236,13 @@ class NetworkModel:
             self._down_free[dst] = end
         else:
             end = t.last
-        at = max(end, self._last.get((src, dst), 0.0))  # in order per pair
-        self._last[(src, dst)] = at
+        at = max(end, self._last.get((src, dst, lane), 0.0))  # in order per connection (pair and lane)
+        self._last[(src, dst, lane)] = at
         return at
 
-    def schedule(self, src: str, dst: str, nbytes: int, now: float, rng: np.random.Generator) -> Delivery:
+    def schedule(self, src: str, dst: str, nbytes: int, now: float, rng: np.random.Generator,
+                 lane: int = 0) -> Delivery:
         """`send` and `receive` at once: exact for one message, or when a receiver's transfers are
         scheduled in their order of arrival (the driver calls the two halves at the right times)."""
-        t = self.send(src, dst, nbytes, now, rng)
-        return Delivery(self.receive(src, dst, nbytes, t), t.lost, t.sent)
+        t = self.send(src, dst, nbytes, now, rng, lane)
+        return Delivery(self.receive(src, dst, nbytes, t, lane), t.lost, t.sent)

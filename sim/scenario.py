@@ -21,7 +21,13 @@ never inside them). Keys, with defaults:
     membership = "gossip"       # "gossip" (bootstrap from peer 0) or "static" (pre-seeded, converged)
     encode = true               # pass every message through the wire codec, as ZeroMQ does
     [protocol]                  # zgossip.NodeConfig fields, e.g. target_group_size, part_timeout
-    [network]                   # latency (number or {dist=...}), bandwidth, loss, jitter
+    [network]                   # latency (number or {dist=...}), bandwidth, loss, jitter,
+                                # transfer = "tcp" | "fifo" (sim.tcp / sim.network; default: "tcp"
+                                # with [[hosts]], else "fifo"), tcp = {profile = PATH, mss, init_cwnd,
+                                # rmem_max, congestion_control, ...} (Linux defaults unless given)
+    cpu = "auto" | "PATH" | {profile = PATH, cores = N, shared = true}
+                                # CPU time per handling from a `python -m sim calibrate` profile
+                                # (sim.cpu); cores = N shared: all peers share N cores. Default: none
     [[hosts]]                   # explicit hosts (then `peers` may be left out: it is their count);
                                 # each: up_mbit, down_mbit, latency_ms (one way, host <-> switch:
                                 # host i to host j takes latency_i + latency_j), jitter_ms, loss
@@ -131,6 +137,7 @@ class Scenario:
     faults: list = field(default_factory=list)
     churn: dict = field(default_factory=dict)
     hosts: list = field(default_factory=list)
+    cpu: Any = None
 
     @classmethod
     def from_dict(cls, d: dict) -> "Scenario":
@@ -226,8 +233,13 @@ class ScenarioResult:
 class ScenarioRun(FaultContext):
     def __init__(self, sc: Scenario) -> None:
         self.sc = sc
-        self.network = NetworkModel(**{"latency": 0.005, **sc.network})
-        self.cluster = SimCluster(seed=sc.seed, network=self.network, encode=sc.encode, membership=sc.membership)
+        # emulated hosts are real TCP links: that is what they predict; abstract peers keep FIFO links
+        transfer = "tcp" if sc.hosts else "fifo"
+        self.network = NetworkModel(**{"latency": 0.005, "transfer": transfer, **sc.network})
+        from .cpu import CpuSpec
+
+        self.cluster = SimCluster(seed=sc.seed, network=self.network, encode=sc.encode, membership=sc.membership,
+                                  cpu=CpuSpec.from_value(sc.cpu))
         self.env = self.cluster.env
         self.grid = MoshpitGrid(tuple(sc.grid))
         self.initial_count = sc.peers

@@ -32,6 +32,8 @@ __all__ = [
     "message_nbytes",
     "DTYPES",
     "check_info",
+    "LANES",
+    "lane_of",
 ]
 
 PROTOCOL_VERSION = 1
@@ -66,6 +68,19 @@ class MsgType(IntEnum):
     STATE_REQ = 30  # newcomer -> donor: send me your state
     STATE_META = 31  # donor -> newcomer: refusal, or what the state holds and its checksum
     STATE_CHUNK = 32  # donor -> newcomer: one chunk of one tensor's bytes
+
+
+# Lanes: a driver keeps one connection per peer and lane, and keeps order only within a lane.
+# Averaged parts (RESULT) take lane 1, so they are not queued behind the bulk of PART data still
+# streaming to that peer; everything else shares lane 0, in order. The ZeroMQ driver and the
+# simulator both take the mapping from here (the simulator must model exactly these connections).
+LANES = 2
+_LANE_OF = {MsgType.RESULT: 1}
+
+
+def lane_of(mtype: MsgType) -> int:
+    """The connection (0 or 1) a message of this type travels on."""
+    return _LANE_OF.get(mtype, 0)
 
 
 @dataclass(frozen=True)

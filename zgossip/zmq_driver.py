@@ -95,8 +95,8 @@ FAST_SEND = _zsend is not None
 # behind the bulk of PART data still streaming to that peer: a member gets each result as soon
 # as its owner has it, copies it and frees the buffer while the parts are still coming. On the
 # 4-peer bench that was 5-9% faster (paired runs). Everything else shares lane 0, in order.
-_LANES = 2
-_LANE = {wire.MsgType.RESULT: 1}
+_LANES = wire.LANES
+_LANE = wire._LANE_OF  # the mapping lives in `wire` (see `wire.lane_of`), shared with the simulator
 
 
 _malloc_tuned = False

@@ -1,0 +1,375 @@
+"""TCP-like transfers for the SimPy driver: one congestion-controlled byte stream per connection.
+
+What ZeroMQ over TCP gives the protocol is a reliable, ordered byte stream per connection
+(the driver keeps one connection per peer pair and lane, see `zgossip.wire.lane_of`); how
+*fast* the bytes go is TCP's business, and that is what this module models. A connection
+``(src, dst, lane)`` holds a FIFO of messages and sends them in **rounds of one RTT**:
+
+* **Window.** Each round sends at most ``cwnd`` bytes, and no more than the connection's
+  share of the links can carry in one RTT (``rate * rtt``). A round that sent a full window
+  ends one RTT after it began (the sender waits for ACKs); a round limited by the rate keeps
+  the link busy for the whole RTT; the last bytes of a queue take ``bytes / rate``.
+* **Slow start** from an initial window of ``init_cwnd`` segments (Linux: 10 MSS): a round
+  that used its whole window grows it by the bytes it sent (doubling per RTT) up to
+  ``ssthresh``, then by one MSS per RTT (Reno's congestion avoidance; CUBIC grows faster on
+  large windows -- not modelled). Growth stops at the path's bandwidth-delay product (the
+  slower of the sender's uplink and the receiver's downlink times the RTT) and at the
+  receive window (``tcp_rmem`` max, scaled by ``tcp_adv_win_scale``) and half ``tcp_wmem``
+  max (send-buffer autotuning); Linux's receive-buffer autotuning, which usually stays ahead
+  of slow start, is not modelled.
+* **Restart after idle** (``tcp_slow_start_after_idle = 1``): a connection that sent nothing
+  for more than an RTO (``rtt + rto_min``, the Linux estimate for a steady RTT) halves its
+  window once per RTO idle, down to the initial window -- as `tcp_cwnd_restart` does. Linux
+  skips this for congestion controls with their own pacing model (BBR), and so does this.
+* **Sharing.** A peer's uplink is shared by its connections that have bytes to send, and its
+  downlink by those arriving to it, fairly: each round a connection gets the water-filling
+  level of both links (others use what they used in their last round, min(cwnd/rtt, their
+  share), and what one leaves is split among the rest). The share is fixed for the round
+  (at most one RTT); shares of different connections are computed at their own round starts,
+  so the links' capacity can be exceeded briefly. That is the approximation that keeps the
+  model O(connections on the two links) per round rather than a global fluid recomputation.
+* **Loss** slows TCP and never loses a message: a round of ``k`` segments sees a loss with
+  probability ``1 - (1 - p)^k``; the round's bytes then arrive one RTT later (fast
+  retransmit; a tail loss -- nothing sent after it -- waits for the tail-loss probe, two RTTs,
+  and then the retransmission), and the window is cut by CUBIC's beta (0.7; Reno 0.5; BBR does
+  not cut on loss). The resulting sawtooth gives the usual ~MSS/(RTT sqrt p) steady state.
+* **Partitions** stall a connection: a round that finds the path cut is retried with
+  exponential RTO backoff (RTO, 2 RTO, 4 RTO ...) and resumes from one segment after the
+  cut heals. Nothing is lost (Linux gives up after ``tcp_retries2`` -- about 15 minutes --
+  which is not modelled).
+* **Jitter** delays each message's arrival but never reorders a connection.
+
+Messages still queued when a connection is reset (its peer crashed, or the driver closed
+it) are dropped: the sender's process or socket is gone. What happens to bytes of a paused
+receiver is not limited by its receive window here (its socket buffers hold everything).
+
+Everything random comes from the generator the caller passes; connections are kept in
+insertion-ordered dicts and lists, never iterated in hash order, so a seed gives one trace.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+__all__ = ["TcpParams", "TcpTransport"]
+
+_INF = float("inf")
+
+
+@dataclass(frozen=True)
+class TcpParams:
+    """The kernel's TCP settings the model uses. Defaults are Linux's; `from_sysctl` reads this
+    machine's (``python -m sim calibrate`` stores them in its profile)."""
+
+    mss: int = 1448  # 1500-byte MTU less IP, TCP and timestamp headers
+    init_cwnd: int = 10  # segments (RFC 6928, Linux since 2.6.39)
+    rmem_max: int = 6 << 20  # net.ipv4.tcp_rmem[2]
+    wmem_max: int = 4 << 20  # net.ipv4.tcp_wmem[2]
+    adv_win_scale: int = 1  # net.ipv4.tcp_adv_win_scale: the window is rmem less 1/2^scale overhead
+    slow_start_after_idle: bool = True  # net.ipv4.tcp_slow_start_after_idle
+    rto_min: float = 0.2  # TCP_RTO_MIN
+    congestion_control: str = "cubic"  # net.ipv4.tcp_congestion_control
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TcpParams":
+        known = {f.name for f in fields(cls)}
+        bad = set(d) - known
+        if bad:
+            raise ValueError(f"unknown tcp settings {sorted(bad)} (known: {sorted(known)})")
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_sysctl(cls, root: str = "/proc/sys/net/ipv4") -> "TcpParams":
+        """This machine's settings (what is unreadable keeps Linux's default)."""
+        base = Path(root)
+
+        def read(name: str) -> str | None:
+            try:
+                return (base / name).read_text().strip()
+            except OSError:
+                return None
+
+        kw: dict[str, Any] = {}
+        if (v := read("tcp_rmem")) is not None:
+            kw["rmem_max"] = int(v.split()[2])
+        if (v := read("tcp_wmem")) is not None:
+            kw["wmem_max"] = int(v.split()[2])
+        if (v := read("tcp_adv_win_scale")) is not None:
+            kw["adv_win_scale"] = int(v)
+        if (v := read("tcp_slow_start_after_idle")) is not None:
+            kw["slow_start_after_idle"] = v != "0"
+        if (v := read("tcp_congestion_control")) is not None:
+            kw["congestion_control"] = v
+        return cls(**kw)
+
+    @property
+    def window_cap(self) -> int:
+        """Most bytes in flight: the receive window at full buffer, and half the send buffer
+        (autotuning keeps about twice the window there)."""
+        s = self.adv_win_scale
+        rwnd = self.rmem_max - (self.rmem_max >> s) if s > 0 else self.rmem_max >> -s
+        return max(self.mss, min(rwnd, self.wmem_max // 2))
+
+    @property
+    def iw(self) -> float:
+        return float(self.init_cwnd * self.mss)
+
+    @property
+    def paced(self) -> bool:
+        """BBR has its own model of the path: no restart after idle, no cut on random loss."""
+        return self.congestion_control == "bbr"
+
+    @property
+    def beta(self) -> float:
+        return {"reno": 0.5, "bbr": 1.0}.get(self.congestion_control, 0.7)
+
+
+class _Msg:
+    __slots__ = ("left", "token")
+
+    def __init__(self, nbytes: int, token: Any) -> None:
+        self.left = float(nbytes)
+        self.token = token
+
+
+class _Conn:
+    __slots__ = ("src", "dst", "lane", "owd", "rtt", "cwnd", "ssthresh", "queue", "last_sent", "busy_until",
+                 "used", "scheduled", "last_arrival", "backoff", "gen")
+
+    def __init__(self, src: str, dst: str, lane: int, owd: float, back: float, iw: float) -> None:
+        self.src, self.dst, self.lane = src, dst, lane
+        self.owd = owd
+        self.rtt = owd + back
+        self.cwnd = iw
+        self.ssthresh = _INF
+        self.queue: deque[_Msg] = deque()
+        self.last_sent = -_INF  # when its last byte left (for the idle restart)
+        self.busy_until = -_INF  # its current round's bytes are on the link until then
+        self.used = 0.0  # bytes/s it used in its last round (what the others' water-filling assumes)
+        self.scheduled = False
+        self.last_arrival = 0.0  # arrivals keep the connection's order under jitter
+        self.backoff = 0  # RTO backoffs while a partition stalls it
+        self.gen = 0  # bumped on reset, so its scheduled rounds are void
+
+
+class TcpTransport:
+    """Connections between endpoints over a `NetworkModel`'s links, on a SimPy environment.
+
+    `send` queues a message; `deliver(token, sent)` is called at its arrival time, with the
+    time its last byte left the sender. `reset` drops an endpoint's connections.
+    """
+
+    def __init__(self, net: Any, params: TcpParams, env: Any, rng: np.random.Generator,
+                 deliver: Callable[[Any, float], None]) -> None:
+        self.net = net
+        self.p = params
+        self.env = env
+        self.rng = rng
+        self.deliver = deliver
+        self.conns: dict[tuple[str, str, int], _Conn] = {}
+        self._up: dict[str, list[_Conn]] = {}  # sender -> its connections (insertion order)
+        self._down: dict[str, list[_Conn]] = {}
+        self.rounds = 0  # rounds simulated (for benchmarks)
+        self.loss_events = 0
+
+    # ------------------------------------------------------------------ connections
+    def _conn(self, src: str, dst: str, lane: int) -> _Conn:
+        key = (src, dst, lane)
+        c = self.conns.get(key)
+        if c is None:
+            # one latency draw per connection: its path; jitter is drawn per message
+            owd = self.net.base_latency(src, dst, self.rng)
+            back = self.net.base_latency(dst, src, self.rng)
+            c = _Conn(src, dst, lane, owd, back, self.p.iw)
+            self.conns[key] = c
+            self._up.setdefault(src, []).append(c)
+            self._down.setdefault(dst, []).append(c)
+        return c
+
+    def _drop(self, c: _Conn) -> None:
+        c.gen += 1
+        c.queue.clear()
+        del self.conns[(c.src, c.dst, c.lane)]
+        self._up[c.src].remove(c)
+        self._down[c.dst].remove(c)
+
+    def reset(self, endpoint: str, peer: str | None = None) -> None:
+        """Drop connections from and to `endpoint` (only those with `peer`, if given); queued
+        bytes are lost. A later send opens a fresh connection (slow start again)."""
+        for c in list(self._up.get(endpoint, ())) + list(self._down.get(endpoint, ())):
+            if (c.src, c.dst, c.lane) in self.conns and (peer is None or peer in (c.src, c.dst)):
+                self._drop(c)
+
+    def close(self, src: str, dst: str) -> None:
+        """Close src's connections to dst (every lane): what they still queued is dropped."""
+        for c in list(self._up.get(src, ())):
+            if c.dst == dst:
+                self._drop(c)
+
+    def rtt(self, src: str, dst: str, lane: int = 0) -> float | None:
+        c = self.conns.get((src, dst, lane))
+        return None if c is None else c.rtt
+
+    def cwnd(self, src: str, dst: str, lane: int = 0) -> float | None:
+        c = self.conns.get((src, dst, lane))
+        return None if c is None else c.cwnd
+
+    # ------------------------------------------------------------------ sending
+    def send(self, src: str, dst: str, lane: int, nbytes: int, token: Any) -> None:
+        now = self.env.now
+        c = self._conn(src, dst, lane)
+        if not c.queue and not c.scheduled:
+            self._restart_after_idle(c, now)
+        c.queue.append(_Msg(nbytes, token))
+        if not c.scheduled:
+            c.scheduled = True
+            # a round in progress keeps the link until its bytes are out; the next starts then
+            start = max(now, c.busy_until)
+            if start <= now:
+                self._round(c, c.gen)
+            else:
+                self._at(start, c)
+
+    def _at(self, t: float, c: _Conn) -> None:
+        ev = self.env.timeout(max(0.0, t - self.env.now))
+        ev.callbacks.append(lambda _e, c=c, g=c.gen: self._round(c, g))
+
+    def _rto(self, c: _Conn) -> float:
+        # Linux: srtt + max(4 rttvar, rto_min); with a steady RTT that is rtt + rto_min
+        return c.rtt + self.p.rto_min
+
+    def _restart_after_idle(self, c: _Conn, now: float) -> None:
+        if not self.p.slow_start_after_idle or self.p.paced or c.last_sent == -_INF:
+            return
+        idle = now - max(c.last_sent, c.busy_until)
+        rto = self._rto(c)
+        restart = min(self.p.iw, c.cwnd)
+        # tcp_cwnd_restart: halve once per RTO idle, not below the initial window
+        while idle > rto and c.cwnd > restart:
+            c.cwnd = max(restart, c.cwnd / 2)
+            idle -= rto
+
+    def _level(self, peers: list[_Conn], me: _Conn, capacity: float | None, now: float) -> float:
+        """The water-filling share of `capacity` that `me` may take on a link it shares with
+        `peers` (those with bytes queued or on the link), given what each used last."""
+        if capacity is None:
+            return _INF
+        demands = [o.used for o in peers if o is not me and (o.queue or o.busy_until > now)]
+        if not demands:
+            return capacity
+        demands.sort()
+        left, n = capacity, len(demands) + 1
+        for d in demands:
+            if d * n > left:
+                break
+            left -= d
+            n -= 1
+        return left / n
+
+    def _bottleneck(self, c: _Conn, now: float) -> float | None:
+        up = self.net._bw(c.src, True, now)
+        down = self.net._bw(c.dst, False, now)
+        if up is None:
+            return down
+        return up if down is None else min(up, down)
+
+    def _round(self, c: _Conn, gen: int) -> None:
+        if gen != c.gen:
+            return  # the connection was reset since this round was scheduled
+        now = self.env.now
+        if not c.queue:
+            c.scheduled = False
+            return
+        p = self.p
+        heal = self.net.cut_until(c.src, c.dst, now)
+        if heal is not None:
+            # retransmission timeouts back off exponentially until one falls after the cut heals
+            t, k = now, c.backoff
+            while t < heal:
+                t += self._rto(c) * (1 << min(k, 16))
+                k += 1
+            c.backoff = k
+            c.ssthresh = max(2.0 * p.mss, c.cwnd / 2)
+            c.cwnd = float(p.mss)  # after an RTO: loss window of one segment
+            self._at(t, c)
+            return
+        c.backoff = 0
+        self.rounds += 1
+        rate = min(self._level(self._up.get(c.src, []), c, self.net._bw(c.src, True, now), now),
+                   self._level(self._down.get(c.dst, []), c, self.net._bw(c.dst, False, now), now))
+        queued = sum(m.left for m in c.queue)
+        rtt = c.rtt
+        window_limited = False
+        if rtt <= 0.0:
+            nbytes = queued  # no RTT, no window to wait for
+        elif c.cwnd < rate * rtt:
+            nbytes = min(c.cwnd, queued)
+            window_limited = nbytes >= c.cwnd
+        else:
+            nbytes = min(rate * rtt, queued)
+        duration = nbytes / rate if rate < _INF else 0.0
+        if rtt > 0.0 and nbytes < queued:
+            nxt = now + (rtt if window_limited else duration)
+        else:
+            nxt = now + duration
+        c.used = nbytes / max(duration, rtt) if max(duration, rtt) > 0 else _INF
+        # loss: the round's bytes wait for the retransmission (head-of-line blocking)
+        extra = 0.0
+        loss = self.net._loss(c.src, c.dst)
+        if loss > 0.0 and nbytes > 0:
+            segs = math.ceil(nbytes / p.mss)
+            if self.rng.random() < 1.0 - (1.0 - loss) ** segs:
+                self.loss_events += 1
+                extra = max(rtt, 1e-3) * (3.0 if nbytes >= queued else 1.0)
+                c.cwnd = max(2.0 * p.mss, c.cwnd * p.beta)
+                c.ssthresh = c.cwnd
+                if extra > 0 and nbytes < queued:
+                    nxt = max(nxt, now + extra)
+        # messages whose last byte is in this round arrive `owd` (+ jitter) after it left
+        sent = 0.0
+        while c.queue and nbytes - sent > 1e-9:
+            m = c.queue[0]
+            take = min(m.left, nbytes - sent)
+            m.left -= take
+            sent += take
+            if m.left <= 1e-9:
+                c.queue.popleft()
+                left_at = now + (sent / rate if rate < _INF else 0.0)
+                at = left_at + c.owd + extra + self.net.jitter_draw(self.rng)
+                at = max(at, c.last_arrival)
+                c.last_arrival = at
+                ev = self.env.timeout(at - now)
+                ev.callbacks.append(lambda _e, tok=m.token, s=left_at, g=c.gen, c=c: self._arrive(c, g, tok, s))
+        while c.queue and c.queue[0].left <= 1e-9:  # zero-byte messages ride along
+            m = c.queue.popleft()
+            at = max(now + duration + c.owd + extra, c.last_arrival)
+            c.last_arrival = at
+            ev = self.env.timeout(at - now)
+            ev.callbacks.append(lambda _e, tok=m.token, s=now + duration, g=c.gen, c=c: self._arrive(c, g, tok, s))
+        c.busy_until = now + duration
+        c.last_sent = now + duration
+        if window_limited or rtt <= 0.0:
+            if c.cwnd < c.ssthresh:
+                c.cwnd += nbytes  # slow start: one segment per segment acknowledged
+            else:
+                c.cwnd += p.mss * nbytes / c.cwnd  # congestion avoidance: one segment per RTT
+            bdp = self._bottleneck(c, now)
+            cap = p.window_cap if bdp is None or rtt <= 0.0 else min(p.window_cap, max(p.iw, bdp * rtt))
+            c.cwnd = min(c.cwnd, float(cap))
+        if c.queue:
+            self._at(nxt, c)
+        else:
+            c.scheduled = False
+
+    def _arrive(self, c: _Conn, gen: int, token: Any, sent: float) -> None:
+        # bytes that left before a reset are the receiver's (the driver drops what a crashed
+        # sender had not finished sending, and anything for a dead receiver)
+        self.deliver(token, sent)

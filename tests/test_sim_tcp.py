@@ -1,0 +1,271 @@
+"""The TCP transfer model (sim.tcp), lanes, disconnect notices and CPU time in the SimPy driver."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import simpy
+
+from sim import NetworkModel, SimCluster
+from sim.cpu import CpuCosts, CpuSpec, calibrate
+from sim.network import Partition, Profile
+from sim.scenario import load_scenario, run_scenario
+from sim.tcp import TcpParams, TcpTransport
+from zgossip.node import NodeConfig
+from zgossip.wire import Message, MsgType, lane_of
+
+ROOT = Path(__file__).resolve().parent.parent
+MB = 1_000_000
+
+
+def _transport(latency: float, bw: float, **tcp):
+    """A bare transport between endpoints a and b; returns (env, transport, arrivals)."""
+    net = NetworkModel(latency=latency, bandwidth=bw, transfer="tcp", tcp=tcp)
+    env = simpy.Environment()
+    got: list = []
+    tr = TcpTransport(net, net.tcp, env, np.random.default_rng(0), lambda tok, sent: got.append((tok, env.now)))
+    return env, tr, got
+
+
+def _send_at(env, tr, t, nbytes, tok, src="a", dst="b", lane=0):
+    ev = env.timeout(t)
+    ev.callbacks.append(lambda _e: tr.send(src, dst, lane, nbytes, tok))
+
+
+def test_slow_start_makes_the_first_transfer_on_a_long_rtt_connection_slow():
+    rate, owd = 12.5e6, 0.05  # 100 Mbit/s, 100 ms RTT: BDP 1.25 MB
+    env, tr, got = _transport(owd, rate)
+    _send_at(env, tr, 0.0, 2 * MB, "first")
+    env.run()
+    first = got[0][1]
+    ideal = 2 * MB / rate + owd
+    assert first > 2.0 * ideal  # slow start: ~7 RTTs to reach the BDP from 10 segments
+    # back to back (no idle): the window is open now, the same bytes take about bytes/rate
+    _send_at(env, tr, 0.0, 2 * MB, "second")
+    t0 = env.now
+    env.run()
+    assert got[1][1] - t0 == pytest.approx(ideal, rel=0.15)
+
+
+def test_throughput_is_bound_by_the_window_over_the_rtt():
+    # a 128 KiB receive buffer (window 64 KiB) on a 100 ms RTT path: ~655 KB/s whatever the link
+    env, tr, got = _transport(0.05, 125e6, rmem_max=128 << 10)
+    nbytes = 20 * MB
+    _send_at(env, tr, 0.0, nbytes, "x")
+    env.run()
+    window = TcpParams(rmem_max=128 << 10).window_cap
+    expect = nbytes / (window / 0.1)
+    assert got[0][1] == pytest.approx(expect, rel=0.1)
+    assert got[0][1] > 50 * (nbytes / 125e6)
+
+
+def _two_transfers(gap: float, **tcp) -> float:
+    env, tr, got = _transport(0.02, 12.5e6, **tcp)
+    _send_at(env, tr, 0.0, 2 * MB, "warm")
+    env.run()
+    start = env.now + gap
+    _send_at(env, tr, gap, 2 * MB, "again")
+    env.run()
+    return got[1][1] - start
+
+
+def test_window_restarts_after_idle_longer_than_an_rto_except_under_bbr():
+    short = _two_transfers(0.05)  # idle 50 ms < RTO (rtt + 200 ms): window kept
+    long = _two_transfers(3.0)  # idle > RTO: halved per RTO down to the initial window
+    assert long > 1.3 * short
+    no_restart = TcpParams(slow_start_after_idle=False).to_dict()
+    assert _two_transfers(3.0, **no_restart) == pytest.approx(short, rel=0.05)
+    assert _two_transfers(3.0, congestion_control="bbr") == pytest.approx(short, rel=0.05)
+
+
+def test_concurrent_connections_share_the_uplink():
+    env, tr, got = _transport(0.001, 1e6)
+    for d in ("b", "c"):
+        _send_at(env, tr, 0.0, MB, d, dst=d)
+    env.run()
+    times = sorted(t for _, t in got)
+    # fair share: both finish near 2 s (FIFO would give 1 s and 2 s)
+    assert times[0] > 1.6 and times[1] == pytest.approx(2.0, rel=0.1)
+
+
+def _pair(transfer="tcp", **net):
+    cl = SimCluster(seed=0, network=NetworkModel(transfer=transfer, **net))
+    cfg = NodeConfig(gossip_interval=100.0, peer_timeout=1000.0)
+    a = cl.add_peer(cfg)
+    b = cl.add_peer(cfg, known=[a])
+    seen: list = []
+    orig = b.node.on_message
+    b.node.on_message = lambda msg, now: (seen.append((now, msg)), orig(msg, now))[1]
+    return cl, a, b, seen
+
+
+def _gossip(a, hb):
+    return Message(MsgType.GOSSIP_REPLY, a.peer_id, a.endpoint, {"hb": hb, "peers": []})
+
+
+def test_loss_slows_tcp_but_never_loses_or_reorders_a_message():
+    def run(loss):
+        cl, a, b, seen = _pair(latency=0.02, bandwidth=2e6, loss=loss)
+        cl.run(until=0.5)
+        seen.clear()
+        for hb in range(10_001, 10_301):  # far above the nodes' own heartbeats
+            cl._transmit(a, b.endpoint, _gossip(a, hb))
+        big = Message(MsgType.PART, a.peer_id, a.endpoint, {"gid": "g", "owner": 0, "part": 0, "w": 1.0, "resc": 0},
+                      (np.zeros(1 << 18, np.float32),))
+        cl._transmit(a, b.endpoint, big)
+        cl.run(until=200.0)
+        return cl, seen
+
+    clean, seen0 = run(0.0)
+    lossy, seen1 = run(0.05)
+    hbs = [m["hb"] for _, m in seen1 if m.type is MsgType.GOSSIP_REPLY and m["hb"] > 10_000]
+    assert hbs == list(range(10_001, 10_301))  # all there, in order
+    assert lossy.lost == 0 and lossy.tcp.loss_events > 0
+    part_at = [next(t for t, m in seen if m.type is MsgType.PART) for seen in (seen0, seen1)]
+    assert part_at[1] > 1.5 * part_at[0]  # the big part came much later
+
+
+def test_a_result_on_lane_1_overtakes_parts_queued_on_lane_0():
+    assert lane_of(MsgType.RESULT) == 1 and lane_of(MsgType.PART) == 0
+    cl, a, b, seen = _pair(latency=0.01, bandwidth=1e6)
+    cl.run(until=0.5)
+    seen.clear()
+    body = {"gid": "g", "owner": 0, "part": 0, "w": 1.0, "resc": 0}
+    for p in range(3):
+        cl._transmit(a, b.endpoint, Message(MsgType.PART, a.peer_id, a.endpoint, {**body, "part": p},
+                                            (np.zeros(1 << 17, np.float32),)))
+    res = {"gid": "g", "owner": 0, "part": 0, "contrib": [0], "resc": 0}
+    cl._transmit(a, b.endpoint, Message(MsgType.RESULT, a.peer_id, a.endpoint, res, (np.zeros(16, np.float32),)))
+    cl.run(until=30.0)
+    kinds = [(m.type, m["part"]) for _, m in seen if m.type in (MsgType.PART, MsgType.RESULT)]
+    assert kinds[0] == (MsgType.RESULT, 0)
+    assert [p for t, p in kinds if t is MsgType.PART] == [0, 1, 2]  # lane 0 keeps its order
+
+
+def test_partition_delays_tcp_traffic_until_it_heals_and_loses_nothing():
+    cl, a, b, seen = _pair(latency=0.01, bandwidth=1e6,
+                           partitions=[Partition(1.0, 4.0, frozenset({"sim://peer0"}), frozenset({"sim://peer1"}))])
+    cl.run(until=1.5)
+    seen.clear()
+    cl._transmit(a, b.endpoint, _gossip(a, 42))
+    cl.run(until=20.0)
+    assert [m["hb"] for _, m in seen] == [42]
+    assert seen[0][0] >= 4.0
+
+
+def _watch_downs(peer):
+    downs: list = []
+    orig = peer.node.on_peer_down
+    peer.node.on_peer_down = lambda ep, now: (downs.append((ep, now)), orig(ep, now))[1]
+    return downs
+
+
+@pytest.mark.parametrize("transfer", ["tcp", "fifo"])
+def test_crash_sends_disconnect_notices_one_way_latency_later(transfer):
+    cl, a, b, _ = _pair(transfer, latency=0.03)
+    c = cl.add_peer(NodeConfig(gossip_interval=100.0, peer_timeout=1000.0), known=[a])  # never sends to b
+    downs_a, downs_c = _watch_downs(a), _watch_downs(c)
+    cl.run(until=0.5)
+    cl._transmit(a, b.endpoint, _gossip(a, 1))  # a holds a lane-0 DEALER to b; c never sent to b
+    cl.run(until=1.0)
+    b.crash()
+    cl.run(until=2.0)
+    assert downs_a == [(b.endpoint, pytest.approx(1.03))]
+    assert downs_c == []
+
+
+def test_pause_and_partition_send_no_notice():
+    cl, a, b, _ = _pair(latency=0.03,
+                        partitions=[Partition(2.0, 3.0, frozenset({"sim://peer0"}), frozenset({"sim://peer1"}))])
+    downs = _watch_downs(a)
+    cl.run(until=0.5)
+    cl._transmit(a, b.endpoint, _gossip(a, 1))
+    cl.run(until=1.0)
+    b.pause()
+    cl.run(until=1.5)
+    b.resume()
+    cl.run(until=4.0)
+    assert downs == [] and cl.notices == 0
+
+
+def test_disconnect_action_closes_the_monitored_dealer():
+    cl, a, b, _ = _pair(latency=0.01)
+    downs = _watch_downs(a)
+    cl.run(until=0.5)
+    cl._transmit(a, b.endpoint, _gossip(a, 1))
+    cl.run(until=1.0)
+    cl._disconnect(a, b.endpoint)  # as when a's membership forgets b
+    assert cl.tcp.rtt(a.endpoint, b.endpoint) is None
+    b.crash()
+    cl.run(until=2.0)
+    assert downs == []
+
+
+SMALL_HOSTS = {"seed": 3, "rounds": 2, "numel": 1 << 16, "dtype": "float32", "grid": [], "round_gap": 0.5,
+               "bootstrap_time": 2.0, "step_timeout": 10.0,
+               "protocol": {"target_group_size": 4, "min_group_size": 2, "matchmaking_time": 1.0,
+                            "part_timeout": 5.0, "allreduce_timeout": 60.0, "part_size_bytes": 65536},
+               "hosts": [{"up_mbit": 1000, "down_mbit": 1000, "latency_ms": 1},
+                         {"up_mbit": 100, "down_mbit": 100, "latency_ms": 10},
+                         {"up_mbit": 20, "down_mbit": 20, "latency_ms": 40, "loss": 0.01}]}
+
+
+def _median_step(res) -> float:
+    return float(np.median([s for r in res.rounds for _, s in r["step_seconds"]]))
+
+
+def test_hosts_scenarios_default_to_tcp():
+    res = run_scenario(SMALL_HOSTS)
+    assert all(r["succeeded"] == 3 for r in res.rounds)
+    fifo = run_scenario({**SMALL_HOSTS, "network": {"transfer": "fifo"}})
+    assert res.trace != fifo.trace
+    # without hosts the default stays FIFO
+    assert run_scenario({"peers": 4, "grid": [2, 2], "rounds": 1}).trace == \
+        run_scenario({"peers": 4, "grid": [2, 2], "rounds": 1, "network": {"transfer": "fifo"}}).trace
+
+
+def _profile(tmp_path: Path, **costs) -> str:
+    path = tmp_path / "prof.json"
+    path.write_text(json.dumps({"cpu": CpuCosts(**costs).__dict__, "tcp": TcpParams().to_dict(), "machine": {}}))
+    return str(path)
+
+
+def test_cpu_profile_slows_steps_as_its_costs_say_and_keeps_determinism(tmp_path):
+    base = run_scenario(SMALL_HOSTS)
+    # 20 ns per byte of term: a 256 KiB part's sum costs ~5 ms, per PART received
+    slow = _profile(tmp_path, accumulate_byte=2e-8, handle_msg=1e-4)
+    own = run_scenario({**SMALL_HOSTS, "cpu": {"profile": slow}})
+    shared = run_scenario({**SMALL_HOSTS, "cpu": {"profile": slow, "cores": 1}})
+    assert _median_step(own) > _median_step(base)
+    assert _median_step(shared) > _median_step(own)  # three peers on one core wait for each other
+    assert run_scenario({**SMALL_HOSTS, "cpu": {"profile": slow, "cores": 1}}).to_json() == shared.to_json()
+    assert all(r["succeeded"] == 3 for r in shared.rounds)
+    assert CpuSpec.from_value({"profile": slow}).cores is None
+
+
+def test_calibrate_measures_positive_costs_and_reads_the_sysctls():
+    prof = calibrate(quick=True)
+    c = prof["cpu"]
+    assert c["handle_msg"] > 0 and c["decode_msg"] > 0 and c["accumulate_byte"] > 0 and c["copy_byte"] > 0
+    assert c["transport_byte"] > 0
+    assert prof["tcp"]["mss"] > 0 and prof["machine"]["kernel"]
+    assert prof["calibration_seconds"] < 20
+
+
+def test_hosts_scenario_is_identical_across_hash_seeds(tmp_path):
+    scen = tmp_path / "s.json"
+    scen.write_text(json.dumps(SMALL_HOSTS))
+    outs = []
+    for hs in ("0", "12345"):
+        out = tmp_path / f"r{hs}.json"
+        env = dict(os.environ, PYTHONHASHSEED=hs, PYTHONPATH=str(ROOT))
+        p = subprocess.run([sys.executable, "-m", "sim", "run", str(scen), "--out", str(out), "--quiet"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+        outs.append(out.read_text())
+    assert outs[0] == outs[1]
