@@ -288,6 +288,15 @@ class Node:
         self._end_step(StepFailed(step_id, RoundTimeout(why)))
         self._drain_loopback(now)
 
+    def cancel_matchmaking(self, step_id: str, now: float, why: str) -> bool:
+        """Drop step `step_id` if it is still matchmaking (nobody counts on its data yet) and
+        return True; False if it is not the current step or its all-reduce already began."""
+        st = self.step
+        if st is None or st.req.step_id != step_id or st.round is not None:
+            return False
+        self.cancel_step(step_id, now, why)
+        return True
+
     def on_message(self, msg: Message, now: float) -> None:
         self.stats["messages"] += 1
         self._dispatch(msg, now)
@@ -445,7 +454,7 @@ class Node:
         st.round = AllReduceRound(
             spec, st.req.buffer, st.req.weight, st.req.gather, self._send, now,
             part_elems=max(1, cfg.part_size_bytes // itemsize), part_timeout=cfg.part_timeout,
-            deadline=now + cfg.allreduce_timeout, on_done=self._on_round_done,
+            deadline=self.step_deadline(st, now), on_done=self._on_round_done,
         )
         st.round.start(now)
         for msg in self._early.pop(spec.group_id, []):
@@ -454,6 +463,14 @@ class Node:
                 st.round.on_message(msg, now)
                 self.stats["dropped"] += st.round.dropped - before
         self._early.clear()
+
+    def step_deadline(self, st: _Step, grouped: float) -> float:
+        """When the all-reduce of step `st`, grouped at `grouped`, is over whatever happens:
+        `allreduce_timeout` after the group formed, and never later than `timeout` +
+        `allreduce_timeout` after the step began (a GROUP that arrives after the matchmaking
+        deadline gets only what is left)."""
+        cap = st.started + st.req.timeout + self.config.allreduce_timeout
+        return min(grouped + self.config.allreduce_timeout, cap)
 
     def _on_match_fail(self, step_id: str, err: Exception) -> None:
         self._advance_round(self.round_index + 1)  # the swarm moved on to the next axis without us

@@ -274,19 +274,39 @@ class ZmqDriver:
         with self._wake_lock:
             self._wake_out.send(b"", zmq.NOBLOCK)
 
+    def run_on_io(self, fn: Callable[[Node, float], Any], timeout: float) -> Any:
+        """Run ``fn(node, now)`` on the I/O thread and return its result (inline when called from
+        that thread, e.g. from a result callback). Raises RuntimeError when the driver is stopped,
+        concurrent.futures.TimeoutError after `timeout`."""
+        if threading.current_thread() is self._thread:
+            return fn(self.node, time.monotonic())
+        import concurrent.futures as cf
+
+        done: cf.Future = cf.Future()
+
+        def run(now: float) -> None:
+            try:
+                done.set_result(fn(self.node, now))
+            except BaseException as e:
+                done.set_exception(e)
+
+        self.call(run)
+        return done.result(timeout)
+
     def sends_pending(self) -> bool:
         """True while a zero-copy payload handed to libzmq has not been transmitted yet."""
         with self._trackers_lock:
             self._trackers = [(t, ep) for t, ep in self._trackers if not t.done]
             return bool(self._trackers)
 
-    def settle_sends(self, timeout: float) -> int:
+    def settle_sends(self, timeout: float, release_timeout: float = 5.0) -> int:
         """Wait (at most `timeout`) until libzmq released every zero-copy payload; then drop what is
         still queued by resetting the sockets to those peers (linger 0 discards their queues).
 
         A step that averaged the user's tensor in place calls this before handing the tensor back:
         bytes still waiting for a slow or dead peer must never leave later, after the user changed
         them. Such a peer simply misses those parts and, by the protocol's rules, leaves us out.
+        `release_timeout` bounds the wait for libzmq to let go of the dropped payloads.
         Returns the number of sockets reset.
         """
         deadline = time.monotonic() + timeout
@@ -309,13 +329,13 @@ class ZmqDriver:
                 done.set()
 
         self.call(reset)
-        done.wait(5.0)
+        until = time.monotonic() + release_timeout
+        done.wait(release_timeout)
         # closing is asynchronous in libzmq: only once it released the payloads has it stopped
         # reading them, so that the caller may change the tensor
-        until = time.monotonic() + 5.0
         if not all(_wait_released(t, until - time.monotonic()) for t, _ in pending):
-            log.warning("zgossip node %s: libzmq still holds parts of the tensor 5 s after their "
-                        "connections were closed", self.endpoint)
+            log.warning("zgossip node %s: libzmq still holds parts of the tensor %.1f s after their "
+                        "connections were closed", self.endpoint, release_timeout)
         return len(stuck)
 
     def close(self, timeout: float = 5.0) -> None:
