@@ -27,7 +27,7 @@ from .errors import AveragerClosed, RoundTimeout, StateUnavailable, StepInProgre
 from .node import (DownloadDone, DownloadFailed, Node, NodeConfig, ServeState, StepDone, StepFailed, StepRequest,
                    StepResult)
 from .tensors import FlatLayout, as_array
-from .zmq_driver import ZmqDriver
+from .zmq_driver import ZmqDriver, check_endpoint
 
 __all__ = ["Averager", "StepFuture"]
 
@@ -140,6 +140,10 @@ class Averager:
         if not shutdown_timeout >= 0:
             raise ValueError("shutdown_timeout must be >= 0")
         self.shutdown_timeout = float(shutdown_timeout)
+        check_endpoint(listen, "listen address", listen=True)
+        initial_peers = tuple(initial_peers) if not isinstance(initial_peers, str) else (initial_peers,)
+        for ep in initial_peers:
+            check_endpoint(ep, "initial peer address")
         self._tensors = list(tensors)
         self._arrays = [as_array(t) for t in self._tensors]
         self.layout = FlatLayout.of(self._tensors)
@@ -174,6 +178,7 @@ class Averager:
             lambda ep: Node(self.peer_id, ep, self.config, self._rng, tuple(initial_peers)),
             listen, self._on_result, limits=wire.WireLimits(max_frame_bytes=frame_limit),
             announce_host=announce_host, name=f"zgossip-{self.peer_id[:8]}", local_ipc=local_ipc,
+            initial_peers=initial_peers,
         )
         self.endpoint = self._driver.endpoint
         self._downloads: dict[str, cf.Future] = {}
@@ -412,11 +417,20 @@ class Averager:
         return self._ask_node(lambda node: {**self._driver.stats, **node.stats})
 
     def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop this peer. A step still running fails with `AveragerClosed`. First, for at most
+        `shutdown_timeout` seconds, what this peer still owes others is delivered: results of its
+        spans that groupmates of a recent round have not confirmed (DONE), and data libzmq still
+        holds for them; `timeout` then bounds stopping the I/O thread."""
+        self._shutdown(timeout, deliver=True)
+
+    def _shutdown(self, timeout: float, deliver: bool) -> None:
         if self._closed:
             return
         self._closed = True
-        for sid, fut in list(self._futures.items()):
+        for sid in list(self._futures):
             self._driver.call(lambda now, s=sid: self._driver.node.cancel_step(s, now, "averager shut down"))
+        if deliver:
+            self._deliver_owed(self.shutdown_timeout)
         self._driver.close(timeout)
         self._applier.shutdown(wait=True)
         self._server.shutdown(wait=True, cancel_futures=True)
@@ -433,6 +447,22 @@ class Averager:
             except RuntimeError:
                 pass
 
+    def _deliver_owed(self, timeout: float) -> bool:
+        """Wait (at most `timeout`) until no groupmate waits for data of ours; True if none does."""
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                owed = self._driver.run_on_io(lambda node, now: node.owes_others(), max(0.1, end - time.monotonic()))
+            except (RuntimeError, cf.TimeoutError):
+                return False
+            if not owed and not self._driver.sends_pending():
+                return True
+            if time.monotonic() >= end:
+                log.info("zgossip node %s: shutting down with data still owed to groupmates (shutdown_timeout %.1fs)",
+                         self.endpoint, timeout)
+                return False
+            time.sleep(0.01)
+
     def __enter__(self) -> "Averager":
         return self
 
@@ -441,7 +471,7 @@ class Averager:
 
     def __del__(self) -> None:
         try:
-            self.shutdown(0.5)
+            self._shutdown(0.5, deliver=False)
         except Exception:
             pass
 
