@@ -101,6 +101,12 @@ class Averager:
     in-place step returns, parts still queued for a slow or dead peer are dropped, so bytes
     of the tensor never leave after the caller changed them.
 
+    ``shutdown_timeout``: how long `shutdown` keeps serving what this peer still owes groupmates
+    of a recent round (results they have not confirmed, sends libzmq still holds) before it stops.
+
+    Every `step` returns within ``timeout + allreduce_timeout + 1 s`` (see README, "What a step
+    guarantees"); ``result.timings["total"]`` is the caller's wall time.
+
     ``local_ipc``: peers on the same host (and network namespace) reach each other over Unix
     sockets instead of TCP loopback, found by the TCP endpoint they advertise; about a fifth
     faster on the 4-peer bench. ``False`` (or ``ZGOSSIP_LOCAL_IPC=0``) keeps TCP.
