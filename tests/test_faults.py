@@ -93,14 +93,52 @@ def test_averagers_that_shut_down_right_after_their_step_leave_every_result_comp
             assert time.monotonic() < deadline
             time.sleep(0.02)
         futs = [a.step(wait=False, timeout=5.0) for a in avgs]
-        closers = []
+        closers: list[threading.Thread] = []
+
+        def close_when_done(a):
+            def cb(_f):
+                t = threading.Thread(target=a.shutdown)
+                closers.append(t)
+                t.start()
+            return cb
+
         for a, f in zip(avgs, futs):  # each shuts down the moment its own step is over
-            f.add_done_callback(lambda _f, a=a: closers.append(threading.Thread(target=a.shutdown) or closers[-1].start()))
+            f.add_done_callback(close_when_done(a))
         results = [f.result(30) for f in futs]
         assert all(r.complete and not r.lost for r in results), [(r.complete, r.lost) for r in results]
+        deadline = time.monotonic() + 30
+        while len(closers) < N:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        for t in closers:
+            t.join(30)
+            assert not t.is_alive()
     finally:
         for a in avgs:
             a.shutdown()
+
+
+def test_groupmates_confirm_with_done_so_shutdown_after_a_step_does_not_wait():
+    x, y = np.ones(1 << 16, np.float32), np.zeros(1 << 16, np.float32)
+    kw = {**FAST, "shutdown_timeout": 10.0}
+    a = zgossip.Averager([x], prefix="dn", target_group_size=2, seed=1, **kw)
+    b = zgossip.Averager([y], prefix="dn", target_group_size=2, initial_peers=[a.endpoint], seed=2, **kw)
+    try:
+        deadline = time.monotonic() + 10
+        while not (a.peers() and b.peers()):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        fa, fb = a.step(wait=False), b.step(wait=False)
+        assert fa.result(20).complete and fb.result(20).complete
+        while a._ask_node(lambda n: n.owes_others()):  # b's DONE is on its way
+            assert time.monotonic() < deadline + 10, "the groupmate never confirmed"
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        a.shutdown()
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        a.shutdown()
+        b.shutdown()
 
 
 def test_shutdown_is_bounded_by_shutdown_timeout():

@@ -244,7 +244,9 @@ class Averager:
             step_id = f"{self.peer_id[:8]}-{next(self._seq)}"
             fut: cf.Future = StepFuture(self, step_id)
             self._futures[step_id] = (fut, None if in_place else buf, entered)
-            req = StepRequest(step_id, buf, weight, gather, float(timeout), self.layout.fingerprint,
+            # the node times the step from when it gets it: what the snapshot took is already spent
+            left = max(0.0, float(timeout) - (time.monotonic() - entered))
+            req = StepRequest(step_id, buf, weight, gather, left, self.layout.fingerprint,
                               None if round is None else int(round))
             self._driver.call(lambda now: self._driver.node.submit_step(req, now))
         except BaseException:
