@@ -201,7 +201,7 @@ class Node:
         # Shutdown: groupmates of recent rounds that have not said DONE may still wait for results
         # of ours (queued on a slow link); `owes_others` tells the driver to keep them flowing.
         self._owed: dict[str, dict[str, str]] = {}  # gid -> {peer id: endpoint} not DONE yet
-        self._done_from: dict[str, set[str]] = {}  # gid -> peer ids that said DONE (also before we finished)
+        self._done_from: dict[str, set[tuple[str, str]]] = {}  # gid -> (peer id, endpoint) that said DONE
         self.donor = StateDonor(peer_id, endpoint, self._send, config.part_size_bytes)
         self.downloads: dict[str, StateDownload] = {}
         self.stats = {"messages": 0, "dropped": 0, "late": 0}
@@ -381,12 +381,12 @@ class Node:
         if not running and gid not in self._finished:
             self.stats["late"] += 1
             return
-        self._done_from.setdefault(gid, set()).add(msg.sender)
+        self._done_from.setdefault(gid, set()).add((msg.sender, msg.endpoint))
         while len(self._done_from) > 8:
             self._done_from.pop(next(iter(self._done_from)))
         owed = self._owed.get(gid)
-        if owed is not None:
-            owed.pop(msg.sender, None)
+        if owed is not None and owed.get(msg.sender) == msg.endpoint:  # the member itself, not a namesake
+            del owed[msg.sender]
 
     def _forget_owed(self, endpoint: str) -> None:
         for owed in self._owed.values():
@@ -522,11 +522,12 @@ class Node:
         # tell the others we need nothing more, and remember who may still need something from us
         done = Message(MsgType.DONE, self.peer_id, self.endpoint, {"gid": gid})
         said = self._done_from.get(gid, set())
+        serves = rnd.plan.num_parts(rnd.rank) > 0 or bool(rnd.rescues)  # a client with no span owes no results
         owed = {}
         for i, m in enumerate(rnd.members):
             if i != rnd.rank:
                 self._send(m.endpoint, done)
-                if i not in rnd.lost and m.peer_id not in said:
+                if serves and i not in rnd.lost and (m.peer_id, m.endpoint) not in said:
                     owed[m.peer_id] = m.endpoint
         self._owed[gid] = owed
         while len(self._owed) > 8:
