@@ -162,21 +162,28 @@ def test_partition_every_step_ends_within_the_stated_bounds(victim, fault_at):
                                allreduce_timeout=60.0)
     evs = [p.step_tensors(timeout=2.0) for p in peers]
     t0 = cl.env.now
+    T = cfg.part_timeout
+    ended = [None] * N
+
+    def record(i):
+        def cb(_e):
+            ended[i] = cl.env.now - t0
+        return cb
+
+    for i, e in enumerate(evs):
+        e.callbacks.append(record(i))
     cl.run(until=t0 + fault_at)
     eps = frozenset(p.endpoint for p in peers)
     net.partitions.append(Partition(cl.env.now, 1e9, frozenset([peers[victim].endpoint]), eps - {peers[victim].endpoint}))
     cl.run(until=cl.env.all_of(evs))
-    T = cfg.part_timeout
-    for e in evs:
-        took = cl.env.now if not e.triggered else None
-        v = e.value
-        end = v.result.timings["total"] if isinstance(v, StepDone) else None
-        if end is not None:
-            assert end <= _bound(cfg, 2.0)
-            # failure detection, not allreduce_timeout, ends it: an owner is given up 2 T after its
-            # last message (checked every T/4); before the fix the cut-off peer took up to 6 T
-            assert v.result.timings["allreduce"] <= fault_at + 2.25 * T + 0.1, v.result.timings
-    assert cl.env.now - t0 <= fault_at + 2.25 * T + 0.5
+    for i, e in enumerate(evs):
+        # every step, done or failed: within the stated bound, and in fact ended by failure
+        # detection, not by allreduce_timeout: an owner is given up 2 T after its last message
+        # (checked every T/4). Before the fix the cut-off peer took up to 6 T.
+        assert ended[i] <= _bound(cfg, 2.0)
+        assert ended[i] <= fault_at + 2.25 * T + 0.2, (i, ended[i], e.value)
+        if isinstance(e.value, StepDone):
+            assert e.value.result.timings["total"] <= ended[i] + 1e-9
 
 
 def test_partition_with_a_short_allreduce_timeout_ends_at_the_hard_bound():

@@ -208,7 +208,8 @@ class Averager:
         """Find a group and average with it once.
 
         ``timeout`` bounds matchmaking (default ``max(5, 3*matchmaking_time)`` seconds); the
-        all-reduce itself is bounded by ``allreduce_timeout``. Raises `GroupNotFound`
+        all-reduce itself is bounded by ``allreduce_timeout``, and the whole call returns within
+        ``timeout + allreduce_timeout + 1`` seconds (`result.timings["total"]` is its wall time). Raises `GroupNotFound`
         (with what was tried), `RoundTimeout`, `StepInProgress` or `AveragerClosed`; with
         ``wait=False`` returns a `concurrent.futures.Future` that carries the same.
         ``round`` pins the swarm-wide round number (which picks the Moshpit grid axis), e.g.
