@@ -230,6 +230,24 @@ class SimPeer:
         self._enter(lambda now: self.node.begin_download(req, now, timeout, chunk_timeout))
         return ev
 
+    def shutdown(self, timeout: float = 5.0, poll: float = 0.001) -> simpy.Event:
+        """Like `zgossip.Averager.shutdown`: drop a running step, keep running while groupmates of a
+        recent round may still wait for our data (`Node.owes_others`, at most `timeout`), then stop
+        (as `crash` does: whatever is still queued is lost). The event fires when the peer is gone."""
+        env = self.cluster.env
+        st = self.node.step
+        if st is not None:
+            self.node.cancel_step(st.req.step_id, env.now, "peer shut down")
+            self.pump()
+
+        def run() -> Any:
+            end = env.now + timeout
+            while self.alive and self.node.owes_others() and env.now < end:
+                yield env.timeout(min(poll, end - env.now))
+            self.crash()
+
+        return env.process(run())
+
     def crash(self) -> None:
         """Kill the peer for good: queued messages are lost; its pending steps end as `Crashed`
         (so whoever waits on them in the simulation is not stuck; a real process would just vanish)."""

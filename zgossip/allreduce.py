@@ -159,7 +159,8 @@ class AllReduceRound:
         self.phase = RoundPhase.RUNNING
         self.plan = make_plan(buffer.size, [m.bandwidth for m in spec.members], part_elems)
         self.index = {m.peer_id: i for i, m in enumerate(spec.members)}
-        self.last_heard = [now] * self.n
+        self.last_heard = [now] * self.n  # when each member's last message came (only messages count)
+        self.asked_at = [float("-inf")] * self.n  # when we last asked each member for a rescue
         self.lost: set[int] = set()
         # members that pass no gather data send no GATHER (in large groups that all-to-all would
         # dominate the traffic); their entry is None and their weight is known to the span owners only
@@ -458,8 +459,13 @@ class AllReduceRound:
             self._send(s, self._msg(MsgType.PART, (self.buf[lo:hi],), owner=j, part=p, w=self.weight, resc=1))
 
     def _asked(self, k: int) -> None:
-        """We just asked k for something: its silence is measured from now, not from its last message."""
-        self.last_heard[k] = max(self.last_heard[k], self._now)
+        """We just asked k for something (a rescue): what k owes for it is waited for from now.
+
+        Only that: what k owed before (its GATHER, its parts of our span, the results of its own
+        span) is still measured from its last message. Restarting k's clock altogether let every
+        rescue add a fresh 2 x part_timeout: a peer cut off from its group went through the
+        silent members one by one as substitutes and took 6 x part_timeout (30 s) in a group of 4."""
+        self.asked_at[k] = max(self.asked_at[k], self._now)
 
     def _start_rescue(self, owner: int) -> _Reduce:
         """Become the substitute reducer of `owner`'s span and call the survivors in."""
@@ -581,13 +587,15 @@ class AllReduceRound:
         self._check_done(now)
 
     # ------------------------------------------------------------------ time
-    def _waiting_on(self, j: int) -> tuple[bool, bool]:
-        """(owes us data, owes us results): what we still expect from member j."""
-        owes_data = any(r.owes(j) for r in [self.own, *self.rescues.values()]) or j not in self.gathered
-        owes_results = (bool(self._unresolved_parts(j)) and j not in self.rescue_target) or any(
-            s == j and self._unresolved_parts(o) for o, s in self.rescue_target.items()
-        )
-        return owes_data, owes_results
+    def _waiting_on(self, j: int) -> tuple[bool, bool, bool, bool]:
+        """What we still expect from member j: (data it owed from the start -- its GATHER, its parts
+        of our span --, data for a rescue we run, results of its own span, results of a rescue
+        we asked it for)."""
+        data = self.own.owes(j) or j not in self.gathered
+        rescue_data = any(r.owes(j) for r in self.rescues.values())
+        results = bool(self._unresolved_parts(j)) and j not in self.rescue_target
+        rescue_results = any(s == j and self._unresolved_parts(o) for o, s in self.rescue_target.items())
+        return data, rescue_data, results, rescue_results
 
     def next_deadline(self) -> float | None:
         # Silence is checked on a watchdog tick of part_timeout/4 rather than per member per
@@ -615,10 +623,13 @@ class AllReduceRound:
             if j == self.rank or j in self.lost:
                 continue
             # compare exactly as next_deadline computes (last + T), or float rounding spins the timer
-            if now < self.last_heard[j] + T:
+            heard = self.last_heard[j]
+            asked = max(heard, self.asked_at[j])
+            if now < heard + T:
                 continue
-            data, results = self._waiting_on(j)
-            if data or (results and now >= self.last_heard[j] + 2 * T):
+            data, rescue_data, results, rescue_results = self._waiting_on(j)
+            if (data or (results and now >= heard + 2 * T)
+                    or (rescue_data and now >= asked + T) or (rescue_results and now >= asked + 2 * T)):
                 self._member_lost(j, now)
         self._check_done(now)
 

@@ -17,6 +17,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -26,11 +27,33 @@ from .errors import AveragerClosed, RoundTimeout, StateUnavailable, StepInProgre
 from .node import (DownloadDone, DownloadFailed, Node, NodeConfig, ServeState, StepDone, StepFailed, StepRequest,
                    StepResult)
 from .tensors import FlatLayout, as_array
-from .zmq_driver import ZmqDriver
+from .zmq_driver import ZmqDriver, check_endpoint
 
-__all__ = ["Averager"]
+__all__ = ["Averager", "StepFuture"]
+
+_SLACK = 0.5  # seconds: the safety net's margin past the node's deadline, and the most spent dropping unsent data
 
 log = logging.getLogger(__name__)
+
+
+class StepFuture(cf.Future):
+    """The Future of ``step(wait=False)``. ``cancel()`` really cancels: while the step is still
+    matchmaking it is dropped (the node leaves matchmaking, the tensors stay untouched, the
+    averager is free for the next step) and ``cancel()`` returns True; once the all-reduce
+    started -- groupmates count on this peer's data -- or the step finished, it returns False
+    and the step runs to its end as usual."""
+
+    def __init__(self, averager: "Averager", step_id: str) -> None:
+        super().__init__()
+        self._averager = averager
+        self.step_id = step_id
+
+    def cancel(self) -> bool:
+        if self.done():
+            return super().cancel()  # False unless already cancelled
+        if not self._averager._drop_matchmaking(self.step_id):
+            return False
+        return super().cancel()
 
 
 def _to_numpy(a: Any) -> np.ndarray:
@@ -39,6 +62,19 @@ def _to_numpy(a: Any) -> np.ndarray:
     if type(a).__module__.startswith("torch"):
         return a.detach().cpu().numpy()
     return np.asarray(a)
+
+
+def _settle_future(fut: cf.Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Set a step's outcome unless the caller cancelled the future (then nothing may be set)."""
+    if fut.cancelled():
+        return
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+    except cf.InvalidStateError:  # cancelled or finished meanwhile
+        pass
 
 
 class Averager:
@@ -64,6 +100,12 @@ class Averager:
     and writes the result back at the end, so a failed step changes nothing. Before an
     in-place step returns, parts still queued for a slow or dead peer are dropped, so bytes
     of the tensor never leave after the caller changed them.
+
+    ``shutdown_timeout``: how long `shutdown` keeps serving what this peer still owes groupmates
+    of a recent round (results they have not confirmed, sends libzmq still holds) before it stops.
+
+    Every `step` returns within ``timeout + allreduce_timeout + 1 s`` (see README, "What a step
+    guarantees"); ``result.timings["total"]`` is the caller's wall time.
 
     ``local_ipc``: peers on the same host (and network namespace) reach each other over Unix
     sockets instead of TCP loopback, found by the TCP endpoint they advertise; about a fifth
@@ -97,9 +139,17 @@ class Averager:
         seed: int | None = None,
         in_place: bool = True,
         local_ipc: bool = True,
+        shutdown_timeout: float = 5.0,
     ) -> None:
         if not 0.0 < averaging_alpha <= 1.0:
             raise ValueError("averaging_alpha must be in (0, 1]")
+        if not shutdown_timeout >= 0:
+            raise ValueError("shutdown_timeout must be >= 0")
+        self.shutdown_timeout = float(shutdown_timeout)
+        check_endpoint(listen, "listen address", listen=True)
+        initial_peers = tuple(initial_peers) if not isinstance(initial_peers, str) else (initial_peers,)
+        for ep in initial_peers:
+            check_endpoint(ep, "initial peer address")
         self._tensors = list(tensors)
         self._arrays = [as_array(t) for t in self._tensors]
         self.layout = FlatLayout.of(self._tensors)
@@ -121,7 +171,8 @@ class Averager:
         self._lock = threading.RLock()
         self._inside = threading.local()  # set while the calling thread is inside get_tensors()
         self._buffer: np.ndarray | None = None
-        self._futures: dict[str, tuple[cf.Future, np.ndarray | None]] = {}  # None: averaged in place
+        # step id -> (future, snapshot buffer or None when averaged in place, time step() was entered)
+        self._futures: dict[str, tuple[cf.Future, np.ndarray | None, float]] = {}
         self._busy = threading.Lock()  # held from step() until its result is applied
         self._seq = itertools.count(1)
         self._closed = False
@@ -133,6 +184,7 @@ class Averager:
             lambda ep: Node(self.peer_id, ep, self.config, self._rng, tuple(initial_peers)),
             listen, self._on_result, limits=wire.WireLimits(max_frame_bytes=frame_limit),
             announce_host=announce_host, name=f"zgossip-{self.peer_id[:8]}", local_ipc=local_ipc,
+            initial_peers=initial_peers,
         )
         self.endpoint = self._driver.endpoint
         self._downloads: dict[str, cf.Future] = {}
@@ -156,12 +208,14 @@ class Averager:
         """Find a group and average with it once.
 
         ``timeout`` bounds matchmaking (default ``max(5, 3*matchmaking_time)`` seconds); the
-        all-reduce itself is bounded by ``allreduce_timeout``. Raises `GroupNotFound`
+        all-reduce itself is bounded by ``allreduce_timeout``, and the whole call returns within
+        ``timeout + allreduce_timeout + 1`` seconds (`result.timings["total"]` is its wall time). Raises `GroupNotFound`
         (with what was tried), `RoundTimeout`, `StepInProgress` or `AveragerClosed`; with
         ``wait=False`` returns a `concurrent.futures.Future` that carries the same.
         ``round`` pins the swarm-wide round number (which picks the Moshpit grid axis), e.g.
         a training epoch; by default the averager follows the highest round its peers announce.
         """
+        entered = time.monotonic()
         if self._closed:
             raise AveragerClosed("this averager was shut down")
         if wait and getattr(self._inside, "active", 0):
@@ -189,9 +243,11 @@ class Averager:
                         self._buffer = self.layout.new_buffer()
                     buf = self.layout.snapshot(self._arrays, self._buffer)
             step_id = f"{self.peer_id[:8]}-{next(self._seq)}"
-            fut: cf.Future = cf.Future()
-            self._futures[step_id] = (fut, None if in_place else buf)
-            req = StepRequest(step_id, buf, weight, gather, float(timeout), self.layout.fingerprint,
+            fut: cf.Future = StepFuture(self, step_id)
+            self._futures[step_id] = (fut, None if in_place else buf, entered)
+            # the node times the step from when it gets it: what the snapshot took is already spent
+            left = max(0.0, float(timeout) - (time.monotonic() - entered))
+            req = StepRequest(step_id, buf, weight, gather, left, self.layout.fingerprint,
                               None if round is None else int(round))
             self._driver.call(lambda now: self._driver.node.submit_step(req, now))
         except BaseException:
@@ -201,12 +257,16 @@ class Averager:
             raise
         if not wait:
             return fut
-        bound = timeout + self.config.allreduce_timeout + 10.0
+        # The node ends the round by itself `timeout + allreduce_timeout` after the step began
+        # (Node.step_deadline); this wait is only a safety net for a stuck I/O thread.
+        end = entered + timeout + self.config.allreduce_timeout + _SLACK
+        result = None
         try:
-            return fut.result(bound)
+            result = fut.result(max(0.0, end - time.monotonic()))
+            return result
         except cf.TimeoutError:
             self._cancel(step_id, settle=in_place)
-            raise RoundTimeout(f"step did not finish within {bound:.0f}s") from None
+            raise RoundTimeout(f"step did not finish within {end - entered:.1f}s") from None
         except BaseException:
             if in_place and not fut.done():
                 self._cancel(step_id, settle=True)
@@ -215,10 +275,32 @@ class Averager:
             if in_place:
                 try:
                     # parts of the tensor still queued for a slow or dead peer must not leave after
-                    # the caller changes the tensor: wait for them briefly, then drop them
-                    self._driver.settle_sends(self.config.part_timeout)
+                    # the caller changes the tensor: wait for them (at most part_timeout, and never
+                    # past the step's bound), then drop them
+                    t0 = time.monotonic()
+                    self._driver.settle_sends(min(self.config.part_timeout, max(0.0, end - t0)),
+                                              release_timeout=_SLACK)
+                    if result is not None:
+                        result.timings["settle"] = time.monotonic() - t0
+                        result.timings["total"] = time.monotonic() - entered
                 finally:
                     self._lock.release()
+
+    def _drop_matchmaking(self, step_id: str) -> bool:
+        """For `StepFuture.cancel`: drop the step if it is still matchmaking; True if it was dropped
+        (the future then belongs to the caller alone: nothing sets its result any more)."""
+        def drop(node: Node, now: float) -> bool:
+            entry = self._futures.get(step_id)
+            if entry is None or not node.cancel_matchmaking(step_id, now, "cancelled by the caller"):
+                return False
+            del self._futures[step_id]  # the StepFailed the node emits finds no future
+            self._release()
+            return True
+
+        try:
+            return bool(self._driver.run_on_io(drop, 10.0))
+        except (RuntimeError, cf.TimeoutError):  # shut down (or a stuck I/O thread): not cancelled
+            return False
 
     def _cancel(self, step_id: str, settle: bool) -> None:
         """Drop the step on the I/O thread; with `settle`, wait (bounded) until it is dropped,
@@ -344,17 +426,26 @@ class Averager:
         return self._ask_node(lambda node: {**self._driver.stats, **node.stats})
 
     def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop this peer. A step still running fails with `AveragerClosed`. First, for at most
+        `shutdown_timeout` seconds, what this peer still owes others is delivered: results of its
+        spans that groupmates of a recent round have not confirmed (DONE), and data libzmq still
+        holds for them; `timeout` then bounds stopping the I/O thread."""
+        self._shutdown(timeout, deliver=True)
+
+    def _shutdown(self, timeout: float, deliver: bool) -> None:
         if self._closed:
             return
         self._closed = True
-        for sid, fut in list(self._futures.items()):
+        for sid in list(self._futures):
             self._driver.call(lambda now, s=sid: self._driver.node.cancel_step(s, now, "averager shut down"))
+        if deliver:
+            self._deliver_owed(self.shutdown_timeout)
         self._driver.close(timeout)
         self._applier.shutdown(wait=True)
         self._server.shutdown(wait=True, cancel_futures=True)
-        for fut, _ in self._futures.values():
+        for fut, _, _ in self._futures.values():
             if not fut.done():
-                fut.set_exception(AveragerClosed("averager shut down during the step"))
+                _settle_future(fut, error=AveragerClosed("averager shut down during the step"))
         self._futures.clear()
         for dfut in self._downloads.values():
             if not dfut.done():
@@ -365,6 +456,22 @@ class Averager:
             except RuntimeError:
                 pass
 
+    def _deliver_owed(self, timeout: float) -> bool:
+        """Wait (at most `timeout`) until no groupmate waits for data of ours; True if none does."""
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                owed = self._driver.run_on_io(lambda node, now: node.owes_others(), max(0.1, end - time.monotonic()))
+            except (RuntimeError, cf.TimeoutError):
+                return False
+            if not owed and not self._driver.sends_pending():
+                return True
+            if time.monotonic() >= end:
+                log.info("zgossip node %s: shutting down with data still owed to groupmates (shutdown_timeout %.1fs)",
+                         self.endpoint, timeout)
+                return False
+            time.sleep(0.01)
+
     def __enter__(self) -> "Averager":
         return self
 
@@ -373,7 +480,7 @@ class Averager:
 
     def __del__(self) -> None:
         try:
-            self.shutdown(0.5)
+            self._shutdown(0.5, deliver=False)
         except Exception:
             pass
 
@@ -406,27 +513,31 @@ class Averager:
         entry = self._futures.pop(act.step_id, None)
         if entry is None:
             return
-        fut, buf = entry
+        fut, buf, entered = entry
         if isinstance(act, StepFailed):
             self._release()
-            fut.set_exception(act.error)
+            _settle_future(fut, error=act.error)
             return
-        if buf is None:  # averaged in place: nothing to write back
+        if buf is None:  # averaged in place: nothing to write back (step() adds settle and total)
+            act.result.timings.update(settle=0.0, apply=0.0, total=time.monotonic() - entered)
             self._release()
-            fut.set_result(act.result)
+            _settle_future(fut, result=act.result)
             return
-        self._applier.submit(self._apply, act.result, fut, buf)
+        self._applier.submit(self._apply, act.result, fut, buf, entered)
 
-    def _apply(self, result: StepResult, fut: cf.Future, buf: np.ndarray) -> None:
+    def _apply(self, result: StepResult, fut: cf.Future, buf: np.ndarray, entered: float) -> None:
+        t0 = time.monotonic()
         try:
             with self._lock:
                 self.layout.apply(self._arrays, buf, result.updated, self.averaging_alpha)
         except Exception as e:  # pragma: no cover - defensive
             self._release()
-            fut.set_exception(ZGossipError(f"could not write the averaged tensors: {e}"))
+            _settle_future(fut, error=ZGossipError(f"could not write the averaged tensors: {e}"))
             return
+        now = time.monotonic()
+        result.timings.update(settle=0.0, apply=now - t0, total=now - entered)
         self._release()
-        fut.set_result(result)
+        _settle_future(fut, result=result)
 
     def _release(self) -> None:
         try:

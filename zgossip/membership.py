@@ -10,6 +10,7 @@ empty, so any running peer can serve as the entry point.
 """
 from __future__ import annotations
 
+import ipaddress
 import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
@@ -32,6 +33,15 @@ class PeerRecord:
     updated: float  # local time the heartbeat last grew, or of direct contact
     share: float | None = None  # state-sharing priority it declared, None = does not share
     info: dict = field(default_factory=dict)  # small public record it gossips (e.g. training progress)
+
+
+def _is_ip_endpoint(endpoint: str) -> bool:
+    host = endpoint.split("://", 1)[-1].rpartition(":")[0].strip("[]")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 class Membership:
@@ -69,6 +79,11 @@ class Membership:
         self._tombstones: dict[str, tuple[int, float]] = {}
         self._next_tick: float | None = None
         self.forgotten: list[str] = []  # endpoints of forgotten peers, drained by the node
+        # bootstrap peers nobody has heard from are named in one warning after `bootstrap_warn_after`
+        self.bootstrap_warn_after = max(3.0, 4 * gossip_interval)
+        self._started_at: float | None = None
+        self._reached: set[str] = set()
+        self._warned: tuple[str, ...] = ()
 
     # -- queries ---------------------------------------------------------------------
     def live_ids(self) -> list[str]:
@@ -96,7 +111,37 @@ class Membership:
         return rec.endpoint if rec else None
 
     # -- events ------------------------------------------------------------------------
+    def unreached_bootstrap(self) -> tuple[str, ...]:
+        """Initial peers that have not been heard from: none of the peers we know uses that
+        endpoint. (An initial peer given by host name is counted as reached once anybody answered:
+        it advertises itself under another name.)"""
+        anyone = bool(self.peers)
+        out = []
+        for ep in self.initial_peers:
+            if ep in self._reached:
+                continue
+            if anyone and not _is_ip_endpoint(ep):
+                continue
+            out.append(ep)
+        return tuple(out)
+
+    def _check_bootstrap(self, now: float) -> None:
+        if not self.initial_peers or self._started_at is None or now - self._started_at < self.bootstrap_warn_after:
+            return
+        cur = self.unreached_bootstrap()
+        if cur == self._warned:
+            return
+        if cur:
+            log.warning("%s: initial peer%s %s not reachable: no answer within %.0f s (check the address, that a "
+                        "peer runs there and that the port is open)%s", self.peer_id[:8], "s" if len(cur) > 1 else "",
+                        ", ".join(cur), now - self._started_at,
+                        "" if self.peers else "; this peer knows no other peer yet")
+        else:
+            log.info("%s: all initial peers reached", self.peer_id[:8])
+        self._warned = cur
+
     def start(self, now: float) -> None:
+        self._started_at = now
         self._next_tick = now
         self.on_timer(now)
 
@@ -109,6 +154,7 @@ class Membership:
         self._next_tick = now + self.gossip_interval
         self.heartbeat += 1
         self._expire(now)
+        self._check_bootstrap(now)
         targets = self._pick_targets()
         if not self.peers or self._rng.random() < 0.1:
             # keep knocking on the bootstrap endpoints while alone, and now and then
@@ -123,6 +169,8 @@ class Membership:
         """Direct contact from a peer proves it is alive."""
         if peer_id == self.peer_id:
             return
+        if endpoint in self.initial_peers:
+            self._reached.add(endpoint)
         rec = self.peers.get(peer_id)
         if rec is None:
             tomb = self._tombstones.pop(peer_id, None)
@@ -153,6 +201,8 @@ class Membership:
                 if tomb is not None and hb <= tomb[0]:
                     continue  # stale news of a peer we already buried
                 self._tombstones.pop(pid, None)
+                if ep in self.initial_peers:
+                    self._reached.add(ep)
                 self.peers[pid] = PeerRecord(pid, ep, hb, now, share, info)
                 self._changed()
             elif hb > rec.heartbeat:

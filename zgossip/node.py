@@ -198,6 +198,10 @@ class Node:
         self.step: _Step | None = None
         self._early: dict[str, list[Message]] = {}
         self._finished: dict[str, bool] = {}  # ids of recent rounds, to answer late rescue calls
+        # Shutdown: groupmates of recent rounds that have not said DONE may still wait for results
+        # of ours (queued on a slow link); `owes_others` tells the driver to keep them flowing.
+        self._owed: dict[str, dict[str, str]] = {}  # gid -> {peer id: endpoint} not DONE yet
+        self._done_from: dict[str, set[tuple[str, str]]] = {}  # gid -> (peer id, endpoint) that said DONE
         self.donor = StateDonor(peer_id, endpoint, self._send, config.part_size_bytes)
         self.downloads: dict[str, StateDownload] = {}
         self.stats = {"messages": 0, "dropped": 0, "late": 0}
@@ -217,6 +221,7 @@ class Node:
         out, self._actions = self._actions, []
         for ep in self.membership.forgotten:
             out.append(Disconnect(ep))
+            self._forget_owed(ep)
         self.membership.forgotten.clear()
         return out
 
@@ -288,6 +293,15 @@ class Node:
         self._end_step(StepFailed(step_id, RoundTimeout(why)))
         self._drain_loopback(now)
 
+    def cancel_matchmaking(self, step_id: str, now: float, why: str) -> bool:
+        """Drop step `step_id` if it is still matchmaking (nobody counts on its data yet) and
+        return True; False if it is not the current step or its all-reduce already began."""
+        st = self.step
+        if st is None or st.req.step_id != step_id or st.round is not None:
+            return False
+        self.cancel_step(step_id, now, why)
+        return True
+
     def on_message(self, msg: Message, now: float) -> None:
         self.stats["messages"] += 1
         self._dispatch(msg, now)
@@ -355,6 +369,30 @@ class Node:
         else:
             dl.on_chunk(msg, now)
 
+    def owes_others(self) -> bool:
+        """Whether members of a recent round of ours may still wait for something we sent them (they
+        have not said DONE and are not known dead). A peer shutting down waits (bounded) until not."""
+        return any(self._owed.values())
+
+    def _on_done_msg(self, msg: Message) -> None:
+        gid = msg["gid"]
+        st = self.step
+        running = st is not None and st.round is not None and st.round.spec.group_id == gid
+        if not running and gid not in self._finished:
+            self.stats["late"] += 1
+            return
+        self._done_from.setdefault(gid, set()).add((msg.sender, msg.endpoint))
+        while len(self._done_from) > 8:
+            self._done_from.pop(next(iter(self._done_from)))
+        owed = self._owed.get(gid)
+        if owed is not None and owed.get(msg.sender) == msg.endpoint:  # the member itself, not a namesake
+            del owed[msg.sender]
+
+    def _forget_owed(self, endpoint: str) -> None:
+        for owed in self._owed.values():
+            for pid in [p for p, ep in owed.items() if ep == endpoint]:
+                del owed[pid]
+
     def on_peer_down(self, endpoint: str, now: float) -> None:
         """The transport saw the connection to `endpoint` drop (e.g. its process died).
 
@@ -364,6 +402,7 @@ class Node:
         st = self.step
         if st is not None and st.round is not None:
             st.round.peer_down(endpoint, now)
+        self._forget_owed(endpoint)
         self.matchmaker.peer_down(endpoint, now)
         for dl in list(self.downloads.values()):
             dl.peer_down(endpoint, now)
@@ -393,6 +432,8 @@ class Node:
         t = msg.type
         if t in (MsgType.GOSSIP, MsgType.GOSSIP_REPLY):
             self.membership.on_gossip(msg, now)
+        elif t is MsgType.DONE:
+            self._on_done_msg(msg)
         elif t in _ROUND_TYPES:
             self._round_message(msg, now)
         elif t in _STATE_TYPES:
@@ -445,7 +486,7 @@ class Node:
         st.round = AllReduceRound(
             spec, st.req.buffer, st.req.weight, st.req.gather, self._send, now,
             part_elems=max(1, cfg.part_size_bytes // itemsize), part_timeout=cfg.part_timeout,
-            deadline=now + cfg.allreduce_timeout, on_done=self._on_round_done,
+            deadline=self.step_deadline(st, now), on_done=self._on_round_done,
         )
         st.round.start(now)
         for msg in self._early.pop(spec.group_id, []):
@@ -454,6 +495,14 @@ class Node:
                 st.round.on_message(msg, now)
                 self.stats["dropped"] += st.round.dropped - before
         self._early.clear()
+
+    def step_deadline(self, st: _Step, grouped: float) -> float:
+        """When the all-reduce of step `st`, grouped at `grouped`, is over whatever happens:
+        `allreduce_timeout` after the group formed, and never later than `timeout` +
+        `allreduce_timeout` after the step began (a GROUP that arrives after the matchmaking
+        deadline gets only what is left)."""
+        cap = st.started + st.req.timeout + self.config.allreduce_timeout
+        return min(grouped + self.config.allreduce_timeout, cap)
 
     def _on_match_fail(self, step_id: str, err: Exception) -> None:
         self._advance_round(self.round_index + 1)  # the swarm moved on to the next axis without us
@@ -466,9 +515,23 @@ class Node:
         coords_before = self.coords
         self.coords = self.grid.next_coords(self.coords, self.round_index, rnd.spec.group_id, rnd.rank)
         self._advance_round(self.round_index + 1)
-        self._finished[rnd.spec.group_id] = True
+        gid = rnd.spec.group_id
+        self._finished[gid] = True
         while len(self._finished) > 8:
             self._finished.pop(next(iter(self._finished)))
+        # tell the others we need nothing more, and remember who may still need something from us
+        done = Message(MsgType.DONE, self.peer_id, self.endpoint, {"gid": gid})
+        said = self._done_from.get(gid, set())
+        serves = rnd.plan.num_parts(rnd.rank) > 0 or bool(rnd.rescues)  # a client with no span owes no results
+        owed = {}
+        for i, m in enumerate(rnd.members):
+            if i != rnd.rank:
+                self._send(m.endpoint, done)
+                if serves and i not in rnd.lost and (m.peer_id, m.endpoint) not in said:
+                    owed[m.peer_id] = m.endpoint
+        self._owed[gid] = owed
+        while len(self._owed) > 8:
+            self._owed.pop(next(iter(self._owed)))
         result = StepResult(
             group_id=out.group_id, key=out.key, members=out.members, gathered=out.gathered,
             weights=out.weights, contributors=out.contributors, lost=out.lost, complete=out.complete,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sys
 import threading
 import time
 
@@ -19,6 +20,7 @@ import numpy as np
 
 from .averager import Averager
 from .errors import ZGossipError
+from .zmq_driver import check_endpoint
 
 __all__ = ["add_arguments", "run"]
 
@@ -40,6 +42,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:  # a malformed address is the user's typo: one line and exit status 2, like argparse
+        check_endpoint(args.listen, "--listen address", listen=True)
+        for ep in args.initial_peers:
+            check_endpoint(ep, "--initial-peers address")
+    except ValueError as e:
+        print(f"zgossip peer: error: {e}", file=sys.stderr)
+        return 2
     rng = np.random.default_rng(args.seed)
     data = rng.standard_normal(args.numel).astype(np.float32)
     stop = threading.Event()

@@ -65,6 +65,7 @@ class MsgType(IntEnum):
     ABORT = 23  # member -> members: I left this round
     RESCUE_CALL = 24  # substitute -> members: send me your unresolved parts of a lost span
     RESCUE = 25  # member -> substitute: which parts of the lost span I still need
+    DONE = 26  # member -> members: my round is over, I need nothing more from you
     STATE_REQ = 30  # newcomer -> donor: send me your state
     STATE_META = 31  # donor -> newcomer: refusal, or what the state holds and its checksum
     STATE_CHUNK = 32  # donor -> newcomer: one chunk of one tensor's bytes
@@ -241,6 +242,7 @@ SCHEMAS: dict[MsgType, tuple[dict[str, Validator], int]] = {
     MsgType.ABORT: ({"gid": _ID, "reason": _str(4000)}, 0),
     MsgType.RESCUE_CALL: ({"gid": _ID, "owner": _IDX}, 0),
     MsgType.RESCUE: ({"gid": _ID, "owner": _IDX, "need": _list(_BIG, 1 << 20)}, 0),
+    MsgType.DONE: ({"gid": _ID}, 0),
     MsgType.STATE_REQ: ({"req": _ID}, 0),
     MsgType.STATE_META: (
         {"req": _ID, "ok": _int(0, 1), "reason": _str(4000), "meta": _any, "specs": _list(_SPEC, 1 << 16),

@@ -41,14 +41,14 @@ import struct
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import zmq
 
 from . import wire
 from .node import Disconnect, Node, Send, StepDone, StepFailed
 
-__all__ = ["ZmqDriver"]
+__all__ = ["ZmqDriver", "check_endpoint", "advertised_host"]
 
 log = logging.getLogger(__name__)
 
@@ -190,14 +190,97 @@ def _listener_uid(name: str) -> int | None:
         probe.close()
 
 
-def _advertised(endpoint: str, announce_host: str | None) -> str:
+def check_endpoint(address: Any, what: str = "peer address", listen: bool = False) -> tuple[str, int]:
+    """(host, port) of a ``tcp://HOST:PORT`` address, or a ValueError that names the address and the
+    expected form. A peer address needs a port in 1..65535; a `listen` address may also use port 0
+    or ``*`` (any free port) and the host ``*`` (every interface)."""
+    form = "tcp://HOST:PORT, e.g. tcp://10.0.0.5:41000" + (" (port 0 = any free port)" if listen else "")
+    if not isinstance(address, str):
+        raise ValueError(f"invalid {what} {address!r}: expected a string of the form {form}")
+    if not address.startswith("tcp://"):
+        hint = f" (did you mean 'tcp://{address}'?)" if "://" not in address and ":" in address else ""
+        raise ValueError(f"invalid {what} {address!r}: expected {form}{hint}")
+    host, sep, port = address[6:].rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host_ok = len(host) > 2
+    else:
+        host_ok = bool(host) and not any(c in host for c in "/[]: \t") and (listen or host != "*")
+    port_ok = port.isdigit() and (0 if listen else 1) <= int(port) <= 65535 or (listen and port == "*")
+    if not sep or not host_ok or not port_ok:
+        raise ValueError(f"invalid {what} {address!r}: expected {form}")
+    return host, (0 if port == "*" else int(port))
+
+
+def _interface_addresses() -> list[str]:
+    """IPv4 addresses of this host's interfaces (Linux: from the routing table's local entries;
+    elsewhere what the host name resolves to)."""
+    out: list[str] = []
+    try:
+        with open("/proc/net/fib_trie") as f:
+            lines = f.read().splitlines()
+        for i, line in enumerate(lines):
+            if "/32 host LOCAL" in line and i > 0:
+                addr = lines[i - 1].split()[-1]
+                if addr not in out:
+                    out.append(addr)
+    except OSError:
+        pass
+    if not out:
+        try:
+            out = [a for a in socket.gethostbyname_ex(socket.gethostname())[2] if a not in out]
+        except OSError:
+            pass
+    return out
+
+
+def _route_source(host: str) -> str | None:
+    """The local address the kernel would send from to reach `host` (a UDP connect sends nothing)."""
+    try:
+        infos = socket.getaddrinfo(host, 9, socket.AF_INET, socket.SOCK_DGRAM)
+    except OSError:
+        return None
+    for *_, addr in infos:
+        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            probe.connect(addr)
+            return probe.getsockname()[0]
+        except OSError:
+            continue
+        finally:
+            probe.close()
+    return None
+
+
+def advertised_host(initial_peers: Sequence[str] = (), *, route: Callable[[str], str | None] = _route_source,
+                    interfaces: Callable[[], list[str]] = _interface_addresses) -> str:
+    """The address a node bound to every interface tells others: the one that routes to its first
+    reachable initial peer, else the first non-loopback interface address, else 127.0.0.1 with a
+    warning (others on other hosts could not reach it)."""
+    for ep in initial_peers:
+        try:
+            host, _ = check_endpoint(ep)
+        except ValueError:
+            continue
+        src = route(host.strip("[]"))
+        if src and src != "0.0.0.0":
+            return src
+    addrs = interfaces()
+    for a in addrs:
+        if not a.startswith("127."):
+            return a
+    log.warning("zgossip: listening on every interface, but this host has no address other than loopback: "
+                "advertising 127.0.0.1, which only peers on this host can reach (set announce_host)")
+    return "127.0.0.1"
+
+
+def _advertised(endpoint: str, announce_host: str | None, initial_peers: Sequence[str] = ()) -> str:
     if not endpoint.startswith("tcp://"):
         return endpoint
     host, port = endpoint[6:].rsplit(":", 1)
     if announce_host:
         host = announce_host
     elif host in ("0.0.0.0", "*"):
-        host = socket.gethostbyname(socket.gethostname())
+        host = advertised_host(initial_peers)
     return f"tcp://{host}:{port}"
 
 
@@ -212,6 +295,7 @@ class ZmqDriver:
         announce_host: str | None = None,
         name: str = "zgossip",
         local_ipc: bool = True,
+        initial_peers: Sequence[str] = (),
     ) -> None:
         self.limits = limits
         self._on_result = on_result
@@ -227,7 +311,7 @@ class ZmqDriver:
             bind_to = listen[:-2] + ":*"
         self._router.bind(bind_to)
         bound = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self.endpoint = _advertised(bound, announce_host)
+        self.endpoint = _advertised(bound, announce_host, initial_peers)
         self.local_ipc = bool(local_ipc) and os.environ.get("ZGOSSIP_LOCAL_IPC", "1") != "0"
         self._routes: dict[str, str] = {}  # endpoint -> address connected (ipc://@... for peers on this host)
         self.local_address: str | None = None  # the abstract socket this node listens on as well
@@ -274,19 +358,39 @@ class ZmqDriver:
         with self._wake_lock:
             self._wake_out.send(b"", zmq.NOBLOCK)
 
+    def run_on_io(self, fn: Callable[[Node, float], Any], timeout: float) -> Any:
+        """Run ``fn(node, now)`` on the I/O thread and return its result (inline when called from
+        that thread, e.g. from a result callback). Raises RuntimeError when the driver is stopped,
+        concurrent.futures.TimeoutError after `timeout`."""
+        if threading.current_thread() is self._thread:
+            return fn(self.node, time.monotonic())
+        import concurrent.futures as cf
+
+        done: cf.Future = cf.Future()
+
+        def run(now: float) -> None:
+            try:
+                done.set_result(fn(self.node, now))
+            except BaseException as e:
+                done.set_exception(e)
+
+        self.call(run)
+        return done.result(timeout)
+
     def sends_pending(self) -> bool:
         """True while a zero-copy payload handed to libzmq has not been transmitted yet."""
         with self._trackers_lock:
             self._trackers = [(t, ep) for t, ep in self._trackers if not t.done]
             return bool(self._trackers)
 
-    def settle_sends(self, timeout: float) -> int:
+    def settle_sends(self, timeout: float, release_timeout: float = 5.0) -> int:
         """Wait (at most `timeout`) until libzmq released every zero-copy payload; then drop what is
         still queued by resetting the sockets to those peers (linger 0 discards their queues).
 
         A step that averaged the user's tensor in place calls this before handing the tensor back:
         bytes still waiting for a slow or dead peer must never leave later, after the user changed
         them. Such a peer simply misses those parts and, by the protocol's rules, leaves us out.
+        `release_timeout` bounds the wait for libzmq to let go of the dropped payloads.
         Returns the number of sockets reset.
         """
         deadline = time.monotonic() + timeout
@@ -309,13 +413,13 @@ class ZmqDriver:
                 done.set()
 
         self.call(reset)
-        done.wait(5.0)
+        until = time.monotonic() + release_timeout
+        done.wait(release_timeout)
         # closing is asynchronous in libzmq: only once it released the payloads has it stopped
         # reading them, so that the caller may change the tensor
-        until = time.monotonic() + 5.0
         if not all(_wait_released(t, until - time.monotonic()) for t, _ in pending):
-            log.warning("zgossip node %s: libzmq still holds parts of the tensor 5 s after their "
-                        "connections were closed", self.endpoint)
+            log.warning("zgossip node %s: libzmq still holds parts of the tensor %.1f s after their "
+                        "connections were closed", self.endpoint, release_timeout)
         return len(stuck)
 
     def close(self, timeout: float = 5.0) -> None:
