@@ -230,6 +230,8 @@ class Testbed:
     killed and reaped on `close`, as is anything else found in the namespaces.
     """
 
+    __test__ = False  # not a pytest class, despite the name
+
     def __init__(self, hosts: Sequence[HostSpec], seed: int = 0, gso: bool | None = None,
                  run_id: str | None = None) -> None:
         if not hosts:

@@ -100,6 +100,7 @@ class PeerProcess:
             return False
 
     def wait_ready(self, timeout: float) -> dict:
+        """Block (bounded) until the process listens; its ready message (endpoint, peer_id, pid)."""
         try:
             msg = self.replies.get(timeout=timeout)
         except queue.Empty:
@@ -141,6 +142,7 @@ class _Controller(FaultContext):
         self.slots: list[PeerProcess | None] = [None] * sc.peers
         self.generation = [0] * sc.peers
         self.fault_log: list[dict] = []
+        self.peer_ids: dict[int, list[str]] = {}  # slot -> peer id of each process it had
         self.grid = MoshpitGrid(tuple(sc.grid))
         self.coords = self._placement()
 
@@ -257,8 +259,13 @@ class _Controller(FaultContext):
 
 
 def run_testbed(sc: Scenario | dict, progress: Callable[[int, int], None] | None = None,
-                say: Callable[[str], None] = lambda s: None) -> dict:
-    """Run the scenario on real peers in an emulated network; returns the results dict (see module doc)."""
+                say: Callable[[str], None] = lambda s: None,
+                on_round: Callable[[int, dict[int, np.ndarray]], None] | None = None) -> dict:
+    """Run the scenario on real peers in an emulated network; returns the results dict (see module doc).
+
+    ``on_round(r, {slot: tensor})`` sees every live peer's tensor after round r (e.g. for tests that
+    check each peer's result against its group's inputs); ``testbed.peers`` in the result maps each
+    slot to the peer ids it had (one per process generation), ``testbed.initial`` is not stored."""
     if isinstance(sc, dict):
         sc = Scenario.from_dict(sc)
     if not sc.hosts:
@@ -285,8 +292,8 @@ def run_testbed(sc: Scenario | dict, progress: Callable[[int, int], None] | None
             ctl.install_faults()
             for i in range(sc.peers):
                 ctl._start(i)
-            for p in ctl.slots:
-                p.wait_ready(60.0)
+            for i, p in enumerate(ctl.slots):
+                ctl.peer_ids.setdefault(i, []).append(p.wait_ready(60.0)["peer_id"])
             ctl.t0 = time.monotonic()
             say(f"testbed {tb.id}: {sc.peers} peers listening on 10.{tb.subnet[0]}.{tb.subnet[1]}.0/24")
             fault_thread = threading.Thread(target=ctl.run_faults, args=(stop,), daemon=True, name="testbed-faults")
@@ -296,7 +303,7 @@ def run_testbed(sc: Scenario | dict, progress: Callable[[int, int], None] | None
             rounds, steps = [], []
             limit = sc.step_timeout + float(averager_settings(sc, (), 0)["allreduce_timeout"]) + 1.0
             for r in range(sc.rounds):
-                rounds.append(_round(ctl, tb, r, unavail_rng, truth, limit, steps))
+                rounds.append(_round(ctl, tb, r, unavail_rng, truth, limit, steps, on_round))
                 if sc.round_gap:
                     time.sleep(sc.round_gap)
                 if progress:
@@ -319,6 +326,7 @@ def run_testbed(sc: Scenario | dict, progress: Callable[[int, int], None] | None
         "testbed": {
             "id": tb.id,
             "steps": steps,
+            "peers": ctl.peer_ids,
             "faults": ctl.fault_log,
             "links": counters,
             "qdiscs": qdiscs,
@@ -332,8 +340,14 @@ def run_testbed(sc: Scenario | dict, progress: Callable[[int, int], None] | None
     }
 
 
+def _note_ready(ctl: _Controller, slot: int, msg: dict | None) -> None:
+    if msg and msg.get("ready"):
+        ctl.slots[slot].ready = msg
+        ctl.peer_ids.setdefault(slot, []).append(msg["peer_id"])
+
+
 def _round(ctl: _Controller, tb: Testbed, r: int, unavail_rng: np.random.Generator, truth: np.ndarray,
-           limit: float, steps: list) -> dict:
+           limit: float, steps: list, on_round: Callable | None = None) -> dict:
     sc = ctl.sc
     with ctl.lock:
         draws = unavail_rng.random(len(ctl.slots))  # one draw per slot, alive or not, as the simulator
@@ -344,8 +358,8 @@ def _round(ctl: _Controller, tb: Testbed, r: int, unavail_rng: np.random.Generat
     at = time.monotonic() + 0.05  # a common start a little ahead, like the bench's aligned starts
     t_start = at - ctl.t0
     for i, p in procs.items():
-        while not p.replies.empty():  # answers to earlier rounds that came too late
-            p.replies.get_nowait()
+        while not p.replies.empty():  # answers to earlier rounds that came too late, or a rejoiner's hello
+            _note_ready(ctl, i, p.replies.get_nowait())
         p.send({"cmd": "step", "round": r, "at": at, "timeout": sc.step_timeout})
     replies: dict[int, dict] = {}
     gone: set[int] = set()  # processes that died before answering
@@ -364,6 +378,8 @@ def _round(ctl: _Controller, tb: Testbed, r: int, unavail_rng: np.random.Generat
                               "seconds": time.monotonic() - at}
             elif msg.get("round") == r:
                 replies[i] = msg
+            else:
+                _note_ready(ctl, i, msg)
     # the round lasts until its last step ended (or until the bound, if one never did), as in the simulator
     end = max([at + m["seconds"] for m in replies.values()], default=at) if len(replies) == len(procs) \
         else time.monotonic()
@@ -371,6 +387,8 @@ def _round(ctl: _Controller, tb: Testbed, r: int, unavail_rng: np.random.Generat
     with ctl.lock:
         live_now = [i for i, p in enumerate(ctl.slots) if p is not None and p.alive]
     tensors = [np.load(tb.shm_path(f"t{i}.npy")) for i in live_now]
+    if on_round is not None:
+        on_round(r, dict(zip(live_now, tensors)))
     outcomes = []
     for i in steppers:
         m = replies.get(i)
