@@ -172,6 +172,14 @@ def cmd_testbed(args: argparse.Namespace) -> int:
     if reason:
         print(f"python -m sim testbed: {reason}", file=sys.stderr)
         return 2
+    import signal
+
+    def _terminate(signum, _frame):  # SIGTERM unwinds like Ctrl-C, so every finally tears down
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGHUP, _terminate)
+    signal.signal(signal.SIGINT, _terminate)  # also when started with SIGINT ignored (e.g. `cmd &` in a script)
     try:
         if args.selftest:
             from .testbed_probe import format_selftest, selftest
@@ -189,6 +197,9 @@ def cmd_testbed(args: argparse.Namespace) -> int:
     except TestbedUnavailable as e:
         print(f"python -m sim testbed: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:
+        print(f"python -m sim testbed: interrupted ({e or 'Ctrl-C'}); the testbed was torn down", file=sys.stderr)
+        return 130
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, sort_keys=True, indent=1)
