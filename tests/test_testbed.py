@@ -58,16 +58,18 @@ SCENARIO = {
     "rounds": 3,
     "grid": [],
     "step_timeout": 2.0,
-    "round_gap": 0.5,
+    "round_gap": 1.5,
     "bootstrap_time": 2.0,
     "protocol": {"target_group_size": 3, "min_group_size": 2, "matchmaking_time": 0.5, "part_timeout": 1.5,
                  "allreduce_timeout": 10.0},
     "hosts": [{"up_mbit": 200, "down_mbit": 200, "latency_ms": 1},
               {"up_mbit": 100, "down_mbit": 100, "latency_ms": 5},
-              {"up_mbit": 50, "down_mbit": 50, "latency_ms": 10, "jitter_ms": 1}],
-    # round 0 (t ~ 2.05 .. 4.1) runs with host 0 cut off; host 2 is SIGKILLed early in round 1
-    "faults": [{"kind": "partition", "sides": [[0], [1, 2]], "start": 1.5, "end": 4.3},
-               {"kind": "crash", "peer": 2, "at": 4.9}],
+              {"up_mbit": 10, "down_mbit": 10, "latency_ms": 10, "jitter_ms": 1}],
+    # round 0 (t = 2.05 .. 3.4-4.1: host 0 gives up within step_timeout) runs with host 0 cut off, healed in
+    # the gap; round 1 starts at 4.9-5.6 and lasts ~1.8 s (host 2's 10 Mbit/s), so the SIGKILL at 5.9
+    # lands inside it
+    "faults": [{"kind": "partition", "sides": [[0], [1, 2]], "start": 1.5, "end": 4.4},
+               {"kind": "crash", "peer": 2, "at": 5.9}],
 }
 
 
