@@ -169,7 +169,8 @@ def cleanup(force: bool = False) -> dict:
             removed["runs"].append(f.stem)
             f.unlink(missing_ok=True)
     for ns in _netns_list():
-        if ns.startswith(PREFIX) and ns.split("-")[0] not in live_ids:
+        run_id = ns.split("-")[0]
+        if ns.startswith(PREFIX) and run_id not in live_ids and not _live_run(run_id):
             removed["processes"].extend(_ns_pids(ns))
             _kill_ns(ns)
             removed["namespaces"].append(ns)
@@ -185,6 +186,15 @@ def cleanup(force: bool = False) -> dict:
             f.unlink(missing_ok=True)
             removed["shm"].append(f.name)
     return removed
+
+
+def _live_run(run_id: str) -> bool:
+    """Re-read: a run that started after the state files were scanned must not be taken for an orphan."""
+    try:
+        owner = int(json.loads((STATE_DIR / f"{run_id}.json").read_text())["owner"])
+    except (OSError, ValueError, KeyError):
+        return False
+    return _pid_alive(owner) and owner != os.getpid()
 
 
 def _owned_by_run(pid: int, run_id: str) -> bool:

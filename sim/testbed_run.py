@@ -106,7 +106,12 @@ class PeerProcess:
         except queue.Empty:
             raise RuntimeError(f"peer {self.slot} did not start within {timeout:.0f}s") from None
         if not msg or not msg.get("ready"):
-            raise RuntimeError(f"peer {self.slot} failed to start (see its log): {msg}")
+            self.log.flush()
+            try:
+                tail = Path(self.log.name).read_text(errors="replace")[-800:]
+            except OSError:
+                tail = ""
+            raise RuntimeError(f"peer {self.slot} failed to start: {msg}; its stderr ends:\n{tail}")
         self.ready = msg
         return msg
 
