@@ -199,7 +199,8 @@ def cmd_testbed(args: argparse.Namespace) -> int:
             measured = selftest(sc.host_list(), seed=sc.seed)
             if not args.quiet:
                 print(format_selftest(measured), file=sys.stderr)
-        res = run_testbed(sc, progress=None if args.quiet else _progress(),
+        sysctls = dict(kv.split("=", 1) for kv in args.sysctl)
+        res = run_testbed(sc, sysctls=sysctls, progress=None if args.quiet else _progress(),
                           say=(lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr)))
         if measured is not None:
             res["testbed"]["measured_links"] = measured
@@ -274,6 +275,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     tb.add_argument("--compare", action="store_true", help="also run the simulator: its median step per host")
     tb.add_argument("--selftest", action="store_true", help="measure each host's RTT and TCP rate vs configured")
     tb.add_argument("--measure", action="store_true", help="run the selftest first and store it in the results")
+    tb.add_argument("--sysctl", action="append", default=[], metavar="KEY=VALUE",
+                    help="set a kernel setting in every host's namespace, e.g. net.ipv4.tcp_slow_start_after_idle=0")
     tb.add_argument("--cleanup", action="store_true", help="remove what crashed testbed runs left behind")
     tb.add_argument("--force", action="store_true", help="with --cleanup: also tear down runs still in progress")
     tb.set_defaults(fn=cmd_testbed)

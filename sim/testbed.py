@@ -243,7 +243,7 @@ class Testbed:
     __test__ = False  # not a pytest class, despite the name
 
     def __init__(self, hosts: Sequence[HostSpec], seed: int = 0, gso: bool | None = None,
-                 run_id: str | None = None) -> None:
+                 run_id: str | None = None, sysctls: dict[str, str] | None = None) -> None:
         if not hosts:
             raise ValueError("a testbed needs at least one host")
         if len(hosts) > 250:
@@ -254,6 +254,8 @@ class Testbed:
         # GSO super-frames keep the forwarder's packet rate low, but a lost super-frame is a burst:
         # with any loss configured, every link sends single segments
         self.gso = all(h.loss == 0 for h in self.hosts) if gso is None else bool(gso)
+        # per-namespace kernel settings for every host, e.g. {"net.ipv4.tcp_slow_start_after_idle": "0"}
+        self.sysctls = dict(sysctls or {})
         self.id = run_id or f"{PREFIX}{secrets.token_hex(3)}"
         assert len(self.id) == 10 and self.id.startswith(PREFIX)
         self.switch_ns = f"{self.id}-sw"
@@ -328,6 +330,8 @@ class Testbed:
                 if j != i:  # static neighbours: no ARP, and the forwarder switches on the MAC
                     batch.append(f"neigh replace {self.ip(j)} lladdr {_mac(j)} dev {self.host_if(i)} nud permanent")
             _sh(["ip", "-n", ns, "-batch", "-"], input="\n".join(batch) + "\n")
+            if self.sysctls:
+                _sh(["ip", "netns", "exec", ns, "sysctl", "-qw", *(f"{k}={v}" for k, v in self.sysctls.items())])
             _sh(["ip", "-n", self.switch_ns, "link", "set", self.switch_if(i), "up"])
             if not self.gso:
                 _sh(["ip", "-n", self.switch_ns, "link", "set", self.switch_if(i), "gso_max_segs", "1"])

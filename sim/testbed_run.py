@@ -265,7 +265,8 @@ class _Controller(FaultContext):
 
 def run_testbed(sc: Scenario | dict, progress: Callable[[int, int], None] | None = None,
                 say: Callable[[str], None] = lambda s: None,
-                on_round: Callable[[int, dict[int, np.ndarray]], None] | None = None) -> dict:
+                on_round: Callable[[int, dict[int, np.ndarray]], None] | None = None,
+                sysctls: dict[str, str] | None = None) -> dict:
     """Run the scenario on real peers in an emulated network; returns the results dict (see module doc).
 
     ``on_round(r, {slot: tensor})`` sees every live peer's tensor after round r (e.g. for tests that
@@ -287,7 +288,7 @@ def run_testbed(sc: Scenario | dict, progress: Callable[[int, int], None] | None
     initial = [values_rng.standard_normal(sc.numel).astype(sc.dtype) for _ in range(sc.peers)]
     truth = np.stack(initial).astype(np.float64).mean(axis=0)
     unavail_rng = np.random.default_rng([sc.seed, seed_from("unavailability")])
-    with Testbed(hosts, seed=sc.seed) as tb:
+    with Testbed(hosts, seed=sc.seed, sysctls=sysctls) as tb:
         ctl = _Controller(sc, tb, say)
         stop = threading.Event()
         fault_thread = None
@@ -340,6 +341,7 @@ def run_testbed(sc: Scenario | dict, progress: Callable[[int, int], None] | None
                           "late_mean_us": fwd["late_mean_us"], "late_max_us": fwd["late_max_us"],
                           "ports": fwd["ports"]},
             "gso": tb.gso,
+            "sysctls": tb.sysctls,
             "machine": machine_info(),
         },
     }
