@@ -251,12 +251,12 @@ int main(int argc, char **argv) {
     for (int i = 0; i < NP; i++) {
         long long lat = 0, jit = 0;
         double loss = 0;
-        char name[64];
-        if (sscanf(argv[i + 2], "%63[^:]:%lld:%lld:%lf", name, &lat, &jit, &loss) != 4) {
+        char name[IFNAMSIZ];
+        if (sscanf(argv[i + 2], "%15[^:]:%lld:%lld:%lf", name, &lat, &jit, &loss) != 4) {
             fprintf(stderr, "bad port spec %s\n", argv[i + 2]);
             return 2;
         }
-        snprintf(P[i].name, sizeof P[i].name, "%s", name);
+        memcpy(P[i].name, name, sizeof P[i].name);
         P[i].lat_ns = lat * 1000;
         P[i].jit_ns = jit * 1000;
         P[i].loss = loss;
