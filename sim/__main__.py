@@ -8,6 +8,8 @@
     python -m sim compare RUN.json [--skip K]   # a testbed run replayed in the simulator, side by side
     python -m sim fidelity [--quick] [--cases a,b] [--out F]  # testbed vs simulator over a case matrix
     python -m sim calibrate [--out PROFILE.json] # CPU costs and TCP sysctls of this machine (sim.cpu)
+    python -m sim testbed scenario.toml [--out run.json] [--csv rounds.csv] [--compare]   # real peers, root
+    python -m sim testbed --selftest scenario.toml | --cleanup
 """
 from __future__ import annotations
 
@@ -144,6 +146,100 @@ def cmd_table(args: argparse.Namespace) -> int:
     return moshpit.main(argv)
 
 
+def _step_medians(rounds: list[dict]) -> dict[int, float]:
+    per: dict[int, list[float]] = {}
+    for r in rounds:
+        for slot, sec in r.get("step_seconds", []):
+            per.setdefault(slot, []).append(sec)
+    return {k: float(np.median(v)) for k, v in sorted(per.items())}
+
+
+def cmd_testbed(args: argparse.Namespace) -> int:
+    from .testbed import TestbedUnavailable, check_support, cleanup
+
+    if args.cleanup:
+        removed = cleanup(force=args.force)
+        print(json.dumps(removed, sort_keys=True))
+        return 0
+    if not args.scenario:
+        print("python -m sim testbed: a scenario file is needed (or --cleanup)", file=sys.stderr)
+        return 2
+    from .scenario import ScenarioResult, load_scenario
+
+    sc = load_scenario(args.scenario)
+    if not sc.hosts:
+        print(f"{args.scenario}: the testbed needs [[hosts]] (per-host rates/latency/loss); profiles and [network] "
+              "are simulator-only", file=sys.stderr)
+        return 2
+    reason = check_support()
+    if reason:
+        print(f"python -m sim testbed: {reason}", file=sys.stderr)
+        return 2
+    import signal
+
+    def _terminate(signum, _frame):  # SIGTERM unwinds like Ctrl-C, so every finally tears down
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGHUP, _terminate)
+    signal.signal(signal.SIGINT, _terminate)  # also when started with SIGINT ignored (e.g. `cmd &` in a script)
+    try:
+        if args.selftest:
+            from .testbed_probe import format_selftest, selftest
+
+            st = selftest(sc.host_list(), seed=sc.seed)
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump(st, f, sort_keys=True, indent=1)
+            print(format_selftest(st))
+            return 0
+        from .testbed_run import run_testbed
+
+        measured = None
+        if args.measure:
+            from .testbed_probe import format_selftest, selftest
+
+            measured = selftest(sc.host_list(), seed=sc.seed)
+            if not args.quiet:
+                print(format_selftest(measured), file=sys.stderr)
+        sysctls = dict(kv.split("=", 1) for kv in args.sysctl)
+        res = run_testbed(sc, sysctls=sysctls, progress=None if args.quiet else _progress(),
+                          say=(lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr)))
+        if measured is not None:
+            res["testbed"]["measured_links"] = measured
+    except TestbedUnavailable as e:
+        print(f"python -m sim testbed: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as e:
+        print(f"python -m sim testbed: interrupted ({e or 'Ctrl-C'}); the testbed was torn down", file=sys.stderr)
+        return 130
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, sort_keys=True, indent=1)
+    sres = ScenarioResult(res["scenario"], res["rounds"], res["peer_bytes"], "", 0, 0)
+    if args.csv:
+        with open(args.csv, "w") as f:
+            f.write(sres.to_csv())
+    if args.json:
+        print(json.dumps(res, sort_keys=True, indent=1))
+        return 0
+    _print_rounds(sres)
+    tb = res["testbed"]
+    print(f"forwarder: {tb['forwarder']['cpu_seconds']:.2f} CPU s for the run "
+          f"({tb['forwarder']['cpu_seconds_rounds']:.2f} during rounds); "
+          f"frames released {tb['forwarder']['late_mean_us']:.0f} us late on average; "
+          f"{tb['machine']['cpu']}, {tb['machine']['kernel']}, load {tb['machine']['loadavg'][0]:.2f}")
+    med = _step_medians(res["rounds"])
+    sim_med: dict[int, float] = {}
+    if args.compare:
+        from .scenario import run_scenario
+
+        sim_med = _step_medians(run_scenario(sc).rounds)
+    print("median step seconds per host: " + ", ".join(
+        f"{k}: {v:.3f}" + (f" (sim {sim_med[k]:.3f})" if k in sim_med else "") for k, v in med.items()))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # subcommands with parsers of their own (argparse's REMAINDER would take their options as ours)
@@ -198,6 +294,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     c = sub.add_parser("calibrate", help="measure this machine's CPU costs and TCP settings (a profile for cpu = ...)")
     c.add_argument("rest", nargs=argparse.REMAINDER)
     c.set_defaults(fn=lambda a: __import__("sim.cpu", fromlist=["main"]).main(a.rest))
+    tb = sub.add_parser("testbed", help="run a scenario's [[hosts]] with real peers in network namespaces (root)")
+    tb.add_argument("scenario", nargs="?")
+    tb.add_argument("--out", help="write the results JSON (the simulator's shape plus a 'testbed' section)")
+    tb.add_argument("--csv", help="write one row per round here")
+    tb.add_argument("--json", action="store_true", help="print the results JSON instead of the table")
+    tb.add_argument("--quiet", action="store_true")
+    tb.add_argument("--compare", action="store_true", help="also run the simulator: its median step per host")
+    tb.add_argument("--selftest", action="store_true", help="measure each host's RTT and TCP rate vs configured")
+    tb.add_argument("--measure", action="store_true", help="run the selftest first and store it in the results")
+    tb.add_argument("--sysctl", action="append", default=[], metavar="KEY=VALUE",
+                    help="set a kernel setting in every host's namespace, e.g. net.ipv4.tcp_slow_start_after_idle=0")
+    tb.add_argument("--cleanup", action="store_true", help="remove what crashed testbed runs left behind")
+    tb.add_argument("--force", action="store_true", help="with --cleanup: also tear down runs still in progress")
+    tb.set_defaults(fn=cmd_testbed)
     args = p.parse_args(argv)
     return args.fn(args)
 

@@ -63,7 +63,7 @@ from .driver import SimCluster, SimPeer
 from .faults import Churn, FaultContext, fault_from_dict
 from .network import PROFILES, NetworkModel, Profile
 
-__all__ = ["Scenario", "ScenarioRun", "ScenarioResult", "run_scenario", "load_scenario"]
+__all__ = ["Scenario", "ScenarioRun", "ScenarioResult", "HostSpec", "run_scenario", "load_scenario", "round_metrics"]
 
 _FAST_PROTOCOL = dict(gossip_interval=0.5, peer_timeout=5.0, matchmaking_time=0.5, request_timeout=0.3,
                       part_timeout=1.0, allreduce_timeout=10.0)
@@ -390,42 +390,58 @@ class ScenarioRun(FaultContext):
 
     def _metrics(self, r: int, t0: float, steppers: list[int], evs: dict, sent0: dict, recv0: dict) -> dict:
         live = [p for p in self.slots if p.alive]
-        xs = np.stack([p.tensors[0] for p in live]) if live else np.zeros((0, self.sc.numel))
-        err = xs - self.truth
-        groups: dict[str, int] = {}
-        failures: Counter = Counter()
-        succeeded = 0
+        outcomes: list[tuple] = []
         for i, ev in evs.items():
             if not ev.triggered:
-                failures["unfinished"] += 1
-                continue
-            act = ev.value
-            if isinstance(act, StepDone):
-                succeeded += 1
-                groups[act.result.group_id] = len(act.result.members)
-            elif isinstance(act, StepFailed):
-                failures[type(act.error).__name__] += 1
-        sizes = Counter(groups.values())
+                outcomes.append(("unfinished",))
+            elif isinstance(ev.value, StepDone):
+                outcomes.append(("done", ev.value.result.group_id, len(ev.value.result.members)))
+            elif isinstance(ev.value, StepFailed):
+                outcomes.append(("failed", type(ev.value.error).__name__))
         sent = [self.network.sent_bytes.get(self.slots[i].endpoint, 0) - sent0.get(self.slots[i].endpoint, 0)
                 for i in steppers]
         recv = [self.network.received_bytes.get(self.slots[i].endpoint, 0) - recv0.get(self.slots[i].endpoint, 0)
                 for i in steppers]
-        return {
-            "round": r,
-            "t_start": t0,
-            "sim_seconds": self.env.now - t0,
-            "live": len(live),
-            "participants": len(steppers),
-            "succeeded": succeeded,
-            "failures": dict(sorted(failures.items())),
-            "groups": {str(k): v for k, v in sorted(sizes.items())},
-            "mse": float((err ** 2).mean()) if live else math.nan,
-            "max_abs": float(np.abs(err).max()) if live else math.nan,
-            "spread": float(((xs - xs.mean(axis=0)) ** 2).mean()) if live else math.nan,
-            "bytes_sent_mean": float(np.mean(sent)) if sent else 0.0,
-            "bytes_sent_max": int(max(sent, default=0)),
-            "bytes_received_mean": float(np.mean(recv)) if recv else 0.0,
-        }
+        return round_metrics(r, t0, self.env.now - t0, [p.tensors[0] for p in live], self.truth, self.sc.numel,
+                             len(steppers), outcomes, sent, recv)
+
+
+def round_metrics(r: int, t0: float, seconds: float, live_tensors: list[np.ndarray], truth: np.ndarray, numel: int,
+                  participants: int, outcomes: list[tuple], sent: list[int], recv: list[int]) -> dict:
+    """One round's metrics, shared by the simulator and the testbed (`sim.testbed`) so both report the same.
+
+    ``live_tensors``: the tensor of every live peer after the round; ``truth``: the round-0 global mean;
+    ``outcomes``: one per stepping peer, ``("done", group_id, group_size)``, ``("failed", error_type_name)``
+    or ``("unfinished",)``; ``sent``/``recv``: bytes per stepping peer during the round."""
+    xs = np.stack(live_tensors) if live_tensors else np.zeros((0, numel))
+    err = xs - truth
+    groups: dict[str, int] = {}
+    failures: Counter = Counter()
+    succeeded = 0
+    for o in outcomes:
+        if o[0] == "done":
+            succeeded += 1
+            groups[o[1]] = o[2]
+        else:
+            failures["unfinished" if o[0] == "unfinished" else o[1]] += 1
+    sizes = Counter(groups.values())
+    live = len(live_tensors)
+    return {
+        "round": r,
+        "t_start": t0,
+        "sim_seconds": seconds,
+        "live": live,
+        "participants": participants,
+        "succeeded": succeeded,
+        "failures": dict(sorted(failures.items())),
+        "groups": {str(k): v for k, v in sorted(sizes.items())},
+        "mse": float((err ** 2).mean()) if live else math.nan,
+        "max_abs": float(np.abs(err).max()) if live else math.nan,
+        "spread": float(((xs - xs.mean(axis=0)) ** 2).mean()) if live else math.nan,
+        "bytes_sent_mean": float(np.mean(sent)) if sent else 0.0,
+        "bytes_sent_max": int(max(sent, default=0)),
+        "bytes_received_mean": float(np.mean(recv)) if recv else 0.0,
+    }
 
 
 def run_scenario(sc: Scenario | dict, progress: Callable[[int, int], None] | None = None) -> ScenarioResult:

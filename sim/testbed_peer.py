@@ -1,0 +1,88 @@
+"""One testbed host's peer process: a real `zgossip.Averager` driven over stdin/stdout JSON lines.
+
+Started by `sim.testbed_run` inside the host's namespace (``python -m sim.testbed_peer``).
+The first stdin line is its configuration::
+
+    {"slot": 0, "listen": "tcp://10.x.y.1:41000", "initial_peers": [...], "tensor": "/dev/shm/...",
+     "dtype": "float32", "averager": {...Averager keyword arguments...}}
+
+It loads its tensor from ``tensor`` (the controller writes the simulator's initial values
+there; after a crash the file still holds what the slot had after its last step, which is
+what a rejoining process starts from), answers ``{"ready": ...}``, then serves:
+
+    {"cmd": "step", "round": r, "at": MONOTONIC, "timeout": s} -> outcome, group, timings,
+        wall seconds from ``at``; the tensor is written back to ``tensor`` before the answer
+    {"cmd": "stop"}
+
+The controller is not on the emulated network: commands travel on the pipes. Protocol
+lines go to the original stdout only; anything else printed lands on stderr.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+
+import numpy as np
+
+
+def _write_tensor(path: str, arr: np.ndarray) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        np.save(f, arr)
+    os.replace(tmp, path)  # the controller never reads a half-written file
+
+
+def main() -> int:
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # stray prints must not corrupt the protocol
+    logging.basicConfig(level=os.environ.get("ZGOSSIP_LOG", "WARNING"), stream=sys.stderr)
+
+    def say(obj: dict) -> None:
+        out.write(json.dumps(obj) + "\n")
+
+    cfg = json.loads(sys.stdin.readline())
+    from zgossip.averager import Averager
+    from zgossip.errors import ZGossipError
+
+    data = np.ascontiguousarray(np.load(cfg["tensor"]).astype(cfg["dtype"], copy=False))
+    avg = Averager([data], listen=cfg["listen"], initial_peers=cfg["initial_peers"], local_ipc=False,
+                   **cfg["averager"])
+    say({"ready": True, "endpoint": avg.endpoint, "peer_id": avg.peer_id, "pid": os.getpid(),
+         "t": time.monotonic()})
+    try:
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            if cmd["cmd"] == "stop":
+                break
+            if cmd["cmd"] != "step":
+                say({"error": f"unknown command {cmd['cmd']!r}"})
+                continue
+            at = float(cmd["at"])
+            time.sleep(max(0.0, at - time.monotonic()))  # the common start instant (one clock machine-wide)
+            begin = time.monotonic()
+            rep: dict = {"round": cmd["round"], "slot": cfg["slot"], "late_start": begin - at}
+            try:
+                res = avg.step(timeout=float(cmd["timeout"]), round=int(cmd["round"]))
+                end = time.monotonic()
+                rep.update(outcome="done", group_id=res.group_id, group_size=len(res.members),
+                           members=list(res.members), contributors=list(res.contributors), lost=list(res.lost),
+                           complete=res.complete, timings=res.timings, bytes_sent=res.bytes_sent,
+                           bytes_received=res.bytes_received)
+            except ZGossipError as e:
+                end = time.monotonic()
+                rep.update(outcome="failed", error=type(e).__name__, message=str(e)[:300])
+            rep["wall"] = end - begin
+            rep["seconds"] = end - at
+            with avg.get_tensors() as ts:
+                _write_tensor(cfg["tensor"], ts[0])
+            say(rep)
+    finally:
+        avg.shutdown(2.0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

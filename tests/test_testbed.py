@@ -1,0 +1,196 @@
+"""The emulated testbed (sim.testbed): real peers in network namespaces on shaped links.
+
+Needs root and network namespaces; skipped with the reason otherwise. Everything binds
+inside namespaces the test created (a private /24 with no route out). Every test checks
+that no namespace, link, process or /dev/shm file of its run is left behind.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sim.scenario import HostSpec, Scenario
+from sim.testbed import PREFIX, Testbed, check_support, cleanup
+
+REASON = check_support()
+needs_netns = pytest.mark.skipif(REASON is not None, reason=f"testbed unavailable: {REASON}")
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def leftovers(run_id: str) -> dict:
+    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=10).stdout
+    procs = [p.name for p in Path("/proc").iterdir() if p.name.isdigit() and _cmd_has(p, run_id)]
+    names = [l.split()[0] for l in ns.split("\n") if run_id in l]
+    for n in names:  # processes inside the run's namespaces (e.g. `sleep`, whose command line names no run)
+        procs += subprocess.run(["ip", "netns", "pids", n], capture_output=True, text=True, timeout=10).stdout.split()
+    return {"namespaces": names, "links": [l for l in links.split("\n") if run_id in l],
+            "processes": procs, "shm": [f.name for f in Path("/dev/shm").glob(f"{run_id}*")]}
+
+
+def _cmd_has(p: Path, text: str) -> bool:
+    try:
+        return text.encode() in (p / "cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def assert_clean(run_id: str, pids=()) -> None:
+    left = leftovers(run_id)
+    assert not any(left.values()), left
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or (Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] == "Z"), pid
+
+
+SCENARIO = {
+    "seed": 7,
+    "numel": 1 << 18,  # 1 MiB of float32
+    "dtype": "float32",
+    "rounds": 3,
+    "grid": [],
+    "step_timeout": 2.0,
+    "round_gap": 1.5,
+    "bootstrap_time": 2.0,
+    "protocol": {"target_group_size": 3, "min_group_size": 2, "matchmaking_time": 0.5, "part_timeout": 1.5,
+                 "allreduce_timeout": 10.0},
+    "hosts": [{"up_mbit": 200, "down_mbit": 200, "latency_ms": 1},
+              {"up_mbit": 100, "down_mbit": 100, "latency_ms": 5},
+              {"up_mbit": 10, "down_mbit": 10, "latency_ms": 10, "jitter_ms": 1}],
+    # round 0 (t = 2.05 .. 3.4-4.1: host 0 gives up within step_timeout) runs with host 0 cut off, healed in
+    # the gap; round 1 starts at 4.9-5.6 and lasts ~1.8 s (host 2's 10 Mbit/s), so the SIGKILL at 5.9
+    # lands inside it
+    "faults": [{"kind": "partition", "sides": [[0], [1, 2]], "start": 1.5, "end": 4.4},
+               {"kind": "crash", "peer": 2, "at": 5.9}],
+}
+
+
+def _subset_means(prev: dict[int, np.ndarray], slot: int) -> list[np.ndarray]:
+    others = [s for s in prev if s != slot]
+    out = []
+    for k in range(len(others) + 1):
+        for combo in itertools.combinations(others, k):
+            out.append(np.mean([prev[s].astype(np.float64) for s in (slot, *combo)], axis=0))
+    return out
+
+
+@needs_netns
+def test_three_hosts_kill_and_partition():
+    from sim.testbed_run import run_testbed
+
+    sc = Scenario.from_dict(SCENARIO)
+    rng = np.random.default_rng([sc.seed, __import__("zgossip.grid", fromlist=["seed_from"]).seed_from("values")])
+    initial = {i: rng.standard_normal(sc.numel).astype(sc.dtype) for i in range(3)}
+    seen: dict[int, dict[int, np.ndarray]] = {}
+    t0 = time.monotonic()
+    res = run_testbed(sc, on_round=lambda r, ts: seen.__setitem__(r, ts))
+    took = time.monotonic() - t0
+    tb = res["testbed"]
+    assert_clean(tb["id"])
+    assert took < 60, took
+    slot_of = {pid: s for s, ids in tb["peers"].items() for pid in ids}
+    steps = {(st["round"], st["slot"]): st for st in tb["steps"]}
+    tol = dict(rtol=1e-5, atol=1e-6)
+
+    # round 0: host 0 is cut off and averages with nobody; 1 and 2 reach exactly their mean
+    assert steps[(0, 0)]["outcome"] == "failed"
+    np.testing.assert_array_equal(seen[0][0], initial[0])
+    for s in (1, 2):
+        assert steps[(0, s)]["outcome"] == "done" and steps[(0, s)]["group_size"] == 2
+        np.testing.assert_allclose(seen[0][s], (initial[1].astype(np.float64) + initial[2]) / 2, **tol)
+    # round 1: 2 is killed; every element a survivor holds is averaged over a set including it, or unchanged
+    assert res["rounds"][1]["live"] == 2 and res["rounds"][2]["live"] == 2
+    prev = seen[0]
+    for s in (0, 1):
+        cands = _subset_means(prev, s)
+        ok = np.zeros(sc.numel, dtype=bool)
+        for c in cands:
+            ok |= np.isclose(seen[1][s], c, **tol)
+        assert ok.all(), f"slot {s}: {(~ok).sum()} elements are neither averaged nor unchanged"
+        st = steps[(1, s)]
+        if st["outcome"] == "done" and st["complete"] and not st["lost"]:
+            want = np.mean([prev[slot_of[c]].astype(np.float64) for c in st["contributors"]], axis=0)
+            np.testing.assert_allclose(seen[1][s], want, **tol)
+    # round 2: the survivors still average, exactly
+    for s in (0, 1):
+        assert steps[(2, s)]["outcome"] == "done" and steps[(2, s)]["group_size"] == 2
+        np.testing.assert_allclose(seen[2][s], (seen[1][0].astype(np.float64) + seen[1][1]) / 2, **tol)
+    # the metrics are the simulator's: mse against the round-0 global mean of the initial values
+    truth = np.mean([initial[i].astype(np.float64) for i in range(3)], axis=0)
+    np.testing.assert_allclose(res["rounds"][2]["mse"], float(((np.stack(list(seen[2].values())) - truth) ** 2).mean()),
+                               rtol=1e-9)
+    assert [f["fault"] for f in tb["faults"]] == ["partition", "heal", "crash"]
+    assert tb["forwarder"]["cpu_seconds"] > 0 and tb["forwarder"]["ports"][2]["drop_partition"] > 0
+    assert all(b[0] > sc.numel * 4 for b in res["peer_bytes"]), res["peer_bytes"]
+    assert sorted(res["rounds"][0]) == sorted(["round", "t_start", "sim_seconds", "live", "participants", "succeeded",
+                                               "failures", "groups", "mse", "max_abs", "spread", "bytes_sent_mean",
+                                               "bytes_sent_max", "bytes_received_mean", "step_seconds"])
+
+
+@needs_netns
+def test_teardown_after_exception_and_shaping():
+    """An exception inside the block still removes everything; a 20 Mbit link is not faster than 20 Mbit."""
+    procs = []
+    with pytest.raises(RuntimeError, match="boom"):
+        with Testbed([HostSpec(up_mbit=20, down_mbit=20, latency_ms=5), HostSpec(latency_ms=5)], seed=1) as tb:
+            run_id = tb.id
+            srv = tb.popen(1, [sys.executable, "-c", f"""
+import socket, time
+s = socket.socket(); s.bind(('{tb.ip(1)}', 5001)); s.listen(); c, _ = s.accept(); n = 0; t = None
+while (d := c.recv(1 << 20)):
+    t = t or time.monotonic(); n += len(d)
+print(n * 8 / (time.monotonic() - t) / 1e6)
+"""], stdout=subprocess.PIPE, text=True)
+            procs.append(srv.pid)
+            time.sleep(0.3)
+            r = tb.run(0, [sys.executable, "-c", f"import socket; s = socket.create_connection(('{tb.ip(1)}', 5001)); "
+                                                 "s.sendall(bytes(4 << 20)); s.close()"], timeout=30)
+            assert r.returncode == 0, r.stderr
+            mbit = float(srv.communicate(timeout=30)[0])
+            assert 10 < mbit < 21, mbit
+            procs.append(tb.popen(0, ["sleep", "30"]).pid)
+            raise RuntimeError("boom")
+    assert_clean(run_id, procs)
+
+
+@needs_netns
+def test_cleanup_removes_what_a_crashed_run_left():
+    # a run whose controller dies without tearing down (os._exit): namespaces, forwarder and a process stay
+    code = ("import os, sys; from sim.testbed import Testbed; from sim.scenario import HostSpec\n"
+            "tb = Testbed([HostSpec(), HostSpec()]); tb.start(); tb.popen(0, ['sleep', '60'], stdout=-3, stderr=-3)\n"
+            "open(tb.shm_path('x'), 'w').write('x'); print(tb.id, flush=True); os._exit(0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=ENV, cwd=ROOT)
+    run_id = out.stdout.strip()
+    assert run_id.startswith(PREFIX), out.stderr
+    assert leftovers(run_id)["namespaces"] and leftovers(run_id)["processes"] and leftovers(run_id)["shm"]
+    p = subprocess.run([sys.executable, "-m", "sim", "testbed", "--cleanup"], capture_output=True, text=True,
+                       timeout=60, env=ENV, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    assert run_id in json.loads(p.stdout)["runs"]
+    assert_clean(run_id)
+
+
+def test_refuses_in_one_line_without_privileges(tmp_path):
+    sc = tmp_path / "s.toml"
+    sc.write_text("[[hosts]]\nup_mbit = 10\n[[hosts]]\nup_mbit = 10\n")
+    p = subprocess.run([sys.executable, "-m", "sim", "testbed", str(sc)], capture_output=True, text=True, timeout=60,
+                       env={**ENV, "ZGOSSIP_TESTBED_PRETEND_UNPRIVILEGED": "1"}, cwd=ROOT)
+    assert p.returncode == 2
+    assert p.stderr.strip().count("\n") == 0 and "root" in p.stderr, p.stderr
+
+
+def test_refuses_a_scenario_without_hosts(tmp_path):
+    sc = tmp_path / "s.toml"
+    sc.write_text("peers = 4\ngrid = []\n")
+    p = subprocess.run([sys.executable, "-m", "sim", "testbed", str(sc)], capture_output=True, text=True, timeout=60,
+                       env=ENV, cwd=ROOT)
+    assert p.returncode == 2
+    assert p.stderr.strip().count("\n") == 0 and "[[hosts]]" in p.stderr, p.stderr
