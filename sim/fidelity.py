@@ -131,7 +131,7 @@ def run_case(name: str, rounds: int = 4, seed: int = 1,
              testbed: Callable[[dict], dict] | None = None) -> CaseResult:
     """One case on the testbed and in the simulator."""
     if testbed is None:
-        from .testbed import run_testbed as testbed
+        from .testbed_run import run_testbed as testbed
     sc = case_scenario(name, rounds, seed)
     t0 = time.perf_counter()
     measured = testbed(sc)
@@ -205,9 +205,9 @@ def _machine() -> str:
 
 
 def main(args: Any) -> int:
-    from .testbed import require_testbed
+    from .testbed import check_support
 
-    reason = require_testbed()
+    reason = check_support()
     if reason:
         print(f"python -m sim fidelity: {reason}", file=sys.stderr)
         return 2
