@@ -3,7 +3,9 @@
     python -m sim run scenario.toml [--out results.json] [--csv rounds.csv]
     python -m sim moshpit --peers 1024 --group-size 32 --grid 32x32 --dropout 0.01 --rounds 10 \
                           --seed 0 --level message|round [--json]
-    python -m sim table [--quick] [--json]      # the Moshpit paper's averaging table (round level)
+    python -m sim table [--quick] [--json]      # the Moshpit paper's averaging table (a sweep, round level)
+    python -m sim sweep SWEEP.toml [--out DIR] [--workers N | --serial | --cluster ADDRESS] [--plot]
+    python -m sim plot RESULTS_DIR [--out DIR]  # the standard figures of a sweep, as PNG
     python -m sim bench [--json]                # speed vs a bare SimPy model, memory at 16,384 peers
 """
 from __future__ import annotations
@@ -167,6 +169,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     t.add_argument("--quick", action="store_true")
     t.add_argument("--json", action="store_true")
     t.set_defaults(fn=cmd_table)
+    from . import sweep as _sweep  # light: imports nothing heavy until a sweep runs
+
+    sw = sub.add_parser("sweep", help="run a sweep file: a base scenario x axes x seeds, resumable, in parallel")
+    _sweep.add_arguments(sw)
+    sw.set_defaults(fn=_sweep.cmd_sweep)
+    pl = sub.add_parser("plot", help="draw a sweep's standard figures (PNG)")
+    pl.add_argument("results", help="a sweep's results folder")
+    pl.add_argument("--out", help="folder for the PNGs (default: RESULTS/plots)")
+    pl.add_argument("--metric", help="metric column (default: the sweep's [plot] metric, else mse)")
+    pl.add_argument("--eps", type=float, help="threshold of the rounds-to-eps heatmap (default: [plot] eps, else 1e-9)")
+    pl.add_argument("--heatmap", nargs=2, metavar=("X", "Y"), help="the heatmap's two axes")
+    pl.set_defaults(fn=lambda a: __import__("sim.plot", fromlist=["main"]).cmd_plot(a))
     b = sub.add_parser("bench", help="speed and memory of the simulator against a bare SimPy model")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=lambda a: __import__("sim.bench", fromlist=["main"]).main(a.rest))
