@@ -137,10 +137,27 @@ def cmd_moshpit(args: argparse.Namespace) -> int:
 
 
 def cmd_table(args: argparse.Namespace) -> int:
-    from . import moshpit
+    """The Moshpit table as the sweep sim/sweeps/moshpit_table.toml (parallel, resumable), printed."""
+    import dataclasses
 
-    argv = (["--quick"] if args.quick else []) + (["--json"] if args.json else [])
-    return moshpit.main(argv)
+    from .moshpit import format_table, table_from_sweep
+    from .sweep import SWEEPS_DIR, load_sweep, read_table, run_sweep
+
+    sweep = load_sweep(SWEEPS_DIR / "moshpit_table.toml")
+    if args.quick:
+        sweep = dataclasses.replace(sweep, seeds=list(range(3)))
+    out = args.out or f"results/{sweep.name}-{len(sweep.seeds)}"
+    t0 = time.perf_counter()
+    res = run_sweep(sweep, out, workers=0 if args.serial else args.workers, quiet=args.json)
+    rows = table_from_sweep(read_table(out)[1])
+    cap = int(sweep.base["cap"])
+    if args.json:
+        json.dump({"restarts": len(sweep.seeds), "cap": cap, "seed": sweep.seed, "rows": rows}, sys.stdout, indent=1)
+        print()
+    else:
+        print(format_table(rows, restarts=len(sweep.seeds), cap=cap))
+        print(f"({time.perf_counter() - t0:.1f} s wall; {res.computed} runs computed, {res.reused} reused from {out})")
+    return 1 if res.failures else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -168,6 +185,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     t = sub.add_parser("table", help="the Moshpit paper's averaging table on the round-level model")
     t.add_argument("--quick", action="store_true")
     t.add_argument("--json", action="store_true")
+    t.add_argument("--out", help="the sweep's results folder (default: results/moshpit_table-RESTARTS)")
+    t.add_argument("--workers", type=int, default=None, help="local processes (default: one per core)")
+    t.add_argument("--serial", action="store_true")
     t.set_defaults(fn=cmd_table)
     from . import sweep as _sweep  # light: imports nothing heavy until a sweep runs
 
