@@ -436,7 +436,7 @@ def _stop_pool(pool) -> None:
 
 def _execute_dask(kind: str, runs: list[Run], cluster: Any, done: Done, tick: Callable[[], None]) -> None:
     try:
-        from distributed import Client, wait
+        from distributed import Client
     except ImportError as e:
         raise SystemExit("--cluster needs Dask distributed: pip install 'zgossip[cluster]'") from e
     own = not isinstance(cluster, Client)
@@ -452,11 +452,11 @@ def _execute_dask(kind: str, runs: list[Run], cluster: Any, done: Done, tick: Ca
         futures = [client.submit(_run_chunk, kind, code, _payload(c), pure=False) for c in _chunks(runs, workers)]
         pending = set(futures)
         while pending:
-            try:
-                res = wait(pending, timeout=1.0, return_when="FIRST_COMPLETED")
-                finished, pending = set(res.done), set(res.not_done)
-            except TimeoutError:
-                finished = set()
+            # poll: a future's state is local to the client, and every wait stays short (Ctrl-C, progress)
+            finished = {f for f in pending if f.done()}
+            if not finished:
+                time.sleep(0.05)
+            pending -= finished
             for f in finished:
                 done(f.result(timeout=60))
             tick()
