@@ -285,7 +285,7 @@ class Sweep:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown sweep kind {self.kind!r}; known: {sorted(KINDS)}")
-        if "seed" in self.axes or "seed" in self.base and self.kind == "moshpit":
+        if "seed" in self.axes or ("seed" in self.base and self.kind == "moshpit"):
             raise ValueError("the seed comes from the sweep (`seed`, `seeds`), not from an axis or the base")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ValueError("seeds must be a positive count or a list of distinct seed indices")
@@ -376,6 +376,7 @@ def _execute_serial(kind: str, runs: list[Run], done: Done, tick: Callable[[], N
     code = code_version()
     for r in runs:
         done(_run_chunk(kind, code, _payload([r])))
+        tick()
 
 
 def _execute_processes(kind: str, runs: list[Run], workers: int, done: Done, tick: Callable[[], None]) -> None:
@@ -638,7 +639,7 @@ def run_sweep(sweep: Sweep, out: str | Path, *, workers: int | None = None, clus
     prog = Progress(len(runs), len(runs) - sum(r.key in by_key for r in runs), stream, quiet)
     computed = 0
 
-    def done(batch: list[tuple[str, str, str]]) -> None:
+    def done(batch: list[tuple[str, str, str, str]]) -> None:
         nonlocal computed
         ok = bad = 0
         for key, status, text, table_lines in batch:
