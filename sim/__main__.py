@@ -3,7 +3,9 @@
     python -m sim run scenario.toml [--out results.json] [--csv rounds.csv]
     python -m sim moshpit --peers 1024 --group-size 32 --grid 32x32 --dropout 0.01 --rounds 10 \
                           --seed 0 --level message|round [--json]
-    python -m sim table [--quick] [--json]      # the Moshpit paper's averaging table (round level)
+    python -m sim table [--quick] [--json]      # the Moshpit paper's averaging table (a sweep, round level)
+    python -m sim sweep SWEEP.toml [--out DIR] [--workers N | --serial | --cluster ADDRESS] [--plot]
+    python -m sim plot RESULTS_DIR [--out DIR]  # the standard figures of a sweep, as PNG
     python -m sim bench [--json]                # speed vs a bare SimPy model, memory at 16,384 peers
     python -m sim compare RUN.json [--skip K]   # a testbed run replayed in the simulator, side by side
     python -m sim fidelity [--quick] [--cases a,b] [--out F]  # testbed vs simulator over a case matrix
@@ -140,10 +142,27 @@ def cmd_moshpit(args: argparse.Namespace) -> int:
 
 
 def cmd_table(args: argparse.Namespace) -> int:
-    from . import moshpit
+    """The Moshpit table as the sweep sim/sweeps/moshpit_table.toml (parallel, resumable), printed."""
+    import dataclasses
 
-    argv = (["--quick"] if args.quick else []) + (["--json"] if args.json else [])
-    return moshpit.main(argv)
+    from .moshpit import format_table, table_from_sweep
+    from .sweep import SWEEPS_DIR, load_sweep, read_table, run_sweep
+
+    sweep = load_sweep(SWEEPS_DIR / "moshpit_table.toml")
+    if args.quick:
+        sweep = dataclasses.replace(sweep, seeds=list(range(3)))
+    out = args.out or f"results/{sweep.name}-{len(sweep.seeds)}"
+    t0 = time.perf_counter()
+    res = run_sweep(sweep, out, workers=0 if args.serial else args.workers, quiet=args.json)
+    rows = table_from_sweep(read_table(out)[1])
+    cap = int(sweep.base["cap"])
+    if args.json:
+        json.dump({"restarts": len(sweep.seeds), "cap": cap, "seed": sweep.seed, "rows": rows}, sys.stdout, indent=1)
+        print()
+    else:
+        print(format_table(rows, restarts=len(sweep.seeds), cap=cap))
+        print(f"({time.perf_counter() - t0:.1f} s wall; {res.computed} runs computed, {res.reused} reused from {out})")
+    return 1 if res.failures else 0
 
 
 def _step_medians(rounds: list[dict]) -> dict[int, float]:
@@ -275,6 +294,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     t = sub.add_parser("table", help="the Moshpit paper's averaging table on the round-level model")
     t.add_argument("--quick", action="store_true")
     t.add_argument("--json", action="store_true")
+    t.add_argument("--out", help="the sweep's results folder (default: results/moshpit_table-RESTARTS)")
+    t.add_argument("--workers", type=int, default=None, help="local processes (default: one per core)")
+    t.add_argument("--serial", action="store_true")
     t.set_defaults(fn=cmd_table)
     c = sub.add_parser("compare", help="replay a testbed run in the simulator: measured vs predicted per round")
     c.add_argument("run", help="results JSON written by `python -m sim testbed SCENARIO --out RUN.json`")
@@ -288,6 +310,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     fi.add_argument("--seed", type=int, default=1)
     fi.add_argument("--out", help="write every case's runs and the table as JSON here")
     fi.set_defaults(fn=lambda a: __import__("sim.fidelity", fromlist=["main"]).main(a))
+    from . import sweep as _sweep  # light: imports nothing heavy until a sweep runs
+
+    sw = sub.add_parser("sweep", help="run a sweep file: a base scenario x axes x seeds, resumable, in parallel")
+    _sweep.add_arguments(sw)
+    sw.set_defaults(fn=_sweep.cmd_sweep)
+    pl = sub.add_parser("plot", help="draw a sweep's standard figures (PNG)")
+    pl.add_argument("results", help="a sweep's results folder")
+    pl.add_argument("--out", help="folder for the PNGs (default: RESULTS/plots)")
+    pl.add_argument("--metric", help="metric column (default: the sweep's [plot] metric, else mse)")
+    pl.add_argument("--eps", type=float, help="threshold of the rounds-to-eps heatmap (default: [plot] eps, else 1e-9)")
+    pl.add_argument("--heatmap", nargs=2, metavar=("X", "Y"), help="the heatmap's two axes")
+    pl.set_defaults(fn=lambda a: __import__("sim.plot", fromlist=["main"]).cmd_plot(a))
     b = sub.add_parser("bench", help="speed and memory of the simulator against a bare SimPy model")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=lambda a: __import__("sim.bench", fromlist=["main"]).main(a.rest))

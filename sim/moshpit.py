@@ -30,7 +30,8 @@ and every p starts from the same values in a restart; each run then draws from i
 own generator seeded by (seed, N, restart, p, method) — the table is a pure
 function of the seed.
 
-CLI: ``python -m sim.moshpit [--quick] [--json] [--extra]``.
+CLI: ``python -m sim.moshpit [--quick] [--json] [--extra]`` (one process, no store);
+``python -m sim table`` runs the same table as the sweep ``sim/sweeps/moshpit_table.toml``.
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ from zgossip.grid import seed_from
 from .roundlevel import Method, RoundLevelSwarm
 
 __all__ = ["MethodSpec", "METHODS", "EXTRA_METHODS", "NS", "PS", "THRESHOLDS", "mse_curves", "rounds_to",
-           "moshpit_table", "format_table", "main"]
+           "moshpit_table", "table_from_sweep", "format_table", "main"]
 
 NS = (512, 768, 900, 1024)
 PS = (0.0, 0.005, 0.01)
@@ -163,6 +164,21 @@ def message_level_curves(n: int, p: float, *, restarts: int = 10, cap: int = 50,
             if out[r, k] <= 1e-9:
                 out[r, k + 1:] = out[r, k]
                 break
+    return out
+
+
+def table_from_sweep(rows: Sequence[dict]) -> list[dict]:
+    """`moshpit_table`'s rows from a sweep's tidy rows (`sim.sweep.read_table`; axes n, p, method):
+    the same numbers, since the sweep's runs draw exactly as `mse_curves` does."""
+    from .sweep import rounds_to_eps
+
+    out: list[dict] = []
+    for label, thr in THRESHOLDS.items():
+        for i, s in enumerate(rounds_to_eps(rows, ("n", "p", "method"), thr, "mse")):
+            if len(out) <= i:
+                out.append({"n": s["n"], "p": float(s["p"]), "method": s["method"]})
+            out[i][f"rounds_{label}"] = float(s["rounds"])
+            out[i][f"reached_{label}"] = float(s["reached"])
     return out
 
 

@@ -1,0 +1,210 @@
+"""Sweeps: byte-identical files whatever runs them, resuming, Ctrl-C, failing points, the Moshpit table."""
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from sim import sweep as sw
+from sim.sweep import Sweep, load_sweep, read_table, run_sweep
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SMALL = """
+name = "small"
+kind = "scenario"
+seed = 3
+seeds = 2
+[base]
+peers = 8
+grid = [4, 2]
+rounds = 2
+numel = 4
+membership = "static"
+bootstrap_time = 0.0
+[axes]
+unavailability = [0.0, 0.25]
+protocol.target_group_size = [2, 4]
+"""
+
+
+def _small(tmp_path: Path, text: str = SMALL) -> Sweep:
+    path = tmp_path / "small.toml"
+    path.write_text(text)
+    return load_sweep(path)
+
+
+def _files(out: Path) -> dict[str, bytes]:
+    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def test_sweep_file_format(tmp_path):
+    s = _small(tmp_path)
+    assert s.axes == {"unavailability": [0.0, 0.25], "protocol.target_group_size": [2, 4]}
+    assert s.seeds == [0, 1]
+    runs = s.runs()
+    assert len(runs) == 8 and len({r.key for r in runs}) == 8
+    assert runs[1].point == {"unavailability": 0.0, "protocol.target_group_size": 2} and runs[1].seed_index == 1
+    assert runs[2].spec["protocol"] == {"target_group_size": 4}
+    # seeds: from the sweep seed, the point and the seed index only
+    assert runs[0].spec["seed"] == sw.run_seed(3, runs[0].point, 0)
+    assert len({r.spec["seed"] for r in runs}) == 8
+    base_file = tmp_path / "base.toml"
+    base_file.write_text("peers = 4\ngrid = [2, 2]\n[protocol]\nmin_group_size = 2\n")
+    s2 = _small(tmp_path, f'scenario = "{base_file.name}"\nseeds = [5, 7]\n[base]\nrounds = 1\n'
+                          '[axes]\n"protocol.target_group_size" = [2]\n')
+    assert s2.base == {"peers": 4, "grid": [2, 2], "protocol": {"min_group_size": 2}, "rounds": 1}
+    assert s2.seeds == [5, 7] and s2.runs()[0].spec["protocol"] == {"min_group_size": 2, "target_group_size": 2}
+    with pytest.raises(ValueError, match="unknown sweep keys"):
+        _small(tmp_path, "axis = {}\n")
+    with pytest.raises(ValueError, match="seed comes from the sweep"):
+        _small(tmp_path, "[axes]\nseed = [1, 2]\n")
+
+
+def test_key_depends_on_scenario_and_code_version(tmp_path, monkeypatch):
+    s = _small(tmp_path)
+    keys = [r.key for r in s.runs()]
+    assert keys == [r.key for r in s.runs()]
+    monkeypatch.setattr(sw, "_CODE_VERSION", "some-other-version")
+    assert not set(keys) & {r.key for r in s.runs()}
+    # a worker on other sources refuses to run
+    monkeypatch.setattr(sw, "_CODE_VERSION", None)
+    [(key, status, text, _)] = sw._run_chunk("scenario", "not-this-code", [("k", s.runs()[0].spec)])
+    assert status == "error" and "code version" in text
+
+
+def test_serial_processes_and_local_dask_cluster_give_byte_identical_files(tmp_path):
+    distributed = pytest.importorskip("distributed")
+    s = _small(tmp_path)
+    serial = run_sweep(s, tmp_path / "serial", workers=0, quiet=True)
+    procs = run_sweep(s, tmp_path / "procs", workers=2, quiet=True)
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as lc:
+        dask = run_sweep(s, tmp_path / "dask", cluster=lc, quiet=True)
+    assert serial.computed == procs.computed == dask.computed == 8
+    assert not serial.failures
+    a, b, c = (_files(tmp_path / d) for d in ("serial", "procs", "dask"))
+    assert len([f for f in a if f.startswith("runs/")]) == 8
+    assert "results.csv" in a and "sweep.json" in a
+    assert a == b == c
+    desc, rows = read_table(tmp_path / "serial")
+    assert len(rows) == 8 * 2  # runs × rounds
+    assert {r["round"] for r in rows} == {1, 2}
+    assert all(r["mse"] >= 0 for r in rows) and any(r["bytes_sent_mean"] > 0 for r in rows)
+
+
+def test_interrupted_sweep_resumes_and_computes_only_the_rest(tmp_path):
+    s = _small(tmp_path)
+    seen: list[str] = []
+
+    def interrupt_after_three(key: str) -> None:
+        seen.append(key)
+        if len(seen) == 3:
+            raise KeyboardInterrupt
+
+    out = tmp_path / "interrupted"
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(s, out, workers=0, quiet=True, on_result=interrupt_after_three)
+    stored = sorted(p.name for p in (out / "runs").iterdir())
+    assert stored == sorted(f"{k}.json" for k in seen)  # the three finished runs, and no temporary file
+    again = run_sweep(s, out, workers=2, quiet=True)
+    assert (again.computed, again.reused) == (5, 3)
+    full = run_sweep(s, tmp_path / "whole", workers=0, quiet=True)
+    assert full.computed == 8
+    assert _files(out) == _files(tmp_path / "whole")
+    assert run_sweep(s, out, workers=0, quiet=True).computed == 0
+
+
+def test_ctrl_c_keeps_finished_runs_and_stops_every_worker(tmp_path):
+    """SIGINT to the command (as a terminal's Ctrl-C, to the whole process group): exit 130, the
+    finished runs are whole files, no worker is left behind."""
+    path = tmp_path / "long.toml"
+    path.write_text('kind = "moshpit"\nseeds = 400\n[base]\ncap = 200\n[axes]\nn = [1024]\np = [0.01]\n'
+                    'method = ["moshpit", "random"]\n')
+    out = tmp_path / "out"
+    marker = f"ZGOSSIP_SWEEP_TEST_{uuid.uuid4().hex}"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **{marker: "1"})
+    proc = subprocess.Popen([sys.executable, "-m", "sim", "sweep", str(path), "--out", str(out), "--workers", "2",
+                             "--quiet"], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(list((out / "runs").glob("*.json"))) < 4:
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err
+    files = list((out / "runs").iterdir())
+    assert 4 <= len(files) < 800
+    for f in files:
+        assert f.suffix == ".json" and json.loads(f.read_text())["result"]["rounds"][-1]["round"] == 200
+
+    def leftovers() -> list[int]:
+        pids = []
+        for d in Path("/proc").iterdir():
+            try:
+                if d.name.isdigit() and marker.encode() in (d / "environ").read_bytes():
+                    pids.append(int(d.name))
+            except OSError:
+                pass
+        return pids
+
+    deadline = time.monotonic() + 10
+    while leftovers() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert leftovers() == []
+
+
+def test_a_failing_point_is_reported_with_its_scenario_and_the_others_finish(tmp_path):
+    s = _small(tmp_path, SMALL.replace("unavailability = [0.0, 0.25]", "peers = [8, 100]"))
+    err = io.StringIO()
+    res = run_sweep(s, tmp_path / "out", workers=2, stream=err, quiet=True)
+    assert res.computed == 4 and len(res.failures) == 4  # peers = 100 do not fit 4x2 cells
+    assert all(f["point"]["peers"] == 100 and "ValueError" in f["error"] for f in res.failures)
+    assert err.getvalue().count("run failed") == 4 and '"peers":100' in err.getvalue()
+    _, rows = read_table(tmp_path / "out")
+    assert {r["peers"] for r in rows} == {8} and len(rows) == 4 * 2
+    assert len(json.loads((tmp_path / "out" / "failures.json").read_text())) == 4
+    # failures are not stored: a re-run retries them (and reuses the rest)
+    again = run_sweep(s, tmp_path / "out", workers=0, quiet=True, stream=io.StringIO())
+    assert (again.computed, again.reused, len(again.failures)) == (0, 4, 4)
+    from sim.__main__ import main
+
+    assert main(["sweep", str(tmp_path / "small.toml"), "--out", str(tmp_path / "out"), "--quiet"]) == 1
+
+
+def test_the_moshpit_table_sweep_reproduces_moshpit_table(tmp_path):
+    from sim.moshpit import METHODS, moshpit_table, table_from_sweep
+
+    s = load_sweep(sw.SWEEPS_DIR / "moshpit_table.toml")
+    assert s.kind == "moshpit" and len(s.points()) == 4 * 3 * 4 and s.seeds == list(range(10))
+    s = dataclasses.replace(s, seeds=[0, 1], axes={"n": [512, 1024], "p": [0.0, 0.01], "method": s.axes["method"]},
+                            base={**s.base, "cap": 12})
+    run_sweep(s, tmp_path / "t", quiet=True)
+    got = table_from_sweep(read_table(tmp_path / "t")[1])
+    assert got == moshpit_table((512, 1024), (0.0, 0.01), METHODS, restarts=2, cap=12, seed=0)
+
+
+def test_plot_draws_the_standard_figures(tmp_path):
+    pytest.importorskip("matplotlib")
+    from sim.plot import plot_results
+
+    s = _small(tmp_path)
+    run_sweep(s, tmp_path / "out", workers=0, quiet=True)
+    paths = plot_results(tmp_path / "out")
+    assert sorted(p.name for p in paths) == ["bytes_vs_accuracy.png", "metric_vs_rounds.png", "rounds_to_eps.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
