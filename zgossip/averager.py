@@ -112,6 +112,9 @@ class Averager:
     sockets instead of TCP loopback, found by the TCP endpoint they advertise; about a fifth
     faster on the 4-peer bench. ``False`` (or ``ZGOSSIP_LOCAL_IPC=0``) keeps TCP.
 
+    ``config``: every protocol setting as one `NodeConfig` (then the protocol keyword arguments
+    above are ignored), e.g. settings they do not expose.
+
     ``transport``: where the node runs (a not yet started `zgossip.transport.Transport`). The
     default is a `zgossip.zmq_driver.ZmqTransport` built from ``listen``, ``announce_host``,
     ``local_ipc`` and ``max_message_bytes`` (which apply only to it); the simulator passes a
@@ -122,7 +125,7 @@ class Averager:
         self,
         tensors: Sequence[Any],
         *,
-        prefix: str,
+        prefix: str | None = None,
         listen: str = "tcp://127.0.0.1:0",
         initial_peers: Sequence[str] = (),
         target_group_size: int = 16,
@@ -147,31 +150,36 @@ class Averager:
         local_ipc: bool = True,
         shutdown_timeout: float = 5.0,
         transport: Transport | None = None,
+        config: NodeConfig | None = None,
     ) -> None:
         if not 0.0 < averaging_alpha <= 1.0:
             raise ValueError("averaging_alpha must be in (0, 1]")
         if not shutdown_timeout >= 0:
             raise ValueError("shutdown_timeout must be >= 0")
         self.shutdown_timeout = float(shutdown_timeout)
-        check_endpoint(listen, "listen address", listen=True)
         initial_peers = tuple(initial_peers) if not isinstance(initial_peers, str) else (initial_peers,)
-        for ep in initial_peers:
-            check_endpoint(ep, "initial peer address")
+        if transport is None:  # addresses are the ZeroMQ transport's: others name peers their own way
+            check_endpoint(listen, "listen address", listen=True)
+            for ep in initial_peers:
+                check_endpoint(ep, "initial peer address")
         self._tensors = list(tensors)
         self._arrays = [as_array(t) for t in self._tensors]
         self.layout = FlatLayout.of(self._tensors)
         self.averaging_alpha = float(averaging_alpha)
         self._in_place = (bool(in_place) and len(self._arrays) == 1 and self.averaging_alpha == 1.0
                           and self._arrays[0].dtype == self.layout.dtype)
-        self.config = NodeConfig(
+        if config is None and prefix is None:
+            raise TypeError("Averager needs a prefix (or a whole NodeConfig as config=)")
+        self.config = config if config is not None else NodeConfig(
             prefix=prefix, target_group_size=target_group_size, min_group_size=min_group_size,
             matchmaking_time=matchmaking_time, request_timeout=request_timeout,
             part_size_bytes=part_size_bytes, part_timeout=part_timeout, allreduce_timeout=allreduce_timeout,
             gossip_interval=gossip_interval, peer_timeout=peer_timeout, bandwidth=bandwidth,
             grid=tuple(grid), grid_coords=tuple(grid_coords) if grid_coords is not None else None,
         )
+        part_size_bytes = self.config.part_size_bytes
         frame_limit = max_message_bytes or max(64 << 20, part_size_bytes + (1 << 16))
-        if part_size_bytes > frame_limit:
+        if transport is None and part_size_bytes > frame_limit:
             raise ValueError("part_size_bytes exceeds max_message_bytes: peers would drop every part")
         self._rng = np.random.default_rng(seed)
         self.peer_id = self._rng.bytes(8).hex()
