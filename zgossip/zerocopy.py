@@ -9,14 +9,19 @@ step waits for its loans before it hands the tensor back (`ZmqTransport.settle_s
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
+import logging
 import threading
-from typing import Any
+import time
+from typing import Any, Callable
 
 import zmq
 
 from . import wire
 
 __all__ = ["TRACK_BYTES", "LentPayloads"]
+
+log = logging.getLogger(__name__)
 
 TRACK_BYTES = 1 << 16  # payloads at least this large are sent zero-copy and tracked
 
@@ -100,6 +105,37 @@ class LentPayloads:
         except zmq.NotDone:
             return False
         return True
+
+    def settle(self, timeout: float, release_timeout: float, drop: Callable[[list[str]], None], who: str) -> int:
+        """Wait (at most `timeout`) until libzmq released every loan; then ``drop(endpoints)`` whose
+        loans are still queued, and wait (at most `release_timeout`) until libzmq let go of those.
+
+        A step that averaged the user's tensor in place calls this before handing the tensor back:
+        bytes still waiting for a slow or dead peer must never leave after the user changed them.
+        Such a peer simply misses those parts and, by the protocol's rules, leaves us out.
+        Returns the number of peers whose data was dropped.
+        """
+        deadline, pending = time.monotonic() + timeout, self.pending()
+        for t, _ in pending:
+            if not self.released(t, deadline - time.monotonic()):
+                break
+        stuck = sorted({ep for t, ep in pending if not t.done})
+        if not stuck:
+            return 0
+        until = time.monotonic() + release_timeout
+        try:
+            drop(stuck)
+        except RuntimeError:  # the transport is stopping: its sockets close anyway
+            return 0
+        except cf.TimeoutError:  # a busy I/O thread: the closing may still come; wait for the release below
+            pass
+        for ep in stuck:
+            log.warning("zgossip node %s: dropped unsent data for %s (the step is over)", who, ep)
+        # closing is asynchronous in libzmq: only once it released the payloads has it stopped reading them
+        if not all(self.released(t, until - time.monotonic()) for t, _ in pending):
+            log.warning("zgossip node %s: libzmq still holds parts of the tensor %.1f s after their "
+                        "connections were closed", who, release_timeout)
+        return len(stuck)
 
     def reap(self) -> None:
         """Release buffers libzmq finished with whose senders already let go (C sender only)."""

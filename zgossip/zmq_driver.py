@@ -123,34 +123,14 @@ class ZmqTransport:
         return bool(self._lent.pending())
 
     def settle_sends(self, timeout: float, release_timeout: float = 5.0) -> int:
-        """Wait (at most `timeout`) until libzmq released every lent payload; then drop what is still
-        queued by closing the connections to those peers (linger 0 discards their queues). A step
-        that averaged the user's tensor in place calls this before handing the tensor back: bytes
-        still waiting for a slow or dead peer must never leave after the user changed them."""
-        now = self.clock.now
-        deadline, pending = now() + timeout, self._lent.pending()
-        for t, _ in pending:
-            if not self._lent.released(t, deadline - now()):
-                break
-        stuck = sorted({ep for t, ep in pending if not t.done})
-        if not stuck or self._stopping:
-            return 0
+        """See `zgossip.zerocopy.LentPayloads.settle`: stuck loans are dropped by closing the
+        connections to their peers on the I/O thread (linger 0 discards their queues)."""
+        def drop(stuck: list[str]) -> None:
+            if self._stopping:
+                raise RuntimeError("driver is stopped")
+            self.run_on_io(lambda node, now: [self.connections.close(ep) for ep in stuck], release_timeout)
 
-        def reset(_now: float) -> None:
-            for ep in stuck:
-                self.connections.close(ep)
-                log.warning("zgossip node %s: dropped unsent data for %s (the step is over)", self.endpoint, ep)
-
-        until = now() + release_timeout
-        try:
-            self.run_on_io(lambda node, t: reset(t), release_timeout)
-        except cf.TimeoutError:
-            pass
-        # closing is asynchronous in libzmq: only once it released the payloads has it stopped reading them
-        if not all(self._lent.released(t, until - now()) for t, _ in pending):
-            log.warning("zgossip node %s: libzmq still holds parts of the tensor %.1f s after their "
-                        "connections were closed", self.endpoint, release_timeout)
-        return len(stuck)
+        return self._lent.settle(timeout, release_timeout, drop, self.endpoint)
 
     def close(self, timeout: float = 5.0) -> None:
         if self._stopping:
