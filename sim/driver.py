@@ -1,10 +1,14 @@
-"""SimPy driver: runs `zgossip.node.Node` objects in one `simpy.Environment`, in virtual time.
+"""SimPy driver: the simulated `zgossip.transport.Transport`, in one `simpy.Environment`.
 
-It is the simulated twin of `zgossip.zmq_driver`: it carries out the node's `Send`
-actions through a `NetworkModel` (FIFO links, or TCP connections with `sim.tcp`), calls
-`on_timer` at the node's next deadline and collects `StepDone` / `StepFailed`. Every
-random draw comes from one seeded generator and events are scheduled in a fixed order, so
-one seed gives one trace; `trace_hash` digests every delivery (time, src, dst, header).
+It is the simulated twin of `zgossip.zmq_driver` and keeps the same delivery contract
+(`zgossip.transport`). Each simulated peer is a real `zgossip.Averager` on a `SimTransport`,
+whose clock is the cluster's `sim.clock.VirtualClock`: the transport feeds the node, calls
+`on_timer` at its next deadline and carries out its actions with `zgossip.actions.execute`
+(the executor the ZeroMQ transport uses), sending through the `SimCluster` -- the shared
+network: a `NetworkModel` (FIFO links, or TCP connections with `sim.tcp`), lanes, disconnect
+notices, CPU queues. Every random draw comes from one seeded generator and events are
+scheduled in a fixed order, so one seed gives one trace; `trace_hash` digests every delivery
+(time, src, dst, header).
 
 What the ZeroMQ driver does with connections is modelled too:
 
@@ -28,6 +32,7 @@ What the ZeroMQ driver does with connections is modelled too:
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -36,38 +41,112 @@ import numpy as np
 import simpy
 
 from zgossip import wire
-from zgossip.node import (Disconnect, DownloadDone, DownloadFailed, Node, NodeConfig, Send, ServeState, StepDone,
-                          StepFailed, StepRequest, StepResult)
-from zgossip.tensors import FlatLayout
+from zgossip.actions import DownloadDone, DownloadFailed, StepDone, StepFailed, execute
+from zgossip.averager import Averager
+from zgossip.node import Node, NodeConfig
 
+from .clock import VirtualClock
 from .network import NetworkModel
 from .tcp import TcpTransport
 from .static import StaticTable, StaticView
 
-__all__ = ["SimPeer", "SimCluster", "Crashed"]
+__all__ = ["SimTransport", "SimPeer", "SimCluster", "Crashed"]
 
 
 class Crashed(Exception):
     """The simulated peer running this step crashed."""
 
 
-class SimPeer:
-    """One simulated peer: a protocol node plus its tensors."""
+class SimTransport:
+    """One node on the simulated network: `zgossip.transport.Transport` in virtual time, plus the
+    faults a process can suffer (`pause`, `resume`, `crash`)."""
 
-    def __init__(self, cluster: "SimCluster", node: Node, tensors: Sequence[Any] | None) -> None:
+    def __init__(self, cluster: "SimCluster", endpoint: str, known: Sequence["SimTransport"] = ()) -> None:
         self.cluster = cluster
-        self.node = node
+        self.clock = cluster.clock
+        self.endpoint_ = endpoint
+        self._known = tuple(known)
+        self.node: Node = None  # type: ignore[assignment]  # set by start()
+        self.owner: Any = None
         self.alive = True
-        self.tensors = list(tensors) if tensors is not None else None
+        self.closed = False
+        self.stats = {"received": 0, "sent": 0}
         self._timer_at: float | None = None
         self._timer_gen = 0
-        self._waiters: dict[str, simpy.Event] = {}
-        self._step_seq = 0
         self.crashed_at: float | None = None
         self.paused = False
         self._inbox: list[tuple[Any, float]] = []  # (handling, its CPU cost) held while paused
         self._missed_timer = False
-        self.state_provider: Any = None  # callable -> (metadata, arrays); default: copies of `tensors`
+
+    # --------------------------------------------------------------- Transport
+    def start(self, peer_id: str, make_node: Any, owner: Any) -> None:
+        cl = self.cluster
+        view = None
+        if cl.table is not None:
+            cl.table.add(peer_id, self.endpoint_, cl.env.now)
+            view = StaticView(cl.table, peer_id, self.endpoint_)
+        self.owner = owner
+        self.node = node = make_node(self.endpoint_, view)
+        for other in self._known:  # pre-seeded membership, as after a converged gossip
+            node.membership.observe(other.peer_id, other.endpoint, cl.env.now)
+            other.node.membership.observe(peer_id, self.endpoint_, cl.env.now)
+        node.start(cl.env.now)
+        self.pump()
+
+    def call(self, fn: Any) -> None:
+        if self.closed:
+            raise RuntimeError("driver is stopped")
+        self._enter(fn)
+
+    def run_on_io(self, fn: Any, timeout: float) -> Any:
+        """Inline (the node lives in the event loop, and only the baton holder runs); with the CPU
+        model this handling costs no CPU time."""
+        if self.closed:
+            raise RuntimeError("driver is stopped")
+        out = fn(self.node, self.cluster.env.now)
+        if self.alive and not self.paused:
+            self.pump()
+        return out
+
+    def sends_pending(self) -> bool:
+        return False  # a simulated send copies the payload when it is made: nothing is lent
+
+    def settle_sends(self, timeout: float, release_timeout: float = 5.0) -> int:
+        return 0
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop, as a process exits: whatever is still queued is lost (see `crash`)."""
+        if not self.closed:
+            self.closed = True
+            if self.alive:
+                self.crash()
+
+    # --------------------------------------------------------------- actions.Carrier
+    def transmit(self, endpoint: str, msg: wire.Message, batch: dict) -> None:
+        self.stats["sent"] += 1
+        self.cluster._transmit(self, endpoint, msg)
+
+    def disconnect(self, endpoint: str) -> None:
+        self.cluster._disconnect(self, endpoint)
+
+    # --------------------------------------------------------------- owner actions at the CPU cursor
+    def step_finished(self, act: Any) -> None:
+        self._report(self.owner.step_finished, act)
+
+    def serve_state(self, act: Any) -> None:
+        self._report(self.owner.serve_state, act)
+
+    def download_finished(self, act: Any) -> None:
+        self._report(self.owner.download_finished, act)
+
+    def _report(self, fn: Any, act: Any) -> None:
+        cursor = self.cluster._cursor
+        now = self.cluster.env.now
+        if cursor is None or cursor <= now:
+            fn(act)
+        else:  # the handling that produced it is still running on the CPU
+            t = self.cluster.env.timeout(cursor - now)
+            t.callbacks.append(lambda _e: fn(act))
 
     @property
     def peer_id(self) -> str:
@@ -75,7 +154,7 @@ class SimPeer:
 
     @property
     def endpoint(self) -> str:
-        return self.node.endpoint
+        return self.endpoint_
 
     # --------------------------------------------------------------- driver loop
     def _enter(self, fn: Any, cost: float = 0.0) -> None:
@@ -108,39 +187,10 @@ class SimPeer:
         finally:
             cl._cursor = None
 
-    def _finish(self, ev: simpy.Event, act: Any) -> None:
-        cursor = self.cluster._cursor
-        now = self.cluster.env.now
-        if cursor is None or cursor <= now:
-            ev.succeed(act)
-        else:  # the handling that ended the step is still running on the CPU
-            t = self.cluster.env.timeout(cursor - now)
-            t.callbacks.append(lambda _e: ev.succeed(act))
-
     def pump(self) -> None:
         """Carry out the node's actions and (re)arm its timer."""
         env = self.cluster.env
-        for act in self.node.take_actions():
-            if isinstance(act, Send):
-                self.cluster._transmit(self, act.endpoint, act.msg)
-            elif isinstance(act, (StepDone, StepFailed)):
-                ev = self._waiters.pop(act.step_id, None)
-                if ev is not None:
-                    self._finish(ev, act)
-            elif isinstance(act, (DownloadDone, DownloadFailed)):
-                ev = self._waiters.pop(act.req, None)
-                if ev is not None:
-                    self._finish(ev, act)
-            elif isinstance(act, ServeState):
-                # a donor answers from its current tensors (or `state_provider`), like Averager.get_current_state
-                if self.state_provider is not None:
-                    meta, arrays = self.state_provider()
-                else:
-                    meta, arrays = None, [np.array(t) for t in (self.tensors or [])]
-                self.node.serve_state(act.req, act.endpoint, meta, arrays, env.now)
-                self.pump()
-            elif isinstance(act, Disconnect):
-                self.cluster._disconnect(self, act.endpoint)
+        execute(self.node.take_actions(), self, self if self.owner is not None else None)
         dl = self.node.next_deadline()
         if dl is not None and (self._timer_at is None or dl < self._timer_at):
             self._timer_at = dl
@@ -160,6 +210,7 @@ class SimPeer:
         self._enter(self.node.on_timer, cpu.costs.handle_msg if cpu is not None else 0.0)
 
     def deliver(self, msg: wire.Message, cost: float = 0.0) -> None:
+        self.stats["received"] += 1
         self._enter(lambda now, msg=msg: self.node.on_message(msg, now), cost)
 
     def peer_down(self, endpoint: str) -> None:
@@ -191,63 +242,6 @@ class SimPeer:
             self.node.on_timer(now)
         self.pump()
 
-    # --------------------------------------------------------------- user side
-    def step(self, buffer: np.ndarray, *, weight: float = 1.0, gather: Any = None,
-             timeout: float = 10.0, layout: str = "", round: int | None = None) -> simpy.Event:
-        """Start a step on a flat buffer; the returned event's value is StepDone or StepFailed."""
-        self._step_seq += 1
-        step_id = f"{self.peer_id[:8]}-{self._step_seq}"
-        ev = self.cluster.env.event()
-        self._waiters[step_id] = ev
-        layout = layout or f"{buffer.size}:{buffer.dtype.str}"
-        req = StepRequest(step_id, buffer, weight, gather, timeout, layout, round)
-        self._enter(lambda now: self.node.submit_step(req, now))
-        return ev
-
-    def step_tensors(self, *, weight: float = 1.0, gather: Any = None, timeout: float = 10.0,
-                     alpha: float = 1.0, round: int | None = None) -> simpy.Event:
-        """Like `zgossip.Averager.step`: snapshot this peer's tensors, average, write back the averaged ranges."""
-        if self.tensors is None:
-            raise ValueError("this peer was created without tensors")
-        layout = FlatLayout.of(self.tensors)
-        arrays = [np.asarray(t) for t in self.tensors]
-        buf = layout.snapshot(arrays, layout.new_buffer())
-        ev = self.step(buf, weight=weight, gather=gather, timeout=timeout, layout=layout.fingerprint, round=round)
-
-        def apply(e: simpy.Event) -> None:
-            if isinstance(e.value, StepDone):
-                layout.apply(arrays, buf, e.value.result.updated, alpha)
-
-        ev.callbacks.insert(0, apply)
-        return ev
-
-    def load_state(self, *, timeout: float = 30.0, chunk_timeout: float = 1.0) -> simpy.Event:
-        """Download state from the best donor; the event's value is DownloadDone or DownloadFailed."""
-        self._step_seq += 1
-        req = f"{self.peer_id[:8]}-s{self._step_seq}"
-        ev = self.cluster.env.event()
-        self._waiters[req] = ev
-        self._enter(lambda now: self.node.begin_download(req, now, timeout, chunk_timeout))
-        return ev
-
-    def shutdown(self, timeout: float = 5.0, poll: float = 0.001) -> simpy.Event:
-        """Like `zgossip.Averager.shutdown`: drop a running step, keep running while groupmates of a
-        recent round may still wait for our data (`Node.owes_others`, at most `timeout`), then stop
-        (as `crash` does: whatever is still queued is lost). The event fires when the peer is gone."""
-        env = self.cluster.env
-        st = self.node.step
-        if st is not None:
-            self.node.cancel_step(st.req.step_id, env.now, "peer shut down")
-            self.pump()
-
-        def run() -> Any:
-            end = env.now + timeout
-            while self.alive and self.node.owes_others() and env.now < end:
-                yield env.timeout(min(poll, end - env.now))
-            self.crash()
-
-        return env.process(run())
-
     def crash(self) -> None:
         """Kill the peer for good: queued messages are lost; its pending steps end as `Crashed`
         (so whoever waits on them in the simulation is not stuck; a real process would just vanish)."""
@@ -259,8 +253,71 @@ class SimPeer:
         if table is not None:  # a converged membership forgets the dead after peer_timeout
             ev = self.cluster.env.timeout(self.node.config.peer_timeout)
             ev.callbacks.append(lambda _e, pid=self.peer_id: table.remove(pid))
-        waiters, self._waiters = self._waiters, {}
-        for req, ev in waiters.items():
+        self._on_crash()
+
+    def _on_crash(self) -> None:
+        """For subclasses: whoever waits on this peer learns it crashed."""
+
+
+class SimPeer(SimTransport):
+    """A simulated peer: its transport and the real `zgossip.Averager` running on it.
+
+    `step_tensors` and `load_state` are ``averager.step(wait=False)`` and
+    ``averager.load_state_from_peers(wait=False)`` with their futures turned into SimPy events
+    (value: `StepDone` / `StepFailed`, `DownloadDone` / `DownloadFailed`), so that scenarios and
+    tests can ``env.run(until=...)`` them; a crash ends them as `Crashed` (a real process would just
+    vanish, but whoever waits on them in the simulation must not be stuck). Blocking code --
+    ``averager.step()`` in a training loop -- runs in a simulated thread: `SimCluster.spawn`.
+    """
+
+    def __init__(self, cluster: "SimCluster", endpoint: str, known: Sequence["SimTransport"] = (),
+                 tensors: Sequence[Any] | None = None) -> None:
+        super().__init__(cluster, endpoint, known)
+        self._has_tensors = tensors is not None
+        self._events: dict[simpy.Event, str] = {}  # pending events -> step id / download id
+        self.averager: Averager = None  # type: ignore[assignment]  # set by SimCluster.add_peer
+
+    @property
+    def tensors(self) -> list | None:
+        return self.averager._tensors if self._has_tensors else None
+
+    def step_tensors(self, *, weight: float = 1.0, gather: Any = None, timeout: float = 10.0,
+                     round: int | None = None) -> simpy.Event:
+        """``averager.step(wait=False)`` as an event whose value is StepDone or StepFailed."""
+        if not self._has_tensors:
+            raise ValueError("this peer was created without tensors")
+        fut = self.averager.step(weight=weight, gather=gather, timeout=timeout, wait=False, round=round)
+        sid = fut.step_id
+        return self._event_of(fut, sid, lambda r: StepDone(sid, r), lambda e: StepFailed(sid, e))
+
+    def load_state(self, *, timeout: float = 30.0, chunk_timeout: float = 1.0) -> simpy.Event:
+        """Download state from the best donor; the event's value is DownloadDone or DownloadFailed."""
+        fut = self.averager.load_state_from_peers(timeout, chunk_timeout, apply=False, wait=False)
+        return self._event_of(fut, "", lambda r: DownloadDone("", r[0], r[1]), lambda e: DownloadFailed("", e))
+
+    def _event_of(self, fut: cf.Future, req: str, done: Any, failed: Any) -> simpy.Event:
+        ev = self.cluster.env.event()
+        self._events[ev] = req
+
+        def settle(f: cf.Future) -> None:
+            if self._events.pop(ev, None) is None:
+                return  # ended as Crashed already
+            err = f.exception() if not f.cancelled() else cf.CancelledError()
+            ev.succeed(failed(err) if err is not None else done(f.result()))
+
+        fut.add_done_callback(settle)
+        return ev
+
+    def shutdown(self, timeout: float = 5.0) -> simpy.Event:
+        """``averager.shutdown()`` in a simulated thread: a running step is dropped, the peer keeps
+        serving while groupmates of a recent round may still wait for its data (at most `timeout`),
+        then stops. The event fires when the peer is gone."""
+        self.averager.shutdown_timeout = float(timeout)
+        return self.cluster.clock.spawn(self.averager.shutdown, name=f"shutdown-{self.peer_id[:8]}").done
+
+    def _on_crash(self) -> None:
+        events, self._events = self._events, {}
+        for ev, req in events.items():
             ev.succeed(StepFailed(req, Crashed(f"peer {self.peer_id[:8]} crashed")))
 
 
@@ -276,6 +333,7 @@ class SimCluster:
 
     def __post_init__(self) -> None:
         self.env = simpy.Environment()
+        self.clock = VirtualClock(self.env)
         self.rng = np.random.default_rng(self.seed)
         self.tcp = (TcpTransport(self.network, self.network.tcp, self.env, self.rng, self._tcp_arrive)
                     if self.network.transfer == "tcp" else None)
@@ -306,21 +364,19 @@ class SimCluster:
         endpoint = endpoint or f"sim://peer{idx}"
         if endpoint in self.peers and self.peers[endpoint].alive:
             raise ValueError(f"{endpoint} is taken by a live peer")
-        peer_rng = np.random.default_rng([self.seed, idx])
-        peer_id = peer_rng.bytes(8).hex()
-        view = None
-        if self.table is not None:
-            self.table.add(peer_id, endpoint, self.env.now)
-            view = StaticView(self.table, peer_id, endpoint)
-        node = Node(peer_id, endpoint, config, peer_rng, tuple(initial_peers), membership=view)
-        for other in known:  # pre-seeded membership, as after a converged gossip
-            node.membership.observe(other.peer_id, other.endpoint, self.env.now)
-            other.node.membership.observe(peer_id, endpoint, self.env.now)
-        peer = SimPeer(self, node, tensors)
+        peer = SimPeer(self, endpoint, known, tensors)
         self.peers[endpoint] = peer
-        node.start(self.env.now)
-        peer.pump()
+        # the peer's identity and protocol randomness come from (seed, idx), whatever else ran;
+        # a peer without tensors (it only downloads state) gets an empty placeholder
+        peer.averager = Averager(list(tensors) if tensors is not None else [np.zeros(0)], config=config,
+                                 initial_peers=tuple(initial_peers), seed=[self.seed, idx], transport=peer,
+                                 allow_state_sharing=False)
         return peer
+
+    def spawn(self, fn: Any, *args: Any, name: str = "sim-thread") -> Any:
+        """Run blocking user code (e.g. a training loop calling ``averager.step()``) as a simulated
+        thread, in virtual time (`sim.clock.VirtualClock.spawn`)."""
+        return self.clock.spawn(fn, *args, name=name)
 
     def _transmit(self, src: SimPeer, endpoint: str, msg: wire.Message) -> None:
         dst = self.peers.get(endpoint)

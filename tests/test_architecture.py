@@ -1,4 +1,10 @@
-"""House rule: protocol modules never touch sockets, threads, clocks or the global RNG."""
+"""House rules, checked on the source.
+
+* Protocol modules and the seam never touch sockets, threads, clocks or the global RNG.
+* The user layer (`Averager`) and the training layer take their time and waits from a
+  `zgossip.clock.Clock` only; only drivers (transports) and clocks may import what waits.
+* Nothing pickles.
+"""
 from __future__ import annotations
 
 import ast
@@ -7,8 +13,19 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "zgossip"
-PROTOCOL_MODULES = ["wire", "membership", "matchmaking", "grid", "partition", "allreduce", "node", "tensors", "errors", "rendezvous", "state"]
+PROTOCOL_MODULES = ["wire", "membership", "matchmaking", "grid", "partition", "allreduce", "node", "tensors", "errors",
+                    "rendezvous", "state"]
+SEAM_MODULES = ["actions", "transport", "view"]  # the interfaces between protocol, transports and users
+USER_MODULES = ["averager", "training_state", "progress"]  # above the seam: time and waits from the Clock
+# Training classes still wait on the wall clock and on threads of their own: phase 2 of the seam moves
+# them onto the averager's clock. This list may only shrink (see test_training_layer_ratchet).
+TRAINING_NOT_YET_ON_THE_CLOCK = ["optim", "collaborative", "accumulator", "trainer"]
+# Drivers and clocks: the only modules that may wait, read the time, or open sockets.
+DRIVERS_AND_CLOCKS = ["clock", "zmq_driver", "connections", "zerocopy", "local_ipc", "fast_send", "process_tuning",
+                      "endpoints"]
 FORBIDDEN = {"zmq", "simpy", "threading", "socket", "time", "random", "asyncio", "multiprocessing", "select", "selectors"}
+# the user layer may hold concurrent.futures.Future values (plain data with callbacks), never run threads
+USER_FORBIDDEN = FORBIDDEN
 
 
 def _imports(path: Path) -> set[str]:
@@ -22,16 +39,64 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("module", PROTOCOL_MODULES)
+def _global_random(path: Path) -> list[str]:
+    """Calls of numpy's global RNG (np.random.rand(...), np.random.seed(...)); a seeded
+    Generator passed in (np.random.default_rng(seed)) is the allowed way."""
+    allowed = {"default_rng", "Generator", "SeedSequence", "PCG64", "BitGenerator"}
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "random" \
+                and isinstance(node.value.value, ast.Name) and node.value.value.id in ("np", "numpy") \
+                and node.attr not in allowed:
+            bad.append(f"np.random.{node.attr}")
+    return bad
+
+
+def _thread_pools(path: Path) -> list[str]:
+    """Thread pools started directly (concurrent.futures.ThreadPoolExecutor) instead of `Clock.executor`."""
+    return [n.attr for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, ast.Attribute) and n.attr in ("ThreadPoolExecutor", "ProcessPoolExecutor")]
+
+
+@pytest.mark.parametrize("module", PROTOCOL_MODULES + SEAM_MODULES)
 def test_protocol_module_imports_no_io(module):
     bad = _imports(PKG / f"{module}.py") & FORBIDDEN
     assert not bad, f"zgossip/{module}.py imports {sorted(bad)}: protocol code must stay sans-IO"
 
 
+@pytest.mark.parametrize("module", PROTOCOL_MODULES + SEAM_MODULES + USER_MODULES)
+def test_no_global_random_and_no_own_threads(module):
+    path = PKG / f"{module}.py"
+    assert not _global_random(path), f"zgossip/{module}.py draws from the global RNG: {_global_random(path)}"
+    assert not _thread_pools(path), f"zgossip/{module}.py starts threads itself: use Clock.executor"
+
+
+@pytest.mark.parametrize("module", USER_MODULES)
+def test_user_layer_waits_only_through_the_clock(module):
+    bad = _imports(PKG / f"{module}.py") & USER_FORBIDDEN
+    assert not bad, (f"zgossip/{module}.py imports {sorted(bad)}: code above the seam takes its time and waits "
+                     "from its transport's Clock (zgossip.clock), so it runs in virtual time in the simulator")
+
+
+def test_training_layer_ratchet():
+    """Every module is classified, and the training modules still off the clock are exactly the listed ones."""
+    classified = set(PROTOCOL_MODULES + SEAM_MODULES + USER_MODULES + TRAINING_NOT_YET_ON_THE_CLOCK + DRIVERS_AND_CLOCKS)
+    tools = {"__init__", "bench", "bench_train", "cli", "demo", "peer", "swarm", "train_demo", "kernels"}  # CLIs, demos
+    present = {p.stem for p in PKG.glob("*.py")}
+    assert present - classified - tools == set(), "classify new modules in tests/test_architecture.py"
+    still = {m for m in TRAINING_NOT_YET_ON_THE_CLOCK if _imports(PKG / f"{m}.py") & FORBIDDEN}
+    assert still == set(TRAINING_NOT_YET_ON_THE_CLOCK), (
+        f"{sorted(set(TRAINING_NOT_YET_ON_THE_CLOCK) - still)} now take their time from the clock: "
+        "move them to USER_MODULES")
+
+
 def test_checker_sees_forbidden_imports(tmp_path):
     f = tmp_path / "m.py"
-    f.write_text("import time\nfrom zmq import Socket\nimport numpy as np\n")
+    f.write_text("import time\nfrom zmq import Socket\nimport numpy as np\nx = np.random.rand(3)\n"
+                 "import concurrent.futures as cf\np = cf.ThreadPoolExecutor(1)\n")
     assert _imports(f) & FORBIDDEN == {"time", "zmq"}
+    assert _global_random(f) == ["np.random.rand"]
+    assert _thread_pools(f) == ["ThreadPoolExecutor"]
 
 
 def test_no_pickle_anywhere():

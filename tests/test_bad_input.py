@@ -521,7 +521,7 @@ def test_decode_of_valid_header_with_one_body_field_replaced_only_raises_invalid
 def test_bad_input_over_the_local_socket(pair, ctx) -> None:
     """The node's local Unix socket (peers on its host use it) is the same ROUTER: same checks, same limits."""
     a, b = pair
-    local = a._driver.local_address
+    local = a._transport.local_address
     assert local and local.startswith("ipc://@")
     before, tensors = a.stats, snapshot(a)
     bad = [_garbage(), frames_of(part(), with_body(part=-1)), frames_of(gossip(), set_item(0, 99))]

@@ -20,7 +20,7 @@ from harness import FAST
 from sim import NetworkModel, SimCluster
 from sim.network import Partition
 from zgossip.node import NodeConfig, StepDone, StepFailed
-from zgossip.zmq_driver import advertised_host, check_endpoint
+from zgossip.endpoints import advertised_host, check_endpoint
 
 N = 4
 
@@ -144,7 +144,7 @@ def test_groupmates_confirm_with_done_so_shutdown_after_a_step_does_not_wait():
 def test_shutdown_is_bounded_by_shutdown_timeout():
     a = zgossip.Averager([np.zeros(4, np.float32)], prefix="sdt", shutdown_timeout=0.3, **FAST)
     # pretend a groupmate never confirmed: shutdown gives up after shutdown_timeout
-    a._driver.run_on_io(lambda node, now: node._owed.__setitem__("g", {"x": "tcp://127.0.0.1:9"}), 5)
+    a._transport.run_on_io(lambda node, now: node._owed.__setitem__("g", {"x": "tcp://127.0.0.1:9"}), 5)
     t0 = time.monotonic()
     a.shutdown()
     assert time.monotonic() - t0 < 3.0
@@ -285,7 +285,7 @@ def test_advertised_host_branches(caplog):
     # no route to the initial peer: the first non-loopback interface
     assert advertised_host(["tcp://10.9.9.9:1"], route=routes.get, interfaces=ifaces) == "192.168.1.4"
     assert advertised_host([], route=routes.get, interfaces=ifaces) == "192.168.1.4"
-    with caplog.at_level(logging.WARNING, logger="zgossip.zmq_driver"):
+    with caplog.at_level(logging.WARNING, logger="zgossip.endpoints"):
         assert advertised_host([], route=routes.get, interfaces=lambda: ["127.0.0.1"]) == "127.0.0.1"
     assert any("loopback" in r.getMessage() for r in caplog.records)
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import zgossip
-from zgossip import zmq_driver
+from zgossip import local_ipc
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract Unix sockets are Linux-only")
 
@@ -22,11 +22,11 @@ def _pair_step(**kw_b):
     a, b = np.zeros(1 << 16, np.float32), np.full(1 << 16, 2, np.float32)
     with zgossip.Averager([a], **KW) as x, zgossip.Averager([b], initial_peers=[x.endpoint], **KW, **kw_b) as y:
         # the I/O thread keeps the averager's name (the local socket's name once overwrote it)
-        assert x._driver._thread.name == f"zgossip-{x.peer_id[:8]}-io"
+        assert x._transport._thread.name == f"zgossip-{x.peer_id[:8]}-io"
         fx, fy = x.step(wait=False, timeout=20), y.step(wait=False, timeout=20)
         assert fx.result(40).complete and fy.result(40).complete
-        routes = (x._driver.route(y.endpoint), y._driver.route(x.endpoint))
-        addresses = (x._driver.local_address, y._driver.local_address)
+        routes = (x._transport.route(y.endpoint), y._transport.route(x.endpoint))
+        addresses = (x._transport.local_address, y._transport.local_address)
         endpoints = (x.endpoint, y.endpoint)
     assert np.array_equal(a, np.ones_like(a)) and np.array_equal(b, np.ones_like(b))
     return routes, addresses, endpoints
@@ -51,9 +51,9 @@ def test_environment_switch(monkeypatch):
 
 
 def test_names():
-    assert zmq_driver.local_name("tcp://127.0.0.1:5555") == "zgossip-127.0.0.1:5555"
-    assert zmq_driver.local_name("ipc:///tmp/x") is None
-    assert zmq_driver.local_name("tcp://" + "h" * 200 + ":1") is None  # too long for a socket address
+    assert local_ipc.local_name("tcp://127.0.0.1:5555") == "zgossip-127.0.0.1:5555"
+    assert local_ipc.local_name("ipc:///tmp/x") is None
+    assert local_ipc.local_name("tcp://" + "h" * 200 + ":1") is None  # too long for a socket address
 
 
 def test_probe_finds_only_listeners_of_this_user(monkeypatch, caplog):
@@ -64,16 +64,16 @@ def test_probe_finds_only_listeners_of_this_user(monkeypatch, caplog):
     squat = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         with zgossip.Averager([np.zeros(4, np.float32)], **KW) as x:
-            d = x._driver
-            assert d._route(ep) == ep  # no local socket under that name
-            squat.bind("\0" + zmq_driver.local_name(ep))
+            d = x._transport
+            assert d.routes.route(ep) == ep  # no local socket under that name
+            squat.bind("\0" + local_ipc.local_name(ep))
             squat.listen()
-            assert zmq_driver._listener_uid(zmq_driver.local_name(ep)) == os.getuid()
-            assert d._route(ep) == "ipc://@" + zmq_driver.local_name(ep)
+            assert local_ipc.listener_uid(local_ipc.local_name(ep)) == os.getuid()
+            assert d.routes.route(ep) == "ipc://@" + local_ipc.local_name(ep)
             # a listener of another user is not trusted with the data
-            monkeypatch.setattr(zmq_driver, "_listener_uid", lambda name: os.getuid() + 1)
-            with caplog.at_level(logging.WARNING, logger="zgossip.zmq_driver"):
-                assert d._route(ep) == ep
+            monkeypatch.setattr(local_ipc, "listener_uid", lambda name: os.getuid() + 1)
+            with caplog.at_level(logging.WARNING, logger="zgossip.local_ipc"):
+                assert d.routes.route(ep) == ep
             assert "not to this user" in caplog.text
     finally:
         squat.close()
@@ -90,7 +90,7 @@ def test_taken_local_name_is_reported_and_tcp_still_works(caplog):
     try:
         with caplog.at_level(logging.WARNING, logger="zgossip.zmq_driver"):
             with zgossip.Averager([np.zeros(4, np.float32)], listen=f"tcp://127.0.0.1:{port}", **KW) as x:
-                assert x._driver.local_address is None
+                assert x._transport.local_address is None
                 assert x.endpoint == f"tcp://127.0.0.1:{port}"
         assert "could not listen on the local socket" in caplog.text
     finally:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import zmq
 
-from zgossip import zmq_driver
+from zgossip import fast_send, zmq_driver
 
 
 def test_fast_send_is_built_on_linux():
@@ -30,7 +30,7 @@ def test_fast_send_is_built_on_linux():
 def zs():
     if not zmq_driver.FAST_SEND:
         pytest.skip("zgossip._zsend not in use here")
-    return zmq_driver._zsend
+    return fast_send.zsend
 
 
 @pytest.fixture
@@ -159,11 +159,11 @@ def test_settle_sends_drops_what_a_dead_peer_never_took(monkeypatch, path):
     if path == "zsend" and not zmq_driver.FAST_SEND:
         pytest.skip("zgossip._zsend not in use here")
     if path == "pyzmq":
-        monkeypatch.setattr(zmq_driver, "_zsend", None)
+        monkeypatch.setattr(fast_send, "zsend", None)  # transports read it when they start
     from zgossip import Averager, wire
 
     with Averager([np.zeros(4, np.float32)], prefix="settle") as x:
-        d = x._driver
+        d = x._transport
         silent = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # accepts, never reads
         silent.bind(("127.0.0.1", 0))
         silent.listen()
@@ -172,7 +172,7 @@ def test_settle_sends_drops_what_a_dead_peer_never_took(monkeypatch, path):
         msg = wire.Message(wire.MsgType.PART, x.peer_id, x.endpoint,
                            {"gid": "0" * 16, "owner": 0, "part": 0, "w": 1.0, "resc": 0}, (data,))
         try:
-            x._driver.call(lambda now: d._transmit(ep, msg))
+            x._transport.call(lambda now: d.transmit(ep, msg))
             deadline = time.monotonic() + 5
             while not d.sends_pending() and time.monotonic() < deadline:
                 time.sleep(0.01)

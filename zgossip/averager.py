@@ -5,9 +5,12 @@
     with avg.get_tensors() as (w, b):                     # the averager never writes in here
         ...
 
-The protocol runs on a `ZmqDriver` I/O thread. A step snapshots the tensors into a
-flat buffer (under the tensor lock), the group averages that buffer, and a small
-worker thread writes the averaged element ranges back under the lock.
+The protocol node runs on a `zgossip.transport.Transport`: ZeroMQ by default (its I/O
+thread), or the simulator's (`sim.driver.SimTransport`), so the simulator runs this very
+class. A step snapshots the tensors into a flat buffer (under the tensor lock), the group
+averages that buffer, and a small worker writes the averaged element ranges back under the
+lock. Every wait, lock, worker and reading of the time goes through the transport's
+`zgossip.clock.Clock`: the wall clock for ZeroMQ, virtual time in the simulator.
 """
 from __future__ import annotations
 
@@ -15,19 +18,17 @@ import concurrent.futures as cf
 import contextlib
 import itertools
 import logging
-import os
-import threading
-import time
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 from . import wire
+from .actions import DownloadDone, DownloadFailed, ServeState, StepDone, StepFailed
+from .endpoints import check_endpoint
 from .errors import AveragerClosed, RoundTimeout, StateUnavailable, StepInProgress, ZGossipError
-from .node import (DownloadDone, DownloadFailed, Node, NodeConfig, ServeState, StepDone, StepFailed, StepRequest,
-                   StepResult)
+from .node import Node, NodeConfig, StepRequest, StepResult
 from .tensors import FlatLayout, as_array
-from .zmq_driver import ZmqDriver, check_endpoint
+from .transport import Transport
 
 __all__ = ["Averager", "StepFuture"]
 
@@ -110,13 +111,21 @@ class Averager:
     ``local_ipc``: peers on the same host (and network namespace) reach each other over Unix
     sockets instead of TCP loopback, found by the TCP endpoint they advertise; about a fifth
     faster on the 4-peer bench. ``False`` (or ``ZGOSSIP_LOCAL_IPC=0``) keeps TCP.
+
+    ``config``: every protocol setting as one `NodeConfig` (then the protocol keyword arguments
+    above are ignored), e.g. settings they do not expose.
+
+    ``transport``: where the node runs (a not yet started `zgossip.transport.Transport`). The
+    default is a `zgossip.zmq_driver.ZmqTransport` built from ``listen``, ``announce_host``,
+    ``local_ipc`` and ``max_message_bytes`` (which apply only to it); the simulator passes a
+    `sim.driver.SimTransport`. The transport's clock times and bounds every wait here.
     """
 
     def __init__(
         self,
         tensors: Sequence[Any],
         *,
-        prefix: str,
+        prefix: str | None = None,
         listen: str = "tcp://127.0.0.1:0",
         initial_peers: Sequence[str] = (),
         target_group_size: int = 16,
@@ -140,57 +149,81 @@ class Averager:
         in_place: bool = True,
         local_ipc: bool = True,
         shutdown_timeout: float = 5.0,
+        transport: Transport | None = None,
+        config: NodeConfig | None = None,
     ) -> None:
         if not 0.0 < averaging_alpha <= 1.0:
             raise ValueError("averaging_alpha must be in (0, 1]")
         if not shutdown_timeout >= 0:
             raise ValueError("shutdown_timeout must be >= 0")
         self.shutdown_timeout = float(shutdown_timeout)
-        check_endpoint(listen, "listen address", listen=True)
         initial_peers = tuple(initial_peers) if not isinstance(initial_peers, str) else (initial_peers,)
-        for ep in initial_peers:
-            check_endpoint(ep, "initial peer address")
+        if transport is None:  # addresses are the ZeroMQ transport's: others name peers their own way
+            check_endpoint(listen, "listen address", listen=True)
+            for ep in initial_peers:
+                check_endpoint(ep, "initial peer address")
         self._tensors = list(tensors)
         self._arrays = [as_array(t) for t in self._tensors]
         self.layout = FlatLayout.of(self._tensors)
         self.averaging_alpha = float(averaging_alpha)
         self._in_place = (bool(in_place) and len(self._arrays) == 1 and self.averaging_alpha == 1.0
                           and self._arrays[0].dtype == self.layout.dtype)
-        self.config = NodeConfig(
+        if config is None and prefix is None:
+            raise TypeError("Averager needs a prefix (or a whole NodeConfig as config=)")
+        self.config = config if config is not None else NodeConfig(
             prefix=prefix, target_group_size=target_group_size, min_group_size=min_group_size,
             matchmaking_time=matchmaking_time, request_timeout=request_timeout,
             part_size_bytes=part_size_bytes, part_timeout=part_timeout, allreduce_timeout=allreduce_timeout,
             gossip_interval=gossip_interval, peer_timeout=peer_timeout, bandwidth=bandwidth,
             grid=tuple(grid), grid_coords=tuple(grid_coords) if grid_coords is not None else None,
         )
+        part_size_bytes = self.config.part_size_bytes
         frame_limit = max_message_bytes or max(64 << 20, part_size_bytes + (1 << 16))
-        if part_size_bytes > frame_limit:
+        if transport is None and part_size_bytes > frame_limit:
             raise ValueError("part_size_bytes exceeds max_message_bytes: peers would drop every part")
         self._rng = np.random.default_rng(seed)
         self.peer_id = self._rng.bytes(8).hex()
-        self._lock = threading.RLock()
-        self._inside = threading.local()  # set while the calling thread is inside get_tensors()
+        if transport is None:
+            from .zmq_driver import ZmqTransport  # pyzmq is loaded only when a ZeroMQ transport is made
+
+            transport = ZmqTransport(listen, limits=wire.WireLimits(max_frame_bytes=frame_limit),
+                                     announce_host=announce_host, local_ipc=local_ipc, initial_peers=initial_peers)
+        self._transport = transport
+        self._clock = clock = transport.clock
+        self._lock = clock.lock(reentrant=True)
+        self._inside = clock.local()  # set while the calling thread is inside get_tensors()
         self._buffer: np.ndarray | None = None
         # step id -> (future, snapshot buffer or None when averaged in place, time step() was entered)
         self._futures: dict[str, tuple[cf.Future, np.ndarray | None, float]] = {}
-        self._busy = threading.Lock()  # held from step() until its result is applied
+        self._busy = clock.lock()  # held from step() until its result is applied
         self._seq = itertools.count(1)
         self._closed = False
-        self._applier = cf.ThreadPoolExecutor(1, thread_name_prefix="zgossip-apply")
-        # serving our state to a downloader copies it under the tensor lock: its own thread, so a
+        self._applier = clock.executor("zgossip-apply")
+        # serving our state to a downloader copies it under the tensor lock: its own worker, so a
         # large state never delays writing back a finished round
-        self._server = cf.ThreadPoolExecutor(1, thread_name_prefix="zgossip-serve")
-        self._driver = ZmqDriver(
-            lambda ep: Node(self.peer_id, ep, self.config, self._rng, tuple(initial_peers)),
-            listen, self._on_result, limits=wire.WireLimits(max_frame_bytes=frame_limit),
-            announce_host=announce_host, name=f"zgossip-{self.peer_id[:8]}", local_ipc=local_ipc,
-            initial_peers=initial_peers,
-        )
-        self.endpoint = self._driver.endpoint
+        self._server = clock.executor("zgossip-serve")
         self._downloads: dict[str, cf.Future] = {}
         self._allow_sharing = bool(allow_state_sharing)
         self._priority = float(state_sharing_priority)
-        self._declare_sharing()
+        transport.start(self.peer_id, self._make_node(tuple(initial_peers)), self)
+        self.endpoint = transport.endpoint
+        if self._allow_sharing:  # a node starts not sharing: nothing to declare otherwise
+            self._declare_sharing()
+
+    def _make_node(self, initial_peers: tuple[str, ...]) -> Any:
+        def make(endpoint: str, membership: Any = None) -> Node:
+            return Node(self.peer_id, endpoint, self.config, self._rng, initial_peers, membership=membership)
+
+        return make
+
+    @property
+    def clock(self) -> Any:
+        """The `zgossip.clock.Clock` this averager (and whatever trains on it) takes its time from."""
+        return self._clock
+
+    @property
+    def transport(self) -> Transport:
+        return self._transport
 
     # ------------------------------------------------------------------ public API
     @contextlib.contextmanager
@@ -215,7 +248,8 @@ class Averager:
         ``round`` pins the swarm-wide round number (which picks the Moshpit grid axis), e.g.
         a training epoch; by default the averager follows the highest round its peers announce.
         """
-        entered = time.monotonic()
+        clock = self._clock
+        entered = clock.now()
         if self._closed:
             raise AveragerClosed("this averager was shut down")
         if wait and getattr(self._inside, "active", 0):
@@ -238,7 +272,7 @@ class Averager:
             else:
                 with self._lock:
                     self.layout.check(self._arrays)
-                    if self._buffer is None or self._driver.sends_pending():
+                    if self._buffer is None or self._transport.sends_pending():
                         # a buffer still referenced by an unsent zero-copy frame must not be overwritten
                         self._buffer = self.layout.new_buffer()
                     buf = self.layout.snapshot(self._arrays, self._buffer)
@@ -246,10 +280,10 @@ class Averager:
             fut: cf.Future = StepFuture(self, step_id)
             self._futures[step_id] = (fut, None if in_place else buf, entered)
             # the node times the step from when it gets it: what the snapshot took is already spent
-            left = max(0.0, float(timeout) - (time.monotonic() - entered))
+            left = max(0.0, float(timeout) - (clock.now() - entered))
             req = StepRequest(step_id, buf, weight, gather, left, self.layout.fingerprint,
                               None if round is None else int(round))
-            self._driver.call(lambda now: self._driver.node.submit_step(req, now))
+            self._transport.call(lambda now: self._transport.node.submit_step(req, now))
         except BaseException:
             self._busy.release()
             if in_place:
@@ -262,7 +296,7 @@ class Averager:
         end = entered + timeout + self.config.allreduce_timeout + _SLACK
         result = None
         try:
-            result = fut.result(max(0.0, end - time.monotonic()))
+            result = clock.result(fut, max(0.0, end - clock.now()))
             return result
         except cf.TimeoutError:
             self._cancel(step_id, settle=in_place)
@@ -277,12 +311,12 @@ class Averager:
                     # parts of the tensor still queued for a slow or dead peer must not leave after
                     # the caller changes the tensor: wait for them (at most part_timeout, and never
                     # past the step's bound), then drop them
-                    t0 = time.monotonic()
-                    self._driver.settle_sends(min(self.config.part_timeout, max(0.0, end - t0)),
-                                              release_timeout=_SLACK)
+                    t0 = clock.now()
+                    self._transport.settle_sends(min(self.config.part_timeout, max(0.0, end - t0)),
+                                                 release_timeout=_SLACK)
                     if result is not None:
-                        result.timings["settle"] = time.monotonic() - t0
-                        result.timings["total"] = time.monotonic() - entered
+                        result.timings["settle"] = clock.now() - t0
+                        result.timings["total"] = clock.now() - entered
                 finally:
                     self._lock.release()
 
@@ -298,27 +332,30 @@ class Averager:
             return True
 
         try:
-            return bool(self._driver.run_on_io(drop, 10.0))
+            return bool(self._transport.run_on_io(drop, 10.0))
         except (RuntimeError, cf.TimeoutError):  # shut down (or a stuck I/O thread): not cancelled
             return False
 
     def _cancel(self, step_id: str, settle: bool) -> None:
         """Drop the step on the I/O thread; with `settle`, wait (bounded) until it is dropped,
         after which the round writes nothing more into the tensors."""
-        dropped = threading.Event()
+        dropped: cf.Future = cf.Future()
 
         def cancel(now: float) -> None:
             try:
-                self._driver.node.cancel_step(step_id, now, "caller gave up")
+                self._transport.node.cancel_step(step_id, now, "caller gave up")
             finally:
-                dropped.set()
+                dropped.set_result(None)
 
         try:
-            self._driver.call(cancel)
-        except RuntimeError:  # driver stopped: its thread is gone, nothing runs any more
+            self._transport.call(cancel)
+        except RuntimeError:  # transport stopped: its thread is gone, nothing runs any more
             return
         if settle:
-            dropped.wait(10.0)
+            try:
+                self._clock.result(dropped, 10.0)
+            except cf.TimeoutError:
+                pass
 
     # ------------------------------------------------------------------ state sharing
     @property
@@ -343,7 +380,7 @@ class Averager:
 
     def _declare_sharing(self) -> None:
         prio = self._priority if self._allow_sharing else None
-        self._driver.call(lambda now: self._driver.node.set_state_sharing(prio))
+        self._transport.call(lambda now: self._transport.node.set_state_sharing(prio))
 
     def get_current_state(self) -> tuple[Any, list[np.ndarray]]:
         """What a peer downloading from us receives: ``(metadata, tensors)``. Override to add
@@ -352,23 +389,36 @@ class Averager:
             return None, [np.array(a) for a in self._arrays]
 
     def load_state_from_peers(self, timeout: float = 60.0, chunk_timeout: float = 5.0,
-                              apply: bool = True) -> tuple[Any, list[np.ndarray]]:
+                              apply: bool = True, wait: bool = True) -> Any:
         """Download ``(metadata, tensors)`` from the best-priority peer that shares its state.
 
         Donors are tried in priority order (random among equals); a donor that refuses,
         stalls for `chunk_timeout`, sends a bad chunk or a wrong checksum is replaced by the
         next. Nothing is written until a complete, verified state arrived. With ``apply``
         the tensors are copied into this averager's tensors, after checking every shape and
-        dtype (a mismatch raises and writes nothing). Raises `StateUnavailable`.
+        dtype (a mismatch raises and writes nothing). Raises `StateUnavailable`. With
+        ``wait=False`` returns a `concurrent.futures.Future` of the same (applied when it is set).
         """
         if self._closed:
             raise AveragerClosed("this averager was shut down")
         req = f"{self.peer_id[:8]}-s{next(self._seq)}"
         fut: cf.Future = cf.Future()
         self._downloads[req] = fut
-        self._driver.call(lambda now: self._driver.node.begin_download(req, now, timeout, chunk_timeout))
+        self._transport.call(lambda now: self._transport.node.begin_download(req, now, timeout, chunk_timeout))
+        if not wait:  # the node ends the download by itself within `timeout`
+            out: cf.Future = cf.Future()
+
+            def finish(f: cf.Future) -> None:
+                self._downloads.pop(req, None)
+                if f.exception() is not None:
+                    out.set_exception(f.exception())
+                else:  # writing the tensors takes the tensor lock: not where the node lives
+                    self._applier.submit(self._finish_download, f.result(), apply, out)
+
+            fut.add_done_callback(finish)
+            return out
         try:
-            meta, arrays = fut.result(timeout + 10.0)
+            meta, arrays = self._clock.result(fut, timeout + 10.0)
         except cf.TimeoutError:
             raise StateUnavailable(f"state download did not finish within {timeout + 10:.0f}s") from None
         finally:
@@ -376,6 +426,15 @@ class Averager:
         if apply:
             self.set_tensors(arrays)
         return meta, arrays
+
+    def _finish_download(self, state: tuple[Any, list], apply: bool, out: cf.Future) -> None:
+        try:
+            if apply:
+                self.set_tensors(state[1])
+        except Exception as e:
+            out.set_exception(e)
+        else:
+            out.set_result(state)
 
     def set_tensors(self, arrays: Sequence[np.ndarray]) -> None:
         """Overwrite the averaged tensors with `arrays` (all shapes are checked before any write)."""
@@ -393,22 +452,13 @@ class Averager:
         with 'zg.' are reserved), e.g. training progress; others read it with `peer_infos()` within
         a few gossip intervals. Raises ValueError here, in the caller, on a record peers would refuse."""
         record = Node.check_user_info(info)
-        self._driver.call(lambda now: self._driver.node.set_info(record))
+        self._transport.call(lambda now: self._transport.node.set_info(record))
 
     def _ask_node(self, fn: Any, timeout: float = 10.0) -> Any:
-        """Run ``fn(node)`` on the I/O thread (which owns the node's state) and return its result."""
+        """Run ``fn(node)`` where the node lives (which owns the node's state) and return its result."""
         if self._closed:
             raise AveragerClosed("this averager was shut down")
-        done: cf.Future = cf.Future()
-
-        def run(now: float) -> None:
-            try:
-                done.set_result(fn(self._driver.node))
-            except Exception as e:
-                done.set_exception(e)
-
-        self._driver.call(run)
-        return done.result(timeout)
+        return self._transport.run_on_io(lambda node, now: fn(node), timeout)
 
     def peer_infos(self) -> dict[str, dict]:
         """The latest record every live peer published (this peer's included), by peer id."""
@@ -422,8 +472,8 @@ class Averager:
     def stats(self) -> dict[str, int]:
         """Counters: messages received/sent, invalid (failed validation), dropped (valid but refused), ..."""
         if self._closed:
-            return {**self._driver.stats}
-        return self._ask_node(lambda node: {**self._driver.stats, **node.stats})
+            return {**self._transport.stats}
+        return self._ask_node(lambda node: {**self._transport.stats, **node.stats})
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop this peer. A step still running fails with `AveragerClosed`. First, for at most
@@ -437,10 +487,10 @@ class Averager:
             return
         self._closed = True
         for sid in list(self._futures):
-            self._driver.call(lambda now, s=sid: self._driver.node.cancel_step(s, now, "averager shut down"))
+            self._transport.call(lambda now, s=sid: self._transport.node.cancel_step(s, now, "averager shut down"))
         if deliver:
             self._deliver_owed(self.shutdown_timeout)
-        self._driver.close(timeout)
+        self._transport.close(timeout)
         self._applier.shutdown(wait=True)
         self._server.shutdown(wait=True, cancel_futures=True)
         for fut, _, _ in self._futures.values():
@@ -458,19 +508,20 @@ class Averager:
 
     def _deliver_owed(self, timeout: float) -> bool:
         """Wait (at most `timeout`) until no groupmate waits for data of ours; True if none does."""
-        end = time.monotonic() + timeout
+        clock = self._clock
+        end = clock.now() + timeout
         while True:
             try:
-                owed = self._driver.run_on_io(lambda node, now: node.owes_others(), max(0.1, end - time.monotonic()))
+                owed = self._transport.run_on_io(lambda node, now: node.owes_others(), max(0.1, end - clock.now()))
             except (RuntimeError, cf.TimeoutError):
                 return False
-            if not owed and not self._driver.sends_pending():
+            if not owed and not self._transport.sends_pending():
                 return True
-            if time.monotonic() >= end:
+            if clock.now() >= end:
                 log.info("zgossip node %s: shutting down with data still owed to groupmates (shutdown_timeout %.1fs)",
                          self.endpoint, timeout)
                 return False
-            time.sleep(0.01)
+            clock.sleep(0.01)
 
     def __enter__(self) -> "Averager":
         return self
@@ -494,39 +545,41 @@ class Averager:
             log.exception("get_current_state failed")
             meta, arrays, err = None, None, f"donor could not produce its state: {type(e).__name__}"
         try:
-            self._driver.call(lambda now: self._driver.node.serve_state(act.req, act.endpoint, meta, arrays, now, err))
+            self._transport.call(lambda now: self._transport.node.serve_state(act.req, act.endpoint, meta, arrays, now, err))
         except RuntimeError:
             pass  # shutting down
 
-    def _on_result(self, act: Any) -> None:
-        if isinstance(act, ServeState):
-            self._server.submit(self._serve, act)
+    # ------------------------------------------------------------------ actions.Owner (where the node lives)
+    def serve_state(self, act: ServeState) -> None:
+        self._server.submit(self._serve, act)
+
+    def download_finished(self, act: DownloadDone | DownloadFailed) -> None:
+        dfut = self._downloads.get(act.req)
+        if dfut is None or dfut.done():
             return
-        if isinstance(act, (DownloadDone, DownloadFailed)):
-            dfut = self._downloads.get(act.req)
-            if dfut is not None and not dfut.done():
-                if isinstance(act, DownloadDone):
-                    dfut.set_result((act.meta, act.arrays))
-                else:
-                    dfut.set_exception(act.error)
-            return
+        if type(act) is DownloadFailed:
+            dfut.set_exception(act.error)
+        else:
+            dfut.set_result((act.meta, act.arrays))
+
+    def step_finished(self, act: StepDone | StepFailed) -> None:
         entry = self._futures.pop(act.step_id, None)
         if entry is None:
             return
         fut, buf, entered = entry
-        if isinstance(act, StepFailed):
+        if type(act) is StepFailed:
             self._release()
             _settle_future(fut, error=act.error)
             return
         if buf is None:  # averaged in place: nothing to write back (step() adds settle and total)
-            act.result.timings.update(settle=0.0, apply=0.0, total=time.monotonic() - entered)
+            act.result.timings.update(settle=0.0, apply=0.0, total=self._clock.now() - entered)
             self._release()
             _settle_future(fut, result=act.result)
             return
         self._applier.submit(self._apply, act.result, fut, buf, entered)
 
     def _apply(self, result: StepResult, fut: cf.Future, buf: np.ndarray, entered: float) -> None:
-        t0 = time.monotonic()
+        t0 = self._clock.now()
         try:
             with self._lock:
                 self.layout.apply(self._arrays, buf, result.updated, self.averaging_alpha)
@@ -534,7 +587,7 @@ class Averager:
             self._release()
             _settle_future(fut, error=ZGossipError(f"could not write the averaged tensors: {e}"))
             return
-        now = time.monotonic()
+        now = self._clock.now()
         result.timings.update(settle=0.0, apply=now - t0, total=now - entered)
         self._release()
         _settle_future(fut, result=result)

@@ -2,8 +2,8 @@
 
 A driver (ZeroMQ or SimPy) feeds it with `on_message`, `on_timer` and `submit_step`,
 always passing the current time, asks `next_deadline()` when to call again, and
-carries out the plain-data actions it drains with `take_actions()`: `Send`,
-`StepDone`, `StepFailed`, `Disconnect`. Messages a node sends to itself (it can be
+carries out the plain-data actions it drains with `take_actions()` (`zgossip.actions`,
+re-exported here) with `zgossip.actions.execute`. Messages a node sends to itself (it can be
 its own rendezvous peer) are delivered inside the node without touching the driver.
 """
 from __future__ import annotations
@@ -13,16 +13,18 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
+from .actions import Disconnect, DownloadDone, DownloadFailed, Send, ServeState, StepDone, StepFailed
 from .allreduce import AllReduceRound, RoundOutcome, SpanOutcome
 from .errors import PeerLost, ProtocolError, RoundTimeout, StepInProgress
 from .grid import MoshpitGrid
 from .matchmaking import GroupSpec, Matchmaker
 from .membership import Membership
 from .state import StateDonor, StateDownload
+from .view import MembershipView
 from .wire import Message, MsgType, check_info
 
 __all__ = [
@@ -97,43 +99,6 @@ class StepResult:
     coords: tuple[int, ...]
 
 
-class Send(NamedTuple):
-    endpoint: str
-    msg: Message
-
-
-class StepDone(NamedTuple):
-    step_id: str
-    result: StepResult
-
-
-class StepFailed(NamedTuple):
-    step_id: str
-    error: Exception
-
-
-class Disconnect(NamedTuple):
-    endpoint: str
-
-
-class ServeState(NamedTuple):
-    """A peer asked for our state: the driver obtains a snapshot and calls `Node.serve_state`."""
-
-    req: str
-    endpoint: str
-
-
-class DownloadDone(NamedTuple):
-    req: str
-    meta: Any
-    arrays: list
-
-
-class DownloadFailed(NamedTuple):
-    req: str
-    error: Exception
-
-
 class StepPhase(Enum):
     IDLE = "idle"
     MATCHMAKING = "matchmaking"
@@ -167,17 +132,17 @@ class Node:
         config: NodeConfig,
         rng: np.random.Generator,
         initial_peers: tuple[str, ...] = (),
-        membership: Any = None,
+        membership: MembershipView | None = None,
     ) -> None:
-        """`membership` replaces the gossip membership with another object of the same interface
-        (the simulator's converged, shared view for very large swarms)."""
+        """`membership` replaces the gossip membership with another `MembershipView` (the
+        simulator's converged, shared view for very large swarms)."""
         self.peer_id = peer_id
         self.endpoint = endpoint
         self.config = config
         self._rng = rng
         self._actions: list = []
         self._loopback: deque[Message] = deque()
-        self.membership = membership if membership is not None else Membership(
+        self.membership: MembershipView = membership if membership is not None else Membership(
             peer_id, endpoint, self._send, rng,
             initial_peers=initial_peers, gossip_interval=config.gossip_interval,
             fanout=config.fanout, peer_timeout=config.peer_timeout,

@@ -20,7 +20,7 @@ import numpy as np
 
 from .averager import Averager
 from .errors import ZGossipError
-from .zmq_driver import check_endpoint
+from .endpoints import check_endpoint
 
 __all__ = ["add_arguments", "run"]
 

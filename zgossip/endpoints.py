@@ -1,0 +1,109 @@
+"""Endpoint addresses: checking what users type, and choosing the address a node advertises.
+
+Pure address logic (plus two read-only look-ups of this host's routes and interfaces); it
+opens no connection and does not import pyzmq, so the `Averager` can validate its arguments
+before any transport exists.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+from typing import Any, Callable, Sequence
+
+__all__ = ["check_endpoint", "advertised_host", "advertised"]
+
+log = logging.getLogger(__name__)
+
+
+def check_endpoint(address: Any, what: str = "peer address", listen: bool = False) -> tuple[str, int]:
+    """(host, port) of a ``tcp://HOST:PORT`` address, or a ValueError that names the address and the
+    expected form. A peer address needs a port in 1..65535; a `listen` address may also use port 0
+    or ``*`` (any free port) and the host ``*`` (every interface)."""
+    form = "tcp://HOST:PORT, e.g. tcp://10.0.0.5:41000" + (" (port 0 = any free port)" if listen else "")
+    if not isinstance(address, str):
+        raise ValueError(f"invalid {what} {address!r}: expected a string of the form {form}")
+    if not address.startswith("tcp://"):
+        hint = f" (did you mean 'tcp://{address}'?)" if "://" not in address and ":" in address else ""
+        raise ValueError(f"invalid {what} {address!r}: expected {form}{hint}")
+    host, sep, port = address[6:].rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host_ok = len(host) > 2
+    else:
+        host_ok = bool(host) and not any(c in host for c in "/[]: \t") and (listen or host != "*")
+    port_ok = port.isdigit() and (0 if listen else 1) <= int(port) <= 65535 or (listen and port == "*")
+    if not sep or not host_ok or not port_ok:
+        raise ValueError(f"invalid {what} {address!r}: expected {form}")
+    return host, (0 if port == "*" else int(port))
+
+
+def _interface_addresses() -> list[str]:
+    """IPv4 addresses of this host's interfaces (Linux: from the routing table's local entries;
+    elsewhere what the host name resolves to)."""
+    out: list[str] = []
+    try:
+        with open("/proc/net/fib_trie") as f:
+            lines = f.read().splitlines()
+        for i, line in enumerate(lines):
+            if "/32 host LOCAL" in line and i > 0:
+                addr = lines[i - 1].split()[-1]
+                if addr not in out:
+                    out.append(addr)
+    except OSError:
+        pass
+    if not out:
+        try:
+            out = [a for a in socket.gethostbyname_ex(socket.gethostname())[2] if a not in out]
+        except OSError:
+            pass
+    return out
+
+
+def _route_source(host: str) -> str | None:
+    """The local address the kernel would send from to reach `host` (a UDP connect sends nothing)."""
+    try:
+        infos = socket.getaddrinfo(host, 9, socket.AF_INET, socket.SOCK_DGRAM)
+    except OSError:
+        return None
+    for *_, addr in infos:
+        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            probe.connect(addr)
+            return probe.getsockname()[0]
+        except OSError:
+            continue
+        finally:
+            probe.close()
+    return None
+
+
+def advertised_host(initial_peers: Sequence[str] = (), *, route: Callable[[str], str | None] = _route_source,
+                    interfaces: Callable[[], list[str]] = _interface_addresses) -> str:
+    """The address a node bound to every interface tells others: the one that routes to its first
+    reachable initial peer, else the first non-loopback interface address, else 127.0.0.1 with a
+    warning (others on other hosts could not reach it)."""
+    for ep in initial_peers:
+        try:
+            host, _ = check_endpoint(ep)
+        except ValueError:
+            continue
+        src = route(host.strip("[]"))
+        if src and src != "0.0.0.0":
+            return src
+    addrs = interfaces()
+    for a in addrs:
+        if not a.startswith("127."):
+            return a
+    log.warning("zgossip: listening on every interface, but this host has no address other than loopback: "
+                "advertising 127.0.0.1, which only peers on this host can reach (set announce_host)")
+    return "127.0.0.1"
+
+
+def advertised(endpoint: str, announce_host: str | None, initial_peers: Sequence[str] = ()) -> str:
+    if not endpoint.startswith("tcp://"):
+        return endpoint
+    host, port = endpoint[6:].rsplit(":", 1)
+    if announce_host:
+        host = announce_host
+    elif host in ("0.0.0.0", "*"):
+        host = advertised_host(initial_peers)
+    return f"tcp://{host}:{port}"
