@@ -393,9 +393,8 @@ class SimCluster:
             tag = frames[0]  # the packed header: what the trace digests
         else:
             nbytes = wire.message_nbytes(msg)
-            payload = wire.Message._trusted(msg.type, msg.sender, msg.endpoint, msg.body,
-                                            tuple(a.copy() for a in msg.payload))
-            tag = repr(sorted(msg.body.items())).encode()
+            payload = msg.detached()
+            tag = repr(sorted(msg.body().items())).encode()
         if self._cursor is not None:  # CPU model: the message leaves once it is encoded
             self._cursor += self.cpu_model.costs.send(nbytes)
             if self._cursor > self.env.now:

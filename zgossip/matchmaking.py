@@ -21,23 +21,14 @@ from typing import Callable
 
 import numpy as np
 
-from .errors import GroupNotFound, ProtocolError
-from .membership import Membership
+from .errors import GroupNotFound, IllegalTransition, ProtocolError
+from .messages import Abort, Group, Join, JoinAck, Leave, MemberInfo, Message, NoGroup, Redirect
 from .rendezvous import rendezvous_order
-from .wire import Message, MsgType
+from .view import MembershipView
 
 __all__ = ["MemberInfo", "GroupSpec", "Matchmaker", "rendezvous_order", "JoinPhase"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class MemberInfo:
-    peer_id: str
-    endpoint: str
-    bandwidth: float
-    step_id: str
-    gathers: int = 1  # 1 if the member sends GATHER (it passed gather data), 0 if not
 
 
 @dataclass(frozen=True)
@@ -87,7 +78,7 @@ class _Join:
 
     def move(self, phase: JoinPhase) -> None:
         if phase not in _PHASE_MOVES[self.phase]:
-            raise ProtocolError(f"join {self.step_id}: illegal move {self.phase.value} -> {phase.value}")
+            raise IllegalTransition(f"join {self.step_id}: illegal move {self.phase.value} -> {phase.value}")
         self.phase = phase
 
 
@@ -112,7 +103,7 @@ class _Pool:
 class Matchmaker:
     def __init__(
         self,
-        membership: Membership,
+        membership: MembershipView,
         send: Callable[[str, Message], None],
         rng: np.random.Generator,
         on_group: Callable[[GroupSpec, float], None],
@@ -150,9 +141,6 @@ class Matchmaker:
     def endpoint(self) -> str:
         return self.membership.endpoint
 
-    def _msg(self, mtype: MsgType, **body) -> Message:
-        return Message(mtype, self.peer_id, self.endpoint, body)
-
     # ================================================================ joiner side
     def begin(self, step_id: str, key: str, bandwidth: float, layout: str, now: float, timeout: float,
               want: int | None = None, gathers: bool = True) -> None:
@@ -169,7 +157,7 @@ class Matchmaker:
         if j is None:
             return
         if j.phase is JoinPhase.QUEUED:
-            self._send(j.target[1], self._msg(MsgType.LEAVE, key=j.key, step=j.step_id))
+            self._send(j.target[1], Leave(self.peer_id, self.endpoint, key=j.key, step_id=j.step_id))
         self.join = None
 
     def ranking(self, key: str) -> list[str]:
@@ -184,10 +172,8 @@ class Matchmaker:
         j.move(JoinPhase.ASKING)
         j.target = (peer_id, endpoint)
         j.wait_until = now + self.request_timeout
-        self._send(
-            endpoint,
-            self._msg(MsgType.JOIN, key=j.key, step=j.step_id, bw=j.bandwidth, layout=j.layout, hops=j.hops, want=j.want, g=j.gathers),
-        )
+        self._send(endpoint, Join(self.peer_id, self.endpoint, key=j.key, step_id=j.step_id, bandwidth=j.bandwidth,
+                                  layout=j.layout, hops=j.hops, want=j.want, gathers=bool(j.gathers)))
 
     def _ask_next(self, now: float) -> None:
         j = self.join
@@ -215,13 +201,13 @@ class Matchmaker:
         )
         self._on_fail(j.step_id, err)
 
-    def _current(self, msg: Message) -> _Join | None:
+    def _current(self, msg: JoinAck | Redirect | NoGroup) -> _Join | None:
         j = self.join
-        if j is None or msg["step"] != j.step_id or msg["key"] != j.key or msg.sender != j.target[0]:
+        if j is None or msg.step_id != j.step_id or msg.key != j.key or msg.sender != j.target[0]:
             return None
         return j
 
-    def on_join_ack(self, msg: Message, now: float) -> None:
+    def on_join_ack(self, msg: JoinAck, now: float) -> None:
         j = self._current(msg)
         if j is None or j.phase is not JoinPhase.ASKING:
             return
@@ -229,74 +215,75 @@ class Matchmaker:
         # the rendezvous peer closes its window at most matchmaking_time after our join
         j.wait_until = now + self.matchmaking_time + 2 * self.request_timeout
 
-    def on_redirect(self, msg: Message, now: float) -> None:
+    def on_redirect(self, msg: Redirect, now: float) -> None:
         j = self._current(msg)
         if j is None:
             return
-        j.history.append(f"{msg.sender[:8]} redirected to {msg['to_id'][:8]}")
-        if msg["to_id"] in j.silent:
+        j.history.append(f"{msg.sender[:8]} redirected to {msg.to_id[:8]}")
+        if msg.to_id in j.silent:
             # the redirecting peer still believes in a peer that already failed us (gossip has not
             # expired it yet): ask the redirecting peer again with the hop budget spent, so it
             # takes the join itself instead of bouncing us back until peer_timeout
-            j.history.append(f"{msg['to_id'][:8]} already silent: asking {msg.sender[:8]} to host")
+            j.history.append(f"{msg.to_id[:8]} already silent: asking {msg.sender[:8]} to host")
             j.hops = 2
             self._ask(j, msg.sender, msg.endpoint, now)
             return
         j.hops += 1
-        self._ask(j, msg["to_id"], msg["to_ep"], now)
+        self._ask(j, msg.to_id, msg.to_endpoint, now)
 
-    def on_no_group(self, msg: Message, now: float) -> None:
+    def on_no_group(self, msg: NoGroup, now: float) -> None:
         j = self._current(msg)
         if j is None:
             return
-        j.seen = max(j.seen, msg["seen"])
-        j.history.append(f"{msg.sender[:8]}: {msg['reason']}")
-        if not msg["retry"]:
+        j.seen = max(j.seen, msg.seen)
+        j.history.append(f"{msg.sender[:8]}: {msg.reason}")
+        if not msg.retry:
             self._fail(now, "left over after the key's full group formed")
         elif now + self.matchmaking_time + self.request_timeout <= j.deadline:
             self._ask_next(now)  # another window fits in the budget: try again
         else:
             self._fail(now, "matchmaking window closed without enough peers")
 
-    def on_group(self, msg: Message, now: float) -> None:
+    def on_group(self, msg: Group, now: float) -> None:
         j = self.join
-        members = tuple(MemberInfo(*m) for m in msg["members"])
+        members = msg.members
         mine = [i for i, m in enumerate(members) if m.peer_id == self.peer_id]
-        current = (j is not None and msg["key"] == j.key and msg.sender == j.target[0] and len(mine) == 1
+        current = (j is not None and msg.key == j.key and msg.sender == j.target[0] and len(mine) == 1
                    and members[mine[0]].step_id == j.step_id)
         if not current:
             # a group for a step we gave up on: tell its members not to wait for us
+            abort = Abort(self.peer_id, self.endpoint, group_id=msg.group_id, reason="step no longer active")
             for m in members:
                 if m.peer_id != self.peer_id:
-                    self._send(m.endpoint, Message(MsgType.ABORT, self.peer_id, self.endpoint,
-                                                   {"gid": msg["gid"], "reason": "step no longer active"}))
+                    self._send(m.endpoint, abort)
             return
-        try:
-            spec = GroupSpec(j.key, msg["gid"], members, mine[0])
-        except ProtocolError as e:
-            log.warning("%s: dropped malformed GROUP from %s: %s", self.peer_id, msg.sender, e)
+        if len({m.peer_id for m in members}) != len(members):  # a peer's bad data: GroupSpec would refuse it
+            log.warning("%s: dropped malformed GROUP from %s: a peer appears twice", self.peer_id, msg.sender)
             return
+        spec = GroupSpec(j.key, msg.group_id, members, mine[0])
         j.move(JoinPhase.DONE)
         self.join = None
         self._on_group(spec, now)
 
     # ================================================================ rendezvous side
-    def on_join(self, msg: Message, now: float) -> None:
-        key = msg["key"]
-        if msg["hops"] < 2:
+    def on_join(self, msg: Join, now: float) -> None:
+        key = msg.key
+        if msg.hops < 2:
             best = self.ranking(key)[0]
             if best != self.peer_id and best != msg.sender:
                 ep = self.membership.endpoint_of(best)
                 assert ep is not None
-                self._send(msg.endpoint, self._msg(MsgType.REDIRECT, key=key, step=msg["step"], to_id=best, to_ep=ep))
+                self._send(msg.endpoint, Redirect(self.peer_id, self.endpoint, key=key, step_id=msg.step_id,
+                                                  to_id=best, to_endpoint=ep))
                 return
         pool = self.pools.get(key)
         if pool is None:
             pool = self.pools[key] = _Pool(closes=now + self.matchmaking_time, opened=now)
         pool.entries = [e for e in pool.entries if e.peer_id != msg.sender]
-        pool.entries.append(_Entry(msg.sender, msg.endpoint, msg["step"], msg["bw"], msg["layout"], msg["want"], msg["g"]))
-        self._send(msg.endpoint, self._msg(MsgType.JOIN_ACK, key=key, step=msg["step"]))
-        same = [e for e in pool.entries if e.layout == msg["layout"]]
+        pool.entries.append(_Entry(msg.sender, msg.endpoint, msg.step_id, msg.bandwidth, msg.layout, msg.want,
+                                   int(msg.gathers)))
+        self._send(msg.endpoint, JoinAck(self.peer_id, self.endpoint, key=key, step_id=msg.step_id))
+        same = [e for e in pool.entries if e.layout == msg.layout]
         enough = max(self.min_group_size, min([self.target_group_size] + [e.want for e in same]))
         if len(same) >= enough:
             # Full: close after a short grace for stragglers rather than at once, so that a line that
@@ -316,25 +303,25 @@ class Matchmaker:
         joined = {e.peer_id for e in pool.entries}
         return self.peer_id in joined and joined.issuperset(live)
 
-    def on_leave(self, msg: Message, now: float) -> None:
-        pool = self.pools.get(msg["key"])
+    def on_leave(self, msg: Leave, now: float) -> None:
+        pool = self.pools.get(msg.key)
         if pool is not None:
-            pool.entries = [e for e in pool.entries if not (e.peer_id == msg.sender and e.step_id == msg["step"])]
+            pool.entries = [e for e in pool.entries if not (e.peer_id == msg.sender and e.step_id == msg.step_id)]
 
     def _form(self, key: str, entries: list[_Entry]) -> None:
         if all(e.bandwidth == 0 for e in entries):
             self._refuse(key, entries, f"all {len(entries)} peers with this key are clients (bandwidth 0)")
             return
         gid = self._rng.bytes(8).hex()
-        members = [[e.peer_id, e.endpoint, e.bandwidth, e.step_id, e.gathers] for e in entries]
-        msg = self._msg(MsgType.GROUP, key=key, gid=gid, members=members)  # one message for all: each finds itself
+        members = tuple(MemberInfo(e.peer_id, e.endpoint, e.bandwidth, e.step_id, e.gathers) for e in entries)
+        msg = Group(self.peer_id, self.endpoint, key=key, group_id=gid, members=members)  # one for all: each finds itself
         for e in entries:
             self._send(e.endpoint, msg)
 
     def _refuse(self, key: str, entries: list[_Entry], reason: str, retry: bool = True) -> None:
         for e in entries:
-            self._send(e.endpoint, self._msg(MsgType.NO_GROUP, key=key, step=e.step_id, reason=reason,
-                                             seen=len(entries), retry=int(retry)))
+            self._send(e.endpoint, NoGroup(self.peer_id, self.endpoint, key=key, step_id=e.step_id, reason=reason,
+                                           seen=len(entries), retry=retry))
 
     def _close_pool(self, key: str, pool: _Pool, now: float) -> None:
         by_layout: dict[str, list[_Entry]] = {}
@@ -402,5 +389,5 @@ class Matchmaker:
             j.history.append(f"{j.target[0][:8]}: {what} within {self.request_timeout:g}s")
             j.silent.add(j.target[0])
             if j.phase is JoinPhase.QUEUED:
-                self._send(j.target[1], self._msg(MsgType.LEAVE, key=j.key, step=j.step_id))
+                self._send(j.target[1], Leave(self.peer_id, self.endpoint, key=j.key, step_id=j.step_id))
             self._ask_next(now)

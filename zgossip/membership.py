@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from .rendezvous import RankingCache
-from .wire import Message, MsgType
+from .messages import Gossip, GossipReply, Message
 
 __all__ = ["PeerRecord", "Membership"]
 
@@ -161,7 +161,7 @@ class Membership:
             # afterwards, so that two halves that lost each other find each other again
             targets += [ep for ep in self.initial_peers if ep not in targets]
         if targets:
-            msg = self._digest_message(MsgType.GOSSIP)
+            msg = self._digest_message(Gossip)
             for ep in targets:
                 self._send(ep, msg)
 
@@ -181,10 +181,10 @@ class Membership:
             rec.updated = now
             rec.endpoint = endpoint
 
-    def on_gossip(self, msg: Message, now: float) -> None:
-        self.merge(msg["peers"], now)
-        if msg.type is MsgType.GOSSIP:
-            self._send(msg.endpoint, self._digest_message(MsgType.GOSSIP_REPLY))
+    def on_gossip(self, msg: Gossip | GossipReply, now: float) -> None:
+        self.merge(msg.peers, now)
+        if type(msg) is Gossip:
+            self._send(msg.endpoint, self._digest_message(GossipReply))
 
     def donors(self) -> list[PeerRecord]:
         """Live peers that declared they share state, best priority first (ties in id order)."""
@@ -232,11 +232,11 @@ class Membership:
         chosen = self._rng.choice(len(ids), size=k, replace=False)
         return [self.peers[ids[i]].endpoint for i in sorted(chosen)]
 
-    def _digest_message(self, mtype: MsgType) -> Message:
+    def _digest_message(self, kind: type[Gossip] | type[GossipReply]) -> Gossip | GossipReply:
         ids = self.live_ids()
         if len(ids) > self.max_digest - 1:
             pick = self._rng.choice(len(ids), size=self.max_digest - 1, replace=False)
             ids = [ids[i] for i in sorted(pick)]
         entries = [(self.peer_id, self.endpoint, self.heartbeat, self.share, self.info)]
         entries += [(p, r.endpoint, r.heartbeat, r.share, r.info) for p in ids for r in (self.peers[p],)]
-        return Message(mtype, self.peer_id, self.endpoint, {"hb": self.heartbeat, "peers": entries})
+        return kind(self.peer_id, self.endpoint, heartbeat=self.heartbeat, peers=tuple(entries))
