@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "zgossip"
-PROTOCOL_MODULES = ["wire", "membership", "matchmaking", "grid", "partition", "allreduce", "node", "tensors", "errors",
-                    "rendezvous", "state"]
+PROTOCOL_MODULES = ["wire", "messages", "membership", "matchmaking", "grid", "partition", "allreduce", "numeric", "node",
+                    "tensors", "errors", "rendezvous", "state"]
 SEAM_MODULES = ["actions", "transport", "view"]  # the interfaces between protocol, transports and users
 USER_MODULES = ["averager", "training_state", "progress"]  # above the seam: time and waits from the Clock
 # Training classes still wait on the wall clock and on threads of their own: phase 2 of the seam moves
@@ -62,6 +62,12 @@ def _thread_pools(path: Path) -> list[str]:
 def test_protocol_module_imports_no_io(module):
     bad = _imports(PKG / f"{module}.py") & FORBIDDEN
     assert not bad, f"zgossip/{module}.py imports {sorted(bad)}: protocol code must stay sans-IO"
+
+
+@pytest.mark.parametrize("module", [m for m in PROTOCOL_MODULES if m != "wire"])
+def test_only_wire_knows_bytes(module):
+    """Messages are typed values everywhere but in `wire`, which alone packs and parses headers."""
+    assert "msgpack" not in _imports(PKG / f"{module}.py"), f"zgossip/{module}.py imports msgpack: only wire knows bytes"
 
 
 @pytest.mark.parametrize("module", PROTOCOL_MODULES + SEAM_MODULES + USER_MODULES)
