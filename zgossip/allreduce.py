@@ -43,7 +43,7 @@ from .messages import Abort, Gather, Message, Part, Rescue, RescueCall, Result
 from .numeric import PassPlan, add_pass, divide, plan_pass, take_finite
 from .partition import PartPlan, make_plan
 
-__all__ = ["AllReduceRound", "RoundOutcome", "SpanOutcome", "RoundPhase", "PartState", "ReduceState", "MOVES"]
+__all__ = ["AllReduceRound", "RoundOutcome", "SpanOutcome", "RoundPhase", "PartState", "ReduceState", "MOVES", "transition"]
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ MOVES: dict[Enum, frozenset] = {
 }
 
 
-def _move(old: Enum, new: Enum, what: str) -> Enum:
+def transition(old: Enum, new: Enum, what: str) -> Enum:
     """`new`, if `old` -> `new` is in `MOVES`; else IllegalTransition (a bug in this module)."""
     if new not in MOVES[old]:
         raise IllegalTransition(f"{what}: illegal move {old.value} -> {new.value}")
@@ -164,7 +164,7 @@ class _Reduce:
         )
 
     def settle(self, p: int, state: ReduceState) -> None:
-        self.state[p] = _move(self.state[p], state, f"reduction of span {self.owner} part {p}")
+        self.state[p] = transition(self.state[p], state, f"reduction of span {self.owner} part {p}")
         self.left -= 1
 
 
@@ -426,7 +426,7 @@ class AllReduceRound:
             self._resolve(r.owner, p, None, None, partial=partial)
 
     def _set_part(self, owner: int, p: int, state: PartState) -> None:
-        self.status[owner][p] = _move(self.status[owner][p], state, f"span {owner} part {p}")
+        self.status[owner][p] = transition(self.status[owner][p], state, f"span {owner} part {p}")
         self.unresolved -= 1
 
     def _settle(self, owner: int, p: int, contrib: tuple[int, ...], rescued: bool) -> None:
@@ -691,7 +691,7 @@ class AllReduceRound:
         busy_rescue = any(r.left for r in self.rescues.values())
         if not force and (self.unresolved or waiting_gather or busy_rescue or self.own.left):
             return
-        self.phase = _move(self.phase, RoundPhase.DONE, f"round {self._gid}")
+        self.phase = transition(self.phase, RoundPhase.DONE, f"round {self._gid}")
         self._on_done(self, now)
 
     # ------------------------------------------------------------------ result
