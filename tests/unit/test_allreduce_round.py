@@ -70,7 +70,7 @@ def assert_averaged_or_unchanged(g: Group, before: list[np.ndarray], weights: li
         changed = np.zeros(NUMEL, bool)
         for lo, hi in out.updated:
             changed[lo:hi] = True
-        assert np.array_equal(buf[~changed], before[i][~changed])
+        assert np.array_equal(buf[~changed], before[i][~changed], equal_nan=True)
         for o, span in enumerate(out.spans):
             for p in range(r.plan.num_parts(o)):
                 lo, hi = r.plan.part(o, p)
