@@ -69,3 +69,19 @@ def test_partitioned_ordered_reduction_equals_weighted_mean(n, numel, part, seed
 def test_all_clients_is_an_error():
     with pytest.raises(ValueError, match="clients"):
         span_sizes(10, [0.0, 0.0])
+
+
+def test_streamed_part_size_splits_each_span_but_keeps_large_parts():
+    from zgossip.partition import MIN_PART_BYTES, MIN_PARTS, streamed_part_elems
+
+    mib = 1 << 18  # float32 per MiB
+    # 4 MiB tensor, 4 members, 4 MiB parts configured: each 1 MiB span in MIN_PARTS parts
+    pe = streamed_part_elems(4 * mib, [1.0] * 4, 4 * mib, 4)
+    assert make_plan(4 * mib, [1.0] * 4, pe).num_parts(0) == MIN_PARTS
+    # the loopback bench's 64 MiB over 4 keeps the configured 4 MiB parts
+    assert streamed_part_elems(64 * mib, [1.0] * 4, 4 * mib, 4) == 4 * mib
+    # never above the configured size, never below MIN_PART_BYTES (unless configured so)
+    assert streamed_part_elems(1000, [1.0] * 4, 100_000, 4) == MIN_PART_BYTES // 4
+    assert streamed_part_elems(1000, [1.0] * 4, 10, 4) == 10
+    # clients do not count as span owners
+    assert streamed_part_elems(8 * mib, [1.0, 1.0, 0.0, 0.0], 4 * mib, 4) == mib

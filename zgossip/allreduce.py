@@ -41,7 +41,7 @@ from .errors import IllegalTransition, ProtocolError
 from .matchmaking import GroupSpec
 from .messages import Abort, Gather, Message, Part, Rescue, RescueCall, Result
 from .numeric import PassPlan, add_pass, divide, plan_pass, take_finite
-from .partition import PartPlan, make_plan
+from .partition import PartPlan, make_plan, streamed_part_elems
 
 __all__ = ["AllReduceRound", "RoundOutcome", "SpanOutcome", "RoundPhase", "PartState", "ReduceState", "MOVES", "transition"]
 
@@ -205,7 +205,8 @@ class AllReduceRound:
         Part(self.me.peer_id, self.me.endpoint, group_id=spec.group_id, owner=0, part=0, weight=self.weight,
              rescue=False, data=buffer[:0])
         self._gid = spec.group_id
-        self.plan = make_plan(buffer.size, [m.bandwidth for m in spec.members], part_elems)
+        bws = [m.bandwidth for m in spec.members]
+        self.plan = make_plan(buffer.size, bws, streamed_part_elems(buffer.size, bws, part_elems, buffer.dtype.itemsize))
         self.index = {m.peer_id: i for i, m in enumerate(spec.members)}
         self.last_heard = [now] * self.n  # when each member's last message came (only messages count)
         self.asked_at = [float("-inf")] * self.n  # when we last asked each member for a rescue

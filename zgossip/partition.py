@@ -11,7 +11,13 @@ from dataclasses import dataclass
 from typing import Sequence
 
 
-__all__ = ["PartPlan", "make_plan", "span_sizes"]
+__all__ = ["PartPlan", "make_plan", "span_sizes", "streamed_part_elems", "MIN_PARTS", "MIN_PART_BYTES"]
+
+#: a span is streamed in at least this many parts (when parts stay >= MIN_PART_BYTES): with one part per
+#: span a slow host cannot download results while it still uploads, and a part's transfer on the
+#: slowest link is the pipeline's tail
+MIN_PARTS = 4
+MIN_PART_BYTES = 64 << 10
 
 
 def span_sizes(numel: int, bandwidths: Sequence[float]) -> list[int]:
@@ -66,6 +72,19 @@ class PartPlan:
         if not 0 <= index < self.num_parts(owner):
             raise IndexError(f"span {owner} has no part {index}")
         return lo, min(lo + self.part_elems, end)
+
+
+def streamed_part_elems(numel: int, bandwidths: Sequence[float], part_elems: int, itemsize: int) -> int:
+    """The part size a group uses: the configured `part_elems`, capped so that a span of the mean
+    size (over members that reduce) holds `MIN_PARTS` parts, but never below `MIN_PART_BYTES`
+    (nor above `part_elems`). A pure function of what every member knows, so all agree.
+
+    E.g. 4 members, 4 MiB parts configured: a 64 MiB tensor keeps 4 MiB parts; a 4 MiB tensor
+    streams each 1 MiB span in 4 parts of 256 KiB."""
+    servers = sum(1 for b in bandwidths if b > 0) or 1
+    cap = -(-numel // (servers * MIN_PARTS))
+    floor = max(1, MIN_PART_BYTES // max(1, itemsize))
+    return max(1, min(part_elems, max(cap, floor)))
 
 
 def make_plan(numel: int, bandwidths: Sequence[float], part_elems: int) -> PartPlan:
