@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-PKG = Path(__file__).resolve().parent.parent / "zgossip"
+PKG = Path(__file__).resolve().parents[2] / "zgossip"
 PROTOCOL_MODULES = ["wire", "messages", "membership", "matchmaking", "grid", "partition", "allreduce", "numeric", "node",
                     "tensors", "errors", "rendezvous", "state"]
 SEAM_MODULES = ["actions", "transport", "view"]  # the interfaces between protocol, transports and users
@@ -89,7 +89,7 @@ def test_training_layer_ratchet():
     classified = set(PROTOCOL_MODULES + SEAM_MODULES + USER_MODULES + TRAINING_NOT_YET_ON_THE_CLOCK + DRIVERS_AND_CLOCKS)
     tools = {"__init__", "bench", "bench_train", "cli", "demo", "peer", "swarm", "train_demo", "kernels"}  # CLIs, demos
     present = {p.stem for p in PKG.glob("*.py")}
-    assert present - classified - tools == set(), "classify new modules in tests/test_architecture.py"
+    assert present - classified - tools == set(), "classify new modules in tests/other/test_architecture.py"
     still = {m for m in TRAINING_NOT_YET_ON_THE_CLOCK if _imports(PKG / f"{m}.py") & FORBIDDEN}
     assert still == set(TRAINING_NOT_YET_ON_THE_CLOCK), (
         f"{sorted(set(TRAINING_NOT_YET_ON_THE_CLOCK) - still)} now take their time from the clock: "

@@ -19,7 +19,7 @@ from sim.tcp import TcpParams, TcpTransport
 from zgossip.node import NodeConfig
 from zgossip.wire import MsgType, make_message, lane_of
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MB = 1_000_000
 
 
