@@ -32,6 +32,7 @@ from .transport import Transport
 
 __all__ = ["Averager", "StepFuture"]
 
+_GOODBYE_WAIT = 0.02  # seconds given to the BYE messages to leave before the sockets close
 _SLACK = 0.5  # seconds: the safety net's margin past the node's deadline, and the most spent dropping unsent data
 
 log = logging.getLogger(__name__)
@@ -282,7 +283,7 @@ class Averager:
             # the node times the step from when it gets it: what the snapshot took is already spent
             left = max(0.0, float(timeout) - (clock.now() - entered))
             req = StepRequest(step_id, buf, weight, gather, left, self.layout.fingerprint,
-                              None if round is None else int(round))
+                              None if round is None else int(round), self.layout.description)
             self._transport.call(lambda now: self._transport.node.submit_step(req, now))
         except BaseException:
             self._busy.release()
@@ -479,7 +480,8 @@ class Averager:
         """Stop this peer. A step still running fails with `AveragerClosed`. First, for at most
         `shutdown_timeout` seconds, what this peer still owes others is delivered: results of its
         spans that groupmates of a recent round have not confirmed (DONE), and data libzmq still
-        holds for them; `timeout` then bounds stopping the I/O thread."""
+        holds for them. Then it says goodbye (BYE) to the peers it knows, so they stop counting it
+        live at once; `timeout` then bounds stopping the I/O thread."""
         self._shutdown(timeout, deliver=True)
 
     def _shutdown(self, timeout: float, deliver: bool) -> None:
@@ -490,6 +492,7 @@ class Averager:
             self._transport.call(lambda now, s=sid: self._transport.node.cancel_step(s, now, "averager shut down"))
         if deliver:
             self._deliver_owed(self.shutdown_timeout)
+            self._say_goodbye()
         self._transport.close(timeout)
         self._applier.shutdown(wait=True)
         self._server.shutdown(wait=True, cancel_futures=True)
@@ -504,6 +507,21 @@ class Averager:
             try:
                 self._busy.release()
             except RuntimeError:
+                pass
+
+    def _say_goodbye(self) -> None:
+        """Tell the peers we know that we leave (BYE), so they stop counting us live at once
+        instead of after ``peer_timeout``. Best effort: a peer that misses it times us out."""
+        try:
+            told = self._transport.run_on_io(lambda node, now: node.leave(now), 1.0)
+        except (RuntimeError, cf.TimeoutError):
+            return
+        if told:
+            # libzmq writes from its own thread, and closing (linger 0) or exiting drops what it has
+            # not written yet: a moment for the small BYEs to leave
+            try:
+                self._clock.sleep(_GOODBYE_WAIT)
+            except RuntimeError:  # a simulated clock outside a simulated thread cannot wait: nothing to flush
                 pass
 
     def _deliver_owed(self, timeout: float) -> bool:
