@@ -176,7 +176,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-delay", type=float, default=0.01,
                    help="seconds each local step sleeps, standing in for a bigger model (default 0.01)")
     p.add_argument("--seed", type=int, default=0, help="data seed")
-    p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--log-level", default="WARNING", help="logging level of the peer processes (DEBUG, INFO, WARNING, ...; default WARNING)")
 
 
 class _Peers:
