@@ -108,12 +108,13 @@ def render(averager: Any) -> str:
     out.sample("zgossip_step_received_bytes_total", tot["bytes_received"])
     out.family("zgossip_step_lost_peers_total", "counter", "Groupmates lost during steps (died, stalled or sent bad data)")
     out.sample("zgossip_step_lost_peers_total", tot["peers_lost"])
-    last = averager.step_log.recent(1)
-    if last and last[0].ok:
+    last = [r for r in averager.step_log.recent() if r.ok][-1:]
+    if last:
         r = last[0]
-        out.family("zgossip_last_step_group_size", "gauge", "Members of the last step's group, this peer included")
+        out.family("zgossip_last_step_group_size", "gauge",
+                   "Members of the group of the last step that averaged, this peer included")
         out.sample("zgossip_last_step_group_size", len(r.members))
-        out.family("zgossip_last_step_contributors", "gauge", "Members whose data the last step averaged")
+        out.family("zgossip_last_step_contributors", "gauge", "Members whose data the last step that averaged used")
         out.sample("zgossip_last_step_contributors", len(r.contributors))
     try:
         live = len(averager.peers())
