@@ -9,6 +9,14 @@ dead one is simply skipped: a joiner that gets no JOIN_ACK within ``request_time
 asks the next candidate. A rendezvous peer that knows a better-ranked live peer
 redirects the joiner (at most twice), which repairs disagreeing membership views.
 
+A far peer is not a dead one: the wait for a JOIN_ACK grows with the round-trip time
+the membership gossip measured to that peer (a first contact also pays for the
+connection's set-up), and a joiner that moved on anyway still takes the JOIN_ACK or
+GROUP of any rendezvous peer it asked during this step, if it has no group yet -- it
+then tells the others it asked (LEAVE), so their pools drop it while they are open; a
+GROUP that comes after it found one is answered with ABORT, so that group does not
+wait for it.
+
 The joiner keeps a log of every attempt, so a failure can say exactly what happened
 instead of a bare "could not find a group".
 
@@ -70,7 +78,7 @@ class JoinPhase(Enum):
 
 _PHASE_MOVES = {
     JoinPhase.ASKING: {JoinPhase.ASKING, JoinPhase.QUEUED, JoinPhase.DONE},
-    JoinPhase.QUEUED: {JoinPhase.ASKING, JoinPhase.DONE},
+    JoinPhase.QUEUED: {JoinPhase.ASKING, JoinPhase.QUEUED, JoinPhase.DONE},  # QUEUED: back to a late one
     JoinPhase.DONE: set(),
 }
 
@@ -91,6 +99,8 @@ class _Join:
     wait_until: float = 0.0
     silent: set = field(default_factory=set)
     history: list = field(default_factory=list)
+    asked: dict = field(default_factory=dict)  # peer id -> endpoint of every peer sent a JOIN this step
+    since: float = 0.0  # when the current wait (for a JOIN_ACK, or for the group) began
     seen: int = 0
     desc: str = ""  # layout description (zgossip.layouts)
 
@@ -179,9 +189,27 @@ class Matchmaker:
         j = self.join
         if j is None:
             return
-        if j.phase is JoinPhase.QUEUED:
-            self._send(j.target[1], self._msg(MsgType.LEAVE, key=j.key, step=j.step_id))
+        self._leave_all(j)
         self.join = None
+
+    def _leave_all(self, j: _Join, keep: str | None = None) -> None:
+        """Tell every rendezvous peer we asked during this join (but `keep`) that we do not come:
+        an open pool drops us; a closed one already sent its GROUP, which we answer with ABORT."""
+        leave = self._msg(MsgType.LEAVE, key=j.key, step=j.step_id)
+        for pid, ep in j.asked.items():
+            if pid != keep:
+                self._send(ep, leave)
+
+    def _rtt(self, endpoint: str) -> float:
+        rtt = getattr(self.membership, "rtt", None)
+        r = rtt(endpoint) if rtt is not None and endpoint != self.endpoint else None
+        return r or 0.0
+
+    def ack_wait(self, endpoint: str) -> float:
+        """How long a JOIN to `endpoint` may go unanswered before we ask the next candidate:
+        `request_timeout`, plus three measured round trips (the JOIN and its JOIN_ACK, and the
+        set-up of connections that may not exist yet on a first contact)."""
+        return self.request_timeout + 3.0 * self._rtt(endpoint)
 
     def ranking(self, key: str) -> list[str]:
         """Live peers (this one included) in rendezvous order for `key`."""
@@ -194,7 +222,10 @@ class Matchmaker:
     def _ask(self, j: _Join, peer_id: str, endpoint: str, now: float) -> None:
         j.move(JoinPhase.ASKING)
         j.target = (peer_id, endpoint)
-        j.wait_until = now + self.request_timeout
+        j.asked[peer_id] = endpoint
+        j.since = now
+        j.wait_until = now + self.ack_wait(endpoint)
+        log.debug("%s t=%.3f JOIN -> %s hops=%d", self.peer_id[:8], now, peer_id[:8], j.hops)
         self._send(
             endpoint,
             self._msg(MsgType.JOIN, key=j.key, step=j.step_id, bw=j.bandwidth, layout=j.layout, hops=j.hops, want=j.want,
@@ -238,13 +269,41 @@ class Matchmaker:
             return None
         return j
 
+    def _late(self, msg: Message) -> _Join | None:
+        """The join `msg` answers if it comes from a rendezvous peer we asked during it, but moved
+        on from (it was slow, not dead)."""
+        j = self.join
+        if (j is None or msg["step"] != j.step_id or msg["key"] != j.key or msg.sender == j.target[0]
+                or j.asked.get(msg.sender) != msg.endpoint):
+            return None
+        return j
+
     def on_join_ack(self, msg: Message, now: float) -> None:
+        log.debug("%s t=%.3f JOIN_ACK <- %s", self.peer_id[:8], now, msg.sender[:8])
         j = self._current(msg)
-        if j is None or j.phase is not JoinPhase.ASKING:
+        if j is None:
+            j = self._late(msg)
+            if j is None:
+                return
+            # a peer we gave up on holds our JOIN after all. Go back to it if it ranks before the one
+            # we wait on now (it is where the others go); else stay, it will drop us on our LEAVE
+            order = self.ranking(j.key)
+            rank = {p: i for i, p in enumerate(order)}
+            if rank.get(msg.sender, len(order)) >= rank.get(j.target[0], len(order)):
+                self._send(msg.endpoint, self._msg(MsgType.LEAVE, key=j.key, step=j.step_id))
+                return
+            j.history.append(f"{msg.sender[:8]}: late JOIN_ACK, back to it")
+            self._send(j.target[1], self._msg(MsgType.LEAVE, key=j.key, step=j.step_id))
+            j.silent.discard(msg.sender)
+            j.target = (msg.sender, msg.endpoint)
+            j.move(JoinPhase.QUEUED)
+        elif j.phase is not JoinPhase.ASKING:
             return
-        j.move(JoinPhase.QUEUED)
+        else:
+            j.move(JoinPhase.QUEUED)
         # the rendezvous peer closes its window at most matchmaking_time after our join
-        j.wait_until = now + self.matchmaking_time + 2 * self.request_timeout
+        j.since = now
+        j.wait_until = now + self.matchmaking_time + 2 * self.request_timeout + 2.0 * self._rtt(msg.endpoint)
 
     def on_redirect(self, msg: Message, now: float) -> None:
         j = self._current(msg)
@@ -277,10 +336,12 @@ class Matchmaker:
 
     def on_group(self, msg: Message, now: float) -> None:
         j = self.join
+        log.debug("%s t=%.3f GROUP <- %s", self.peer_id[:8], now, msg.sender[:8])
         members = tuple(MemberInfo(*m) for m in msg["members"])
         mine = [i for i, m in enumerate(members) if m.peer_id == self.peer_id]
-        current = (j is not None and msg["key"] == j.key and msg.sender == j.target[0] and len(mine) == 1
-                   and members[mine[0]].step_id == j.step_id)
+        # any GROUP that holds our current step is taken while we have none: its pool got our JOIN
+        # (perhaps after we moved on from a slow rendezvous peer), and its members wait for us
+        current = (j is not None and msg["key"] == j.key and len(mine) == 1 and members[mine[0]].step_id == j.step_id)
         if not current:
             # a group for a step we gave up on: tell its members not to wait for us
             for m in members:
@@ -293,6 +354,10 @@ class Matchmaker:
         except ProtocolError as e:
             log.warning("%s: dropped malformed GROUP from %s: %s", self.peer_id, msg.sender, e)
             return
+        if msg.sender != j.target[0]:
+            j.history.append(f"{msg.sender[:8]}: late GROUP taken")
+        # the other pools we joined must not count on us (the sender's is closed: it sent this)
+        self._leave_all(j, keep=msg.sender)
         j.move(JoinPhase.DONE)
         self.join = None
         self._on_group(spec, now)
@@ -300,6 +365,7 @@ class Matchmaker:
     # ================================================================ rendezvous side
     def on_join(self, msg: Message, now: float) -> None:
         key = msg["key"]
+        log.debug("%s t=%.3f JOIN <- %s hops=%d", self.peer_id[:8], now, msg.sender[:8], msg["hops"])
         if msg["hops"] < 2:
             best = self.ranking(key)[0]
             if best != self.peer_id and best != msg.sender:
@@ -417,10 +483,11 @@ class Matchmaker:
             self._fail(now, "step timeout reached")
         elif now >= j.wait_until:
             what = "no JOIN_ACK" if j.phase is JoinPhase.ASKING else "no group after the window"
-            j.history.append(f"{j.target[0][:8]}: {what} within {self.request_timeout:g}s")
+            j.history.append(f"{j.target[0][:8]}: {what} within {j.wait_until - j.since:.2g}s")
             j.silent.add(j.target[0])
             if j.phase is JoinPhase.QUEUED:
                 self._send(j.target[1], self._msg(MsgType.LEAVE, key=j.key, step=j.step_id))
+                j.asked.pop(j.target[0], None)  # it was told we left: its GROUP would not hold us
             self._ask_next(now)
 
 

@@ -93,6 +93,10 @@ class Membership:
         self._started_at: float | None = None
         self._reached: set[str] = set()
         self._warned: tuple[str, ...] = ()
+        # round-trip times measured on the gossip push-pull (GOSSIP out, its GOSSIP_REPLY back),
+        # per endpoint: how long a request to that peer may take before it counts as silent
+        self._pinged: dict[str, float] = {}  # endpoint -> when our oldest unanswered GOSSIP left
+        self._rtt: dict[str, float] = {}
 
     # -- queries ---------------------------------------------------------------------
     def live_ids(self) -> list[str]:
@@ -172,6 +176,7 @@ class Membership:
         if targets:
             msg = self._digest_message(MsgType.GOSSIP)
             for ep in targets:
+                self._pinged.setdefault(ep, now)
                 self._send(ep, msg)
 
     def observe(self, peer_id: str, endpoint: str, now: float) -> None:
@@ -203,6 +208,26 @@ class Membership:
             return  # we left: answering would only tell others about us again
         if msg.type is MsgType.GOSSIP:
             self._send(msg.endpoint, self._digest_message(MsgType.GOSSIP_REPLY))
+        else:
+            sent = self._pinged.pop(msg.endpoint, None)
+            if sent is not None and now - sent < self.peer_timeout:
+                self._sample_rtt(msg.endpoint, now - sent)
+
+    def _sample_rtt(self, endpoint: str, sample: float) -> None:
+        # biased upwards on purpose: a rise is taken at once, a fall only slowly (the first sample
+        # may include the connection's set-up, which a later first contact may pay again)
+        old = self._rtt.get(endpoint)
+        self._rtt[endpoint] = sample if old is None else max(sample, 0.75 * old + 0.25 * sample)
+        if len(self._rtt) > 4 * self.max_digest:
+            self._rtt.pop(next(iter(self._rtt)))
+
+    def rtt(self, endpoint: str) -> float | None:
+        """The round-trip time to `endpoint` measured by gossip (an upper-biased average), or the
+        largest one measured to any peer if none was measured to this one yet; None if none at all."""
+        r = self._rtt.get(endpoint)
+        if r is None and self._rtt:
+            r = max(self._rtt.values())
+        return r
 
     def donors(self) -> list[PeerRecord]:
         """Live peers that declared they share state, best priority first (ties in id order)."""
@@ -260,6 +285,8 @@ class Membership:
             self._changed()
             self._tombstones[peer_id] = (rec.heartbeat, now)
             self.forgotten.append(rec.endpoint)
+            self._pinged.pop(rec.endpoint, None)
+            self._rtt.pop(rec.endpoint, None)
             log.info("%s: forgot peer %s at %s (%s)", self.peer_id, peer_id, rec.endpoint, why)
 
     # -- internals -----------------------------------------------------------------------
