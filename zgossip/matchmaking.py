@@ -350,7 +350,7 @@ class Matchmaker:
                                                    {"gid": msg["gid"], "reason": "step no longer active"}))
             return
         try:
-            spec = GroupSpec(j.key, msg["gid"], members, mine[0], tuple(msg["odd"]))
+            spec = GroupSpec(j.key, msg["gid"], members, mine[0], tuple(msg.body.get("odd", ())))
         except ProtocolError as e:
             log.warning("%s: dropped malformed GROUP from %s: %s", self.peer_id, msg.sender, e)
             return
@@ -378,7 +378,7 @@ class Matchmaker:
             pool = self.pools[key] = _Pool(closes=now + self.matchmaking_time, opened=now)
         pool.entries = [e for e in pool.entries if e.peer_id != msg.sender]
         pool.entries.append(_Entry(msg.sender, msg.endpoint, msg["step"], msg["bw"], msg["layout"], msg["want"], msg["g"],
-                                   msg["ld"]))
+                                   msg.body.get("ld", "")))
         self._send(msg.endpoint, self._msg(MsgType.JOIN_ACK, key=key, step=msg["step"]))
         same = [e for e in pool.entries if e.layout == msg["layout"]]
         enough = max(self.min_group_size, min([self.target_group_size] + [e.want for e in same]))

@@ -256,6 +256,14 @@ SCHEMAS: dict[MsgType, tuple[dict[str, Validator], int]] = {
 }
 
 
+#: fields a sender may leave out, with the value they then take (added after the first release of
+#: their message type; receivers read them with ``msg.body.get(name, default)``)
+OPTIONAL: dict[MsgType, dict[str, Any]] = {
+    MsgType.JOIN: {"ld": ""},
+    MsgType.GROUP: {"odd": ()},
+}
+
+
 @dataclass(frozen=True)
 class Message:
     """One protocol message. Validated on construction: building a bad one is a bug."""
@@ -300,6 +308,9 @@ def _validate(mtype: Any, sender: Any, endpoint: Any, body: Any, nframes: int) -
     _ID(sender)
     _EP(endpoint)
     schema, want_frames = SCHEMAS[mtype]
+    optional = OPTIONAL.get(mtype)
+    if optional and isinstance(body, dict) and not body.keys() >= optional.keys():
+        body = {**optional, **body}
     if not isinstance(body, dict) or body.keys() != schema.keys():
         raise _fail(f"{mtype.name}: body fields do not match the schema")
     if nframes != want_frames:
