@@ -91,7 +91,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "Unix sockets (the default between peers on one host)")
     p.add_argument("--matchmaking", action="store_true", help="benchmark matchmaking latency instead of the all-reduce")
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the peers' random tensors (default 0)")
     p.add_argument("--timeout", type=float, default=120.0, help="bound on each step and each wait, in seconds")
 
 

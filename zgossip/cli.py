@@ -21,8 +21,14 @@ def main(argv: list[str] | None = None) -> int:
     bench_train.add_arguments(sub.add_parser("bench-train", help="one collaborative step (4 peers, 10M params) vs gloo"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "WARNING"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return {"demo": demo.run, "peer": peer.run, "bench": bench.run, "train-demo": train_demo.run,
-            "bench-train": bench_train.run}[args.command](args)
+    try:
+        return {"demo": demo.run, "peer": peer.run, "bench": bench.run, "train-demo": train_demo.run,
+                "bench-train": bench_train.run}[args.command](args)
+    except KeyboardInterrupt:
+        # Ctrl-C: the command's finally blocks stopped its peer processes; no traceback, the shell's
+        # exit status for SIGINT (128 + 2)
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

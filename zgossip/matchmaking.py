@@ -19,6 +19,12 @@ wait for it.
 
 The joiner keeps a log of every attempt, so a failure can say exactly what happened
 instead of a bare "could not find a group".
+
+Only peers with equal tensor layouts are grouped. Each JOIN also carries a short description of
+its layout (`zgossip.layouts`); when a window closes with several layouts for one key, every
+peer involved learns what differs: those left without a group in the NO_GROUP reason, members
+of a group that formed in the GROUP message (``odd``: who was left out, and why), which their
+step reports as ``StepResult.left_out``.
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ from typing import Callable
 
 import numpy as np
 
+from . import layouts
 from .errors import GroupNotFound, IllegalTransition, ProtocolError
 from .messages import Abort, Group, Join, JoinAck, Leave, MemberInfo, Message, NoGroup, Redirect
 from .rendezvous import rendezvous_order
@@ -45,6 +52,7 @@ class GroupSpec:
     group_id: str
     members: tuple[MemberInfo, ...]
     rank: int  # this peer's index in `members`
+    left_out: tuple[tuple[str, str], ...] = ()  # (peer id, what differs) of joiners of this key with other layouts
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < len(self.members):
@@ -85,6 +93,7 @@ class _Join:
     asked: dict = field(default_factory=dict)  # peer id -> endpoint of every peer sent a JOIN this step
     since: float = 0.0  # when the current wait (for a JOIN_ACK, or for the group) began
     seen: int = 0
+    desc: str = ""  # layout description (zgossip.layouts)
 
     def move(self, phase: JoinPhase) -> None:
         if phase not in _PHASE_MOVES[self.phase]:
@@ -101,6 +110,7 @@ class _Entry:
     layout: str
     want: int
     gathers: int
+    desc: str = ""
 
 
 @dataclass
@@ -153,13 +163,14 @@ class Matchmaker:
 
     # ================================================================ joiner side
     def begin(self, step_id: str, key: str, bandwidth: float, layout: str, now: float, timeout: float,
-              want: int | None = None, gathers: bool = True) -> None:
+              want: int | None = None, gathers: bool = True, layout_desc: str = "") -> None:
         """Start looking for a group. `want` is how many peers the key can hold at most (a
         full Moshpit line); the rendezvous peer closes the group as soon as that many came."""
         if self.join is not None:
             raise ProtocolError("a join is already running")
         want = self.target_group_size if want is None else max(1, min(want, self.target_group_size))
-        self.join = _Join(step_id, key, bandwidth, layout, want, int(gathers), now, now + timeout)
+        self.join = _Join(step_id, key, bandwidth, layout, want, int(gathers), now, now + timeout,
+                          desc=layout_desc[:layouts.MAX_CHARS])
         self._ask_next(now)
 
     def cancel(self, now: float, why: str) -> None:
@@ -204,7 +215,7 @@ class Matchmaker:
         j.wait_until = now + self.ack_wait(endpoint)
         log.debug("%s t=%.3f JOIN -> %s hops=%d", self.peer_id[:8], now, peer_id[:8], j.hops)
         self._send(endpoint, Join(self.peer_id, self.endpoint, key=j.key, step_id=j.step_id, bandwidth=j.bandwidth,
-                                  layout=j.layout, hops=j.hops, want=j.want, gathers=bool(j.gathers)))
+                                  layout=j.layout, hops=j.hops, want=j.want, gathers=bool(j.gathers), layout_desc=j.desc))
 
     def _ask_next(self, now: float) -> None:
         j = self.join
@@ -222,13 +233,18 @@ class Matchmaker:
         assert j is not None
         self.cancel(now, reason)
         live = len(self.membership.live_ids())
-        steps = "; ".join(j.history[-6:]) or "no rendezvous peer answered"
+        steps = _summarize(j.history) or "no rendezvous peer answered"
+        if any(_OTHER_LAYOUT in h for h in j.history):
+            reason = f"{reason}; other peers with this key have different tensors"
+            advice = ("Peers average only tensors of the same count, shapes and dtypes: give every peer that "
+                      "steps with this prefix the same tensors (or another prefix).")
+        else:
+            advice = ("Check that enough peers step with the same prefix and round, or lower min_group_size / "
+                      "raise timeout or matchmaking_time.")
         err = GroupNotFound(
             f"no group for key {j.key!r} after {now - j.started:.2f}s ({reason}). "
             f"Live peers known: {live}; most peers seen with this key: {j.seen} "
-            f"(min_group_size={self.min_group_size}). What happened: {steps}. "
-            "Check that enough peers step with the same prefix and round, or lower min_group_size / "
-            "raise timeout or matchmaking_time."
+            f"(min_group_size={self.min_group_size}). What happened: {steps}. {advice}"
         )
         self._on_fail(j.step_id, err)
 
@@ -321,7 +337,7 @@ class Matchmaker:
         if len({m.peer_id for m in members}) != len(members):  # a peer's bad data: GroupSpec would refuse it
             log.warning("%s: dropped malformed GROUP from %s: a peer appears twice", self.peer_id, msg.sender)
             return
-        spec = GroupSpec(j.key, msg.group_id, members, mine[0])
+        spec = GroupSpec(j.key, msg.group_id, members, mine[0], msg.left_out)
         if msg.sender != j.target[0]:
             j.history.append(f"{msg.sender[:8]}: late GROUP taken")
         # the other pools we joined must not count on us (the sender's is closed: it sent this)
@@ -347,7 +363,7 @@ class Matchmaker:
             pool = self.pools[key] = _Pool(closes=now + self.matchmaking_time, opened=now)
         pool.entries = [e for e in pool.entries if e.peer_id != msg.sender]
         pool.entries.append(_Entry(msg.sender, msg.endpoint, msg.step_id, msg.bandwidth, msg.layout, msg.want,
-                                   int(msg.gathers)))
+                                   int(msg.gathers), msg.layout_desc))
         self._send(msg.endpoint, JoinAck(self.peer_id, self.endpoint, key=key, step_id=msg.step_id))
         same = [e for e in pool.entries if e.layout == msg.layout]
         enough = max(self.min_group_size, min([self.target_group_size] + [e.want for e in same]))
@@ -374,19 +390,21 @@ class Matchmaker:
         if pool is not None:
             pool.entries = [e for e in pool.entries if not (e.peer_id == msg.sender and e.step_id == msg.step_id)]
 
-    def _form(self, key: str, entries: list[_Entry]) -> None:
+    def _form(self, key: str, entries: list[_Entry], odd: list | None = None, why_odd: str = "") -> None:
         if all(e.bandwidth == 0 for e in entries):
-            self._refuse(key, entries, f"all {len(entries)} peers with this key are clients (bandwidth 0)")
+            self._refuse(key, entries, f"all {len(entries)} peers with this key are clients (bandwidth 0)" + why_odd)
             return
         gid = self._rng.bytes(8).hex()
         members = tuple(MemberInfo(e.peer_id, e.endpoint, e.bandwidth, e.step_id, e.gathers) for e in entries)
-        msg = Group(self.peer_id, self.endpoint, key=key, group_id=gid, members=members)  # one for all: each finds itself
+        # one message for all: each finds itself
+        msg = Group(self.peer_id, self.endpoint, key=key, group_id=gid, members=members,
+                    left_out=tuple((pid, what) for pid, what in odd or ()))
         for e in entries:
             self._send(e.endpoint, msg)
 
     def _refuse(self, key: str, entries: list[_Entry], reason: str, retry: bool = True) -> None:
         for e in entries:
-            self._send(e.endpoint, NoGroup(self.peer_id, self.endpoint, key=key, step_id=e.step_id, reason=reason,
+            self._send(e.endpoint, NoGroup(self.peer_id, self.endpoint, key=key, step_id=e.step_id, reason=reason[:4000],
                                            seen=len(entries), retry=retry))
 
     def _close_pool(self, key: str, pool: _Pool, now: float) -> None:
@@ -396,10 +414,9 @@ class Matchmaker:
         total = len(pool.entries)
         for layout, entries in by_layout.items():
             n = len(entries)
+            odd, why_odd = _layout_report(layout, entries[0].desc, by_layout) if n < total else ([], "")
             if n < self.min_group_size:
-                why = f"window closed with {n} peer(s) for this key (min_group_size={self.min_group_size})"
-                if n < total:
-                    why += f"; {total - n} other peer(s) used this key with a different tensor layout"
+                why = f"window closed with {n} peer(s) for this key (min_group_size={self.min_group_size})" + why_odd
                 # "this round": the group closed shortly before this pool opened (the leftover came
                 # late) or while it was open -- not a group of an earlier round
                 full = self._formed.get(key, float("-inf")) >= pool.opened - self.matchmaking_time / 2
@@ -416,15 +433,15 @@ class Matchmaker:
             if len(self._formed) > 4096:
                 self._formed.clear()
             if groups == 1 and n > self.target_group_size:
-                self._form(key, entries[: self.target_group_size])
+                self._form(key, entries[: self.target_group_size], odd, why_odd)
                 rest = entries[self.target_group_size :]
                 self._refuse(key, rest, f"{len(rest)} peer(s) left over after cutting full groups; "
-                             "a full group for this key already formed this round", retry=False)
+                             "a full group for this key already formed this round" + why_odd, retry=False)
                 continue
             start = 0
             for g in range(groups):
                 size = n // groups + (1 if g < n % groups else 0)
-                self._form(key, entries[start : start + size])
+                self._form(key, entries[start : start + size], odd, why_odd)
                 start += size
 
     def peer_down(self, endpoint: str, now: float) -> None:
@@ -458,3 +475,35 @@ class Matchmaker:
                 self._send(j.target[1], Leave(self.peer_id, self.endpoint, key=j.key, step_id=j.step_id))
                 j.asked.pop(j.target[0], None)  # it was told we left: its GROUP would not hold us
             self._ask_next(now)
+
+
+_OTHER_LAYOUT = "with a different tensor layout"
+
+
+def _layout_report(layout: str, desc: str, by_layout: dict[str, list[_Entry]]) -> tuple[list, str]:
+    """For the peers of one layout: who used the key with another layout and what differs, as the
+    GROUP message's ``odd`` list and as a sentence for a NO_GROUP reason ("yours" = the receiver's)."""
+    odd: list[list[str]] = []
+    parts: list[str] = []
+    for other, entries in by_layout.items():
+        if other == layout:
+            continue
+        what = layouts.difference(desc, entries[0].desc) if desc and entries[0].desc else None
+        what = what or "their tensors differ in count, shape or dtype (no description was sent)"
+        ids = [e.peer_id for e in entries]
+        odd += [[pid, what[:1000]] for pid in ids[:64 - len(odd)]]
+        names = ", ".join(p[:8] for p in ids[:3]) + (f" and {len(ids) - 3} more" if len(ids) > 3 else "")
+        parts.append(f"{len(ids)} other peer(s) ({names}) used this key {_OTHER_LAYOUT}: {what}")
+    return odd, ("; " + "; ".join(parts)) if parts else ""
+
+
+def _summarize(history: list[str], keep: int = 6) -> str:
+    """The join's log for an error message: repeated entries once, with a count, in order of first
+    appearance; the last `keep` distinct ones."""
+    counts: dict[str, int] = {}
+    for h in history:
+        counts[h] = counts.get(h, 0) + 1
+    lines = [h + (f" ({n} times)" if n > 1 else "") for h, n in counts.items()]
+    if len(lines) > keep:
+        lines = [f"({len(lines) - keep} earlier entries)"] + lines[-keep:]
+    return "; ".join(lines)

@@ -7,6 +7,13 @@ whose heartbeat has not grown for ``peer_timeout`` is forgotten; a tombstone sto
 stale digests from resurrecting it, while a fresh heartbeat (it came back) does.
 Bootstrap is just gossip to ``initial_peers`` endpoints, repeated while the table is
 empty, so any running peer can serve as the entry point.
+
+A peer that shuts down cleanly says goodbye (`goodbye`: BYE with its last heartbeat to every
+peer it knows, then it stops gossiping): the others forget it at once (`on_bye`) instead of
+counting it live for ``peer_timeout``. Its last heartbeat goes into the tombstone, so digests
+that still carry it cannot bring it back, and for ``peer_timeout`` a late message of it (a
+result on the other lane) does not count as contact either; a peer restarted under the same id
+announces itself by gossip, which does.
 """
 from __future__ import annotations
 
@@ -18,7 +25,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from .rendezvous import RankingCache
-from .messages import Gossip, GossipReply, Message
+from .messages import Bye, Gossip, GossipReply, Message
 
 __all__ = ["PeerRecord", "Membership"]
 
@@ -77,6 +84,8 @@ class Membership:
         self._sorted: list[str] | None = None
         self._ranking = RankingCache()
         self._tombstones: dict[str, tuple[int, float]] = {}
+        self._left: dict[str, float] = {}  # peers that said goodbye -> when (late messages are no contact)
+        self.said_goodbye = False
         self._next_tick: float | None = None
         self.forgotten: list[str] = []  # endpoints of forgotten peers, drained by the node
         # bootstrap peers nobody has heard from are named in one warning after `bootstrap_warn_after`
@@ -174,6 +183,11 @@ class Membership:
         """Direct contact from a peer proves it is alive."""
         if peer_id == self.peer_id:
             return
+        left = self._left.get(peer_id)
+        if left is not None:
+            if now - left < self.peer_timeout:
+                return  # a message it sent before its goodbye, overtaken on another lane
+            del self._left[peer_id]
         if endpoint in self.initial_peers:
             self._reached.add(endpoint)
         rec = self.peers.get(peer_id)
@@ -187,7 +201,11 @@ class Membership:
             rec.endpoint = endpoint
 
     def on_gossip(self, msg: Gossip | GossipReply, now: float) -> None:
+        if self._left.pop(msg.sender, None) is not None:
+            self.observe(msg.sender, msg.endpoint, now)  # it said goodbye, and now gossips again: back
         self.merge(msg.peers, now)
+        if self.said_goodbye:
+            return  # we left: answering would only tell others about us again
         if type(msg) is Gossip:
             self._send(msg.endpoint, self._digest_message(GossipReply))
         else:
@@ -233,7 +251,35 @@ class Membership:
             elif hb > rec.heartbeat:
                 rec.heartbeat, rec.endpoint, rec.updated, rec.share, rec.info = hb, ep, now, share, info
 
-    def forget(self, peer_id: str, now: float) -> None:
+    def goodbye(self, now: float) -> None:
+        """Shutting down cleanly: tell every live peer to forget us now, and stop gossiping."""
+        if self.said_goodbye:
+            return
+        self.said_goodbye = True
+        self._next_tick = None
+        msg = Bye(self.peer_id, self.endpoint, heartbeat=self.heartbeat)
+        for pid in self.live_ids():
+            self._send(self.peers[pid].endpoint, msg)
+
+    def on_bye(self, msg: Bye, now: float) -> None:
+        """`msg.sender` shut down cleanly: forget it at once (not after peer_timeout)."""
+        pid = msg.sender
+        if pid == self.peer_id:
+            return
+        rec = self.peers.get(pid)
+        if rec is not None and rec.endpoint != msg.endpoint:
+            return  # a namesake elsewhere (e.g. restarted on another address): not the one we know
+        self._left[pid] = now
+        if len(self._left) > 4096:  # bounded: the oldest entries are past peer_timeout first
+            self._left.pop(next(iter(self._left)))
+        if rec is not None:
+            rec.heartbeat = max(rec.heartbeat, msg.heartbeat)
+            self.forget(pid, now, why="said goodbye")
+        else:
+            old = self._tombstones.get(pid, (0, now))[0]
+            self._tombstones[pid] = (max(old, msg.heartbeat), now)
+
+    def forget(self, peer_id: str, now: float, why: str = "silent") -> None:
         rec = self.peers.pop(peer_id, None)
         if rec is not None:
             self._changed()
@@ -241,7 +287,7 @@ class Membership:
             self.forgotten.append(rec.endpoint)
             self._pinged.pop(rec.endpoint, None)
             self._rtt.pop(rec.endpoint, None)
-            log.info("%s: forgot peer %s at %s", self.peer_id, peer_id, rec.endpoint)
+            log.info("%s: forgot peer %s at %s (%s)", self.peer_id, peer_id, rec.endpoint, why)
 
     # -- internals -----------------------------------------------------------------------
     def _expire(self, now: float) -> None:
@@ -250,6 +296,8 @@ class Membership:
         horizon = now - 10 * self.peer_timeout
         for pid in [p for p, (_, t) in self._tombstones.items() if t < horizon]:
             del self._tombstones[pid]
+        for pid in [p for p, t in self._left.items() if now - t >= self.peer_timeout]:
+            del self._left[pid]
 
     def _pick_targets(self) -> list[str]:
         ids = self.live_ids()

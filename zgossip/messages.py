@@ -27,7 +27,7 @@ from .errors import InvalidMessage, ProtocolError
 
 __all__ = [
     "MsgType", "DTYPES", "Message", "MemberInfo", "make_message", "check_info", "SCHEMAS", "MESSAGE_CLASSES", "check_body",
-    "Gossip", "GossipReply", "Join", "JoinAck", "Redirect", "Group", "NoGroup", "Leave",
+    "Gossip", "GossipReply", "Join", "JoinAck", "Redirect", "Group", "NoGroup", "Leave", "Bye", "OPTIONAL",
     "Gather", "Part", "Result", "Abort", "RescueCall", "Rescue", "Done",
     "StateReq", "StateMeta", "StateChunk",
 ]
@@ -53,6 +53,7 @@ class MsgType(IntEnum):
     GROUP = 13  # rendezvous peer -> each member: your group
     NO_GROUP = 14  # rendezvous peer -> joiner: window over, no group (reason inside)
     LEAVE = 15  # joiner -> rendezvous peer: I stopped waiting
+    BYE = 16  # a peer shutting down cleanly -> every peer it knows: forget me now (membership)
     GATHER = 20  # member -> members: my weight and gather data
     PART = 21  # member -> span owner: one part of my tensor for your span
     RESULT = 22  # span owner -> members: one averaged part
@@ -200,7 +201,7 @@ class MemberInfo:
 # How a field's typed value and its wire form differ. The wire form of a node-built message is
 # exactly what the untyped messages used to carry (lists, 0/1), so the packed header -- and with
 # it the simulator's trace hash -- did not change with the typed messages.
-_PLAIN, _BOOL, _SEQ, _MEMBERS, _SPECS = range(5)
+_PLAIN, _BOOL, _SEQ, _MEMBERS, _SPECS, _RECORDS = range(6)
 
 
 def _to_wire(form: int, v: Any) -> Any:
@@ -212,6 +213,8 @@ def _to_wire(form: int, v: Any) -> Any:
         return list(v) if isinstance(v, tuple) else v
     if form == _MEMBERS:
         return [[m.peer_id, m.endpoint, m.bandwidth, m.step_id, m.gathers] if type(m) is MemberInfo else m for m in v]
+    if form == _RECORDS:
+        return [list(r) if isinstance(r, tuple) else r for r in v]
     return [[code, list(shape)] if isinstance(shape, tuple) else [code, shape] for code, shape in v]  # _SPECS
 
 
@@ -236,6 +239,9 @@ class Message:
     FIELDS: ClassVar[tuple[tuple[str, str, Check, int], ...]] = ()
     #: number of raw payload frames (0, or 1 for the `data` field)
     FRAMES: ClassVar[int] = 0
+    #: fields a sender may leave out (added after the first release of their type), with the value
+    #: they then take; the node's own messages always carry them
+    OPTIONAL: ClassVar[dict[str, Any]] = {}
     #: every attribute in constructor order (sender, endpoint, fields..., data)
     NAMES: ClassVar[tuple[str, ...]] = ("sender", "endpoint")
 
@@ -323,15 +329,17 @@ class Join(Message):
     key: str
     step_id: str
     bandwidth: float
-    layout: str
+    layout: str  # fingerprint: only equal layouts are grouped
     hops: int
     want: int
     gathers: bool
+    layout_desc: str = ""  # count, shapes and dtypes as text (zgossip.layouts), to say what differs
     type: ClassVar[MsgType] = MsgType.JOIN
     FIELDS = _fields(("key", "key", _KEY, _PLAIN), ("step_id", "step", _ID, _PLAIN),
                      ("bandwidth", "bw", _float(0.0, 1e18), _PLAIN), ("layout", "layout", _str(128), _PLAIN),
                      ("hops", "hops", _int(0, 16), _PLAIN), ("want", "want", _IDX, _PLAIN),
-                     ("gathers", "g", _FLAG, _BOOL))
+                     ("gathers", "g", _FLAG, _BOOL), ("layout_desc", "ld", _str(2048), _PLAIN))
+    OPTIONAL = {"ld": ""}
 
 
 @dataclass(frozen=True, slots=True)
@@ -358,9 +366,12 @@ class Group(Message):
     key: str
     group_id: str
     members: tuple[MemberInfo, ...]
+    left_out: tuple[tuple[str, str], ...] = ()  # (peer id, what differs): same key, other tensor layout
     type: ClassVar[MsgType] = MsgType.GROUP
     FIELDS = _fields(("key", "key", _KEY, _PLAIN), ("group_id", "gid", _ID, _PLAIN),
-                     ("members", "members", _list(_MEMBER, 4096), _MEMBERS))
+                     ("members", "members", _list(_MEMBER, 4096), _MEMBERS),
+                     ("left_out", "odd", _list(_record(_ID, _str(1000)), 64), _RECORDS))
+    OPTIONAL = {"odd": ()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -382,6 +393,15 @@ class Leave(Message):
     step_id: str
     type: ClassVar[MsgType] = MsgType.LEAVE
     FIELDS = JoinAck.FIELDS
+
+
+@dataclass(frozen=True, slots=True)
+class Bye(Message):
+    """A peer shutting down cleanly: forget me now. `heartbeat` is its last (older news is stale)."""
+
+    heartbeat: int
+    type: ClassVar[MsgType] = MsgType.BYE
+    FIELDS = _fields(("heartbeat", "hb", _BIG, _PLAIN),)
 
 
 # ---------------------------------------------------------------------------- all-reduce
@@ -507,12 +527,15 @@ class StateChunk(_WithData):
 
 #: the class of each message type
 MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
-    cls.type: cls for cls in (Gossip, GossipReply, Join, JoinAck, Redirect, Group, NoGroup, Leave, Gather, Part,
+    cls.type: cls for cls in (Gossip, GossipReply, Join, JoinAck, Redirect, Group, NoGroup, Leave, Bye, Gather, Part,
                               Result, Abort, RescueCall, Rescue, Done, StateReq, StateMeta, StateChunk)
 }
 for _cls in MESSAGE_CLASSES.values():
     _cls.NAMES = tuple(f.name for f in dataclass_fields(_cls))
     assert _cls.NAMES[2:] == tuple(a for a, _, _, _ in _cls.FIELDS) + (("data",) if _cls.FRAMES else ())
+
+#: fields a sender may leave out, per type, with the value they then take
+OPTIONAL: dict[MsgType, dict[str, Any]] = {t: cls.OPTIONAL for t, cls in MESSAGE_CLASSES.items() if cls.OPTIONAL}
 
 #: body schema of each message type, keyed as on the wire: key -> check; plus the number of payload frames.
 SCHEMAS: dict[MsgType, tuple[dict[str, Check], int]] = {
@@ -531,6 +554,9 @@ def check_body(mtype: Any, sender: Any, endpoint: Any, body: Any, nframes: int) 
     _ID(sender)
     _EP(endpoint)
     fields_ = cls.FIELDS
+    optional = cls.OPTIONAL
+    if optional and isinstance(body, dict) and not body.keys() >= optional.keys():
+        body = {**optional, **body}
     if not isinstance(body, dict) or len(body) != len(fields_) or any(key not in body for _, key, _, _ in fields_):
         raise InvalidMessage(f"{cls.type.name}: body fields do not match the schema")
     if nframes != cls.FRAMES:

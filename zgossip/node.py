@@ -24,7 +24,7 @@ from .grid import MoshpitGrid
 from .matchmaking import GroupSpec, Matchmaker
 from .membership import Membership
 from .messages import (
-    Abort, Done, Gather, Gossip, GossipReply, Group, Join, JoinAck, Leave, Message, NoGroup, Part, Redirect, Rescue,
+    Abort, Bye, Done, Gather, Gossip, GossipReply, Group, Join, JoinAck, Leave, Message, NoGroup, Part, Redirect, Rescue,
     RescueCall, Result, StateChunk, StateMeta, StateReq, check_info,
 )
 from .state import StateDonor, StateDownload
@@ -80,6 +80,7 @@ class StepRequest:
     timeout: float  # seconds allowed for matchmaking
     layout: str  # fingerprint of numel/dtype/shapes: only equal layouts are grouped
     round: int | None = None  # the swarm-wide round number (picks the grid axis); None = follow the swarm
+    layout_desc: str = ""  # count, shapes and dtypes as text (zgossip.layouts): to say what differs
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,8 @@ class StepResult:
     bytes_sent: int
     bytes_received: int
     coords: tuple[int, ...]
+    # peers that stepped with the same key but could not join: their tensors differ (peer id -> what differs)
+    left_out: dict[str, str] = field(default_factory=dict)
 
 
 class StepPhase(Enum):
@@ -173,12 +176,14 @@ class Node:
         self.donor = StateDonor(peer_id, endpoint, self._send, config.part_size_bytes)
         self.downloads: dict[str, StateDownload] = {}
         self.stats = {"messages": 0, "dropped": 0, "late": 0}
+        self._warned_layouts: set[tuple[str, str]] = set()
         mm, ms = self.matchmaker, self.membership
         #: which part of the node handles each message class
         self._handlers: dict[type[Message], Any] = {
             Gossip: ms.on_gossip, GossipReply: ms.on_gossip,
             Join: mm.on_join, Leave: mm.on_leave, JoinAck: mm.on_join_ack, Redirect: mm.on_redirect,
             NoGroup: mm.on_no_group, Group: mm.on_group,
+            Bye: self._on_bye,
             **{cls: self._round_message for cls in _ROUND_MESSAGES},
             Done: self._on_done_msg,
             StateReq: self._on_state_req, StateMeta: self._on_state_meta, StateChunk: self._on_state_chunk,
@@ -252,7 +257,7 @@ class Node:
         axis = self.grid.axis(self.round_index)
         want = self.grid.shape[axis] if axis is not None else None
         self.matchmaker.begin(req.step_id, key, self.config.bandwidth, req.layout, now, req.timeout, want,
-                              gathers=req.gather is not None)
+                              gathers=req.gather is not None, layout_desc=req.layout_desc)
         self._drain_loopback(now)
 
     def cancel_step(self, step_id: str, now: float, why: str) -> None:
@@ -332,6 +337,10 @@ class Node:
         self.downloads.pop(dl.req, None)
         self._actions.append(DownloadFailed(dl.req, err) if err is not None else DownloadDone(dl.req, meta, arrays))
 
+    def _on_bye(self, msg: Bye, now: float) -> None:
+        self.membership.on_bye(msg, now)
+        self.on_peer_down(msg.endpoint, now)  # gone: a join waiting on it asks the next candidate now
+
     def _on_state_req(self, msg: StateReq, now: float) -> None:
         if self.membership.share is None:
             self.donor.refuse(msg.req, msg.endpoint, "this peer does not share its state")
@@ -391,6 +400,14 @@ class Node:
             dl.peer_down(endpoint, now)
         self._drain_loopback(now)
 
+    def leave(self, now: float) -> int:
+        """Shutting down cleanly (after the owed data went out): say goodbye to every peer we know,
+        so they stop counting us live at once, and stop gossiping. Returns how many were told."""
+        told = len(self.membership.live_ids())
+        self.membership.goodbye(now)
+        self._drain_loopback(now)
+        return told
+
     def on_timer(self, now: float) -> None:
         self.membership.on_timer(now)
         self.matchmaker.on_timer(now)
@@ -446,6 +463,13 @@ class Node:
         assert st is not None
         self._move(StepPhase.AVERAGING)
         st.grouped = now
+        for pid, what in spec.left_out:
+            if (pid, what) not in self._warned_layouts:  # once per peer and difference, not every step
+                if len(self._warned_layouts) > 256:
+                    self._warned_layouts.clear()
+                self._warned_layouts.add((pid, what))
+                log.warning("%s: peer %s steps with the same key (%s) but cannot average with this one, its "
+                            "tensors differ: %s", self.peer_id[:8], pid[:8], spec.key, what)
         cfg = self.config
         itemsize = st.req.buffer.dtype.itemsize
         st.round = AllReduceRound(
@@ -503,6 +527,7 @@ class Node:
             spans=out.spans, updated=out.updated,
             timings={"matchmaking": st.grouped - st.started, "allreduce": now - st.grouped, "total": now - st.started},
             bytes_sent=out.bytes_sent, bytes_received=out.bytes_received, coords=coords_before,
+            left_out=dict(rnd.spec.left_out),
         )
         if len(out.members) > 1 and not set(out.contributors) - {self.peer_id}:
             self._end_step(StepFailed(st.req.step_id, PeerLost(

@@ -24,7 +24,7 @@ import os
 import time
 from typing import Any
 
-from .swarm import stop_children
+from .swarm import start_child, stop_children
 
 __all__ = ["add_arguments", "run", "Task", "make_model", "train_peer"]
 
@@ -176,7 +176,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-delay", type=float, default=0.01,
                    help="seconds each local step sleeps, standing in for a bigger model (default 0.01)")
     p.add_argument("--seed", type=int, default=0, help="data seed")
-    p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--log-level", default="WARNING", help="logging level of the peer processes (DEBUG, INFO, WARNING, ...; default WARNING)")
 
 
 class _Peers:
@@ -190,7 +190,7 @@ class _Peers:
     def start(self, index: int, cfg: dict) -> int:
         parent, child = self.ctx.Pipe()
         p = self.ctx.Process(target=train_peer, args=(index, child, cfg), daemon=True)
-        p.start()
+        start_child(p)  # a Ctrl-C at the terminal reaches only this process, which stops the peers
         child.close()
         self.procs.append(p)
         self.conns.append(parent)
@@ -201,8 +201,8 @@ class _Peers:
             raise TimeoutError(f"peer {k} said nothing for {timeout}s")
         return self.conns[k].recv()
 
-    def close(self) -> None:
-        stop_children(self.conns, self.procs, "stop", 10.0)
+    def close(self, timeout: float = 10.0) -> None:
+        stop_children(self.conns, self.procs, "stop", timeout)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -271,5 +271,8 @@ def run(args: argparse.Namespace) -> int:
               f"{ref_loss:.4f}, accuracy {ref_acc:.3f}")
         print("all peers hold identical parameters" if same else "the peers' parameters differ")
         return 0 if same else 1
+    except KeyboardInterrupt:
+        peers.close(timeout=1.0)  # Ctrl-C: training peers read "stop" only after their run, don't wait for it
+        raise
     finally:
         peers.close()

@@ -19,7 +19,7 @@ import msgpack
 import numpy as np
 
 from .errors import InvalidMessage
-from .messages import CODE_OF, DTYPES, SCHEMAS, Message, MsgType, check_body, check_info, make_message
+from .messages import CODE_OF, DTYPES, OPTIONAL, SCHEMAS, Message, MsgType, check_body, check_info, make_message
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -32,6 +32,7 @@ __all__ = [
     "make_message",
     "DTYPES",
     "SCHEMAS",
+    "OPTIONAL",
     "check_info",
     "LANES",
     "lane_of",

@@ -18,13 +18,15 @@ ARR = np.arange(5, dtype=np.float32)
 ONE_OF_EACH = [
     M.Gossip(S, E, heartbeat=3, peers=(("aa", "tcp://h:1", 2, None, {"k": 1}),)),
     M.GossipReply(S, E, heartbeat=4, peers=()),
-    M.Join(S, E, key="k", step_id="s", bandwidth=1.5, layout="L", hops=1, want=4, gathers=True),
+    M.Join(S, E, key="k", step_id="s", bandwidth=1.5, layout="L", hops=1, want=4, gathers=True, layout_desc="3 x f4"),
     M.JoinAck(S, E, key="k", step_id="s"),
     M.Redirect(S, E, key="k", step_id="s", to_id="aa", to_endpoint="tcp://h:2"),
     M.Group(S, E, key="k", group_id="g", members=(M.MemberInfo("aa", "tcp://h:1", 1.0, "s", 1),
-                                                  M.MemberInfo("bb", "tcp://h:2", 0.0, "t", 0))),
+                                                  M.MemberInfo("bb", "tcp://h:2", 0.0, "t", 0)),
+            left_out=(("cc", "shape differs"),)),
     M.NoGroup(S, E, key="k", step_id="s", reason="few", seen=1, retry=False),
     M.Leave(S, E, key="k", step_id="s"),
+    M.Bye(S, E, heartbeat=12),
     M.Gather(S, E, group_id="g", weight=2.0, data={"loss": 0.5}),
     M.Part(S, E, group_id="g", owner=1, part=2, weight=2.0, rescue=True, data=ARR),
     M.Result(S, E, group_id="g", owner=1, part=2, contributors=(0, 1), rescue=False, data=ARR),
@@ -112,13 +114,25 @@ def test_header_bytes_are_those_of_the_untyped_messages():
     group = ONE_OF_EACH[5]
     assert wire.encode(group)[0] == msgpack.packb(
         [1, 13, S, E, {"key": "k", "gid": "g", "members": [["aa", "tcp://h:1", 1.0, "s", 1],
-                                                             ["bb", "tcp://h:2", 0.0, "t", 0]]}, []],
+                                                             ["bb", "tcp://h:2", 0.0, "t", 0]],
+                         "odd": [["cc", "shape differs"]]}, []],
         use_bin_type=True)
     assert wire.encode(ONE_OF_EACH[-2])[0].hex() == (
         "9601"
         "1fb030313233343536373839616263646566b17463703a2f2f3132372e302e302e313a3987a3726571a172a26f6b01a6726561736f6e"
         "a0a46d65746181a565706f636803a5737065637391"
         "92a26634920203ab6368756e6b5f627974657340a6646967657374a16490")
+
+
+def test_fields_added_later_may_be_left_out_by_older_senders():
+    head = msgpack.unpackb(wire.encode(ONE_OF_EACH[2])[0])  # JOIN
+    del head[4]["ld"]
+    join = wire.decode([msgpack.packb(head)])
+    assert join.layout_desc == "" and join.key == "k"
+    head = msgpack.unpackb(wire.encode(ONE_OF_EACH[5])[0])  # GROUP
+    del head[4]["odd"]
+    assert wire.decode([msgpack.packb(head)]).left_out == ()
+    assert wire.OPTIONAL == {wire.MsgType.JOIN: {"ld": ""}, wire.MsgType.GROUP: {"odd": ()}}
 
 
 def test_lanes():
