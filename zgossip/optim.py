@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import time
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -218,7 +217,7 @@ class DecentralizedOptimizer(TrainerPeer):
         if self.average_every is not None and self.local_step - self._last_round_step >= self.average_every:
             return True
         if self.average_period:
-            slot = int(time.time() // self.average_period)  # the wall clock, so that peers start together
+            slot = int(self.clock.wall_time() // self.average_period)  # the wall clock, so that peers start together
             if self._last_round_slot is None:
                 self._last_round_slot = slot
             return slot != self._last_round_slot
@@ -232,7 +231,7 @@ class DecentralizedOptimizer(TrainerPeer):
                 snap.copy_(t)
         self._last_round_step = self.local_step
         if self.average_period:
-            self._last_round_slot = int(time.time() // self.average_period)
+            self._last_round_slot = int(self.clock.wall_time() // self.average_period)
         fut = self.averager.step(weight=1.0, gather={"ep": self.local_epoch},
                                  timeout=timeout or self.averaging_timeout, wait=False)
         self._round = (fut, self._generation, self.local_step)
@@ -248,7 +247,7 @@ class DecentralizedOptimizer(TrainerPeer):
             cfg = self.averager.config
             timeout = (self.averaging_timeout or max(5.0, 3 * cfg.matchmaking_time)) + cfg.allreduce_timeout + 30.0
         try:
-            result = fut.result(timeout=timeout)
+            result = self.clock.result(fut, timeout)
         except cf.TimeoutError:
             log.warning("%s: averaging round still running after %.0fs; its result will be applied later",
                         self.peer_id[:8], timeout)
@@ -276,7 +275,7 @@ class DecentralizedOptimizer(TrainerPeer):
 
     # ------------------------------------------------------------------ epochs
     def _track_epoch(self) -> None:
-        now = time.monotonic()
+        now = self.clock.now()
         fresh = now >= self._next_progress or self._infos is None
         if fresh:  # reading the records is a round trip to the I/O thread: a few times per gossip interval
             self._next_progress = now + self._gossip_interval / 2
