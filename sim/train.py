@@ -43,9 +43,13 @@ and a ``[train]`` table:
 
 Trainers that arrive (churn) or come back (``crash_rejoin``) join late: they bootstrap
 from a live trainer and download its state (parameters, optimizer state, epoch) when the
-swarm is ahead. Initial trainers make ``steps`` steps; a late one takes up the step count of
-the swarm when it starts (so all curves share one step axis) and stops at ``steps`` too (or
-when the last initial trainer finished). Crashed trainers stop.
+swarm is ahead. Initial trainers make ``steps`` steps. Decentralized trainers never wait
+for a round, so the swarm steps on a schedule (step k at ``bootstrap_time + k * step_time``)
+and a late joiner falls in with it at the next step; a late collaborative trainer takes up
+the swarm's step count. So all curves share one step axis, and late joiners stop at
+``steps`` too (or when the last initial trainer finished). Crashed trainers stop. After the
+last step, ``final_round`` runs one more averaging round, pinned to its own round number so
+that only trainers that finished meet in it.
 
 The result (`TrainResult.to_json`, byte-identical from a seed whatever PYTHONHASHSEED
 is; wall-clock times are reported beside it) holds, per evaluation point, each live
@@ -452,13 +456,19 @@ class TrainRun(FaultContext):
         self._rec_opts[nrec] = opt
         rec["downloaded"] = opt.local_epoch > 0
         late = rec["late"]
-        if not late:  # the initial trainers start together, once they found each other
-            clock.sleep(max(0.0, self.sc.bootstrap_time - clock.now()))
+        t0, dt = self.sc.bootstrap_time, spec.step_time
+        step = 0
+        if spec.optimizer == "collaborative" and late and clock.now() > t0:
+            # its steps wait for the swarm's rounds: it takes up the swarm's step count (its state came from
+            # there), so that the curves of all trainers share one step axis and it stops when the others do
+            step = max((self.progress[s] for s, p in enumerate(self.slots) if p.alive and s in self.progress),
+                       default=0)
+        elif clock.now() > t0 and dt > 0:
+            # decentralized trainers never wait for a round: the swarm steps on a schedule (step k at
+            # t0 + k * step_time), and a late joiner falls in with it at the next step
+            step = math.ceil((clock.now() - t0) / dt - 1e-9)
+        clock.sleep(max(0.0, t0 + step * dt - clock.now()))  # the initial trainers start together
         rec["started"] = float(clock.now())
-        # a late joiner takes up the swarm's step count (its state came from there): the curves of all
-        # trainers then share one step axis, and it stops when the others do
-        step = max((self.progress[s] for s, p in enumerate(self.slots) if p.alive and s in self.progress),
-                   default=0) if late else 0
         rec["first_step"] = step
         try:
             while peer.alive and step < spec.steps and not (late and self.stop):
@@ -476,10 +486,17 @@ class TrainRun(FaultContext):
                 opt.zero_grad()
                 step += 1
             if peer.alive:
-                if spec.optimizer != "collaborative":
+                if spec.optimizer == "collaborative":
+                    # as train-demo ends: let the last records spread, then make sure this trainer holds
+                    # the swarm's model (a trainer that stepped alone at the end is resolved here)
+                    clock.sleep(2 * opts["gossip_interval"])
+                    opt.synchronize()
+                else:
                     opt.apply_pending(wait=True)
                     if spec.final_round and peer.alive:
-                        opt.average(wait=True)
+                        # a pinned round: the trainers that finished meet only each other, never a
+                        # scheduled round of one still training
+                        opt.average(wait=True, round=1_000_000 + spec.steps)
                 self._record_eval(index, peer, model, step)
         finally:
             self.progress.pop(index, None)
@@ -524,6 +541,8 @@ class TrainRun(FaultContext):
             row["sent"], row["received"] = self._bytes(ep)
             if opt is not None and hasattr(opt, "rounds"):
                 row["rounds"] = dict(opt.rounds)
+            if opt is not None:
+                row["last_round"] = {k: v for k, v in opt.last_round.items() if k in ("ok", "group_size", "error")}
             out.append(row)
         return out
 

@@ -190,14 +190,16 @@ class DecentralizedOptimizer(TrainerPeer):
             self._start_round()
         return loss
 
-    def average(self, wait: bool = True, timeout: float | None = None) -> Any:
+    def average(self, wait: bool = True, timeout: float | None = None, round: int | None = None) -> Any:
         """Average now (outside the schedule). With `wait`, block until the round ended and apply its
         result; return the `StepResult`, or None if the round failed (logged). Without, return the
-        Future; the result is applied at the next `step` (or `average` / `apply_pending`)."""
+        Future; the result is applied at the next `step` (or `average` / `apply_pending`).
+        ``round`` pins the round number (`Averager.step`): peers that pass the same one meet only each
+        other, e.g. for a final round that no scheduled round can join."""
         self._raise_if_closed()
         if self._round is not None:
             self._collect(wait=True, timeout=timeout)
-        fut = self._start_round(timeout)
+        fut = self._start_round(timeout, round)
         if not wait:
             return fut
         return self._collect(wait=True, timeout=timeout)
@@ -223,7 +225,7 @@ class DecentralizedOptimizer(TrainerPeer):
             return slot != self._last_round_slot
         return False
 
-    def _start_round(self, timeout: float | None = None) -> cf.Future:
+    def _start_round(self, timeout: float | None = None, round: int | None = None) -> cf.Future:
         targets = self._targets()
         with torch.no_grad(), self.averager.get_tensors():  # no round is running: nothing else writes here
             for buf, snap, t in zip(self._bufs, self._snaps, targets):
@@ -233,7 +235,7 @@ class DecentralizedOptimizer(TrainerPeer):
         if self.average_period:
             self._last_round_slot = int(self.clock.wall_time() // self.average_period)
         fut = self.averager.step(weight=1.0, gather={"ep": self.local_epoch},
-                                 timeout=timeout or self.averaging_timeout, wait=False)
+                                 timeout=timeout or self.averaging_timeout, wait=False, round=round)
         self._round = (fut, self._generation, self.local_step)
         return fut
 
