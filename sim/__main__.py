@@ -1,6 +1,7 @@
 """``python -m sim``: run simulated experiments on the real zgossip protocol.
 
     python -m sim run scenario.toml [--out results.json] [--csv rounds.csv]
+    python -m sim train scenario.toml [--out results.json] [--json]   # N trainers in virtual time (sim.train)
     python -m sim moshpit --peers 1024 --group-size 32 --grid 32x32 --dropout 0.01 --rounds 10 \
                           --seed 0 --level message|round [--json]
     python -m sim table [--quick] [--json]      # the Moshpit paper's averaging table (a sweep, round level)
@@ -151,6 +152,36 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(res.to_json())
     else:
         _print_rounds(res, res.wall_seconds)
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .train import load_train_scenario, run_train
+
+    sc = load_train_scenario(args.scenario)
+    res = run_train(sc)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(res.to_json())
+    if args.json:
+        print(res.to_json())
+        return 0
+    spec = sc.spec
+    print(f"{spec.optimizer}: {sc.peers} trainers, {spec.hidden * (spec.d_in + 1) + (spec.hidden + 1) * spec.d_out} "
+          f"parameters, {spec.steps} steps of {spec.step_time} s")
+    rows = [{**c, "sent": c["sent"] / 1e6, "received": c["received"] / 1e6} for c in res.curve]
+    print(_table(rows, [("step", "step", "d"), ("trainers", "n", "d"), ("sim s", "t", ".2f"),
+                        ("held-out loss", "loss", ".5f"), ("worst", "loss_max", ".5f"),
+                        ("MB sent", "sent", ".2f"), ("MB received", "received", ".2f")]))
+    print("\n" + _table([{**t, "sent": t["sent"] / 1e6, "received": t["received"] / 1e6,
+                          "fate": "crashed" if t["crashed"] else ("late" if t["late"] else "-")} for t in res.trainers],
+                        [("slot", "slot", "d"), ("joined", "joined", ".2f"), ("steps", "steps", "d"),
+                         ("epoch", "epoch", "d"), ("MB sent", "sent", ".2f"), ("MB received", "received", ".2f"),
+                         ("fate", "fate", "")]))
+    fin = res.final
+    print(f"\nfinal: {fin['live']} live trainers, {fin['distinct_params']} distinct parameter sets "
+          f"(identical: {fin['identical']}), spread {fin['spread']:.3e}; simulated {fin['t_final']:.2f} s")
+    print(f"loss hash {res.loss_hash}; trace {res.trace}; wall {res.wall_seconds:.1f} s")
     return 0
 
 
@@ -340,6 +371,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--log-level", default="WARNING",
                    help="log records of the simulated peers shown (above the progress bar); default WARNING")
     r.set_defaults(fn=cmd_run)
+    tr = sub.add_parser("train", help="simulated training: N real trainers in virtual time (a [train] scenario)")
+    tr.add_argument("scenario")
+    tr.add_argument("--out", help="write the results JSON here (byte-identical for the same scenario and seed)")
+    tr.add_argument("--json", action="store_true", help="print the results JSON instead of the tables")
+    tr.set_defaults(fn=cmd_train)
     m = sub.add_parser("moshpit", help="a Moshpit averaging experiment from flags")
     m.add_argument("--peers", type=int, default=1024, help="number of peers (default 1024)")
     m.add_argument("--group-size", type=int, default=32, help="target group size (default 32)")

@@ -120,22 +120,23 @@ def train_peer(index: int, conn: Any, cfg: dict) -> None:
         if cfg.get("wait_for_start") and conn.recv() != "start":  # so that the first peers begin together
             return
         last = -1
-        deadline = time.monotonic() + cfg.get("time_limit", 120.0)
-        while (opt.local_epoch < cfg["epochs"] or not opt.in_sync) and time.monotonic() < deadline:
+        clock = opt.clock  # the training loop waits only through the optimizer's clock (as in `python -m sim train`)
+        deadline = clock.now() + cfg.get("time_limit", 120.0)
+        while (opt.local_epoch < cfg["epochs"] or not opt.in_sync) and clock.now() < deadline:
             x, y = task.sample(gen, cfg["batch_size"])
             loss = torch.nn.functional.cross_entropy(model(x), y)
             loss.backward()
             opt.step()
             opt.zero_grad()
             if cfg.get("step_delay"):
-                time.sleep(cfg["step_delay"])
+                clock.sleep(cfg["step_delay"])
             if opt.local_epoch != last:
                 last = opt.local_epoch
                 hl, acc = evaluate(model, hx, hy)
                 conn.send({"event": "epoch", "epoch": last, "loss": hl, "acc": acc, "peers": opt.num_peers,
                            "samples": opt.last_round.get("samples"), "group": opt.last_round.get("group_size"),
                            "ok": opt.last_round.get("ok")})
-        time.sleep(0.3)  # let the last records spread, then make sure this peer holds the swarm's model
+        clock.sleep(0.3)  # let the last records spread, then make sure this peer holds the swarm's model
         opt.synchronize()
         hl, acc = evaluate(model, hx, hy)
         conn.send({"event": "done", "epoch": opt.local_epoch, "loss": hl, "acc": acc, "digest": param_digest(model),
