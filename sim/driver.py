@@ -21,6 +21,11 @@ What the ZeroMQ driver does with connections is modelled too:
 * **Disconnect actions** (the node forgot a peer) close the DEALERs to that endpoint: the
   monitor goes with them, and under TCP the connections are closed (a later message opens a
   new one, in slow start; messages not yet sent are dropped, as linger 0 does).
+* **Settling sends** (TCP transfer only): `step_tensors` on one float tensor with ``alpha = 1``
+  is what `Averager.step` averages in place, and that step hands the tensor back only after
+  libzmq released the zero-copy parts and results it queued (``settle_sends``): it waits for
+  them (at most ``part_timeout``), then closes its connections to the peers still owed data
+  (what they queued is dropped). A fast peer that owes a slow one its results waits that long.
 * **CPU** (optional, `sim.cpu`): each handling of a message, timer or step start takes the
   calibrated time on a per-peer queue (and on a shared pool of cores if the scenario says so);
   the node sees the time the handling starts, as the real driver passes ``time.monotonic()``
@@ -68,6 +73,8 @@ class SimPeer:
         self._inbox: list[tuple[Any, float]] = []  # (handling, its CPU cost) held while paused
         self._missed_timer = False
         self.state_provider: Any = None  # callable -> (metadata, arrays); default: copies of `tensors`
+        self._trackers: list = []  # zero-copy sends not yet released (sim.tcp trackers)
+        self._inplace: dict[str, float] = {}  # step id -> the Averager's bound on the step (for settling)
 
     @property
     def peer_id(self) -> str:
@@ -111,11 +118,47 @@ class SimPeer:
     def _finish(self, ev: simpy.Event, act: Any) -> None:
         cursor = self.cluster._cursor
         now = self.cluster.env.now
+        end = self._inplace.pop(getattr(act, "step_id", None), None)
+        if end is not None and self.cluster.tcp is not None:
+            done = lambda: self._settle(ev, act, end)  # noqa: E731
+        else:
+            done = lambda: ev.succeed(act)  # noqa: E731
         if cursor is None or cursor <= now:
-            ev.succeed(act)
+            done()
         else:  # the handling that ended the step is still running on the CPU
             t = self.cluster.env.timeout(cursor - now)
-            t.callbacks.append(lambda _e: ev.succeed(act))
+            t.callbacks.append(lambda _e: done())
+
+    def _settle(self, ev: simpy.Event, act: Any, end: float) -> None:
+        """`Averager.step` in place: wait (at most part_timeout, never past `end`) until every
+        zero-copy send is released, then drop what is still queued (see the module docstring)."""
+        env = self.cluster.env
+        pending = [m for m in self._trackers if not m.released]
+        self._trackers = []
+        if not pending:
+            ev.succeed(act)
+            return
+        state = {"left": len(pending), "over": False}
+
+        def over(_e: Any = None) -> None:
+            if state["over"]:
+                return
+            state["over"] = True
+            stuck = {m.token[1].endpoint: None for m in pending if not m.released}
+            for ep in stuck:
+                if self.alive:
+                    self.cluster._disconnect(self, ep)
+            ev.succeed(act)
+
+        def one() -> None:
+            state["left"] -= 1
+            if state["left"] == 0:
+                over()
+
+        for m in pending:
+            m.on_release = (m.on_release or []) + [one]
+        bound = min(self.node.config.part_timeout, max(0.0, end - env.now))
+        env.timeout(bound).callbacks.append(over)
 
     def pump(self) -> None:
         """Carry out the node's actions and (re)arm its timer."""
@@ -213,6 +256,9 @@ class SimPeer:
         arrays = [np.asarray(t) for t in self.tensors]
         buf = layout.snapshot(arrays, layout.new_buffer())
         ev = self.step(buf, weight=weight, gather=gather, timeout=timeout, layout=layout.fingerprint, round=round)
+        if len(arrays) == 1 and alpha == 1.0 and arrays[0].dtype.kind == "f":  # Averager.step in place
+            self._inplace[f"{self.peer_id[:8]}-{self._step_seq}"] = (
+                self.cluster.env.now + timeout + self.node.config.allreduce_timeout + 0.5)
 
         def apply(e: simpy.Event) -> None:
             if isinstance(e.value, StepDone):
@@ -344,18 +390,23 @@ class SimCluster:
             self._cursor += self.cpu_model.costs.send(nbytes)
             if self._cursor > self.env.now:
                 ev = self.env.timeout(self._cursor - self.env.now)
-                ev.callbacks.append(lambda _e: self._launch(src, dst, lane, payload, nbytes, tag))
+                ev.callbacks.append(lambda _e: self._launch(src, dst, lane, payload, nbytes, tag, bool(msg.payload)))
                 return
-        self._launch(src, dst, lane, payload, nbytes, tag)
+        self._launch(src, dst, lane, payload, nbytes, tag, bool(msg.payload))
 
-    def _launch(self, src: SimPeer, dst: SimPeer, lane: int, payload: Any, nbytes: int, tag: bytes) -> None:
+    def _launch(self, src: SimPeer, dst: SimPeer, lane: int, payload: Any, nbytes: int, tag: bytes,
+                zero_copy: bool = False) -> None:
         if not src.alive:
             return
         endpoint = dst.endpoint
         if self.tcp is not None:
             sb = self.network.sent_bytes
             sb[src.endpoint] = sb.get(src.endpoint, 0) + nbytes
-            self.tcp.send(src.endpoint, endpoint, lane, nbytes, (src, dst, payload, nbytes, tag))
+            m = self.tcp.send(src.endpoint, endpoint, lane, nbytes, (src, dst, payload, nbytes, tag))
+            if zero_copy:  # the real driver sends array payloads zero-copy and tracks their release
+                src._trackers = [t for t in src._trackers if not t.released] if len(src._trackers) > 256 \
+                    else src._trackers
+                src._trackers.append(m)
             return
         t = self.network.send(src.endpoint, endpoint, nbytes, self.env.now, self.rng, lane)
         if t.lost:
