@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RoundComparison", "Comparison", "compare_runs", "replay", "format_comparison", "step_stats"]
+__all__ = ["RoundComparison", "Comparison", "compare_runs", "replay", "replay_scenario", "format_comparison", "step_stats"]
 
 
 def step_stats(rnd: dict) -> tuple[float, float]:
@@ -70,6 +70,21 @@ class Comparison:
                 "rounds": [{**r.__dict__, "ratio": r.ratio} for r in self.rounds], **self.extra}
 
 
+def replay_scenario(run: dict) -> dict:
+    """The scenario of a testbed run as the simulator should replay it: with the machine the run
+    recorded (``testbed.tcp``: the host namespaces' TCP settings; ``testbed.cpu``: the CPU cost
+    profile and the cores that every peer shares), unless the scenario itself sets them."""
+    sc = dict(run["scenario"])
+    tb = run.get("testbed") or {}
+    if tb.get("tcp"):
+        net = dict(sc.get("network") or {})
+        net["tcp"] = {**tb["tcp"], **(net.get("tcp") or {})}
+        sc["network"] = net
+    if tb.get("cpu") and not sc.get("cpu"):
+        sc["cpu"] = {"costs": tb["cpu"]["costs"], "cores": int(tb["cpu"]["cores"]), "shared": True}
+    return sc
+
+
 def replay(scenario: dict) -> dict:
     """Run a scenario (as a testbed run recorded it) in the simulator; the results dict."""
     from .scenario import run_scenario
@@ -115,7 +130,7 @@ def main(path: str, skip: int = 0, as_json: bool = False) -> int:
     if "scenario" not in run or "rounds" not in run:
         raise SystemExit(f"{path}: not a results file (no 'scenario' and 'rounds'); "
                          "write one with python -m sim testbed SCENARIO --out RUN.json")
-    pred = replay(run["scenario"])
+    pred = replay(replay_scenario(run))
     c = compare_runs(run, pred, skip=skip)
     if as_json:
         print(json.dumps(c.to_dict(), sort_keys=True, indent=1))

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from .compare import compare_runs, replay
+from .compare import compare_runs, replay, replay_scenario
 from .linkfloor import floor_for_scenario
 from .scenario import Scenario
 
@@ -136,7 +136,7 @@ def run_case(name: str, rounds: int = 4, seed: int = 1,
     t0 = time.perf_counter()
     measured = testbed(sc)
     wall = time.perf_counter() - t0
-    predicted = replay(measured.get("scenario", sc))
+    predicted = replay(replay_scenario({"scenario": sc, **measured}))
     c = compare_runs(measured, predicted)
     floor = floor_for_scenario(Scenario.from_dict(sc)).seconds
     hosts, mib = CASES[name]
