@@ -30,9 +30,12 @@ What ZeroMQ over TCP gives the protocol is a reliable, ordered byte stream per c
   model O(connections on the two links) per round rather than a global fluid recomputation.
 * **Loss** slows TCP and never loses a message: a round of ``k`` segments sees a loss with
   probability ``1 - (1 - p)^k``; the round's bytes then arrive one RTT later (fast
-  retransmit; a tail loss -- nothing sent after it -- waits for the tail-loss probe, two RTTs,
-  and then the retransmission), and the window is cut by CUBIC's beta (0.7; Reno 0.5; BBR does
+  retransmit; a tail loss -- the lost segment is the last of the queue, so nothing sent after
+  it reveals it -- waits for the tail-loss probe: Linux's PTO is 2 SRTT, plus RTO_min when a
+  single segment is out, and the probe is the retransmission), and the window is cut by CUBIC's beta (0.7; Reno 0.5; BBR does
   not cut on loss). The resulting sawtooth gives the usual ~MSS/(RTT sqrt p) steady state.
+  Under CUBIC/Reno the next round waits for the recovery; BBR keeps pacing at its bandwidth
+  estimate through recovery (SACK), so only the arrivals wait (head-of-line blocking).
 * **Partitions** stall a connection: a round that finds the path cut is retried with
   exponential RTO backoff (RTO, 2 RTO, 4 RTO ...) and resumes from one segment after the
   cut heals. Nothing is lost (Linux gives up after ``tcp_retries2`` -- about 15 minutes --
@@ -383,10 +386,16 @@ class TcpTransport:
             segs = math.ceil(nbytes / p.mss)
             if self.rng.random() < 1.0 - (1.0 - loss) ** segs:
                 self.loss_events += 1
-                extra = max(rtt, 1e-3) * (3.0 if nbytes >= queued else 1.0)
-                c.cwnd = max(2.0 * p.mss, c.cwnd * p.beta)
-                c.ssthresh = c.cwnd
-                if extra > 0 and nbytes < queued:
+                if nbytes >= queued and self.rng.random() * segs < 1.0:
+                    # the last segment of the queue was lost: nothing after it reveals the loss, so the
+                    # probe timeout does, 2 SRTT (+ RTO_min when a single segment is out)
+                    extra = 2.0 * rtt + (p.rto_min if segs <= 1 else 0.002)
+                else:  # SACK/RACK: a later segment reveals it; the retransmission follows one RTT later
+                    extra = max(rtt, 1e-3)
+                if not p.paced:  # BBR's window follows its path model, not losses
+                    c.cwnd = max(2.0 * p.mss, c.cwnd * p.beta)
+                    c.ssthresh = c.cwnd
+                if extra > 0 and nbytes < queued and not p.paced:
                     nxt = max(nxt, now + extra)
         # messages whose last byte is in this round arrive `owd` (+ jitter) after it left
         sent = 0.0
