@@ -6,6 +6,12 @@ per round and overall, the measured and predicted step time (median and slowest 
 bytes sent per peer and outcomes, with their ratios (predicted / measured). The numbers
 come from one place, `compare_runs`, which the fidelity matrix (`sim.fidelity`) uses too.
 
+Bytes are not the same quantity on both sides, so the columns say which is which: the testbed
+counts the kernel's bytes on each host's link (Ethernet/IP/TCP headers, ACKs and ZMTP framing
+included), the simulator the messages' bytes; "p wire" estimates the latter on the wire
+(each MSS of payload carries 66 bytes of headers: Ethernet 14, IP 20, TCP with timestamps 32).
+ACKs (a host's ACKs count in its sent bytes) are left out, so "p wire" stays a little below.
+
 Step time of a round = the median over the peers that stepped of the time their `step()`
 took (``step_seconds``); "slowest" is the largest. Overall figures are medians over rounds.
 """
@@ -20,6 +26,9 @@ from typing import Any
 import numpy as np
 
 __all__ = ["RoundComparison", "Comparison", "compare_runs", "replay", "replay_scenario", "format_comparison", "step_stats"]
+
+
+WIRE = (1448 + 66) / 1448  # bytes on the link per byte of payload in full segments (see the module doc)
 
 
 def step_stats(rnd: dict) -> tuple[float, float]:
@@ -110,14 +119,15 @@ def compare_runs(measured: dict, predicted: dict, skip: int = 0) -> Comparison:
 
 def format_comparison(c: Comparison) -> str:
     head = (f"{'round':>5} {'measured s':>10} {'predicted s':>11} {'ratio':>6} {'slowest m/p':>13} "
-            f"{'MB sent m/p':>13} {'ok m/p':>7}  failures m / p")
+            f"{'MB sent m link/p msgs/p wire':>28} {'ok m/p':>7}  failures m / p")
     lines = [head]
     for r in c.rounds:
         fm = ",".join(f"{k}:{v}" for k, v in sorted(r.failures_measured.items())) or "-"
         fp = ",".join(f"{k}:{v}" for k, v in sorted(r.failures_predicted.items())) or "-"
         lines.append(f"{r.round:>5} {r.measured:>10.3f} {r.predicted:>11.3f} {r.ratio:>6.2f} "
                      f"{r.measured_max:>6.2f}/{r.predicted_max:<6.2f} "
-                     f"{r.bytes_measured / 1e6:>6.2f}/{r.bytes_predicted / 1e6:<6.2f} "
+                     f"{r.bytes_measured / 1e6:>8.2f}/{r.bytes_predicted / 1e6:<8.2f}/"
+                     f"{r.bytes_predicted * WIRE / 1e6:<9.2f} "
                      f"{r.ok_measured:>3}/{r.ok_predicted:<3}  {fm} / {fp}")
     note = f" (rounds {c.skip}+)" if c.skip else ""
     lines.append(f"overall{note}: measured median step {c.measured:.3f} s, predicted {c.predicted:.3f} s, "

@@ -408,7 +408,7 @@ class TcpTransport:
                 c.queue.popleft()
                 self._release(m, now + (sent / rate if rate < _INF else 0.0))
                 left_at = now + (sent / rate if rate < _INF else 0.0)
-                at = left_at + c.owd + extra + self.net.jitter_draw(self.rng)
+                at = left_at + c.owd + extra + self.net.jitter_draw(self.rng, c.src, c.dst)
                 at = max(at, c.last_arrival)
                 c.last_arrival = at
                 ev = self.env.timeout(at - now)
