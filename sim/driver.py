@@ -133,7 +133,8 @@ class SimPeer:
         """`Averager.step` in place: wait (at most part_timeout, never past `end`) until every
         zero-copy send is released, then drop what is still queued (see the module docstring)."""
         env = self.cluster.env
-        pending = [m for m in self._trackers if not m.released]
+        tcp = self.cluster.tcp
+        pending = [m for m in self._trackers if not tcp.released(m)]
         self._trackers = []
         if not pending:
             ev.succeed(act)
@@ -144,7 +145,7 @@ class SimPeer:
             if state["over"]:
                 return
             state["over"] = True
-            stuck = {m.token[1].endpoint: None for m in pending if not m.released}
+            stuck = {m.token[1].endpoint: None for m in pending if not tcp.released(m)}
             for ep in stuck:
                 if self.alive:
                     self.cluster._disconnect(self, ep)
@@ -156,7 +157,7 @@ class SimPeer:
                 over()
 
         for m in pending:
-            m.on_release = (m.on_release or []) + [one]
+            tcp.watch(m, one)
         bound = min(self.node.config.part_timeout, max(0.0, end - env.now))
         env.timeout(bound).callbacks.append(over)
 
@@ -404,7 +405,7 @@ class SimCluster:
             sb[src.endpoint] = sb.get(src.endpoint, 0) + nbytes
             m = self.tcp.send(src.endpoint, endpoint, lane, nbytes, (src, dst, payload, nbytes, tag))
             if zero_copy:  # the real driver sends array payloads zero-copy and tracks their release
-                src._trackers = [t for t in src._trackers if not t.released] if len(src._trackers) > 256 \
+                src._trackers = [t for t in src._trackers if not self.tcp.released(t)] if len(src._trackers) > 256 \
                     else src._trackers
                 src._trackers.append(m)
             return

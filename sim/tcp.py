@@ -151,14 +151,14 @@ class TcpParams:
 
 
 class _Msg:
-    """A queued message; `send` returns it as the sender's tracker (`released`, `on_release`)."""
+    """A queued message; `send` returns it as the sender's tracker (see `released`, `watch`)."""
 
-    __slots__ = ("left", "token", "released", "on_release")
+    __slots__ = ("left", "token", "release_at", "on_release")
 
     def __init__(self, nbytes: int, token: Any) -> None:
         self.left = float(nbytes)
         self.token = token
-        self.released = False  # its last byte left the sender (or it was dropped)
+        self.release_at: float | None = None  # when its last byte left (or it was dropped); None: not yet known
         self.on_release: list[Callable[[], None]] | None = None
 
 
@@ -284,17 +284,25 @@ class TcpTransport:
         return msg
 
     def _release(self, m: _Msg, at: float) -> None:
-        def fire(_e: Any = None) -> None:
-            if m.released:
-                return
-            m.released = True
-            for fn in m.on_release or ():
-                fn()
+        # no event unless someone watches: most messages are never waited for
+        m.release_at = at
+        if m.on_release:
+            fns, m.on_release = m.on_release, None
+            for fn in fns:
+                self.watch(m, fn)
 
-        if at <= self.env.now:
-            fire()
+    def released(self, m: _Msg) -> bool:
+        """Whether the message's last byte left the sender (or it was dropped) by now."""
+        return m.release_at is not None and m.release_at <= self.env.now
+
+    def watch(self, m: _Msg, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` when `m` is released (at once if it is)."""
+        if m.release_at is None:
+            m.on_release = (m.on_release or []) + [fn]
+        elif m.release_at <= self.env.now:
+            fn()
         else:
-            self.env.timeout(at - self.env.now).callbacks.append(fire)
+            self.env.timeout(m.release_at - self.env.now).callbacks.append(lambda _e: fn())
 
     def _at(self, t: float, c: _Conn) -> None:
         ev = self.env.timeout(max(0.0, t - self.env.now))

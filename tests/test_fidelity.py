@@ -44,9 +44,9 @@ def test_tracker_is_released_when_the_last_byte_left():
     env, tr, _ = _bare(0.01)
     m = tr.send("a", "b", 0, 1_250_000, "x")  # 0.1 s at 12.5 MB/s, after a 60 ms set-up
     seen = []
-    m.on_release = [lambda: seen.append(env.now)]
+    tr.watch(m, lambda: seen.append(env.now))
     env.run()
-    assert m.released and seen and seen[0] > 0.1
+    assert tr.released(m) and seen and seen[0] > 0.1
 
 
 def test_host_jitter_reaches_the_simulator():
