@@ -372,7 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="log records of the simulated peers shown (above the progress bar); default WARNING")
     r.set_defaults(fn=cmd_run)
     tr = sub.add_parser("train", help="simulated training: N real trainers in virtual time (a [train] scenario)")
-    tr.add_argument("scenario")
+    tr.add_argument("scenario", help="scenario file (TOML or JSON) with a [train] table, e.g. sim/scenarios/train64.toml")
     tr.add_argument("--out", help="write the results JSON here (byte-identical for the same scenario and seed)")
     tr.add_argument("--json", action="store_true", help="print the results JSON instead of the tables")
     tr.set_defaults(fn=cmd_train)

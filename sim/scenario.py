@@ -113,7 +113,7 @@ class HostSpec:
     def profile(self, name: str) -> Profile:
         """The simulator's view of this link (bytes/s, seconds)."""
         return Profile(name, up=self.up_mbit * 125_000.0, down=self.down_mbit * 125_000.0,
-                       latency=self.latency_ms / 1000.0, loss=self.loss)
+                       latency=self.latency_ms / 1000.0, loss=self.loss, jitter=self.jitter_ms / 1000.0)
 
 
 @dataclass
