@@ -196,7 +196,11 @@ class Matchmaker:
         if pid is None:  # everyone went silent: start over rather than give up early
             j.silent.clear()
             pid = self._best_candidate(j)
-            assert pid is not None  # the ranking always holds this node itself
+        if pid is None:  # a client that knows no peer yet (the ranking holds no one): look again soon
+            j.move(JoinPhase.ASKING)
+            j.target = ("", "")
+            j.wait_until = now + self.request_timeout
+            return
         j.hops = 0
         self._ask(j, pid, self.membership.endpoint_of(pid) or self.endpoint, now)
 
