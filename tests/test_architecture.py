@@ -22,7 +22,7 @@ USER_MODULES = ["averager", "training_state", "progress"]  # above the seam: tim
 TRAINING_NOT_YET_ON_THE_CLOCK = ["optim", "collaborative", "accumulator", "trainer"]
 # Drivers and clocks: the only modules that may wait, read the time, or open sockets.
 DRIVERS_AND_CLOCKS = ["clock", "zmq_driver", "connections", "zerocopy", "local_ipc", "fast_send", "process_tuning",
-                      "endpoints"]
+                      "endpoints", "curve", "zap", "identity"]
 FORBIDDEN = {"zmq", "simpy", "threading", "socket", "time", "random", "asyncio", "multiprocessing", "select", "selectors"}
 # the user layer may hold concurrent.futures.Future values (plain data with callbacks), never run threads
 USER_FORBIDDEN = FORBIDDEN

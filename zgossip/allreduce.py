@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .endpoints import listens
 from .errors import ProtocolError
 from .matchmaking import GroupSpec
 from .kernels import OVERFLOW, accumulate, copy_finite, finish_mean
@@ -165,6 +166,10 @@ class AllReduceRound:
         # members that pass no gather data send no GATHER (in large groups that all-to-all would
         # dominate the traffic); their entry is None and their weight is known to the span owners only
         self.gathered: dict[int, Any] = {i: None for i, m in enumerate(spec.members) if not m.gathers}
+        # two client-mode peers cannot reach each other (neither listens): they exchange no GATHER
+        self.client = not listens(self.me.endpoint)
+        if self.client:
+            self.gathered.update({i: None for i, m in enumerate(spec.members) if not listens(m.endpoint)})
         self.gathered[self.rank] = gather
         self.weights: dict[int, float] = {self.rank: self.weight}
         self.status = [[_WAITING] * self.plan.num_parts(o) for o in range(self.n)]
@@ -197,7 +202,8 @@ class AllReduceRound:
         if self.me.gathers:
             gather_msg = self._msg(MsgType.GATHER, w=self.weight, data=self.gathered[self.rank])
             for j in self._others():
-                self._send(j, gather_msg)
+                if not (self.client and not listens(self.members[j].endpoint)):
+                    self._send(j, gather_msg)
         # interleave owners part by part, starting after our own rank, so that all
         # owners receive their first parts early and the reductions overlap
         order = [(self.rank + k) % self.n for k in range(1, self.n)]

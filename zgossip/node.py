@@ -19,6 +19,7 @@ import numpy as np
 
 from .actions import Disconnect, DownloadDone, DownloadFailed, Send, ServeState, StepDone, StepFailed
 from .allreduce import AllReduceRound, RoundOutcome, SpanOutcome
+from .endpoints import listens
 from .errors import PeerLost, ProtocolError, RoundTimeout, StepInProgress
 from .grid import MoshpitGrid
 from .matchmaking import GroupSpec, Matchmaker
@@ -491,6 +492,8 @@ class Node:
         owed = {}
         for i, m in enumerate(rnd.members):
             if i != rnd.rank:
+                if rnd.client and not listens(m.endpoint):
+                    continue  # one client cannot reach another
                 self._send(m.endpoint, done)
                 if serves and i not in rnd.lost and (m.peer_id, m.endpoint) not in said:
                     owed[m.peer_id] = m.endpoint
