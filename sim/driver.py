@@ -368,7 +368,8 @@ class SimCluster:
         self.table = StaticTable() if self.membership == "static" else None
 
     def add_peer(self, config: NodeConfig, *, initial_peers: Sequence[str] = (), tensors: Sequence[Any] | None = None,
-                 known: Sequence["SimPeer"] = (), endpoint: str | None = None, client: bool = False) -> SimPeer:
+                 known: Sequence["SimPeer"] = (), endpoint: str | None = None, client: bool = False,
+                 auxiliary: bool = False) -> SimPeer:
         """Start a peer. Reusing the endpoint of a crashed peer models a restarted process (a new identity).
         `client`: it accepts no connection (client mode; it reduces nothing)."""
         idx = self._created
@@ -388,7 +389,7 @@ class SimCluster:
         # a peer without tensors (it only downloads state) gets an empty placeholder
         peer.averager = Averager(list(tensors) if tensors is not None else [np.zeros(0)], config=config,
                                  initial_peers=tuple(initial_peers), seed=[self.seed, idx], transport=peer,
-                                 allow_state_sharing=False)
+                                 allow_state_sharing=False, auxiliary=auxiliary)
         return peer
 
     def spawn(self, fn: Any, *args: Any, name: str = "sim-thread") -> Any:

@@ -128,6 +128,10 @@ class Averager:
     part in matchmaking, sends its parts, receives results and state, but reduces no span
     (bandwidth 0) and serves no state.
 
+    ``auxiliary``: this peer brings no data (its steps have weight 0 and leave its tensors unchanged)
+    but reduces a span for the others with its bandwidth; results list it in ``auxiliary``.
+    Its tensors only give the layout (zeros of the right shapes will do).
+
     ``config``: every protocol setting as one `NodeConfig` (then the protocol keyword arguments
     above are ignored), e.g. settings they do not expose.
 
@@ -170,6 +174,7 @@ class Averager:
         secret_key: Any = None,
         allowed_keys: Any = None,
         client_mode: bool = False,
+        auxiliary: bool = False,
     ) -> None:
         if not 0.0 < averaging_alpha <= 1.0:
             raise ValueError("averaging_alpha must be in (0, 1]")
@@ -224,6 +229,10 @@ class Averager:
         if client_mode and self.config.bandwidth:
             self.config = dataclasses.replace(self.config, bandwidth=0.0)
         self.client_mode = client_mode
+        self.auxiliary = bool(auxiliary)
+        if self.auxiliary and client_mode:
+            raise ValueError("an auxiliary peer lends its bandwidth to reduce spans, which a client (it accepts no "
+                             "connection) cannot do")
         part_size_bytes = self.config.part_size_bytes
         frame_limit = max_message_bytes or max(64 << 20, part_size_bytes + (1 << 16))
         if transport is None and part_size_bytes > frame_limit:
@@ -327,8 +336,8 @@ class Averager:
         if wait and getattr(self._inside, "active", 0):
             raise ZGossipError("step(wait=True) inside get_tensors() would deadlock: the averaged tensors "
                                "are written under that lock; leave the block first or use wait=False")
-        weight = float(weight)
-        if not (weight > 0.0 and np.isfinite(weight)):
+        weight = 0.0 if self.auxiliary else float(weight)  # an auxiliary peer contributes no data
+        if not self.auxiliary and not (weight > 0.0 and np.isfinite(weight)):
             raise ValueError("weight must be a finite number > 0")
         if timeout is None:
             timeout = max(5.0, 3 * self.config.matchmaking_time)

@@ -37,7 +37,15 @@ class MemberInfo:
     endpoint: str
     bandwidth: float
     step_id: str
-    gathers: int = 1  # 1 if the member sends GATHER (it passed gather data), 0 if not
+    gathers: int = 1  # flags: 1 = sends GATHER (it passed gather data), 2 = auxiliary (weight 0, no data)
+
+    @property
+    def sends_gather(self) -> bool:
+        return bool(self.gathers & 1)
+
+    @property
+    def auxiliary(self) -> bool:
+        return bool(self.gathers & 2)
 
 
 @dataclass(frozen=True)
@@ -328,6 +336,9 @@ class Matchmaker:
     def _form(self, key: str, entries: list[_Entry]) -> None:
         if all(e.bandwidth == 0 for e in entries):
             self._refuse(key, entries, f"all {len(entries)} peers with this key are clients (bandwidth 0)")
+            return
+        if all(e.gathers & 2 for e in entries):
+            self._refuse(key, entries, f"all {len(entries)} peers with this key are auxiliary (no data to average)")
             return
         gid = self._rng.bytes(8).hex()
         members = [[e.peer_id, e.endpoint, e.bandwidth, e.step_id, e.gathers] for e in entries]

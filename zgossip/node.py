@@ -98,6 +98,7 @@ class StepResult:
     bytes_sent: int
     bytes_received: int
     coords: tuple[int, ...]
+    auxiliary: tuple[str, ...] = ()  # members that only lent bandwidth (weight 0, contributed no data)
 
 
 class StepPhase(Enum):
@@ -240,7 +241,7 @@ class Node:
         axis = self.grid.axis(self.round_index)
         want = self.grid.shape[axis] if axis is not None else None
         self.matchmaker.begin(req.step_id, key, self.config.bandwidth, req.layout, now, req.timeout, want,
-                              gathers=req.gather is not None)
+                              gathers=int(req.gather is not None) | (2 if req.weight == 0 else 0))
         self._drain_loopback(now)
 
     def cancel_step(self, step_id: str, now: float, why: str) -> None:
@@ -506,8 +507,9 @@ class Node:
             spans=out.spans, updated=out.updated,
             timings={"matchmaking": st.grouped - st.started, "allreduce": now - st.grouped, "total": now - st.started},
             bytes_sent=out.bytes_sent, bytes_received=out.bytes_received, coords=coords_before,
+            auxiliary=out.auxiliary,
         )
-        if len(out.members) > 1 and not set(out.contributors) - {self.peer_id}:
+        if len(out.members) > 1 and not set(out.contributors) - {self.peer_id} and self.peer_id not in out.auxiliary:
             self._end_step(StepFailed(st.req.step_id, PeerLost(
                 f"group {out.group_id[:8]} of {len(out.members)} formed, but no other member's data arrived "
                 f"(lost: {', '.join(p[:8] for p in out.lost) or 'none'}); tensors left unchanged")))

@@ -217,7 +217,7 @@ def _peer_list(v: Any) -> tuple:
                 _info(info)
     return tuple(v)
 _SPEC = _record(_str(4), _list(_int(0, 1 << 40), 32))  # dtype code, shape
-_MEMBER = _record(_ID, _EP, _float(0.0, 1e18), _ID, _int(0, 1))  # id, endpoint, bandwidth, step, sends GATHER
+_MEMBER = _record(_ID, _EP, _float(0.0, 1e18), _ID, _int(0, 3))  # id, endpoint, bandwidth, step, flags (1 GATHER, 2 aux)
 
 #: body schema of each message type: field -> validator; plus the number of payload frames.
 SCHEMAS: dict[MsgType, tuple[dict[str, Validator], int]] = {
@@ -225,7 +225,7 @@ SCHEMAS: dict[MsgType, tuple[dict[str, Validator], int]] = {
     MsgType.GOSSIP_REPLY: ({"hb": _BIG, "peers": _peer_list}, 0),
     MsgType.JOIN: (
         {"key": _KEY, "step": _ID, "bw": _float(0.0, 1e18), "layout": _str(128), "hops": _int(0, 16), "want": _IDX,
-         "g": _int(0, 1)},
+         "g": _int(0, 3)},  # flags: 1 = sends GATHER, 2 = auxiliary
         0,
     ),
     MsgType.JOIN_ACK: ({"key": _KEY, "step": _ID}, 0),
