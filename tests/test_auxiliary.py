@@ -20,7 +20,8 @@ def _run(n_data, n_aux, seed=0, gather=None, client=()):
     for i in range(n):
         aux = i >= n_data
         ts = [np.zeros(NUMEL) if aux else rng.standard_normal(NUMEL)]
-        boot = [peers[0].endpoint] if peers else []
+        hub = min(set(range(n)) - set(client))
+        boot = [f"sim://peer{hub}"] if i != hub else []
         peers.append(cl.add_peer(cfg, tensors=ts, initial_peers=boot, auxiliary=aux, client=i in client))
     cl.run(until=1.0)
     before = np.stack([p.tensors[0].copy() for p in peers])
