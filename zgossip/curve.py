@@ -28,7 +28,7 @@ __all__ = ["Curve"]
 
 log = logging.getLogger(__name__)
 
-_MECHANISM_MISMATCH = 0x11000003  # ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+_MECHANISM_MISMATCH = zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
 # (not EVENT_HANDSHAKE_FAILED_NO_DETAIL: that is any connection closed mid-handshake, e.g. the
 # SO_PEERCRED probe of `zgossip.local_ipc`)
 HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
