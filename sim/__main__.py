@@ -1,6 +1,7 @@
 """``python -m sim``: run simulated experiments on the real zgossip protocol.
 
     python -m sim run scenario.toml [--out results.json] [--csv rounds.csv]
+    python -m sim train scenario.toml [--out results.json] [--json]   # N trainers in virtual time (sim.train)
     python -m sim moshpit --peers 1024 --group-size 32 --grid 32x32 --dropout 0.01 --rounds 10 \
                           --seed 0 --level message|round [--json]
     python -m sim table [--quick] [--json]      # the Moshpit paper's averaging table (a sweep, round level)
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from typing import Sequence
@@ -26,21 +28,79 @@ import numpy as np
 __all__ = ["main"]
 
 
-def _progress(stream=sys.stderr):
-    start = time.perf_counter()
+class _Progress:
+    """A progress bar on one line of `stream` (redrawn in place on a terminal, else printed once at
+    the end), and a logging handler that prints records *above* it instead of into it."""
 
-    def show(done: int, total: int) -> None:
-        if not stream.isatty() and done < total:
+    def __init__(self, stream=None) -> None:
+        self.stream = stream or sys.stderr
+        self.start = time.perf_counter()
+        self.line = ""  # the bar as last drawn, while it is on screen
+
+    def __call__(self, done: int, total: int) -> None:
+        tty = self.stream.isatty()
+        if not tty and done < total:
             return
         width = 30
         fill = int(width * done / max(1, total))
-        el = time.perf_counter() - start
-        stream.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {done}/{total} rounds, {el:.1f}s")
+        el = time.perf_counter() - self.start
+        self.line = f"[{'#' * fill}{'.' * (width - fill)}] {done}/{total} rounds, {el:.1f}s"
+        self.stream.write("\r" + self.line)
         if done >= total:
-            stream.write("\n")
-        stream.flush()
+            self.stream.write("\n")
+            self.line = ""
+        self.stream.flush()
 
-    return show
+    def above(self, text: str) -> None:
+        if self.line and self.stream.isatty():
+            self.stream.write("\r\033[K" + text + "\n" + self.line)  # clear the bar, print, redraw it
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def log_handler(self) -> logging.Handler:
+        bar = self
+
+        class Above(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                try:
+                    bar.above(self.format(record))
+                except Exception:
+                    self.handleError(record)
+
+        h = Above()
+        h.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        return h
+
+
+def _progress(stream=None) -> _Progress:
+    """A progress bar that log records print above (see `_Progress`); the root logger writes through it."""
+    bar = _Progress(stream)
+    root = logging.getLogger()
+    for h in list(root.handlers):  # ours from an earlier bar, or basicConfig's on stderr: replaced
+        if getattr(h, "_sim_progress", False) or (type(h) is logging.StreamHandler and h.stream is bar.stream):
+            root.removeHandler(h)
+    h = bar.log_handler()
+    h._sim_progress = True  # type: ignore[attr-defined]
+    root.addHandler(h)
+    return bar
+
+
+def _load(path: str, prog: str):
+    """The scenario at `path`, or a one-line error naming the problem (missing file, bad TOML/JSON,
+    an unknown key and the valid ones) and exit status 2."""
+    from .scenario import load_scenario
+
+    try:
+        return load_scenario(path)
+    except OSError as e:
+        raise _UsageError(f"{prog}: error: cannot read scenario {path}: {e.strerror or e}") from None
+    except (ValueError, TypeError, KeyError) as e:  # TOML/JSON syntax errors are ValueErrors too
+        raise _UsageError(f"{prog}: error: scenario {path}: {e}") from None
+
+
+class _UsageError(Exception):
+    pass
 
 
 def _table(rows: list[dict], keys: Sequence[tuple[str, str, str]]) -> str:
@@ -78,9 +138,9 @@ def _print_rounds(res, wall: list[float] | None = None) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .scenario import load_scenario, run_scenario
+    from .scenario import run_scenario
 
-    sc = load_scenario(args.scenario)
+    sc = _load(args.scenario, "python -m sim run")
     res = run_scenario(sc, progress=None if args.quiet else _progress())
     if args.out:
         with open(args.out, "w") as f:
@@ -92,6 +152,36 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(res.to_json())
     else:
         _print_rounds(res, res.wall_seconds)
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .train import load_train_scenario, run_train
+
+    sc = load_train_scenario(args.scenario)
+    res = run_train(sc)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(res.to_json())
+    if args.json:
+        print(res.to_json())
+        return 0
+    spec = sc.spec
+    print(f"{spec.optimizer}: {sc.peers} trainers, {spec.hidden * (spec.d_in + 1) + (spec.hidden + 1) * spec.d_out} "
+          f"parameters, {spec.steps} steps of {spec.step_time} s")
+    rows = [{**c, "sent": c["sent"] / 1e6, "received": c["received"] / 1e6} for c in res.curve]
+    print(_table(rows, [("step", "step", "d"), ("trainers", "n", "d"), ("sim s", "t", ".2f"),
+                        ("held-out loss", "loss", ".5f"), ("worst", "loss_max", ".5f"),
+                        ("MB sent", "sent", ".2f"), ("MB received", "received", ".2f")]))
+    print("\n" + _table([{**t, "sent": t["sent"] / 1e6, "received": t["received"] / 1e6,
+                          "fate": "crashed" if t["crashed"] else ("late" if t["late"] else "-")} for t in res.trainers],
+                        [("slot", "slot", "d"), ("joined", "joined", ".2f"), ("steps", "steps", "d"),
+                         ("epoch", "epoch", "d"), ("MB sent", "sent", ".2f"), ("MB received", "received", ".2f"),
+                         ("fate", "fate", "")]))
+    fin = res.final
+    print(f"\nfinal: {fin['live']} live trainers, {fin['distinct_params']} distinct parameter sets "
+          f"(identical: {fin['identical']}), spread {fin['spread']:.3e}; simulated {fin['t_final']:.2f} s")
+    print(f"loss hash {res.loss_hash}; trace {res.trace}; wall {res.wall_seconds:.1f} s")
     return 0
 
 
@@ -183,9 +273,9 @@ def cmd_testbed(args: argparse.Namespace) -> int:
     if not args.scenario:
         print("python -m sim testbed: a scenario file is needed (or --cleanup)", file=sys.stderr)
         return 2
-    from .scenario import ScenarioResult, load_scenario
+    from .scenario import ScenarioResult
 
-    sc = load_scenario(args.scenario)
+    sc = _load(args.scenario, "python -m sim testbed")
     if not sc.hosts:
         print(f"{args.scenario}: the testbed needs [[hosts]] (per-host rates/latency/loss); profiles and [network] "
               "are simulator-only", file=sys.stderr)
@@ -273,30 +363,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sim", description="Simulate zgossip on a modelled network.")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run a scenario file (TOML or JSON)")
-    r.add_argument("scenario")
+    r.add_argument("scenario", help="scenario file (.toml or .json; see sim/scenarios/)")
     r.add_argument("--out", help="write the results JSON here (byte-identical for the same scenario and seed)")
     r.add_argument("--csv", help="write one row per round here")
     r.add_argument("--json", action="store_true", help="print the results JSON instead of the table")
-    r.add_argument("--quiet", action="store_true")
+    r.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.add_argument("--log-level", default="WARNING",
+                   help="log records of the simulated peers shown (above the progress bar); default WARNING")
     r.set_defaults(fn=cmd_run)
+    tr = sub.add_parser("train", help="simulated training: N real trainers in virtual time (a [train] scenario)")
+    tr.add_argument("scenario", help="scenario file (TOML or JSON) with a [train] table, e.g. sim/scenarios/train64.toml")
+    tr.add_argument("--out", help="write the results JSON here (byte-identical for the same scenario and seed)")
+    tr.add_argument("--json", action="store_true", help="print the results JSON instead of the tables")
+    tr.set_defaults(fn=cmd_train)
     m = sub.add_parser("moshpit", help="a Moshpit averaging experiment from flags")
-    m.add_argument("--peers", type=int, default=1024)
-    m.add_argument("--group-size", type=int, default=32)
+    m.add_argument("--peers", type=int, default=1024, help="number of peers (default 1024)")
+    m.add_argument("--group-size", type=int, default=32, help="target group size (default 32)")
     m.add_argument("--grid", default="32x32", help="e.g. 32x32; empty for random groups (round level)")
     m.add_argument("--dropout", type=float, default=0.0, help="per-round unavailability probability")
-    m.add_argument("--rounds", type=int, default=5)
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--rounds", type=int, default=5, help="averaging rounds (default 5)")
+    m.add_argument("--seed", type=int, default=0, help="seed of the run (default 0)")
     m.add_argument("--numel", type=int, default=1, help="values per peer (message level)")
-    m.add_argument("--placement", default="distinct", choices=["full", "distinct", "random"])
-    m.add_argument("--level", default="message", choices=["message", "round"])
-    m.add_argument("--json", action="store_true")
+    m.add_argument("--placement", default="distinct", choices=["full", "distinct", "random"],
+                   help="how peers take grid cells: every cell (full), distinct cells, or random with collisions "
+                        "(default distinct)")
+    m.add_argument("--level", default="message", choices=["message", "round"],
+                   help="simulate every message of the real protocol, or only who averages with whom (default message)")
+    m.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     m.set_defaults(fn=cmd_moshpit)
     t = sub.add_parser("table", help="the Moshpit paper's averaging table on the round-level model")
-    t.add_argument("--quick", action="store_true")
-    t.add_argument("--json", action="store_true")
+    t.add_argument("--quick", action="store_true", help="3 restarts instead of 10")
+    t.add_argument("--json", action="store_true", help="print the table as JSON")
     t.add_argument("--out", help="the sweep's results folder (default: results/moshpit_table-RESTARTS)")
     t.add_argument("--workers", type=int, default=None, help="local processes (default: one per core)")
-    t.add_argument("--serial", action="store_true")
+    t.add_argument("--serial", action="store_true", help="run in this process, one run after another")
     t.set_defaults(fn=cmd_table)
     c = sub.add_parser("compare", help="replay a testbed run in the simulator: measured vs predicted per round")
     c.add_argument("run", help="results JSON written by `python -m sim testbed SCENARIO --out RUN.json`")
@@ -307,7 +407,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     fi.add_argument("--quick", action="store_true", help="only the small case the test suite runs")
     fi.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     fi.add_argument("--rounds", type=int, default=4, help="steps per case (the median is reported)")
-    fi.add_argument("--seed", type=int, default=1)
+    fi.add_argument("--seed", type=int, default=1, help="seed of every case (default 1)")
     fi.add_argument("--out", help="write every case's runs and the table as JSON here")
     fi.set_defaults(fn=lambda a: __import__("sim.fidelity", fromlist=["main"]).main(a))
     from . import sweep as _sweep  # light: imports nothing heavy until a sweep runs
@@ -323,17 +423,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     pl.add_argument("--heatmap", nargs=2, metavar=("X", "Y"), help="the heatmap's two axes")
     pl.set_defaults(fn=lambda a: __import__("sim.plot", fromlist=["main"]).cmd_plot(a))
     b = sub.add_parser("bench", help="speed and memory of the simulator against a bare SimPy model")
-    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="options of python -m sim bench (see its --help)")
     b.set_defaults(fn=lambda a: __import__("sim.bench", fromlist=["main"]).main(a.rest))
     c = sub.add_parser("calibrate", help="measure this machine's CPU costs and TCP settings (a profile for cpu = ...)")
-    c.add_argument("rest", nargs=argparse.REMAINDER)
+    c.add_argument("rest", nargs=argparse.REMAINDER, help="options of python -m sim calibrate (see its --help)")
     c.set_defaults(fn=lambda a: __import__("sim.cpu", fromlist=["main"]).main(a.rest))
     tb = sub.add_parser("testbed", help="run a scenario's [[hosts]] with real peers in network namespaces (root)")
-    tb.add_argument("scenario", nargs="?")
+    tb.add_argument("scenario", nargs="?", help="scenario file with [[hosts]]")
     tb.add_argument("--out", help="write the results JSON (the simulator's shape plus a 'testbed' section)")
     tb.add_argument("--csv", help="write one row per round here")
     tb.add_argument("--json", action="store_true", help="print the results JSON instead of the table")
-    tb.add_argument("--quiet", action="store_true")
+    tb.add_argument("--quiet", action="store_true", help="no progress bar or testbed messages")
     tb.add_argument("--compare", action="store_true", help="also run the simulator: its median step per host")
     tb.add_argument("--selftest", action="store_true", help="measure each host's RTT and TCP rate vs configured")
     tb.add_argument("--curve", action="store_true", help="peers with CURVE keys: authenticated, encrypted links")
@@ -344,7 +444,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     tb.add_argument("--force", action="store_true", help="with --cleanup: also tear down runs still in progress")
     tb.set_defaults(fn=cmd_testbed)
     args = p.parse_args(argv)
-    return args.fn(args)
+    logging.basicConfig(level=getattr(args, "log_level", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.fn(args)
+    except _UsageError as e:
+        print(e, file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -72,9 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m sim bench")
-    ap.add_argument("--memory-peers", type=int, default=16384)
-    ap.add_argument("--skip-memory", action="store_true")
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--memory-peers", type=int, default=16384,
+                    help="peers of the message-level run whose peak memory is measured (default 16384)")
+    ap.add_argument("--skip-memory", action="store_true", help="skip the memory measurement (the slowest part)")
+    ap.add_argument("--json", action="store_true", help="print the results as JSON")
     args = ap.parse_args(argv)
     out: dict = {}
     bare = [bare_simpy_round() for _ in range(3)]

@@ -192,6 +192,10 @@ class VirtualClock:
     def now(self) -> float:
         return self.env.now
 
+    def wall_time(self) -> float:
+        """Every simulated host reads the same clock: no offsets between hosts."""
+        return self.env.now
+
     def sleep(self, seconds: float) -> None:
         me = self._me("sleep")
         token = me.token = object()
@@ -210,6 +214,17 @@ class VirtualClock:
         if fut.done():
             return fut.result()
         raise cf.TimeoutError()
+
+    def wait(self, fut: cf.Future, timeout: float | None = None) -> bool:
+        if fut.done():
+            return True
+        me = self._me("wait for a future")
+        token = me.token = object()
+        fut.add_done_callback(lambda _f: self._wake_after(me, token, 0.0))
+        if timeout is not None:
+            self._wake_after(me, token, max(0.0, timeout))
+        self._park(me)
+        return fut.done()
 
     def lock(self, reentrant: bool = False) -> _Lock:
         return _Lock(self, reentrant)

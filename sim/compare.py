@@ -6,6 +6,12 @@ per round and overall, the measured and predicted step time (median and slowest 
 bytes sent per peer and outcomes, with their ratios (predicted / measured). The numbers
 come from one place, `compare_runs`, which the fidelity matrix (`sim.fidelity`) uses too.
 
+Bytes are not the same quantity on both sides, so the columns say which is which: the testbed
+counts the kernel's bytes on each host's link (Ethernet/IP/TCP headers, ACKs and ZMTP framing
+included), the simulator the messages' bytes; "p wire" estimates the latter on the wire
+(each MSS of payload carries 66 bytes of headers: Ethernet 14, IP 20, TCP with timestamps 32).
+ACKs (a host's ACKs count in its sent bytes) are left out, so "p wire" stays a little below.
+
 Step time of a round = the median over the peers that stepped of the time their `step()`
 took (``step_seconds``); "slowest" is the largest. Overall figures are medians over rounds.
 """
@@ -19,7 +25,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RoundComparison", "Comparison", "compare_runs", "replay", "format_comparison", "step_stats"]
+__all__ = ["RoundComparison", "Comparison", "compare_runs", "replay", "replay_scenario", "format_comparison", "step_stats"]
+
+
+WIRE = (1448 + 66) / 1448  # bytes on the link per byte of payload in full segments (see the module doc)
 
 
 def step_stats(rnd: dict) -> tuple[float, float]:
@@ -70,6 +79,21 @@ class Comparison:
                 "rounds": [{**r.__dict__, "ratio": r.ratio} for r in self.rounds], **self.extra}
 
 
+def replay_scenario(run: dict) -> dict:
+    """The scenario of a testbed run as the simulator should replay it: with the machine the run
+    recorded (``testbed.tcp``: the host namespaces' TCP settings; ``testbed.cpu``: the CPU cost
+    profile and the cores that every peer shares), unless the scenario itself sets them."""
+    sc = dict(run["scenario"])
+    tb = run.get("testbed") or {}
+    if tb.get("tcp"):
+        net = dict(sc.get("network") or {})
+        net["tcp"] = {**tb["tcp"], **(net.get("tcp") or {})}
+        sc["network"] = net
+    if tb.get("cpu") and not sc.get("cpu"):
+        sc["cpu"] = {"costs": tb["cpu"]["costs"], "cores": int(tb["cpu"]["cores"]), "shared": True}
+    return sc
+
+
 def replay(scenario: dict) -> dict:
     """Run a scenario (as a testbed run recorded it) in the simulator; the results dict."""
     from .scenario import run_scenario
@@ -95,14 +119,15 @@ def compare_runs(measured: dict, predicted: dict, skip: int = 0) -> Comparison:
 
 def format_comparison(c: Comparison) -> str:
     head = (f"{'round':>5} {'measured s':>10} {'predicted s':>11} {'ratio':>6} {'slowest m/p':>13} "
-            f"{'MB sent m/p':>13} {'ok m/p':>7}  failures m / p")
+            f"{'MB sent m link/p msgs/p wire':>28} {'ok m/p':>7}  failures m / p")
     lines = [head]
     for r in c.rounds:
         fm = ",".join(f"{k}:{v}" for k, v in sorted(r.failures_measured.items())) or "-"
         fp = ",".join(f"{k}:{v}" for k, v in sorted(r.failures_predicted.items())) or "-"
         lines.append(f"{r.round:>5} {r.measured:>10.3f} {r.predicted:>11.3f} {r.ratio:>6.2f} "
                      f"{r.measured_max:>6.2f}/{r.predicted_max:<6.2f} "
-                     f"{r.bytes_measured / 1e6:>6.2f}/{r.bytes_predicted / 1e6:<6.2f} "
+                     f"{r.bytes_measured / 1e6:>8.2f}/{r.bytes_predicted / 1e6:<8.2f}/"
+                     f"{r.bytes_predicted * WIRE / 1e6:<9.2f} "
                      f"{r.ok_measured:>3}/{r.ok_predicted:<3}  {fm} / {fp}")
     note = f" (rounds {c.skip}+)" if c.skip else ""
     lines.append(f"overall{note}: measured median step {c.measured:.3f} s, predicted {c.predicted:.3f} s, "
@@ -115,7 +140,7 @@ def main(path: str, skip: int = 0, as_json: bool = False) -> int:
     if "scenario" not in run or "rounds" not in run:
         raise SystemExit(f"{path}: not a results file (no 'scenario' and 'rounds'); "
                          "write one with python -m sim testbed SCENARIO --out RUN.json")
-    pred = replay(run["scenario"])
+    pred = replay(replay_scenario(run))
     c = compare_runs(run, pred, skip=skip)
     if as_json:
         print(json.dumps(c.to_dict(), sort_keys=True, indent=1))

@@ -80,18 +80,22 @@ class CpuSpec:
     @classmethod
     def from_value(cls, value: Any) -> "CpuSpec | None":
         """``"auto"`` (this machine's cached profile, calibrated once), a profile path, or
-        ``{profile = ..., cores = N, shared = true}``; None or false: no CPU model."""
+        ``{profile = ..., cores = N, shared = true}`` (``costs = {...}`` in place of ``profile``: the
+        profile's ``cpu`` section inline, as a testbed run records it); None or false: no CPU model."""
         if value is None or value is False:
             return None
         if isinstance(value, str):
             value = {"profile": value}
         if not isinstance(value, dict):
             raise ValueError("cpu must be 'auto', a profile path or {profile=..., cores=N, shared=bool}")
-        bad = set(value) - {"profile", "cores", "shared"}
+        bad = set(value) - {"profile", "cores", "shared", "costs"}
         if bad:
             raise ValueError(f"unknown cpu keys {sorted(bad)}")
-        prof = value.get("profile", "auto")
-        data = load_profile(default_profile_path(create=True) if prof == "auto" else prof)
+        if "costs" in value:
+            data = {"cpu": dict(value["costs"])}
+        else:
+            prof = value.get("profile", "auto")
+            data = load_profile(default_profile_path(create=True) if prof == "auto" else prof)
         cores = value.get("cores")
         if cores is not None and (int(cores) != cores or cores < 1):
             raise ValueError("cpu.cores must be a positive integer")

@@ -31,6 +31,11 @@ What the ZeroMQ driver does with connections is modelled too:
   waits in a backlog, flushed at that arrival, as `zgossip.zmq_driver` keeps one. Replies
   share one connection (lane 0), as they do on the real client's DEALER; a client cannot reach
   another client (dropped, counted in ``unreachable``).
+* **Settling sends** (TCP transfer only): `step_tensors` on one float tensor with ``alpha = 1``
+  is what `Averager.step` averages in place, and that step hands the tensor back only after
+  libzmq released the zero-copy parts and results it queued (``settle_sends``): it waits for
+  them (at most ``part_timeout``), then closes its connections to the peers still owed data
+  (what they queued is dropped). A fast peer that owes a slow one its results waits that long.
 * **CPU** (optional, `sim.cpu`): each handling of a message, timer or step start takes the
   calibrated time on a per-peer queue (and on a shared pool of cores if the scenario says so);
   the node sees the time the handling starts, as the real driver passes ``time.monotonic()``
@@ -84,6 +89,7 @@ class SimTransport:
         self.paused = False
         self._inbox: list[tuple[Any, float]] = []  # (handling, its CPU cost) held while paused
         self._missed_timer = False
+        self._trackers: list = []  # zero-copy sends not yet released (sim.tcp messages; TCP model only)
 
     # --------------------------------------------------------------- Transport
     def start(self, peer_id: str, make_node: Any, owner: Any) -> None:
@@ -116,7 +122,9 @@ class SimTransport:
         return out
 
     def sends_pending(self) -> bool:
-        return False  # a simulated send copies the payload when it is made: nothing is lent
+        """Whether array payloads the real driver would still lend to libzmq are on their way (TCP model)."""
+        tcp = self.cluster.tcp
+        return tcp is not None and any(not tcp.released(t) for t in self._trackers)
 
     def settle_sends(self, timeout: float, release_timeout: float = 5.0) -> int:
         return 0
@@ -295,7 +303,45 @@ class SimPeer(SimTransport):
             raise ValueError("this peer was created without tensors")
         fut = self.averager.step(weight=weight, gather=gather, timeout=timeout, wait=False, round=round)
         sid = fut.step_id
-        return self._event_of(fut, sid, lambda r: StepDone(sid, r), lambda e: StepFailed(sid, e))
+        ev = self._event_of(fut, sid, lambda r: StepDone(sid, r), lambda e: StepFailed(sid, e))
+        if self.cluster.tcp is None or not self.averager._in_place:
+            return ev
+        # a real blocking step on one float tensor averages in place and returns only once libzmq let
+        # go of the tensor's bytes (Averager.step -> settle_sends): model that wait on the TCP model
+        bound_at = self.cluster.env.now + timeout + self.node.config.allreduce_timeout + 0.5
+        out = self.cluster.env.event()
+        ev.callbacks.append(lambda e: self._settle(out, e.value, bound_at))
+        return out
+
+    def _settle(self, out: simpy.Event, act: Any, bound_at: float) -> None:
+        """Wait (at most part_timeout, never past `bound_at`) until every zero-copy send of this peer
+        left, then drop what is still queued for the peers it was stuck on, as `settle_sends` does."""
+        env, tcp = self.cluster.env, self.cluster.tcp
+        pending = [m for m in self._trackers if not tcp.released(m)]
+        self._trackers = []
+        if not pending or not self.alive:
+            out.succeed(act)
+            return
+        state = {"left": len(pending), "over": False}
+
+        def over(_e: Any = None) -> None:
+            if state["over"]:
+                return
+            state["over"] = True
+            stuck = {m.token[1].endpoint: None for m in pending if not tcp.released(m)}
+            for ep in stuck:
+                if self.alive:
+                    self.cluster._disconnect(self, ep)
+            out.succeed(act)
+
+        def one() -> None:
+            state["left"] -= 1
+            if state["left"] == 0:
+                over()
+
+        for m in pending:
+            tcp.watch(m, one)
+        env.timeout(min(self.node.config.part_timeout, max(0.0, bound_at - env.now))).callbacks.append(over)
 
     def load_state(self, *, timeout: float = 30.0, chunk_timeout: float = 1.0) -> simpy.Event:
         """Download state from the best donor; the event's value is DownloadDone or DownloadFailed."""
@@ -432,18 +478,23 @@ class SimCluster:
             self._cursor += self.cpu_model.costs.send(nbytes)
             if self._cursor > self.env.now:
                 ev = self.env.timeout(self._cursor - self.env.now)
-                ev.callbacks.append(lambda _e: self._launch(src, dst, lane, payload, nbytes, tag))
+                ev.callbacks.append(lambda _e: self._launch(src, dst, lane, payload, nbytes, tag, bool(msg.payload)))
                 return
-        self._launch(src, dst, lane, payload, nbytes, tag)
+        self._launch(src, dst, lane, payload, nbytes, tag, bool(msg.payload))
 
-    def _launch(self, src: SimPeer, dst: SimPeer, lane: int, payload: Any, nbytes: int, tag: bytes) -> None:
+    def _launch(self, src: SimPeer, dst: SimPeer, lane: int, payload: Any, nbytes: int, tag: bytes,
+                zero_copy: bool = False) -> None:
         if not src.alive:
             return
         endpoint = dst.endpoint
         if self.tcp is not None:
             sb = self.network.sent_bytes
             sb[src.endpoint] = sb.get(src.endpoint, 0) + nbytes
-            self.tcp.send(src.endpoint, endpoint, lane, nbytes, (src, dst, payload, nbytes, tag))
+            m = self.tcp.send(src.endpoint, endpoint, lane, nbytes, (src, dst, payload, nbytes, tag))
+            if zero_copy:  # the real driver sends array payloads zero-copy and tracks their release
+                src._trackers = [t for t in src._trackers if not self.tcp.released(t)] if len(src._trackers) > 256 \
+                    else src._trackers
+                src._trackers.append(m)
             return
         t = self.network.send(src.endpoint, endpoint, nbytes, self.env.now, self.rng, lane)
         if t.lost:

@@ -109,9 +109,18 @@ class Churn:
 Fault = Crash | CrashRejoin | Pause | PartitionFault | Slow | Churn
 
 
+_FAULT_FIELDS = {"crash": ("peer", "at"), "crash_rejoin": ("peer", "at", "back"), "pause": ("peer", "start", "end"),
+                 "partition": ("sides", "start", "end"), "slow": ("peer", "start", "end", "factor")}
+
+
 def fault_from_dict(d: dict) -> Fault:
     kind = d.get("kind")
     args = {k: v for k, v in d.items() if k != "kind"}
+    valid = _FAULT_FIELDS.get(kind) if isinstance(kind, str) else None
+    if valid is not None and set(args) - set(valid):
+        bad = sorted(set(args) - set(valid))
+        raise ValueError(f"unknown field{'s' * (len(bad) > 1)} {', '.join(bad)} in a {kind!r} fault "
+                         f"(valid: kind, {', '.join(valid)})")
     try:
         if kind == "crash":
             return Crash(int(args["peer"]), float(args["at"]))

@@ -9,6 +9,18 @@ packet loss on/off, one slow host), that the simulator moves the step time in th
 direction as the testbed. A change smaller than `FLAT` (relative) on the testbed counts
 as "no change", and then the simulator must not move by more than 2 × `FLAT` either.
 
+The replay models the machine the testbed ran on, from what the run recorded
+(`sim.compare.replay_scenario`): the host namespaces' TCP settings (this machine: BBR, so no
+restart after idle and no window cut on loss -- the largest single change: CUBIC's restart
+after the 0.5 s round gap made steady rounds ~1.7x too slow), and the CPU profile with the
+machine's cores shared by every peer. Transport mechanisms the testbed showed and `sim.tcp`
+now models: the TCP + ZMTP connection set-up (3 RTT per new connection and direction), BBR
+loss recovery and Linux's tail-loss probe, and (`sim.driver`) the in-place step's wait for
+its zero-copy sends, which makes a fast peer that owes a slow one its results wait with it.
+Not modelled: the forwarder's own CPU (one core's worth at ~20-50 us per frame, which is
+what bounds the 1 Gbit cases), tbf queues and their tail drops under incast (the 20 Mbit host
+of home4-4m drops ~950 packets a run), the kernel's send buffer in the release time.
+
 The goal (issue 10): every ratio within 0.85–1.15 and every direction right.
 ``--quick`` runs `QUICK` (the suite's small version); ``--cases a,b`` picks cases.
 """
@@ -22,7 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from .compare import compare_runs, replay
+from .compare import compare_runs, replay, replay_scenario
 from .linkfloor import floor_for_scenario
 from .scenario import Scenario
 
@@ -136,7 +148,7 @@ def run_case(name: str, rounds: int = 4, seed: int = 1,
     t0 = time.perf_counter()
     measured = testbed(sc)
     wall = time.perf_counter() - t0
-    predicted = replay(measured.get("scenario", sc))
+    predicted = replay(replay_scenario({"scenario": sc, **measured}))
     c = compare_runs(measured, predicted)
     floor = floor_for_scenario(Scenario.from_dict(sc)).seconds
     hosts, mib = CASES[name]

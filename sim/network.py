@@ -38,13 +38,16 @@ __all__ = ["NetworkModel", "Delivery", "Transfer", "Profile", "PROFILES", "Parti
 
 @dataclass(frozen=True)
 class Profile:
-    """A kind of peer: its access link in bytes/s, access latency (one way, s) and loss probability."""
+    """A kind of peer: its access link in bytes/s, access latency (one way, s), loss probability
+    and jitter (std of an extra N(0, jitter) delay, clipped at 0, on each message through this
+    access link -- as the testbed's forwarder draws one per end)."""
 
     name: str
     up: float
     down: float
     latency: float = 0.0
     loss: float = 0.0
+    jitter: float = 0.0
 
 
 #: Typical access links. Mbit/s figures converted to bytes/s.
@@ -186,11 +189,17 @@ class NetworkModel:
                 lat += prof.latency
         return lat
 
-    def jitter_draw(self, rng: np.random.Generator) -> float:
-        return max(0.0, float(rng.normal(0.0, self.jitter))) if self.jitter > 0 else 0.0
+    def jitter_draw(self, rng: np.random.Generator, src: str | None = None, dst: str | None = None) -> float:
+        """Extra delay of one message: the network's jitter, plus each end's access-link jitter."""
+        t = max(0.0, float(rng.normal(0.0, self.jitter))) if self.jitter > 0 else 0.0
+        for ep in (src, dst):
+            prof = self.profiles.get(ep) if ep is not None else None
+            if prof is not None and prof.jitter > 0:
+                t += max(0.0, float(rng.normal(0.0, prof.jitter)))
+        return t
 
     def _lat(self, src: str, dst: str, rng: np.random.Generator) -> float:
-        return self.base_latency(src, dst, rng) + self.jitter_draw(rng)
+        return self.base_latency(src, dst, rng) + self.jitter_draw(rng, src, dst)
 
     def _loss(self, src: str, dst: str) -> float:
         p = self.loss

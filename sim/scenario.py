@@ -113,7 +113,7 @@ class HostSpec:
     def profile(self, name: str) -> Profile:
         """The simulator's view of this link (bytes/s, seconds)."""
         return Profile(name, up=self.up_mbit * 125_000.0, down=self.down_mbit * 125_000.0,
-                       latency=self.latency_ms / 1000.0, loss=self.loss)
+                       latency=self.latency_ms / 1000.0, loss=self.loss, jitter=self.jitter_ms / 1000.0)
 
 
 @dataclass
@@ -183,14 +183,23 @@ class Scenario:
         unknown_profiles = set(self.profiles) - set(PROFILES)
         if unknown_profiles:
             raise ValueError(f"unknown profiles {sorted(unknown_profiles)}; known: {sorted(PROFILES)}")
-        bad = set(self.protocol) - {f.name for f in fields(NodeConfig)}
-        if bad:
-            raise ValueError(f"unknown protocol settings {sorted(bad)}")
+        _check_keys("[protocol]", self.protocol, {f.name for f in fields(NodeConfig)})
+        _check_keys("[network]", self.network, {f.name for f in fields(NetworkModel) if f.init and f.repr})
+        _check_keys("[churn]", self.churn, {f.name for f in fields(Churn) if f.init})
         for f in self.faults:
             fault_from_dict(f)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _check_keys(section: str, given: Any, known: set[str]) -> None:
+    if not isinstance(given, dict):
+        raise ValueError(f"{section} must be a table of settings, not {type(given).__name__}")
+    bad = set(given) - known
+    if bad:
+        raise ValueError(f"unknown {section} setting{'s' * (len(bad) > 1)} {', '.join(sorted(bad))} "
+                         f"(valid: {', '.join(sorted(known))})")
 
 
 def load_scenario(path: str | Path) -> Scenario:

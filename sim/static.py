@@ -68,7 +68,8 @@ class StaticView:
 
     @share.setter
     def share(self, value: float | None) -> None:
-        self._me.share = value
+        if self.peer_id in self.table.records:
+            self._me.share = value
 
     @property
     def info(self) -> dict:
@@ -113,4 +114,10 @@ class StaticView:
     def observe(self, peer_id: str, endpoint: str, now: float) -> None: ...
     def on_gossip(self, msg: Any, now: float) -> None: ...
     def merge(self, entries: Any, now: float) -> None: ...
-    def forget(self, peer_id: str, now: float) -> None: ...
+    def forget(self, peer_id: str, now: float, why: str = "") -> None: ...
+
+    def goodbye(self, now: float) -> None:
+        """A clean shutdown leaves the converged table at once (gossip: BYE; see zgossip.membership)."""
+        self.table.remove(self.peer_id)
+
+    def on_bye(self, msg: Any, now: float) -> None: ...

@@ -3,8 +3,10 @@
 A sweep file (TOML) names a base scenario, axes of values and seeds:
 
     name = "group_size"                  # optional; default: the file's stem
-    kind = "scenario"                    # "scenario" (message level, `sim.scenario`) or
-                                         # "moshpit" (round level, one `sim.moshpit` method run)
+    kind = "scenario"                    # "scenario" (message level, `sim.scenario`),
+                                         # "moshpit" (round level, one `sim.moshpit` method run) or
+                                         # "train" (simulated training, `sim.train`: one row per
+                                         # evaluation step, ``round`` = local steps made)
     seed = 0                             # the sweep's seed
     seeds = 10                           # 10 means seed indices 0..9; or a list, e.g. [0, 3, 7]
     scenario = "../scenarios/flaky_home.toml"   # optional base file, relative to this file
@@ -22,7 +24,7 @@ A sweep file (TOML) names a base scenario, axes of values and seeds:
 A *point* is one combination of axis values; a *run* is a point with one seed index.
 Every run is one task, and its result depends only on its resolved scenario:
 
-* **Seeds.** ``kind = "scenario"``: the run's scenario seed is the first 63 bits of
+* **Seeds.** ``kind = "scenario"`` (and ``"train"``): the run's scenario seed is the first 63 bits of
   blake2b(canonical JSON of [sweep seed, point, seed index]) — a function of the sweep
   and the point, never of the worker, the order or the process. ``kind = "moshpit"``:
   the seed index is the paper table's *restart*, and the run draws exactly as
@@ -253,10 +255,29 @@ def _moshpit_rows(result: dict) -> list[dict]:
     return [dict(r) for r in result["rounds"]]
 
 
+def _train_run(spec: dict) -> dict:
+    from .train import run_train
+
+    data = json.loads(run_train(spec).to_json())
+    del data["scenario"]
+    return data
+
+
+_TRAIN_COLUMNS = ("sim_seconds", "live", "loss", "loss_max", "bytes_sent_cum", "bytes_received_cum")
+
+
+def _train_rows(result: dict) -> list[dict]:
+    # one row per evaluation step (``round`` = local steps made): means over the trainers evaluated there
+    return [{"round": c["step"], "sim_seconds": c["t"], "live": c["n"], "loss": c["loss"], "loss_max": c["loss_max"],
+             "bytes_sent_cum": c["sent"], "bytes_received_cum": c["received"]} for c in result["curve"]]
+
+
 KINDS: dict[str, Kind] = {
     "scenario": Kind("scenario", _scenario_seeded, _scenario_run, _scenario_rows, _SCENARIO_COLUMNS),
     "moshpit": Kind("moshpit", _moshpit_seeded, _moshpit_run, _moshpit_rows,
                     ("mse", "max_abs", "participants", "n_groups")),
+    # simulated training (`sim.train`): the spec is a train scenario, seeded like "scenario"
+    "train": Kind("train", _scenario_seeded, _train_run, _train_rows, _TRAIN_COLUMNS),
 }
 
 

@@ -30,14 +30,30 @@ What ZeroMQ over TCP gives the protocol is a reliable, ordered byte stream per c
   model O(connections on the two links) per round rather than a global fluid recomputation.
 * **Loss** slows TCP and never loses a message: a round of ``k`` segments sees a loss with
   probability ``1 - (1 - p)^k``; the round's bytes then arrive one RTT later (fast
-  retransmit; a tail loss -- nothing sent after it -- waits for the tail-loss probe, two RTTs,
-  and then the retransmission), and the window is cut by CUBIC's beta (0.7; Reno 0.5; BBR does
+  retransmit; a tail loss -- the lost segment is the last of the queue, so nothing sent after
+  it reveals it -- waits for the tail-loss probe: Linux's PTO is 2 SRTT, plus RTO_min when a
+  single segment is out, and the probe is the retransmission), and the window is cut by CUBIC's beta (0.7; Reno 0.5; BBR does
   not cut on loss). The resulting sawtooth gives the usual ~MSS/(RTT sqrt p) steady state.
+  Under CUBIC/Reno the next round waits for the recovery; BBR keeps pacing at its bandwidth
+  estimate through recovery (SACK), so only the arrivals wait (head-of-line blocking).
 * **Partitions** stall a connection: a round that finds the path cut is retried with
   exponential RTO backoff (RTO, 2 RTO, 4 RTO ...) and resumes from one segment after the
   cut heals. Nothing is lost (Linux gives up after ``tcp_retries2`` -- about 15 minutes --
   which is not modelled).
 * **Jitter** delays each message's arrival but never reorders a connection.
+* **Connection set-up.** A connection opens on its first message (the ZeroMQ driver connects a
+  DEALER lazily, and a reply travels on the replier's own DEALER: another set-up in the other
+  direction). Its data can leave only after the TCP handshake (1 RTT: SYN, SYN-ACK) and
+  ZeroMQ's ZMTP handshake: libzmq sends the 10-byte signature on connect, the rest of its
+  greeting only after reading the peer's signature and version byte, and its READY only after
+  the peer's whole greeting -- so the client reads the server's READY 3 RTT after connect, and
+  the first message arrives 3.5 RTT after it was sent instead of 0.5 (measured on the testbed:
+  3.51-3.53 RTT at 160 ms, every later message 0.50). ``handshake_rtts`` holds that 3. A
+  handshake packet that is lost costs the SYN timeout (1 s, ``TCP_TIMEOUT_INIT``) for the SYN
+  or SYN-ACK and an RTO for the ZMTP exchange (4 packets); a partition stalls it like data.
+* **Release** (for `pending`): a message's bytes are the sender's until its last byte left
+  (the real driver hands ZeroMQ zero-copy frames and libzmq releases them once written into the
+  kernel; the send buffer, about two windows, is not modelled: releases are up to ~2 RTT late).
 
 Messages still queued when a connection is reset (its peer crashed, or the driver closed
 it) are dropped: the sender's process or socket is gone. What happens to bytes of a paused
@@ -74,6 +90,8 @@ class TcpParams:
     slow_start_after_idle: bool = True  # net.ipv4.tcp_slow_start_after_idle
     rto_min: float = 0.2  # TCP_RTO_MIN
     congestion_control: str = "cubic"  # net.ipv4.tcp_congestion_control
+    handshake_rtts: float = 3.0  # TCP (1 RTT) + ZMTP greeting and READY (2 RTT) before the first data
+    syn_timeout: float = 1.0  # TCP_TIMEOUT_INIT: a lost SYN or SYN-ACK is sent again after this
 
     @classmethod
     def from_dict(cls, d: dict) -> "TcpParams":
@@ -133,16 +151,20 @@ class TcpParams:
 
 
 class _Msg:
-    __slots__ = ("left", "token")
+    """A queued message; `send` returns it as the sender's tracker (see `released`, `watch`)."""
+
+    __slots__ = ("left", "token", "release_at", "on_release")
 
     def __init__(self, nbytes: int, token: Any) -> None:
         self.left = float(nbytes)
         self.token = token
+        self.release_at: float | None = None  # when its last byte left (or it was dropped); None: not yet known
+        self.on_release: list[Callable[[], None]] | None = None
 
 
 class _Conn:
     __slots__ = ("src", "dst", "lane", "owd", "rtt", "cwnd", "ssthresh", "queue", "last_sent", "busy_until",
-                 "used", "scheduled", "last_arrival", "backoff", "gen")
+                 "used", "scheduled", "last_arrival", "backoff", "gen", "ready")
 
     def __init__(self, src: str, dst: str, lane: int, owd: float, back: float, iw: float) -> None:
         self.src, self.dst, self.lane = src, dst, lane
@@ -158,6 +180,7 @@ class _Conn:
         self.last_arrival = 0.0  # arrivals keep the connection's order under jitter
         self.backoff = 0  # RTO backoffs while a partition stalls it
         self.gen = 0  # bumped on reset, so its scheduled rounds are void
+        self.ready = 0.0  # when the TCP and ZMTP handshakes are over (no data leaves before)
 
 
 class TcpTransport:
@@ -189,13 +212,32 @@ class TcpTransport:
             owd = self.net.base_latency(src, dst, self.rng)
             back = self.net.base_latency(dst, src, self.rng)
             c = _Conn(src, dst, lane, owd, back, self.p.iw)
+            c.ready = self.env.now + self._handshake(c)
             self.conns[key] = c
             self._up.setdefault(src, []).append(c)
             self._down.setdefault(dst, []).append(c)
         return c
 
+    def _handshake(self, c: _Conn) -> float:
+        """Seconds from connect until the first data may leave (see the module docstring)."""
+        p = self.p
+        t = p.handshake_rtts * c.rtt
+        loss = self.net._loss(c.src, c.dst)
+        if loss > 0.0:
+            for _ in range(2):  # SYN, SYN-ACK: the initial timeout, doubling per try
+                k = 0
+                while self.rng.random() < loss and k < 6:
+                    t += p.syn_timeout * (1 << k)
+                    k += 1
+            for _ in range(4):  # signature+version, greetings, READYs: an RTO each
+                if self.rng.random() < loss:
+                    t += self._rto(c)
+        return t
+
     def _drop(self, c: _Conn) -> None:
         c.gen += 1
+        for m in c.queue:
+            self._release(m, self.env.now)
         c.queue.clear()
         del self.conns[(c.src, c.dst, c.lane)]
         self._up[c.src].remove(c)
@@ -223,20 +265,44 @@ class TcpTransport:
         return None if c is None else c.cwnd
 
     # ------------------------------------------------------------------ sending
-    def send(self, src: str, dst: str, lane: int, nbytes: int, token: Any) -> None:
+    def send(self, src: str, dst: str, lane: int, nbytes: int, token: Any) -> _Msg:
+        """Queue a message; returns its tracker (``released`` once its last byte left)."""
         now = self.env.now
         c = self._conn(src, dst, lane)
         if not c.queue and not c.scheduled:
             self._restart_after_idle(c, now)
-        c.queue.append(_Msg(nbytes, token))
+        msg = _Msg(nbytes, token)
+        c.queue.append(msg)
         if not c.scheduled:
             c.scheduled = True
             # a round in progress keeps the link until its bytes are out; the next starts then
-            start = max(now, c.busy_until)
+            start = max(now, c.busy_until, c.ready)
             if start <= now:
                 self._round(c, c.gen)
             else:
                 self._at(start, c)
+        return msg
+
+    def _release(self, m: _Msg, at: float) -> None:
+        # no event unless someone watches: most messages are never waited for
+        m.release_at = at
+        if m.on_release:
+            fns, m.on_release = m.on_release, None
+            for fn in fns:
+                self.watch(m, fn)
+
+    def released(self, m: _Msg) -> bool:
+        """Whether the message's last byte left the sender (or it was dropped) by now."""
+        return m.release_at is not None and m.release_at <= self.env.now
+
+    def watch(self, m: _Msg, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` when `m` is released (at once if it is)."""
+        if m.release_at is None:
+            m.on_release = (m.on_release or []) + [fn]
+        elif m.release_at <= self.env.now:
+            fn()
+        else:
+            self.env.timeout(m.release_at - self.env.now).callbacks.append(lambda _e: fn())
 
     def _at(self, t: float, c: _Conn) -> None:
         ev = self.env.timeout(max(0.0, t - self.env.now))
@@ -328,10 +394,16 @@ class TcpTransport:
             segs = math.ceil(nbytes / p.mss)
             if self.rng.random() < 1.0 - (1.0 - loss) ** segs:
                 self.loss_events += 1
-                extra = max(rtt, 1e-3) * (3.0 if nbytes >= queued else 1.0)
-                c.cwnd = max(2.0 * p.mss, c.cwnd * p.beta)
-                c.ssthresh = c.cwnd
-                if extra > 0 and nbytes < queued:
+                if nbytes >= queued and self.rng.random() * segs < 1.0:
+                    # the last segment of the queue was lost: nothing after it reveals the loss, so the
+                    # probe timeout does, 2 SRTT (+ RTO_min when a single segment is out)
+                    extra = 2.0 * rtt + (p.rto_min if segs <= 1 else 0.002)
+                else:  # SACK/RACK: a later segment reveals it; the retransmission follows one RTT later
+                    extra = max(rtt, 1e-3)
+                if not p.paced:  # BBR's window follows its path model, not losses
+                    c.cwnd = max(2.0 * p.mss, c.cwnd * p.beta)
+                    c.ssthresh = c.cwnd
+                if extra > 0 and nbytes < queued and not p.paced:
                     nxt = max(nxt, now + extra)
         # messages whose last byte is in this round arrive `owd` (+ jitter) after it left
         sent = 0.0
@@ -342,14 +414,16 @@ class TcpTransport:
             sent += take
             if m.left <= 1e-9:
                 c.queue.popleft()
+                self._release(m, now + (sent / rate if rate < _INF else 0.0))
                 left_at = now + (sent / rate if rate < _INF else 0.0)
-                at = left_at + c.owd + extra + self.net.jitter_draw(self.rng)
+                at = left_at + c.owd + extra + self.net.jitter_draw(self.rng, c.src, c.dst)
                 at = max(at, c.last_arrival)
                 c.last_arrival = at
                 ev = self.env.timeout(at - now)
                 ev.callbacks.append(lambda _e, tok=m.token, s=left_at, g=c.gen, c=c: self._arrive(c, g, tok, s))
         while c.queue and c.queue[0].left <= 1e-9:  # zero-byte messages ride along
             m = c.queue.popleft()
+            self._release(m, now + duration)
             at = max(now + duration + c.owd + extra, c.last_arrival)
             c.last_arrival = at
             ev = self.env.timeout(at - now)

@@ -10,6 +10,12 @@ Its result has the simulator's shape (``scenario``, ``rounds`` with the same key
 by the same `sim.scenario.round_metrics`, ``peer_bytes``) plus a ``testbed`` section
 (per-peer step reports, kernel byte counters per link, forwarder CPU and timing, machine).
 
+What a replay needs to model this machine is recorded too (`sim.compare.replay_scenario`
+reads it): ``testbed.tcp``, the TCP settings the host namespaces really use (read inside host
+0's namespace: congestion control, buffers, slow start after idle), and ``testbed.cpu``, this
+machine's calibrated cost profile (`sim.cpu`, the cached one, calibrated once) with its core
+count, since every peer, the forwarder and the kernel's TCP share those cores.
+
 Differences from the simulator, on purpose: times are wall seconds; bytes are the
 kernel's counters on each host's link (TCP/IP headers included), not message sizes;
 a peer that rejoins starts from the tensor it wrote after its last finished step.
@@ -295,7 +301,9 @@ def run_testbed(sc: Scenario | dict, progress: Callable[[int, int], None] | None
     initial = [values_rng.standard_normal(sc.numel).astype(sc.dtype) for _ in range(sc.peers)]
     truth = np.stack(initial).astype(np.float64).mean(axis=0)
     unavail_rng = np.random.default_rng([sc.seed, seed_from("unavailability")])
+    cpu = machine_cpu()
     with Testbed(hosts, seed=sc.seed, sysctls=sysctls) as tb:
+        tcp = namespace_tcp(tb)
         ctl = _Controller(sc, tb, say)
         if curve:
             from zgossip.identity import KeyPair
@@ -353,9 +361,38 @@ def run_testbed(sc: Scenario | dict, progress: Callable[[int, int], None] | None
                           "ports": fwd["ports"]},
             "gso": tb.gso,
             "sysctls": tb.sysctls,
+            "tcp": tcp,
+            "cpu": cpu,
             "machine": machine_info(),
         },
     }
+
+
+_TCP_SYSCTLS = ("net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem", "net.ipv4.tcp_adv_win_scale",
+                "net.ipv4.tcp_slow_start_after_idle", "net.ipv4.tcp_congestion_control")
+
+
+def namespace_tcp(tb: Testbed, slot: int = 0) -> dict:
+    """`sim.tcp.TcpParams` as host `slot`'s namespace has them (a namespace need not inherit the
+    machine's settings, and ``--sysctl`` changes them)."""
+    from .tcp import TcpParams
+
+    p = subprocess.run(["ip", "netns", "exec", tb.ns(slot), "sysctl", "-n", *_TCP_SYSCTLS],
+                       capture_output=True, text=True, timeout=10)
+    vals = p.stdout.splitlines()
+    if p.returncode != 0 or len(vals) != len(_TCP_SYSCTLS):
+        return TcpParams.from_sysctl().to_dict()
+    rmem, wmem, scale, ssai, cc = vals
+    return TcpParams(rmem_max=int(rmem.split()[2]), wmem_max=int(wmem.split()[2]), adv_win_scale=int(scale),
+                     slow_start_after_idle=ssai.strip() != "0", congestion_control=cc.strip()).to_dict()
+
+
+def machine_cpu() -> dict:
+    """This machine's CPU cost profile (`sim.cpu`, cached; calibrated on first use) and cores."""
+    from .cpu import default_profile_path, load_profile
+
+    prof = load_profile(default_profile_path(create=True))
+    return {"costs": prof["cpu"], "cores": os.cpu_count() or 1, "machine": prof.get("machine", {})}
 
 
 def _note_ready(ctl: _Controller, slot: int, msg: dict | None) -> None:

@@ -364,7 +364,8 @@ def test_bad_parts_from_a_groupmate_in_a_live_round(ctx) -> None:
             before = {x.peer_id: x.stats for x in (a, b)}
             expect_a, expect_b = snapshot(a)[0].astype(np.float64), snapshot(b)[0].astype(np.float64)
             fa, fb = a.step(weight=wa, wait=False, timeout=15), b.step(weight=wb, wait=False, timeout=15)
-            join = dict(key=PREFIX, step="fake-step-1", bw=0.0, layout=a.layout.fingerprint, hops=2, want=3, g=1)
+            join = dict(key=PREFIX, step="fake-step-1", bw=0.0, layout=a.layout.fingerprint, hops=2, want=3, g=1,
+                        ld=a.layout.description)
             schema = wire.SCHEMAS[MsgType.JOIN][0]
             missing = set(schema) - set(join)
             assert not missing, f"JOIN gained fields {missing}: teach this fake member about them"

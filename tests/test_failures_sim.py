@@ -264,8 +264,18 @@ def test_a_mean_that_overflows_is_left_unchanged_for_everyone_without_a_timeout(
         assert all(lo >= NUMEL // N for lo, _ in res.updated)
 
 
+@pytest.fixture
+def one_part_per_span(monkeypatch):
+    """Spans are not split below the configured part size (`partition.MIN_PARTS`), so that a span
+    of a few accumulate blocks is one part, as these tests need."""
+    from zgossip import partition
+
+    monkeypatch.setattr(partition, "MIN_PARTS", 1)
+
+
 def _big_part_cluster(n, span, seed=5):
-    """n peers, float64, one part per span of `span` elements (several accumulate blocks)."""
+    """n peers, float64, one part per span of `span` elements (several accumulate blocks); use with
+    the `one_part_per_span` fixture."""
     cl = SimCluster(seed=seed, network=NetworkModel(latency=0.001, bandwidth=1e8))
     kw = dict(prefix="f", target_group_size=n, min_group_size=2, part_size_bytes=span * 8, part_timeout=5.0,
               gossip_interval=0.05, peer_timeout=3.0, matchmaking_time=0.3, request_timeout=0.2)
@@ -281,7 +291,7 @@ def _own_span(res, me, span):
     return k * span, (k + 1) * span
 
 
-def test_a_nan_met_in_the_owners_last_pass_keeps_the_mean_it_already_stored_in_its_own_tensor():
+def test_a_nan_met_in_the_owners_last_pass_keeps_the_mean_it_already_stored_in_its_own_tensor(one_part_per_span):
     """The owner's last pass writes the mean straight into its tensor; a NaN found there after some
     blocks were stored leaves those blocks averaged for the owner only: the part is unchanged for
     everyone else, and `updated` says exactly that."""
@@ -315,7 +325,7 @@ def test_a_nan_met_in_the_owners_last_pass_keeps_the_mean_it_already_stored_in_i
         assert not res.complete
 
 
-def test_a_mean_that_overflows_part_way_keeps_what_the_owner_stored_before():
+def test_a_mean_that_overflows_part_way_keeps_what_the_owner_stored_before(one_part_per_span):
     from zgossip import kernels
 
     n, span = 3, 2 * kernels.ACC_BLOCK

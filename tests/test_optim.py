@@ -159,24 +159,54 @@ def test_background_averaging_every_k_steps_keeps_peers_together():
             o.shutdown()
 
 
-def test_averaging_every_t_seconds():
-    models = [_model(i) for i in range(2)]
-    opts = _swarm(2, lambda i, peers: DecentralizedSGD(
-        models[i].parameters(), lr=0.01, prefix="period", average_every=None, average_period=0.4,
-        matchmaking_time=0.2, target_group_size=2, initial_peers=peers, averager_opts=FAST))
-    try:
-        def train(i: int) -> None:
-            deadline = time.monotonic() + 2.5
-            while time.monotonic() < deadline:
-                _local_steps(models[i], opts[i], seed=i, steps=1)
-                time.sleep(0.01)
-            opts[i].apply_pending(wait=True, timeout=10)
+def _virtual_swarm(n: int, make: Any, body: Any, seed: int = 0) -> tuple[list, list]:
+    """`n` optimizers on the simulator's transport, each built and trained by ``body(i, opt)`` in its own
+    simulated thread (virtual time: waits and sleeps cost no wall time, and one seed gives one run)."""
+    from sim import NetworkModel, SimCluster, SimPeer
 
-        _in_threads([lambda i=i: train(i) for i in range(2)])
-        assert all(2 <= o.rounds["done"] <= 8 for o in opts), [o.rounds for o in opts]
-    finally:
-        for o in opts:
-            o.shutdown()
+    cl = SimCluster(seed=seed, network=NetworkModel(latency=0.005))
+    opts: list = [None] * n
+    out: list = [None] * n
+
+    def life(i: int) -> None:
+        ep = f"sim://peer{i}"
+        peer = SimPeer(cl, ep)
+        cl.peers[ep] = peer
+        opts[i] = make(i, [] if i == 0 else ["sim://peer0"], {**FAST, "transport": peer, "seed": [seed, i]})
+        peer.averager = opts[i].averager
+        out[i] = body(i, opts[i])
+
+    threads = [cl.spawn(life, i, name=f"trainer{i}") for i in range(n)]
+    cl.run(until=cl.env.all_of([t.done for t in threads]))
+    cl.clock.close()
+    return opts, out
+
+
+def test_averaging_every_t_seconds():
+    """``average_period``: a round starts when the wall clock enters a new period (the same moment on every
+    peer), whatever the step rate. In virtual time: 2.5 s of steps every 10 ms with a 0.4 s period."""
+    models = [_model(i) for i in range(2)]
+
+    def make(i, peers, opts):
+        return DecentralizedSGD(models[i].parameters(), lr=0.01, prefix="period", average_every=None,
+                                average_period=0.4, matchmaking_time=0.2, target_group_size=2,
+                                initial_peers=peers, averager_opts=opts)
+
+    def train(i, opt):
+        clock = opt.clock
+        start = clock.now()
+        while clock.now() < start + 2.5:
+            _local_steps(models[i], opt, seed=i, steps=1)
+            clock.sleep(0.01)
+        opt.apply_pending(wait=True, timeout=10)
+        return opt.rounds, clock.now() - start
+
+    opts, out = _virtual_swarm(2, make, train)
+    for rounds, took in out:
+        # 2.5 s cross 6 period boundaries (a round every 0.4 s); one may fall while the last still runs
+        assert 5 <= rounds["done"] <= 7 and rounds["failed"] == 0, rounds
+        assert 2.5 <= took < 3.0
+    assert out[0][0]["done"] == out[1][0]["done"]  # both peers start their rounds at the same moments
 
 
 def test_a_peer_too_far_behind_loads_state_and_one_slightly_behind_adopts_the_epoch():

@@ -63,8 +63,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import threading
-import time
 from enum import Enum
 from typing import Any, Iterable, Sequence
 
@@ -73,7 +71,7 @@ import torch
 
 from .errors import ZGossipError
 from .progress import PeerProgress, SwarmView, progress_record, run_digest
-from .trainer import TRAINING_DEFAULTS, ServingAverager, first_nonfinite
+from .trainer import TRAINING_DEFAULTS, ServingAverager, clock_of, first_nonfinite
 from .training_state import LayoutMismatch, ModelLayout, copy_arrays, named_tensors, pack_state, unpack_state
 
 __all__ = ["Accumulator", "Group"]
@@ -152,6 +150,7 @@ class Accumulator:
         opts = {**TRAINING_DEFAULTS, "matchmaking_time": matchmaking_time, "target_group_size": target_group_size,
                 **self.group.averager_opts, **averager_opts}
         self._opts = opts
+        self.clock = clock_of(opts)  # every reading of the time and every wait (virtual in the simulator)
         self._gossip = float(opts.get("gossip_interval", 0.5))
         self._mm_timeout = float(opts["matchmaking_time"]) + 2 * float(opts.get("request_timeout", 0.5)) + 0.5
         self.discovery_time = discovery_time if discovery_time is not None else max(1.0, 5 * self._gossip)
@@ -177,11 +176,11 @@ class Accumulator:
         self._next_view = 0.0
         self._deadline = 0.0
         self._stash: tuple[int, Any, list[np.ndarray]] | None = None
-        self._stash_lock = threading.Lock()
+        self._stash_lock = self.clock.lock()
         self._user_state: Any = None
         self._new_state = False
         self._download: cf.Future | None = None
-        self._downloader = cf.ThreadPoolExecutor(1, thread_name_prefix="zgossip-acc-state")
+        self._downloader = self.clock.executor("zgossip-acc-state")
         self._next_download = 0.0
         self._warned: set[str] = set()
         self._published: dict | None = None
@@ -203,9 +202,9 @@ class Accumulator:
         """Advance: start up, read the swarm's records, run state sync and gradient rounds. Call it often."""
         if self._phase is _Phase.NEW:
             self._start()
-        now = time.monotonic()
+        now = self.clock.now()
         if self._round is not None and not self._round.done():
-            cf.wait([self._round], timeout=0.002)  # spare the CPU while a round runs
+            self.clock.wait(self._round, 0.002)  # spare the CPU while a round runs
         if self._round is not None and self._round.done():
             self._finish_round()
         if now >= self._next_view or self._view is None:
@@ -228,7 +227,7 @@ class Accumulator:
                 self._maybe_start_round(view)
         self._publish()
         if self._phase is _Phase.READY and self._holding and not self.wants_gradients() and not self._has_grads:
-            time.sleep(0.002)  # nothing to do until the newcomer caught up: do not spin
+            self.clock.sleep(0.002)  # nothing to do until the newcomer caught up: do not spin
 
     def wants_state(self) -> bool:
         """True on the leader when some peer waits for state newer than the last `set_state`."""
@@ -287,7 +286,7 @@ class Accumulator:
                     if g is not None:
                         acc.add_(g, alpha=float(batch_size))
             self._samples += int(batch_size)
-        now = time.monotonic()
+        now = self.clock.now()
         if self._last_reduce is not None and now > self._last_reduce:
             inst = batch_size / (now - self._last_reduce)
             self._rate = inst if self._rate == 0 else 0.8 * self._rate + 0.2 * inst
@@ -358,8 +357,8 @@ class Accumulator:
         the records as this peer last read them (they spread by gossip, so views agree within moments)."""
         if self._averager is None:
             return self.peer_id
-        if self._view is None or time.monotonic() >= self._next_view:
-            self._next_view = time.monotonic() + min(0.02, self._gossip / 4)
+        if self._view is None or self.clock.now() >= self._next_view:
+            self._next_view = self.clock.now() + min(0.02, self._gossip / 4)
             self._view = SwarmView.of(self._me(), self._averager.peer_infos(), self._run)
         return self._refresh_me().leader().peer_id
 
@@ -394,7 +393,7 @@ class Accumulator:
         self._averager = ServingAverager(self._grads, state_fn=self._serve, prefix=self.prefix, listen=g.listen,
                                          initial_peers=list(g.initial_peers), allow_state_sharing=False,
                                          **self._opts)
-        self._deadline = time.monotonic() + self.discovery_time
+        self._deadline = self.clock.now() + self.discovery_time
         self._phase = _Phase.DISCOVERING if g.initial_peers else _Phase.READY
         self._publish()
 
@@ -456,7 +455,7 @@ class Accumulator:
         except (ZGossipError, ValueError) as e:
             if isinstance(e, LayoutMismatch):
                 raise
-            self._next_download = time.monotonic() + max(0.5, 2 * self._gossip)
+            self._next_download = self.clock.now() + max(0.5, 2 * self._gossip)
             log.warning("%s: state download failed, retrying: %s", self.peer_id[:8], e)
 
     def _adopt(self, meta: Any, arrays: Sequence[np.ndarray]) -> None:
@@ -507,11 +506,11 @@ class Accumulator:
     def _maybe_start_round(self, view: SwarmView) -> None:
         if not self._can_reduce():
             return
-        now = time.monotonic()
+        now = self.clock.now()
         self._holding = self._paused(view, now) and not view.averaging_at(self._version)
         if self._holding:
             return
-        have = view.estimate_at(self._version, time.time(), 4 * self._gossip)
+        have = view.estimate_at(self._version, self.clock.wall_time(), 4 * self._gossip)
         joining = view.averaging_at(self._version)
         if not joining and not (have > 0 and have >= self._vbs):
             return
@@ -525,7 +524,7 @@ class Accumulator:
             if n > 0:
                 for g in self._grads:
                     g.div_(n)
-        self._round_meta = {"version": self._version, "samples": n, "t0": time.monotonic(),
+        self._round_meta = {"version": self._version, "samples": n, "t0": self.clock.now(),
                             "expected": len(ready)}
         if len(ready) <= 1:
             self._round = cf.Future()
@@ -590,7 +589,7 @@ class Accumulator:
                         self.peer_id[:8], version, what)
             self._enter_sync()
             return
-        self._next_round = time.monotonic() + self._gossip
+        self._next_round = self.clock.now() + self._gossip
         if keep > 0:
             with torch.no_grad(), self._averager.get_tensors():
                 for g in self._grads:
@@ -621,7 +620,7 @@ class Accumulator:
             len(self.layout.shapes), in_sync=True, ready=self._phase is _Phase.READY,
             wants_state=self._phase in (_Phase.DISCOVERING, _Phase.SYNCING),
             state_version=self._stash[0] if self._stash is not None else -1,
-            nonfinite=self._stats["num_nonfinite_batches"], time=time.time(),
+            nonfinite=self._stats["num_nonfinite_batches"], time=self.clock.wall_time(),
             averaging=averaging or (self._round is not None and not self._round.done()),
         )
 

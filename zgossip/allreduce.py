@@ -34,7 +34,7 @@ from .endpoints import listens
 from .errors import ProtocolError
 from .matchmaking import GroupSpec
 from .kernels import OVERFLOW, accumulate, copy_finite, finish_mean
-from .partition import PartPlan, make_plan
+from .partition import PartPlan, make_plan, streamed_part_elems
 from .wire import Message, MsgType
 
 __all__ = ["AllReduceRound", "RoundOutcome", "SpanOutcome", "RoundPhase"]
@@ -159,7 +159,8 @@ class AllReduceRound:
         self._now = now  # time of the event being handled
         self._watchdog = now + part_timeout / 4
         self.phase = RoundPhase.RUNNING
-        self.plan = make_plan(buffer.size, [m.bandwidth for m in spec.members], part_elems)
+        bws = [m.bandwidth for m in spec.members]
+        self.plan = make_plan(buffer.size, bws, streamed_part_elems(buffer.size, bws, part_elems, buffer.dtype.itemsize))
         self.index = {m.peer_id: i for i, m in enumerate(spec.members)}
         self.last_heard = [now] * self.n  # when each member's last message came (only messages count)
         self.asked_at = [float("-inf")] * self.n  # when we last asked each member for a rescue

@@ -29,11 +29,13 @@ from .endpoints import check_endpoint
 from .identity import AllowList, load_key, peer_id_of, split_peer
 from .errors import AveragerClosed, RoundTimeout, StateUnavailable, StepInProgress, ZGossipError
 from .node import Node, NodeConfig, StepRequest, StepResult
+from .steplog import StepLog
 from .tensors import FlatLayout, as_array
 from .transport import Transport
 
 __all__ = ["Averager", "StepFuture"]
 
+_GOODBYE_WAIT = 0.02  # seconds given to the BYE messages to leave before the sockets close
 _SLACK = 0.5  # seconds: the safety net's margin past the node's deadline, and the most spent dropping unsent data
 
 log = logging.getLogger(__name__)
@@ -132,6 +134,11 @@ class Averager:
     but reduces a span for the others with its bandwidth; results list it in ``auxiliary``.
     Its tensors only give the layout (zeros of the right shapes will do).
 
+    ``metrics_port``: serve Prometheus metrics (steps by outcome, step durations, bytes, live peers,
+    transport counters) at ``http://metrics_host:PORT/metrics``; 0 picks a free port
+    (`metrics_endpoint` says which). ``metrics_host`` defaults to 127.0.0.1: use "0.0.0.0" to let
+    a Prometheus on another host scrape. Every step is recorded in `step_log` either way.
+
     ``config``: every protocol setting as one `NodeConfig` (then the protocol keyword arguments
     above are ignored), e.g. settings they do not expose.
 
@@ -175,6 +182,8 @@ class Averager:
         allowed_keys: Any = None,
         client_mode: bool = False,
         auxiliary: bool = False,
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
     ) -> None:
         if not 0.0 < averaging_alpha <= 1.0:
             raise ValueError("averaging_alpha must be in (0, 1]")
@@ -263,10 +272,26 @@ class Averager:
         self._downloads: dict[str, cf.Future] = {}
         self._allow_sharing = bool(allow_state_sharing)
         self._priority = float(state_sharing_priority)
+        #: every finished step, for monitoring (`zgossip.steplog.StepLog`: recent records, totals, listeners)
+        self.step_log = StepLog(clock.lock())
+        self._metrics: Any = None
         transport.start(self.peer_id, self._make_node(tuple(initial_peers)), self)
         self.endpoint = transport.endpoint
         if self._allow_sharing:  # a node starts not sharing: nothing to declare otherwise
             self._declare_sharing()
+        if metrics_port is not None:
+            from .metrics import MetricsServer  # an HTTP thread: loaded only when asked for
+
+            try:
+                self._metrics = MetricsServer(self, metrics_host, int(metrics_port))
+            except BaseException:
+                self._shutdown(1.0, deliver=False)
+                raise
+
+    @property
+    def metrics_endpoint(self) -> str | None:
+        """Where the Prometheus metrics are served (``http://HOST:PORT/metrics``), or None."""
+        return None if self._metrics is None else self._metrics.url
 
     def _make_node(self, initial_peers: tuple[str, ...]) -> Any:
         def make(endpoint: str, membership: Any = None) -> Node:
@@ -363,7 +388,7 @@ class Averager:
             # the node times the step from when it gets it: what the snapshot took is already spent
             left = max(0.0, float(timeout) - (clock.now() - entered))
             req = StepRequest(step_id, buf, weight, gather, left, self.layout.fingerprint,
-                              None if round is None else int(round))
+                              None if round is None else int(round), self.layout.description)
             self._transport.call(lambda now: self._transport.node.submit_step(req, now))
         except BaseException:
             self._busy.release()
@@ -381,7 +406,9 @@ class Averager:
             return result
         except cf.TimeoutError:
             self._cancel(step_id, settle=in_place)
-            raise RoundTimeout(f"step did not finish within {end - entered:.1f}s") from None
+            err = RoundTimeout(f"step did not finish within {end - entered:.1f}s")
+            self.step_log.record_failure(step_id, err, clock.now())
+            raise err from None
         except BaseException:
             if in_place and not fut.done():
                 self._cancel(step_id, settle=True)
@@ -400,6 +427,8 @@ class Averager:
                         result.timings["total"] = clock.now() - entered
                 finally:
                     self._lock.release()
+                if result is not None:
+                    self.step_log.record_result(step_id, result, clock.now())
 
     def _drop_matchmaking(self, step_id: str) -> bool:
         """For `StepFuture.cancel`: drop the step if it is still matchmaking; True if it was dropped
@@ -560,7 +589,8 @@ class Averager:
         """Stop this peer. A step still running fails with `AveragerClosed`. First, for at most
         `shutdown_timeout` seconds, what this peer still owes others is delivered: results of its
         spans that groupmates of a recent round have not confirmed (DONE), and data libzmq still
-        holds for them; `timeout` then bounds stopping the I/O thread."""
+        holds for them. Then it says goodbye (BYE) to the peers it knows, so they stop counting it
+        live at once; `timeout` then bounds stopping the I/O thread."""
         self._shutdown(timeout, deliver=True)
 
     def _shutdown(self, timeout: float, deliver: bool) -> None:
@@ -571,7 +601,10 @@ class Averager:
             self._transport.call(lambda now, s=sid: self._transport.node.cancel_step(s, now, "averager shut down"))
         if deliver:
             self._deliver_owed(self.shutdown_timeout)
+            self._say_goodbye()
         self._transport.close(timeout)
+        if self._metrics is not None:
+            self._metrics.close()
         self._applier.shutdown(wait=True)
         self._server.shutdown(wait=True, cancel_futures=True)
         for fut, _, _ in self._futures.values():
@@ -585,6 +618,21 @@ class Averager:
             try:
                 self._busy.release()
             except RuntimeError:
+                pass
+
+    def _say_goodbye(self) -> None:
+        """Tell the peers we know that we leave (BYE), so they stop counting us live at once
+        instead of after ``peer_timeout``. Best effort: a peer that misses it times us out."""
+        try:
+            told = self._transport.run_on_io(lambda node, now: node.leave(now), 1.0)
+        except (RuntimeError, cf.TimeoutError):
+            return
+        if told:
+            # libzmq writes from its own thread, and closing (linger 0) or exiting drops what it has
+            # not written yet: a moment for the small BYEs to leave
+            try:
+                self._clock.sleep(_GOODBYE_WAIT)
+            except RuntimeError:  # a simulated clock outside a simulated thread cannot wait: nothing to flush
                 pass
 
     def _deliver_owed(self, timeout: float) -> bool:
@@ -649,6 +697,7 @@ class Averager:
             return
         fut, buf, entered = entry
         if type(act) is StepFailed:
+            self.step_log.record_failure(act.step_id, act.error, self._clock.now())
             self._release()
             _settle_future(fut, error=act.error)
             return
@@ -670,6 +719,8 @@ class Averager:
             return
         now = self._clock.now()
         result.timings.update(settle=0.0, apply=now - t0, total=now - entered)
+        step_id = fut.step_id if isinstance(fut, StepFuture) else ""
+        self.step_log.record_result(step_id, result, now)
         self._release()
         _settle_future(fut, result=result)
 

@@ -94,7 +94,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--curve", action="store_true",
                    help="peers with CURVE keys (authenticated, encrypted); the all-reduce bench also runs the same "
                         "swarm without keys and prints the ratio")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the peers' random tensors (default 0)")
     p.add_argument("--timeout", type=float, default=120.0, help="bound on each step and each wait, in seconds")
 
 

@@ -24,8 +24,14 @@ def main(argv: list[str] | None = None) -> int:
     kg.add_argument("--force", action="store_true", help="overwrite an existing key file")
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "WARNING"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return {"demo": demo.run, "peer": peer.run, "bench": bench.run, "train-demo": train_demo.run,
-            "bench-train": bench_train.run, "keygen": _keygen}[args.command](args)
+    try:
+        return {"demo": demo.run, "peer": peer.run, "bench": bench.run, "train-demo": train_demo.run,
+                "bench-train": bench_train.run, "keygen": _keygen}[args.command](args)
+    except KeyboardInterrupt:
+        # Ctrl-C: the command's finally blocks stopped its peer processes; no traceback, the shell's
+        # exit status for SIGINT (128 + 2)
+        print(file=sys.stderr)
+        return 130
 
 
 def _keygen(args: argparse.Namespace) -> int:

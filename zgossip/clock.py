@@ -7,7 +7,8 @@ on the wall clock in production and in virtual time in the simulator (`sim.clock
 where simulated user threads take turns and virtual time moves only when all of them wait).
 
 Everything a user-level component needs from the outside world in order to wait is here:
-the time, sleeping, waiting for a `concurrent.futures.Future`, locks, thread-local storage
+the time (monotonic, and the wall time peers compare), sleeping, waiting for a
+`concurrent.futures.Future`, locks, thread-local storage
 and small worker pools (an `Executor`). `WallClock` maps them onto `time.monotonic` and
 `threading`; it is the default and costs nothing beyond a method call.
 """
@@ -41,10 +42,18 @@ class Clock(Protocol):
     def now(self) -> float:
         """Seconds on this clock (monotonic; the origin means nothing)."""
 
+    def wall_time(self) -> float:
+        """Seconds since the Unix epoch, comparable between hosts (up to their clock offsets): for
+        what peers must agree on without talking -- timestamps in gossiped records, schedules
+        aligned to a period. In simulation every host reads the same virtual time."""
+
     def sleep(self, seconds: float) -> None: ...
 
     def result(self, fut: cf.Future, timeout: float | None = None) -> Any:
         """`fut.result(timeout)`: its value, or its exception raised, or `concurrent.futures.TimeoutError`."""
+
+    def wait(self, fut: cf.Future, timeout: float | None = None) -> bool:
+        """Wait (at most `timeout`) until `fut` is settled, without raising; whether it is."""
 
     def lock(self, reentrant: bool = False) -> Lock: ...
 
@@ -61,12 +70,19 @@ class WallClock:
     def now(self) -> float:
         return time.monotonic()
 
+    def wall_time(self) -> float:
+        return time.time()
+
     def sleep(self, seconds: float) -> None:
         if seconds > 0:
             time.sleep(seconds)
 
     def result(self, fut: cf.Future, timeout: float | None = None) -> Any:
         return fut.result(timeout)
+
+    def wait(self, fut: cf.Future, timeout: float | None = None) -> bool:
+        cf.wait([fut], timeout)
+        return fut.done()
 
     def lock(self, reentrant: bool = False) -> Lock:
         return threading.RLock() if reentrant else threading.Lock()

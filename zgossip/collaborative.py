@@ -50,7 +50,6 @@ single matchmaking window and members compare the epochs they gathered, logging 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -166,7 +165,7 @@ class CollaborativeOptimizer(TrainerPeer):
     def global_progress(self) -> GlobalProgress:
         view = self._view()
         ep = view.max_epoch
-        have, rate = view.estimate_at(ep, time.time(), 4 * self._gossip_interval), view.rate_at(ep)
+        have, rate = view.estimate_at(ep, self.clock.wall_time(), 4 * self._gossip_interval), view.rate_at(ep)
         left = max(0.0, self.target_batch_size - have)
         eta = left / rate if rate > 0 else (0.0 if left == 0 else float("inf"))
         return GlobalProgress(ep, have, self.target_batch_size, view.num_peers, rate, eta)
@@ -192,20 +191,20 @@ class CollaborativeOptimizer(TrainerPeer):
         bs = batch_size if batch_size is not None else self.batch_size
         if bs is None or bs < 0:
             raise ValueError("give step() a batch_size (or the constructor a default batch_size)")
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         infos = self.averager.peer_infos()
         view = self._view(infos)
         self._check_layouts(view)
         if self._resync_if_needed(view):
             return loss  # this batch's gradients belonged to a model we no longer have
-        t1 = time.perf_counter()
+        t1 = self.clock.now()
         self._accumulate(int(bs))
-        self._phases = {"read_progress": t1 - t0, "accumulate": time.perf_counter() - t1}
+        self._phases = {"read_progress": t1 - t0, "accumulate": self.clock.now() - t1}
         view = self._view(infos)
         # records lag by the gossip delay: extrapolate them with each peer's throughput, and follow
         # any peer that already entered the round, so that the peers of an epoch meet in one window
         horizon = 4 * self._gossip_interval
-        if (view.estimate_at(self.local_epoch, time.time(), horizon) >= self.target_batch_size
+        if (view.estimate_at(self.local_epoch, self.clock.wall_time(), horizon) >= self.target_batch_size
                 or view.averaging_at(self.local_epoch)):
             self._finish_epoch(view)
         else:
@@ -214,7 +213,7 @@ class CollaborativeOptimizer(TrainerPeer):
 
     # ------------------------------------------------------------------ internals
     def _accumulate(self, bs: int) -> None:
-        now = time.monotonic()
+        now = self.clock.now()
         if self._last_step_time is not None and now > self._last_step_time:
             inst = bs / (now - self._last_step_time)
             self._rate = inst if self._rate == 0 else 0.8 * self._rate + 0.2 * inst
@@ -284,7 +283,7 @@ class CollaborativeOptimizer(TrainerPeer):
             self._publish()
 
     def _finish_epoch(self, view: SwarmView) -> None:
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         epoch, n = self.local_epoch, self.samples
         with torch.no_grad(), self.averager.get_tensors():
             if self._acc_stale:  # nothing accumulated this epoch: contribute zeros (with weight ~0)
@@ -300,7 +299,7 @@ class CollaborativeOptimizer(TrainerPeer):
         expected = view.num_peers
         gather = {"ep": epoch, "n": n, "bad": self._epoch_nonfinite}
         result, error = None, None
-        t1 = time.perf_counter()
+        t1 = self.clock.now()
         if expected > 1:
             self._averaging = True
             self._publish()
@@ -311,12 +310,12 @@ class CollaborativeOptimizer(TrainerPeer):
                 error = e
             finally:
                 self._averaging = False
-        seconds = time.perf_counter() - t1
+        seconds = self.clock.now() - t1
         rnd: dict[str, Any] = {"epoch": epoch, "local_samples": n, "seconds": seconds, "expected_peers": expected,
                                "group_size": 1, "samples": n, "excluded": {}, "ok": result is not None,
                                "error": None if error is None else f"{type(error).__name__}: {error}"}
         do_step = n > 0
-        t2 = time.perf_counter()
+        t2 = self.clock.now()
         if result is not None:
             do_step = self._check_round(result, rnd)
         elif expected > 1:
@@ -331,12 +330,12 @@ class CollaborativeOptimizer(TrainerPeer):
             log.warning("%s: averaging for epoch %d failed (%s); proceeding with local gradients (%d samples) "
                         "and resynchronising afterwards", self.peer_id[:8], epoch, rnd["error"], n)
             self.in_sync = False
-        t3 = time.perf_counter()
+        t3 = self.clock.now()
         self._apply_step(do_step)
         rnd["stepped"] = do_step
         # where the time of this step went (the wrapper's overhead over plain averaging, for benchmarks)
         rnd["phases"] = {**self._phases, "prepare": t1 - t0, "average": t2 - t1, "check": t3 - t2,
-                         "optimizer_step": time.perf_counter() - t3}
+                         "optimizer_step": self.clock.now() - t3}
         self.last_round = rnd
         log.debug("%s: epoch %d -> %d: %s", self.peer_id[:8], epoch, self.local_epoch, rnd)
 

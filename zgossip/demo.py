@@ -19,10 +19,10 @@ __all__ = ["add_arguments", "run"]
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", type=int, default=8, help="number of local peer processes (default 8)")
     p.add_argument("--grid", default="4x2", help="Moshpit grid shape, e.g. 4x2 (product must equal --peers)")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3, help="averaging rounds to run (default 3)")
     p.add_argument("--numel", type=int, default=1 << 20, help="float32 elements per peer (default 1M = 4 MiB)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--seed", type=int, default=0, help="seed of the peers' random tensors (default 0)")
+    p.add_argument("--log-level", default="WARNING", help="logging level of the peer processes (DEBUG, INFO, WARNING, ...; default WARNING)")
 
 
 def _fmt_groups(sizes: list[int]) -> str:

@@ -9,8 +9,22 @@ dead one is simply skipped: a joiner that gets no JOIN_ACK within ``request_time
 asks the next candidate. A rendezvous peer that knows a better-ranked live peer
 redirects the joiner (at most twice), which repairs disagreeing membership views.
 
+A far peer is not a dead one: the wait for a JOIN_ACK grows with the round-trip time
+the membership gossip measured to that peer (a first contact also pays for the
+connection's set-up), and a joiner that moved on anyway still takes the JOIN_ACK or
+GROUP of any rendezvous peer it asked during this step, if it has no group yet -- it
+then tells the others it asked (LEAVE), so their pools drop it while they are open; a
+GROUP that comes after it found one is answered with ABORT, so that group does not
+wait for it.
+
 The joiner keeps a log of every attempt, so a failure can say exactly what happened
 instead of a bare "could not find a group".
+
+Only peers with equal tensor layouts are grouped. Each JOIN also carries a short description of
+its layout (`zgossip.layouts`); when a window closes with several layouts for one key, every
+peer involved learns what differs: those left without a group in the NO_GROUP reason, members
+of a group that formed in the GROUP message (``odd``: who was left out, and why), which their
+step reports as ``StepResult.left_out``.
 """
 from __future__ import annotations
 
@@ -21,6 +35,7 @@ from typing import Callable
 
 import numpy as np
 
+from . import layouts
 from .errors import GroupNotFound, ProtocolError
 from .membership import Membership
 from .rendezvous import rendezvous_order
@@ -54,6 +69,7 @@ class GroupSpec:
     group_id: str
     members: tuple[MemberInfo, ...]
     rank: int  # this peer's index in `members`
+    left_out: tuple[tuple[str, str], ...] = ()  # (peer id, what differs) of joiners of this key with other layouts
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < len(self.members):
@@ -70,7 +86,7 @@ class JoinPhase(Enum):
 
 _PHASE_MOVES = {
     JoinPhase.ASKING: {JoinPhase.ASKING, JoinPhase.QUEUED, JoinPhase.DONE},
-    JoinPhase.QUEUED: {JoinPhase.ASKING, JoinPhase.DONE},
+    JoinPhase.QUEUED: {JoinPhase.ASKING, JoinPhase.QUEUED, JoinPhase.DONE},  # QUEUED: back to a late one
     JoinPhase.DONE: set(),
 }
 
@@ -91,7 +107,10 @@ class _Join:
     wait_until: float = 0.0
     silent: set = field(default_factory=set)
     history: list = field(default_factory=list)
+    asked: dict = field(default_factory=dict)  # peer id -> endpoint of every peer sent a JOIN this step
+    since: float = 0.0  # when the current wait (for a JOIN_ACK, or for the group) began
     seen: int = 0
+    desc: str = ""  # layout description (zgossip.layouts)
 
     def move(self, phase: JoinPhase) -> None:
         if phase not in _PHASE_MOVES[self.phase]:
@@ -108,6 +127,7 @@ class _Entry:
     layout: str
     want: int
     gathers: int
+    desc: str = ""
 
 
 @dataclass
@@ -163,22 +183,41 @@ class Matchmaker:
 
     # ================================================================ joiner side
     def begin(self, step_id: str, key: str, bandwidth: float, layout: str, now: float, timeout: float,
-              want: int | None = None, gathers: bool = True) -> None:
+              want: int | None = None, gathers: bool = True, layout_desc: str = "") -> None:
         """Start looking for a group. `want` is how many peers the key can hold at most (a
         full Moshpit line); the rendezvous peer closes the group as soon as that many came."""
         if self.join is not None:
             raise ProtocolError("a join is already running")
         want = self.target_group_size if want is None else max(1, min(want, self.target_group_size))
-        self.join = _Join(step_id, key, bandwidth, layout, want, int(gathers), now, now + timeout)
+        self.join = _Join(step_id, key, bandwidth, layout, want, int(gathers), now, now + timeout,
+                          desc=layout_desc[:layouts.MAX_CHARS])
         self._ask_next(now)
 
     def cancel(self, now: float, why: str) -> None:
         j = self.join
         if j is None:
             return
-        if j.phase is JoinPhase.QUEUED:
-            self._send(j.target[1], self._msg(MsgType.LEAVE, key=j.key, step=j.step_id))
+        self._leave_all(j)
         self.join = None
+
+    def _leave_all(self, j: _Join, keep: str | None = None) -> None:
+        """Tell every rendezvous peer we asked during this join (but `keep`) that we do not come:
+        an open pool drops us; a closed one already sent its GROUP, which we answer with ABORT."""
+        leave = self._msg(MsgType.LEAVE, key=j.key, step=j.step_id)
+        for pid, ep in j.asked.items():
+            if pid != keep:
+                self._send(ep, leave)
+
+    def _rtt(self, endpoint: str) -> float:
+        rtt = getattr(self.membership, "rtt", None)
+        r = rtt(endpoint) if rtt is not None and endpoint != self.endpoint else None
+        return r or 0.0
+
+    def ack_wait(self, endpoint: str) -> float:
+        """How long a JOIN to `endpoint` may go unanswered before we ask the next candidate:
+        `request_timeout`, plus three measured round trips (the JOIN and its JOIN_ACK, and the
+        set-up of connections that may not exist yet on a first contact)."""
+        return self.request_timeout + 3.0 * self._rtt(endpoint)
 
     def ranking(self, key: str) -> list[str]:
         """Live peers (this one included) in rendezvous order for `key`."""
@@ -191,10 +230,14 @@ class Matchmaker:
     def _ask(self, j: _Join, peer_id: str, endpoint: str, now: float) -> None:
         j.move(JoinPhase.ASKING)
         j.target = (peer_id, endpoint)
-        j.wait_until = now + self.request_timeout
+        j.asked[peer_id] = endpoint
+        j.since = now
+        j.wait_until = now + self.ack_wait(endpoint)
+        log.debug("%s t=%.3f JOIN -> %s hops=%d", self.peer_id[:8], now, peer_id[:8], j.hops)
         self._send(
             endpoint,
-            self._msg(MsgType.JOIN, key=j.key, step=j.step_id, bw=j.bandwidth, layout=j.layout, hops=j.hops, want=j.want, g=j.gathers),
+            self._msg(MsgType.JOIN, key=j.key, step=j.step_id, bw=j.bandwidth, layout=j.layout, hops=j.hops, want=j.want,
+                      g=j.gathers, ld=j.desc),
         )
 
     def _ask_next(self, now: float) -> None:
@@ -217,13 +260,18 @@ class Matchmaker:
         assert j is not None
         self.cancel(now, reason)
         live = len(self.membership.live_ids())
-        steps = "; ".join(j.history[-6:]) or "no rendezvous peer answered"
+        steps = _summarize(j.history) or "no rendezvous peer answered"
+        if any(_OTHER_LAYOUT in h for h in j.history):
+            reason = f"{reason}; other peers with this key have different tensors"
+            advice = ("Peers average only tensors of the same count, shapes and dtypes: give every peer that "
+                      "steps with this prefix the same tensors (or another prefix).")
+        else:
+            advice = ("Check that enough peers step with the same prefix and round, or lower min_group_size / "
+                      "raise timeout or matchmaking_time.")
         err = GroupNotFound(
             f"no group for key {j.key!r} after {now - j.started:.2f}s ({reason}). "
             f"Live peers known: {live}; most peers seen with this key: {j.seen} "
-            f"(min_group_size={self.min_group_size}). What happened: {steps}. "
-            "Check that enough peers step with the same prefix and round, or lower min_group_size / "
-            "raise timeout or matchmaking_time."
+            f"(min_group_size={self.min_group_size}). What happened: {steps}. {advice}"
         )
         self._on_fail(j.step_id, err)
 
@@ -233,13 +281,41 @@ class Matchmaker:
             return None
         return j
 
+    def _late(self, msg: Message) -> _Join | None:
+        """The join `msg` answers if it comes from a rendezvous peer we asked during it, but moved
+        on from (it was slow, not dead)."""
+        j = self.join
+        if (j is None or msg["step"] != j.step_id or msg["key"] != j.key or msg.sender == j.target[0]
+                or j.asked.get(msg.sender) != msg.endpoint):
+            return None
+        return j
+
     def on_join_ack(self, msg: Message, now: float) -> None:
+        log.debug("%s t=%.3f JOIN_ACK <- %s", self.peer_id[:8], now, msg.sender[:8])
         j = self._current(msg)
-        if j is None or j.phase is not JoinPhase.ASKING:
+        if j is None:
+            j = self._late(msg)
+            if j is None:
+                return
+            # a peer we gave up on holds our JOIN after all. Go back to it if it ranks before the one
+            # we wait on now (it is where the others go); else stay, it will drop us on our LEAVE
+            order = self.ranking(j.key)
+            rank = {p: i for i, p in enumerate(order)}
+            if rank.get(msg.sender, len(order)) >= rank.get(j.target[0], len(order)):
+                self._send(msg.endpoint, self._msg(MsgType.LEAVE, key=j.key, step=j.step_id))
+                return
+            j.history.append(f"{msg.sender[:8]}: late JOIN_ACK, back to it")
+            self._send(j.target[1], self._msg(MsgType.LEAVE, key=j.key, step=j.step_id))
+            j.silent.discard(msg.sender)
+            j.target = (msg.sender, msg.endpoint)
+            j.move(JoinPhase.QUEUED)
+        elif j.phase is not JoinPhase.ASKING:
             return
-        j.move(JoinPhase.QUEUED)
+        else:
+            j.move(JoinPhase.QUEUED)
         # the rendezvous peer closes its window at most matchmaking_time after our join
-        j.wait_until = now + self.matchmaking_time + 2 * self.request_timeout
+        j.since = now
+        j.wait_until = now + self.matchmaking_time + 2 * self.request_timeout + 2.0 * self._rtt(msg.endpoint)
 
     def on_redirect(self, msg: Message, now: float) -> None:
         j = self._current(msg)
@@ -272,10 +348,12 @@ class Matchmaker:
 
     def on_group(self, msg: Message, now: float) -> None:
         j = self.join
+        log.debug("%s t=%.3f GROUP <- %s", self.peer_id[:8], now, msg.sender[:8])
         members = tuple(MemberInfo(*m) for m in msg["members"])
         mine = [i for i, m in enumerate(members) if m.peer_id == self.peer_id]
-        current = (j is not None and msg["key"] == j.key and msg.sender == j.target[0] and len(mine) == 1
-                   and members[mine[0]].step_id == j.step_id)
+        # any GROUP that holds our current step is taken while we have none: its pool got our JOIN
+        # (perhaps after we moved on from a slow rendezvous peer), and its members wait for us
+        current = (j is not None and msg["key"] == j.key and len(mine) == 1 and members[mine[0]].step_id == j.step_id)
         if not current:
             # a group for a step we gave up on: tell its members not to wait for us
             for m in members:
@@ -284,10 +362,14 @@ class Matchmaker:
                                                    {"gid": msg["gid"], "reason": "step no longer active"}))
             return
         try:
-            spec = GroupSpec(j.key, msg["gid"], members, mine[0])
+            spec = GroupSpec(j.key, msg["gid"], members, mine[0], tuple(msg.body.get("odd", ())))
         except ProtocolError as e:
             log.warning("%s: dropped malformed GROUP from %s: %s", self.peer_id, msg.sender, e)
             return
+        if msg.sender != j.target[0]:
+            j.history.append(f"{msg.sender[:8]}: late GROUP taken")
+        # the other pools we joined must not count on us (the sender's is closed: it sent this)
+        self._leave_all(j, keep=msg.sender)
         j.move(JoinPhase.DONE)
         self.join = None
         self._on_group(spec, now)
@@ -295,6 +377,7 @@ class Matchmaker:
     # ================================================================ rendezvous side
     def on_join(self, msg: Message, now: float) -> None:
         key = msg["key"]
+        log.debug("%s t=%.3f JOIN <- %s hops=%d", self.peer_id[:8], now, msg.sender[:8], msg["hops"])
         if msg["hops"] < 2:
             best = self.ranking(key)[0]
             if best != self.peer_id and best != msg.sender:
@@ -306,7 +389,8 @@ class Matchmaker:
         if pool is None:
             pool = self.pools[key] = _Pool(closes=now + self.matchmaking_time, opened=now)
         pool.entries = [e for e in pool.entries if e.peer_id != msg.sender]
-        pool.entries.append(_Entry(msg.sender, msg.endpoint, msg["step"], msg["bw"], msg["layout"], msg["want"], msg["g"]))
+        pool.entries.append(_Entry(msg.sender, msg.endpoint, msg["step"], msg["bw"], msg["layout"], msg["want"], msg["g"],
+                                   msg.body.get("ld", "")))
         self._send(msg.endpoint, self._msg(MsgType.JOIN_ACK, key=key, step=msg["step"]))
         same = [e for e in pool.entries if e.layout == msg["layout"]]
         enough = max(self.min_group_size, min([self.target_group_size] + [e.want for e in same]))
@@ -333,22 +417,23 @@ class Matchmaker:
         if pool is not None:
             pool.entries = [e for e in pool.entries if not (e.peer_id == msg.sender and e.step_id == msg["step"])]
 
-    def _form(self, key: str, entries: list[_Entry]) -> None:
+    def _form(self, key: str, entries: list[_Entry], odd: list | None = None, why_odd: str = "") -> None:
         if all(e.bandwidth == 0 for e in entries):
-            self._refuse(key, entries, f"all {len(entries)} peers with this key are clients (bandwidth 0)")
+            self._refuse(key, entries, f"all {len(entries)} peers with this key are clients (bandwidth 0)" + why_odd)
             return
         if all(e.gathers & 2 for e in entries):
             self._refuse(key, entries, f"all {len(entries)} peers with this key are auxiliary (no data to average)")
             return
         gid = self._rng.bytes(8).hex()
         members = [[e.peer_id, e.endpoint, e.bandwidth, e.step_id, e.gathers] for e in entries]
-        msg = self._msg(MsgType.GROUP, key=key, gid=gid, members=members)  # one message for all: each finds itself
+        msg = self._msg(MsgType.GROUP, key=key, gid=gid, members=members,
+                        odd=odd or [])  # one message for all: each finds itself
         for e in entries:
             self._send(e.endpoint, msg)
 
     def _refuse(self, key: str, entries: list[_Entry], reason: str, retry: bool = True) -> None:
         for e in entries:
-            self._send(e.endpoint, self._msg(MsgType.NO_GROUP, key=key, step=e.step_id, reason=reason,
+            self._send(e.endpoint, self._msg(MsgType.NO_GROUP, key=key, step=e.step_id, reason=reason[:4000],
                                              seen=len(entries), retry=int(retry)))
 
     def _close_pool(self, key: str, pool: _Pool, now: float) -> None:
@@ -358,10 +443,9 @@ class Matchmaker:
         total = len(pool.entries)
         for layout, entries in by_layout.items():
             n = len(entries)
+            odd, why_odd = _layout_report(layout, entries[0].desc, by_layout) if n < total else ([], "")
             if n < self.min_group_size:
-                why = f"window closed with {n} peer(s) for this key (min_group_size={self.min_group_size})"
-                if n < total:
-                    why += f"; {total - n} other peer(s) used this key with a different tensor layout"
+                why = f"window closed with {n} peer(s) for this key (min_group_size={self.min_group_size})" + why_odd
                 # "this round": the group closed shortly before this pool opened (the leftover came
                 # late) or while it was open -- not a group of an earlier round
                 full = self._formed.get(key, float("-inf")) >= pool.opened - self.matchmaking_time / 2
@@ -378,15 +462,15 @@ class Matchmaker:
             if len(self._formed) > 4096:
                 self._formed.clear()
             if groups == 1 and n > self.target_group_size:
-                self._form(key, entries[: self.target_group_size])
+                self._form(key, entries[: self.target_group_size], odd, why_odd)
                 rest = entries[self.target_group_size :]
                 self._refuse(key, rest, f"{len(rest)} peer(s) left over after cutting full groups; "
-                             "a full group for this key already formed this round", retry=False)
+                             "a full group for this key already formed this round" + why_odd, retry=False)
                 continue
             start = 0
             for g in range(groups):
                 size = n // groups + (1 if g < n % groups else 0)
-                self._form(key, entries[start : start + size])
+                self._form(key, entries[start : start + size], odd, why_odd)
                 start += size
 
     def peer_down(self, endpoint: str, now: float) -> None:
@@ -414,8 +498,41 @@ class Matchmaker:
             self._fail(now, "step timeout reached")
         elif now >= j.wait_until:
             what = "no JOIN_ACK" if j.phase is JoinPhase.ASKING else "no group after the window"
-            j.history.append(f"{j.target[0][:8]}: {what} within {self.request_timeout:g}s")
+            j.history.append(f"{j.target[0][:8]}: {what} within {j.wait_until - j.since:.2g}s")
             j.silent.add(j.target[0])
             if j.phase is JoinPhase.QUEUED:
                 self._send(j.target[1], self._msg(MsgType.LEAVE, key=j.key, step=j.step_id))
+                j.asked.pop(j.target[0], None)  # it was told we left: its GROUP would not hold us
             self._ask_next(now)
+
+
+_OTHER_LAYOUT = "with a different tensor layout"
+
+
+def _layout_report(layout: str, desc: str, by_layout: dict[str, list[_Entry]]) -> tuple[list, str]:
+    """For the peers of one layout: who used the key with another layout and what differs, as the
+    GROUP message's ``odd`` list and as a sentence for a NO_GROUP reason ("yours" = the receiver's)."""
+    odd: list[list[str]] = []
+    parts: list[str] = []
+    for other, entries in by_layout.items():
+        if other == layout:
+            continue
+        what = layouts.difference(desc, entries[0].desc) if desc and entries[0].desc else None
+        what = what or "their tensors differ in count, shape or dtype (no description was sent)"
+        ids = [e.peer_id for e in entries]
+        odd += [[pid, what[:1000]] for pid in ids[:64 - len(odd)]]
+        names = ", ".join(p[:8] for p in ids[:3]) + (f" and {len(ids) - 3} more" if len(ids) > 3 else "")
+        parts.append(f"{len(ids)} other peer(s) ({names}) used this key {_OTHER_LAYOUT}: {what}")
+    return odd, ("; " + "; ".join(parts)) if parts else ""
+
+
+def _summarize(history: list[str], keep: int = 6) -> str:
+    """The join's log for an error message: repeated entries once, with a count, in order of first
+    appearance; the last `keep` distinct ones."""
+    counts: dict[str, int] = {}
+    for h in history:
+        counts[h] = counts.get(h, 0) + 1
+    lines = [h + (f" ({n} times)" if n > 1 else "") for h, n in counts.items()]
+    if len(lines) > keep:
+        lines = [f"({len(lines) - keep} earlier entries)"] + lines[-keep:]
+    return "; ".join(lines)

@@ -7,6 +7,13 @@ whose heartbeat has not grown for ``peer_timeout`` is forgotten; a tombstone sto
 stale digests from resurrecting it, while a fresh heartbeat (it came back) does.
 Bootstrap is just gossip to ``initial_peers`` endpoints, repeated while the table is
 empty, so any running peer can serve as the entry point.
+
+A peer that shuts down cleanly says goodbye (`goodbye`: BYE with its last heartbeat to every
+peer it knows, then it stops gossiping): the others forget it at once (`on_bye`) instead of
+counting it live for ``peer_timeout``. Its last heartbeat goes into the tombstone, so digests
+that still carry it cannot bring it back, and for ``peer_timeout`` a late message of it (a
+result on the other lane) does not count as contact either; a peer restarted under the same id
+announces itself by gossip, which does.
 """
 from __future__ import annotations
 
@@ -82,6 +89,8 @@ class Membership:
         self._sorted: list[str] | None = None
         self._ranking = RankingCache()
         self._tombstones: dict[str, tuple[int, float]] = {}
+        self._left: dict[str, float] = {}  # peers that said goodbye -> when (late messages are no contact)
+        self.said_goodbye = False
         self._next_tick: float | None = None
         self.forgotten: list[str] = []  # endpoints of forgotten peers, drained by the node
         # bootstrap peers nobody has heard from are named in one warning after `bootstrap_warn_after`
@@ -89,6 +98,10 @@ class Membership:
         self._started_at: float | None = None
         self._reached: set[str] = set()
         self._warned: tuple[str, ...] = ()
+        # round-trip times measured on the gossip push-pull (GOSSIP out, its GOSSIP_REPLY back),
+        # per endpoint: how long a request to that peer may take before it counts as silent
+        self._pinged: dict[str, float] = {}  # endpoint -> when our oldest unanswered GOSSIP left
+        self._rtt: dict[str, float] = {}
 
     # -- queries ---------------------------------------------------------------------
     def live_ids(self) -> list[str]:
@@ -168,12 +181,18 @@ class Membership:
         if targets:
             msg = self._digest_message(MsgType.GOSSIP)
             for ep in targets:
+                self._pinged.setdefault(ep, now)
                 self._send(ep, msg)
 
     def observe(self, peer_id: str, endpoint: str, now: float) -> None:
         """Direct contact from a peer proves it is alive."""
         if peer_id == self.peer_id or not listens(endpoint) or not self.admit(peer_id):
             return
+        left = self._left.get(peer_id)
+        if left is not None:
+            if now - left < self.peer_timeout:
+                return  # a message it sent before its goodbye, overtaken on another lane
+            del self._left[peer_id]
         if endpoint in self.initial_peers:
             self._reached.add(endpoint)
         rec = self.peers.get(peer_id)
@@ -187,9 +206,33 @@ class Membership:
             rec.endpoint = endpoint
 
     def on_gossip(self, msg: Message, now: float) -> None:
+        if self._left.pop(msg.sender, None) is not None:
+            self.observe(msg.sender, msg.endpoint, now)  # it said goodbye, and now gossips again: back
         self.merge(msg["peers"], now)
+        if self.said_goodbye:
+            return  # we left: answering would only tell others about us again
         if msg.type is MsgType.GOSSIP:
             self._send(msg.endpoint, self._digest_message(MsgType.GOSSIP_REPLY))
+        else:
+            sent = self._pinged.pop(msg.endpoint, None)
+            if sent is not None and now - sent < self.peer_timeout:
+                self._sample_rtt(msg.endpoint, now - sent)
+
+    def _sample_rtt(self, endpoint: str, sample: float) -> None:
+        # biased upwards on purpose: a rise is taken at once, a fall only slowly (the first sample
+        # may include the connection's set-up, which a later first contact may pay again)
+        old = self._rtt.get(endpoint)
+        self._rtt[endpoint] = sample if old is None else max(sample, 0.75 * old + 0.25 * sample)
+        if len(self._rtt) > 4 * self.max_digest:
+            self._rtt.pop(next(iter(self._rtt)))
+
+    def rtt(self, endpoint: str) -> float | None:
+        """The round-trip time to `endpoint` measured by gossip (an upper-biased average), or the
+        largest one measured to any peer if none was measured to this one yet; None if none at all."""
+        r = self._rtt.get(endpoint)
+        if r is None and self._rtt:
+            r = max(self._rtt.values())
+        return r
 
     def donors(self) -> list[PeerRecord]:
         """Live peers that declared they share state, best priority first (ties in id order)."""
@@ -213,13 +256,43 @@ class Membership:
             elif hb > rec.heartbeat:
                 rec.heartbeat, rec.endpoint, rec.updated, rec.share, rec.info = hb, ep, now, share, info
 
-    def forget(self, peer_id: str, now: float) -> None:
+    def goodbye(self, now: float) -> None:
+        """Shutting down cleanly: tell every live peer to forget us now, and stop gossiping."""
+        if self.said_goodbye:
+            return
+        self.said_goodbye = True
+        self._next_tick = None
+        msg = Message(MsgType.BYE, self.peer_id, self.endpoint, {"hb": self.heartbeat})
+        for pid in self.live_ids():
+            self._send(self.peers[pid].endpoint, msg)
+
+    def on_bye(self, msg: Message, now: float) -> None:
+        """`msg.sender` shut down cleanly: forget it at once (not after peer_timeout)."""
+        pid = msg.sender
+        if pid == self.peer_id:
+            return
+        rec = self.peers.get(pid)
+        if rec is not None and rec.endpoint != msg.endpoint:
+            return  # a namesake elsewhere (e.g. restarted on another address): not the one we know
+        self._left[pid] = now
+        if len(self._left) > 4096:  # bounded: the oldest entries are past peer_timeout first
+            self._left.pop(next(iter(self._left)))
+        if rec is not None:
+            rec.heartbeat = max(rec.heartbeat, msg["hb"])
+            self.forget(pid, now, why="said goodbye")
+        else:
+            old = self._tombstones.get(pid, (0, now))[0]
+            self._tombstones[pid] = (max(old, msg["hb"]), now)
+
+    def forget(self, peer_id: str, now: float, why: str = "silent") -> None:
         rec = self.peers.pop(peer_id, None)
         if rec is not None:
             self._changed()
             self._tombstones[peer_id] = (rec.heartbeat, now)
             self.forgotten.append(rec.endpoint)
-            log.info("%s: forgot peer %s at %s", self.peer_id, peer_id, rec.endpoint)
+            self._pinged.pop(rec.endpoint, None)
+            self._rtt.pop(rec.endpoint, None)
+            log.info("%s: forgot peer %s at %s (%s)", self.peer_id, peer_id, rec.endpoint, why)
 
     # -- internals -----------------------------------------------------------------------
     def _expire(self, now: float) -> None:
@@ -228,6 +301,8 @@ class Membership:
         horizon = now - 10 * self.peer_timeout
         for pid in [p for p, (_, t) in self._tombstones.items() if t < horizon]:
             del self._tombstones[pid]
+        for pid in [p for p, t in self._left.items() if now - t >= self.peer_timeout]:
+            del self._left[pid]
 
     def _pick_targets(self) -> list[str]:
         ids = self.live_ids()

@@ -78,6 +78,7 @@ class StepRequest:
     timeout: float  # seconds allowed for matchmaking
     layout: str  # fingerprint of numel/dtype/shapes: only equal layouts are grouped
     round: int | None = None  # the swarm-wide round number (picks the grid axis); None = follow the swarm
+    layout_desc: str = ""  # count, shapes and dtypes as text (zgossip.layouts): to say what differs
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,8 @@ class StepResult:
     bytes_sent: int
     bytes_received: int
     coords: tuple[int, ...]
+    # peers that stepped with the same key but could not join: their tensors differ (peer id -> what differs)
+    left_out: dict[str, str] = field(default_factory=dict)
     auxiliary: tuple[str, ...] = ()  # members that only lent bandwidth (weight 0, contributed no data)
 
 
@@ -172,6 +175,7 @@ class Node:
         self.donor = StateDonor(peer_id, endpoint, self._send, config.part_size_bytes)
         self.downloads: dict[str, StateDownload] = {}
         self.stats = {"messages": 0, "dropped": 0, "late": 0}
+        self._warned_layouts: set[tuple[str, str]] = set()
 
     # ------------------------------------------------------------------ plumbing
     def _send(self, endpoint: str, msg: Message) -> None:
@@ -241,7 +245,8 @@ class Node:
         axis = self.grid.axis(self.round_index)
         want = self.grid.shape[axis] if axis is not None else None
         self.matchmaker.begin(req.step_id, key, self.config.bandwidth, req.layout, now, req.timeout, want,
-                              gathers=int(req.gather is not None) | (2 if req.weight == 0 else 0))
+                              gathers=int(req.gather is not None) | (2 if req.weight == 0 else 0),
+                              layout_desc=req.layout_desc)
         self._drain_loopback(now)
 
     def cancel_step(self, step_id: str, now: float, why: str) -> None:
@@ -375,6 +380,14 @@ class Node:
             dl.peer_down(endpoint, now)
         self._drain_loopback(now)
 
+    def leave(self, now: float) -> int:
+        """Shutting down cleanly (after the owed data went out): say goodbye to every peer we know,
+        so they stop counting us live at once, and stop gossiping. Returns how many were told."""
+        told = len(self.membership.live_ids())
+        self.membership.goodbye(now)
+        self._drain_loopback(now)
+        return told
+
     def on_timer(self, now: float) -> None:
         self.membership.on_timer(now)
         self.matchmaker.on_timer(now)
@@ -399,6 +412,9 @@ class Node:
         t = msg.type
         if t in (MsgType.GOSSIP, MsgType.GOSSIP_REPLY):
             self.membership.on_gossip(msg, now)
+        elif t is MsgType.BYE:
+            self.membership.on_bye(msg, now)
+            self.on_peer_down(msg.endpoint, now)  # gone: a join waiting on it asks the next candidate now
         elif t is MsgType.DONE:
             self._on_done_msg(msg)
         elif t in _ROUND_TYPES:
@@ -448,6 +464,13 @@ class Node:
         assert st is not None
         self._move(StepPhase.AVERAGING)
         st.grouped = now
+        for pid, what in spec.left_out:
+            if (pid, what) not in self._warned_layouts:  # once per peer and difference, not every step
+                if len(self._warned_layouts) > 256:
+                    self._warned_layouts.clear()
+                self._warned_layouts.add((pid, what))
+                log.warning("%s: peer %s steps with the same key (%s) but cannot average with this one, its "
+                            "tensors differ: %s", self.peer_id[:8], pid[:8], spec.key, what)
         cfg = self.config
         itemsize = st.req.buffer.dtype.itemsize
         st.round = AllReduceRound(
@@ -507,6 +530,7 @@ class Node:
             spans=out.spans, updated=out.updated,
             timings={"matchmaking": st.grouped - st.started, "allreduce": now - st.grouped, "total": now - st.started},
             bytes_sent=out.bytes_sent, bytes_received=out.bytes_received, coords=coords_before,
+            left_out=dict(rnd.spec.left_out),
             auxiliary=out.auxiliary,
         )
         if len(out.members) > 1 and not set(out.contributors) - {self.peer_id} and self.peer_id not in out.auxiliary:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import time
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -191,14 +190,16 @@ class DecentralizedOptimizer(TrainerPeer):
             self._start_round()
         return loss
 
-    def average(self, wait: bool = True, timeout: float | None = None) -> Any:
+    def average(self, wait: bool = True, timeout: float | None = None, round: int | None = None) -> Any:
         """Average now (outside the schedule). With `wait`, block until the round ended and apply its
         result; return the `StepResult`, or None if the round failed (logged). Without, return the
-        Future; the result is applied at the next `step` (or `average` / `apply_pending`)."""
+        Future; the result is applied at the next `step` (or `average` / `apply_pending`).
+        ``round`` pins the round number (`Averager.step`): peers that pass the same one meet only each
+        other, e.g. for a final round that no scheduled round can join."""
         self._raise_if_closed()
         if self._round is not None:
             self._collect(wait=True, timeout=timeout)
-        fut = self._start_round(timeout)
+        fut = self._start_round(timeout, round)
         if not wait:
             return fut
         return self._collect(wait=True, timeout=timeout)
@@ -218,13 +219,13 @@ class DecentralizedOptimizer(TrainerPeer):
         if self.average_every is not None and self.local_step - self._last_round_step >= self.average_every:
             return True
         if self.average_period:
-            slot = int(time.time() // self.average_period)  # the wall clock, so that peers start together
+            slot = int(self.clock.wall_time() // self.average_period)  # the wall clock, so that peers start together
             if self._last_round_slot is None:
                 self._last_round_slot = slot
             return slot != self._last_round_slot
         return False
 
-    def _start_round(self, timeout: float | None = None) -> cf.Future:
+    def _start_round(self, timeout: float | None = None, round: int | None = None) -> cf.Future:
         targets = self._targets()
         with torch.no_grad(), self.averager.get_tensors():  # no round is running: nothing else writes here
             for buf, snap, t in zip(self._bufs, self._snaps, targets):
@@ -232,9 +233,9 @@ class DecentralizedOptimizer(TrainerPeer):
                 snap.copy_(t)
         self._last_round_step = self.local_step
         if self.average_period:
-            self._last_round_slot = int(time.time() // self.average_period)
+            self._last_round_slot = int(self.clock.wall_time() // self.average_period)
         fut = self.averager.step(weight=1.0, gather={"ep": self.local_epoch},
-                                 timeout=timeout or self.averaging_timeout, wait=False)
+                                 timeout=timeout or self.averaging_timeout, wait=False, round=round)
         self._round = (fut, self._generation, self.local_step)
         return fut
 
@@ -248,7 +249,7 @@ class DecentralizedOptimizer(TrainerPeer):
             cfg = self.averager.config
             timeout = (self.averaging_timeout or max(5.0, 3 * cfg.matchmaking_time)) + cfg.allreduce_timeout + 30.0
         try:
-            result = fut.result(timeout=timeout)
+            result = self.clock.result(fut, timeout)
         except cf.TimeoutError:
             log.warning("%s: averaging round still running after %.0fs; its result will be applied later",
                         self.peer_id[:8], timeout)
@@ -276,7 +277,7 @@ class DecentralizedOptimizer(TrainerPeer):
 
     # ------------------------------------------------------------------ epochs
     def _track_epoch(self) -> None:
-        now = time.monotonic()
+        now = self.clock.now()
         fresh = now >= self._next_progress or self._infos is None
         if fresh:  # reading the records is a round trip to the I/O thread: a few times per gossip interval
             self._next_progress = now + self._gossip_interval / 2

@@ -5,22 +5,28 @@ Start the first peer anywhere, then point others at it (or at any running peer):
     zgossip peer --listen tcp://0.0.0.0:41000
     zgossip peer --listen tcp://0.0.0.0:41000 --initial-peers tcp://HOST:41000
 
-Each peer averages a random tensor every ``--interval`` seconds and prints one line
-per step. Stop it with Ctrl-C.
+Each peer averages a random tensor every ``--interval`` seconds. On a terminal with `rich`
+installed it keeps a live table on screen (peers it knows alive, steps, throughput; see
+`zgossip.live`), else it prints one line per step. ``--metrics-port`` serves Prometheus
+metrics, ``--log-json FILE`` appends one JSON object per step. Stop it with Ctrl-C.
 """
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 import threading
 import time
+from typing import Any
 
 import numpy as np
 
 from .averager import Averager
 from .errors import ZGossipError
 from .endpoints import check_endpoint
+from .live import PlainLines, make_display
+from .metrics import JsonLinesLog
 
 __all__ = ["add_arguments", "run"]
 
@@ -29,13 +35,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", default="tcp://0.0.0.0:0", help="endpoint to bind (port 0 = ephemeral)")
     p.add_argument("--initial-peers", nargs="*", default=[], help="endpoints of any running peers")
     p.add_argument("--announce-host", default=None, help="host name/IP others should use to reach this peer")
-    p.add_argument("--prefix", default="zgossip-peer")
-    p.add_argument("--numel", type=int, default=1 << 20)
-    p.add_argument("--target-group-size", type=int, default=16)
-    p.add_argument("--min-group-size", type=int, default=2)
+    p.add_argument("--prefix", default="zgossip-peer",
+                   help="peers with the same prefix average together (default zgossip-peer)")
+    p.add_argument("--numel", type=int, default=1 << 20,
+                   help="float32 elements of the random tensor this peer averages (default 1M = 4 MiB)")
+    p.add_argument("--target-group-size", type=int, default=16, help="largest group to average in (default 16)")
+    p.add_argument("--min-group-size", type=int, default=2,
+                   help="smallest group worth averaging in; fewer peers and the step fails (default 2)")
     p.add_argument("--interval", type=float, default=5.0, help="seconds between steps")
     p.add_argument("--rounds", type=int, default=0, help="stop after this many steps (0 = run until Ctrl-C)")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the tensor and the peer id (default: random; two peers must not share one)")
     p.add_argument("--tcp-only", action="store_true",
                    help="reach peers on this host over TCP too (by default through their local Unix sockets)")
     p.add_argument("--key", default=None, metavar="FILE",
@@ -45,7 +55,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--client", action="store_true",
                    help="client mode: listen nowhere (behind NAT/firewall); peers answer over our connections")
     p.add_argument("--auxiliary", action="store_true", help="bring no data, lend bandwidth to reduce for others")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (0 = a free port)")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address the metrics endpoint binds (default 127.0.0.1; 0.0.0.0 lets other hosts scrape)")
+    p.add_argument("--log-json", default=None, metavar="FILE",
+                   help="append one JSON object per step to FILE (group, members, contributors, lost, bytes, timings)")
+    p.add_argument("--plain", action="store_true",
+                   help="one line per step instead of the live table (the default when stdout is no terminal "
+                        "or rich is not installed)")
+    p.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING, ...; default INFO)")
+
+
+def _use_console_for_logs(console: Any) -> None:
+    """Log lines go above the live table, not through it."""
+    from rich.logging import RichHandler
+
+    root = logging.getLogger()
+    level = root.level
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    root.addHandler(RichHandler(console=console, show_path=False, level=level))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,24 +97,61 @@ def run(args: argparse.Namespace) -> int:
         avg = Averager([data], prefix=args.prefix, listen=None if args.client else args.listen,
                        initial_peers=args.initial_peers, announce_host=args.announce_host,
                        target_group_size=args.target_group_size, min_group_size=args.min_group_size, seed=args.seed,
-                       local_ipc=not args.tcp_only, secret_key=args.key, allowed_keys=args.allow,
-                       auxiliary=args.auxiliary)
-    except ValueError as e:
+                       local_ipc=not args.tcp_only, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                       secret_key=args.key, allowed_keys=args.allow, auxiliary=args.auxiliary)
+    except (OSError, ValueError) as e:  # e.g. the metrics port is taken
         print(f"zgossip peer: error: {e}", file=sys.stderr)
         return 2
+    log_json = None
     with avg:
-        print(f"peer {avg.peer_id} listening; others can join with:\n"
-              f"  zgossip peer --initial-peers {avg.endpoint}", flush=True)
-        done = 0
-        while not stop.is_set() and (args.rounds == 0 or done < args.rounds):
-            t0 = time.perf_counter()
-            try:
-                res = avg.step(timeout=max(5.0, args.interval))
-                print(f"step {done}: group of {len(res.members)}, {len(res.contributors)} contributed, "
-                      f"{res.timings['total']:.3f}s, mean {float(data.mean()):+.6f}, live peers {len(avg.peers())}",
-                      flush=True)
-            except ZGossipError as e:
-                print(f"step {done}: {type(e).__name__}: {e}", flush=True)
-            done += 1
-            stop.wait(max(0.0, args.interval - (time.perf_counter() - t0)))
+        if args.log_json:
+            log_json = JsonLinesLog(args.log_json, extra=lambda: {"peer": avg.peer_id})
+            avg.step_log.subscribe(log_json)
+        info = [f"others can join with: zgossip peer --initial-peers {avg.endpoint}"]
+        if avg.metrics_endpoint:
+            info.append(f"metrics: {avg.metrics_endpoint}")
+        if args.log_json:
+            info.append(f"step log: {args.log_json} (JSON lines)")
+        display = make_display(f"zgossip peer {avg.peer_id} (prefix {args.prefix!r}), listening at {avg.endpoint}",
+                               info, plain=args.plain)
+        if isinstance(display, PlainLines):
+            print(f"peer {avg.peer_id} listening; others can join with:\n"
+                  f"  zgossip peer --initial-peers {avg.endpoint}", flush=True)
+            for line in info[1:]:
+                print(line, flush=True)
+        else:
+            _use_console_for_logs(display.console)
+        try:
+            with display:
+                _loop(avg, args, data, stop, display)
+        finally:
+            if log_json is not None:
+                log_json.close()
     return 0
+
+
+def _live_peers(avg: Averager) -> int | None:
+    try:
+        return len(avg.peers())
+    except ZGossipError:
+        return None
+
+
+def _loop(avg: Averager, args: argparse.Namespace, data: np.ndarray, stop: threading.Event, display: Any) -> None:
+    done = 0
+    while not stop.is_set() and (args.rounds == 0 or done < args.rounds):
+        t0 = time.perf_counter()
+        try:
+            avg.step(timeout=max(5.0, args.interval))
+        except ZGossipError:
+            pass  # recorded in the step log like a success
+        rec = avg.step_log.recent(1)
+        if rec:
+            display.step(rec[0], _live_peers(avg), float(data.mean()))
+        done += 1
+        while not stop.is_set():  # redraw the peer count while waiting for the next step
+            left = args.interval - (time.perf_counter() - t0)
+            if left <= 0 or (args.rounds and done >= args.rounds):
+                break
+            stop.wait(min(1.0, left))
+            display.refresh(_live_peers(avg))

@@ -8,11 +8,14 @@ elements whose span was lost stay exactly as they were.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
+
+from . import layouts
 
 __all__ = ["FlatLayout", "as_array"]
 
@@ -70,11 +73,17 @@ class FlatLayout:
     def numel(self) -> int:
         return self.offsets[-1]
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
         """Equal only for layouts that can be averaged together (shapes, dtypes)."""
         text = repr((self.shapes, self.dtypes, self.dtype.str))
         return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
+
+    @functools.cached_property
+    def description(self) -> str:
+        """Count, shapes and dtypes as short text (`zgossip.layouts`): what a rendezvous peer
+        compares to tell peers with different layouts what differs."""
+        return layouts.describe(self.shapes, self.dtypes)
 
     def describe(self) -> str:
         return f"{len(self.shapes)} tensors, {self.numel} elements as {self.dtype}"

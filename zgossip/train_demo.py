@@ -24,7 +24,7 @@ import os
 import time
 from typing import Any
 
-from .swarm import stop_children
+from .swarm import start_child, stop_children
 
 __all__ = ["add_arguments", "run", "Task", "make_model", "train_peer"]
 
@@ -120,22 +120,23 @@ def train_peer(index: int, conn: Any, cfg: dict) -> None:
         if cfg.get("wait_for_start") and conn.recv() != "start":  # so that the first peers begin together
             return
         last = -1
-        deadline = time.monotonic() + cfg.get("time_limit", 120.0)
-        while (opt.local_epoch < cfg["epochs"] or not opt.in_sync) and time.monotonic() < deadline:
+        clock = opt.clock  # the training loop waits only through the optimizer's clock (as in `python -m sim train`)
+        deadline = clock.now() + cfg.get("time_limit", 120.0)
+        while (opt.local_epoch < cfg["epochs"] or not opt.in_sync) and clock.now() < deadline:
             x, y = task.sample(gen, cfg["batch_size"])
             loss = torch.nn.functional.cross_entropy(model(x), y)
             loss.backward()
             opt.step()
             opt.zero_grad()
             if cfg.get("step_delay"):
-                time.sleep(cfg["step_delay"])
+                clock.sleep(cfg["step_delay"])
             if opt.local_epoch != last:
                 last = opt.local_epoch
                 hl, acc = evaluate(model, hx, hy)
                 conn.send({"event": "epoch", "epoch": last, "loss": hl, "acc": acc, "peers": opt.num_peers,
                            "samples": opt.last_round.get("samples"), "group": opt.last_round.get("group_size"),
                            "ok": opt.last_round.get("ok")})
-        time.sleep(0.3)  # let the last records spread, then make sure this peer holds the swarm's model
+        clock.sleep(0.3)  # let the last records spread, then make sure this peer holds the swarm's model
         opt.synchronize()
         hl, acc = evaluate(model, hx, hy)
         conn.send({"event": "done", "epoch": opt.local_epoch, "loss": hl, "acc": acc, "digest": param_digest(model),
@@ -176,7 +177,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-delay", type=float, default=0.01,
                    help="seconds each local step sleeps, standing in for a bigger model (default 0.01)")
     p.add_argument("--seed", type=int, default=0, help="data seed")
-    p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--log-level", default="WARNING", help="logging level of the peer processes (DEBUG, INFO, WARNING, ...; default WARNING)")
 
 
 class _Peers:
@@ -190,7 +191,7 @@ class _Peers:
     def start(self, index: int, cfg: dict) -> int:
         parent, child = self.ctx.Pipe()
         p = self.ctx.Process(target=train_peer, args=(index, child, cfg), daemon=True)
-        p.start()
+        start_child(p)  # a Ctrl-C at the terminal reaches only this process, which stops the peers
         child.close()
         self.procs.append(p)
         self.conns.append(parent)
@@ -201,8 +202,8 @@ class _Peers:
             raise TimeoutError(f"peer {k} said nothing for {timeout}s")
         return self.conns[k].recv()
 
-    def close(self) -> None:
-        stop_children(self.conns, self.procs, "stop", 10.0)
+    def close(self, timeout: float = 10.0) -> None:
+        stop_children(self.conns, self.procs, "stop", timeout)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -271,5 +272,8 @@ def run(args: argparse.Namespace) -> int:
               f"{ref_loss:.4f}, accuracy {ref_acc:.3f}")
         print("all peers hold identical parameters" if same else "the peers' parameters differ")
         return 0 if same else 1
+    except KeyboardInterrupt:
+        peers.close(timeout=1.0)  # Ctrl-C: training peers read "stop" only after their run, don't wait for it
+        raise
     finally:
         peers.close()

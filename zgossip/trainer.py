@@ -8,6 +8,10 @@ it gossips, loading state from peers (verified against this peer's model before
 anything is written), and the model-layout check that turns "never finds a group"
 into an error naming the tensor that differs.
 
+Time: every reading of the time and every wait goes through the averager's clock
+(`zgossip.clock.Clock`, from its transport): the wall clock on ZeroMQ, virtual time in
+the simulator (`python -m sim train`), where the very same training loop runs.
+
 Locking: ``self._lock`` is held whenever parameters or optimizer state change (the
 optimizer step, applying averaged values, loading state) and while the donor side
 copies them, so a newcomer never receives a half-stepped model. It is never held
@@ -19,19 +23,18 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import threading
-import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
 from .averager import Averager
+from .clock import WALL_CLOCK, Clock
 from .errors import StateUnavailable, ZGossipError
 from .progress import PeerProgress, SwarmView, progress_record, run_digest
 from .training_state import LayoutMismatch, ModelLayout, copy_arrays, named_tensors, pack_state, unpack_state
 
-__all__ = ["TrainerPeer", "ServingAverager", "SchedulerLike", "first_nonfinite", "params_digest"]
+__all__ = ["TrainerPeer", "ServingAverager", "clock_of", "SchedulerLike", "first_nonfinite", "params_digest"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +43,14 @@ SchedulerLike = Any  # an LR scheduler, or a callable(optimizer) -> scheduler
 #: Averager settings the training wrappers use unless told otherwise: gossip often enough that
 #: progress records spread within a fraction of a second.
 TRAINING_DEFAULTS = dict(gossip_interval=0.2, peer_timeout=4.0, request_timeout=0.5)
+
+
+def clock_of(averager_opts: dict) -> Clock:
+    """The clock an `Averager` built with these keyword arguments will run on: its transport's
+    (the default ZeroMQ transport's is the wall clock). Known before the averager exists, so that
+    locks the averager's workers take can be made first."""
+    transport = averager_opts.get("transport")
+    return transport.clock if transport is not None else WALL_CLOCK
 
 
 class ServingAverager(Averager):
@@ -128,13 +139,14 @@ class TrainerPeer:
         self._closed = False
         self._averaging = False
         self._param_digest = ""  # published by wrappers whose peers must hold identical parameters
-        self._lock = threading.RLock()
+        opts = {**TRAINING_DEFAULTS, **(averager_opts or {})}
+        self.clock: Clock = clock_of(opts)
+        self._lock = self.clock.lock(reentrant=True)
         self._run = run_digest(prefix)
         self._warned_layout: set[str] = set()
         self._next_sync_try = 0.0
         averaged, averaged_names = self._averaged_tensors()
         self.layout = ModelLayout.of(averaged, averaged_names)
-        opts = {**TRAINING_DEFAULTS, **(averager_opts or {})}
         self.averager = ServingAverager(averaged, state_fn=self._current_state, prefix=prefix, listen=listen,
                                         initial_peers=list(initial_peers), **opts)
         self.peer_id = self.averager.peer_id
@@ -226,14 +238,14 @@ class TrainerPeer:
         log.info("%s: loaded state from peers: epoch %d -> %d", self.peer_id[:8], before, self.local_epoch)
 
     def _try_load_state(self, view: SwarmView, why: str) -> bool:
-        now = time.monotonic()
+        now = self.clock.now()
         if now < self._next_sync_try:
             return False
         try:
             self.load_state_from_peers()
             return True
         except StateUnavailable as e:
-            self._next_sync_try = time.monotonic() + max(1.0, 5 * self._gossip_interval)
+            self._next_sync_try = self.clock.now() + max(1.0, 5 * self._gossip_interval)
             log.warning("%s: could not load state from peers (%s): %s; training on and retrying later",
                         self.peer_id[:8], why, e)
             return False
@@ -246,7 +258,7 @@ class TrainerPeer:
     def _me(self) -> PeerProgress:
         return PeerProgress(self.peer_id, self.local_epoch, self._progress_samples(), self._progress_rate(),
                             self.layout.fingerprint, self.layout.signature, len(self.layout.shapes),
-                            in_sync=self.in_sync, nonfinite=self.nonfinite_batches, time=time.time(),
+                            in_sync=self.in_sync, nonfinite=self.nonfinite_batches, time=self.clock.wall_time(),
                             averaging=self._averaging, digest=self._param_digest)
 
     def _publish(self) -> None:
@@ -257,15 +269,15 @@ class TrainerPeer:
 
     def _await_swarm(self, timeout: float) -> SwarmView | None:
         """Wait (bounded) until a peer of this run has been heard of; its view, or None if nobody was."""
-        deadline = time.monotonic() + timeout
+        deadline = self.clock.now() + timeout
         while True:
             view = self._view()
             if len(view.peers) > 1 or view.mismatched:
                 return view
-            if time.monotonic() >= deadline:
+            if self.clock.now() >= deadline:
                 log.info("%s: no peer of this run heard of within %.1fs; starting alone", self.peer_id[:8], timeout)
                 return None
-            time.sleep(min(0.02, self._gossip_interval / 4))
+            self.clock.sleep(min(0.02, self._gossip_interval / 4))
 
     @property
     def mismatched_peers(self) -> dict[str, str]:

@@ -54,3 +54,9 @@ class MembershipView(Protocol):
         """A message from `peer_id` at `endpoint` arrived: it is alive."""
 
     def on_gossip(self, msg: "Message", now: float) -> None: ...
+
+    def goodbye(self, now: float) -> None:
+        """This peer shuts down cleanly: tell the others to forget it now (BYE)."""
+
+    def on_bye(self, msg: "Message", now: float) -> None:
+        """`msg.sender` said goodbye: it is no longer live."""

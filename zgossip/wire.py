@@ -59,6 +59,7 @@ class MsgType(IntEnum):
     GROUP = 13  # rendezvous peer -> each member: your group
     NO_GROUP = 14  # rendezvous peer -> joiner: window over, no group (reason inside)
     LEAVE = 15  # joiner -> rendezvous peer: I stopped waiting
+    BYE = 16  # a peer shutting down cleanly -> every peer it knows: forget me now (membership)
     GATHER = 20  # member -> members: my weight and gather data
     PART = 21  # member -> span owner: one part of my tensor for your span
     RESULT = 22  # span owner -> members: one averaged part
@@ -225,14 +226,16 @@ SCHEMAS: dict[MsgType, tuple[dict[str, Validator], int]] = {
     MsgType.GOSSIP_REPLY: ({"hb": _BIG, "peers": _peer_list}, 0),
     MsgType.JOIN: (
         {"key": _KEY, "step": _ID, "bw": _float(0.0, 1e18), "layout": _str(128), "hops": _int(0, 16), "want": _IDX,
-         "g": _int(0, 3)},  # flags: 1 = sends GATHER, 2 = auxiliary
+         "g": _int(0, 3), "ld": _str(2048)},  # g flags: 1 = sends GATHER, 2 = auxiliary; ld: layout description (zgossip.layouts)
         0,
     ),
     MsgType.JOIN_ACK: ({"key": _KEY, "step": _ID}, 0),
     MsgType.REDIRECT: ({"key": _KEY, "step": _ID, "to_id": _ID, "to_ep": _EP}, 0),
-    MsgType.GROUP: ({"key": _KEY, "gid": _ID, "members": _list(_MEMBER, 4096)}, 0),
+    MsgType.GROUP: ({"key": _KEY, "gid": _ID, "members": _list(_MEMBER, 4096),
+                     "odd": _list(_record(_ID, _str(1000)), 64)}, 0),  # same key, left out: layout differs
     MsgType.NO_GROUP: ({"key": _KEY, "step": _ID, "reason": _str(4000), "seen": _IDX, "retry": _int(0, 1)}, 0),
     MsgType.LEAVE: ({"key": _KEY, "step": _ID}, 0),
+    MsgType.BYE: ({"hb": _BIG}, 0),  # the leaver's last heartbeat: older news of it is stale
     MsgType.GATHER: ({"gid": _ID, "w": _WEIGHT, "data": _any}, 0),
     MsgType.PART: ({"gid": _ID, "owner": _IDX, "part": _BIG, "w": _WEIGHT, "resc": _int(0, 1)}, 1),
     MsgType.RESULT: (
@@ -250,6 +253,14 @@ SCHEMAS: dict[MsgType, tuple[dict[str, Validator], int]] = {
         0,
     ),
     MsgType.STATE_CHUNK: ({"req": _ID, "idx": _BIG, "tensor": _IDX, "offset": _BIG}, 1),
+}
+
+
+#: fields a sender may leave out, with the value they then take (added after the first release of
+#: their message type; receivers read them with ``msg.body.get(name, default)``)
+OPTIONAL: dict[MsgType, dict[str, Any]] = {
+    MsgType.JOIN: {"ld": ""},
+    MsgType.GROUP: {"odd": ()},
 }
 
 
@@ -297,6 +308,9 @@ def _validate(mtype: Any, sender: Any, endpoint: Any, body: Any, nframes: int) -
     _ID(sender)
     _EP(endpoint)
     schema, want_frames = SCHEMAS[mtype]
+    optional = OPTIONAL.get(mtype)
+    if optional and isinstance(body, dict) and not body.keys() >= optional.keys():
+        body = {**optional, **body}
     if not isinstance(body, dict) or body.keys() != schema.keys():
         raise _fail(f"{mtype.name}: body fields do not match the schema")
     if nframes != want_frames:

@@ -1,0 +1,148 @@
+"""The command lines as a person meets them: Ctrl-C, help texts, scenario errors, the progress bar."""
+from __future__ import annotations
+
+import argparse
+import io
+import logging
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = dict(os.environ, PYTHONPATH=str(ROOT))
+
+
+def _interrupt(args: list[str], marker: str, wait: float = 90.0) -> tuple[int, str, str]:
+    """Start a command in its own process group (as a shell does), wait for `marker` on stdout, then
+    press Ctrl-C: SIGINT to the whole group, parent and children alike."""
+    p = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+                         start_new_session=True)
+    seen = ""
+    try:
+        sel = selectors.DefaultSelector()
+        sel.register(p.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + wait
+        while marker not in seen:
+            assert time.monotonic() < deadline and p.poll() is None, f"never printed {marker!r}: {seen}"
+            if sel.select(1.0):
+                seen += p.stdout.readline()
+        os.killpg(p.pid, signal.SIGINT)
+        out, err = p.communicate(timeout=30)
+        return p.returncode, seen + out, err
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate(timeout=30)
+
+
+@pytest.mark.parametrize("args, marker", [
+    (["-m", "zgossip.cli", "demo", "--rounds", "1000", "--numel", "100000"], "round axis"),  # mid-run
+    (["-m", "zgossip.cli", "train-demo", "--epochs", "1000"], "zgossip train-demo:"),  # peers still importing
+])
+def test_ctrl_c_exits_quietly_with_130(args, marker):
+    t0 = time.monotonic()
+    rc, out, err = _interrupt(args, marker)
+    assert rc == 130, (out, err)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert time.monotonic() - t0 < 60
+
+
+def _parsers() -> dict[str, argparse.ArgumentParser]:
+    """Every argparse parser the two command lines build (caught at parse_args)."""
+    import sim.__main__ as sim_main
+    import zgossip.cli as zcli
+    from sim import bench as sim_bench
+
+    found: dict[str, argparse.ArgumentParser] = {}
+
+    def grab(self, *a, **k):
+        found[self.prog] = self
+        raise SystemExit(0)
+
+    orig = argparse.ArgumentParser.parse_args
+    argparse.ArgumentParser.parse_args = grab
+    try:
+        for main, argv in ((zcli.main, ["x"]), (sim_main.main, ["x"]), (sim_bench.main, [])):
+            try:
+                main(argv)
+            except SystemExit:
+                pass
+    finally:
+        argparse.ArgumentParser.parse_args = orig
+    return found
+
+
+def _missing_help(parser: argparse.ArgumentParser, prefix: str) -> list[str]:
+    out = []
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for name, sub in a.choices.items():
+                out += _missing_help(sub, f"{prefix} {name}")
+        elif not isinstance(a, argparse._HelpAction) and not a.help:
+            out.append(f"{prefix} {'/'.join(a.option_strings) or a.dest}")
+    return out
+
+
+def test_every_command_line_option_has_help():
+    parsers = _parsers()
+    assert {"zgossip", "python -m sim", "python -m sim bench"} <= set(parsers)
+    missing = [m for prog, p in parsers.items() for m in _missing_help(p, prog)]
+    assert not missing, f"options without help text: {missing}"
+
+
+@pytest.mark.parametrize("text, expect", [
+    (None, "cannot read scenario"),
+    ("peers = 4\ngrid = [2 2]\n", "Unclosed array"),
+    ("peerz = 4\n", "unknown scenario keys: ['peerz']"),
+    ("peers = 4\ngrid = [2, 2]\n[network]\nlatencyy = 0.01\n", "unknown [network] setting latencyy (valid: bandwidth,"),
+    ("peers = 4\ngrid = [2, 2]\n[churn]\narival_rate = 1.0\n", "unknown [churn] setting arival_rate (valid: arrival_rate,"),
+    ("peers = 4\ngrid = [2, 2]\n[protocol]\ntarget_group = 3\n", "unknown [protocol] setting target_group (valid:"),
+    ("peers = 4\ngrid = [2, 2]\n[[faults]]\nkind = \"crash\"\npeer = 1\natt = 1.0\n",
+     "unknown field att in a 'crash' fault (valid: kind, peer, at)"),
+])
+def test_scenario_errors_are_one_line(tmp_path, text, expect):
+    path = tmp_path / "sc.toml"
+    if text is not None:
+        path.write_text(text)
+    p = subprocess.run([sys.executable, "-m", "sim", "run", "--quiet", str(path)], capture_output=True, text=True,
+                       env=ENV, timeout=60)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("python -m sim run: error:"), p.stderr
+    assert expect in lines[0], lines[0]
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_log_records_print_above_the_progress_bar_not_into_it():
+    from sim.__main__ import _progress
+
+    stream = _Tty()
+    root = logging.getLogger()
+    saved = list(root.handlers)
+    try:
+        bar = _progress(stream)
+        bar(1, 4)
+        logging.getLogger("zgossip.allreduce").warning("dropped PART from x")
+        bar(2, 4)
+        bar(4, 4)
+    finally:
+        for h in list(root.handlers):
+            root.removeHandler(h)
+        for h in saved:
+            root.addHandler(h)
+    screen = stream.getvalue()
+    # what a terminal shows: each \r returns to column 0, ESC[K clears the line
+    lines = [seg.split("\r")[-1].replace("\x1b[K", "") for seg in screen.split("\n")]
+    warn = [ln for ln in lines if "dropped PART" in ln]
+    assert warn == ["WARNING zgossip.allreduce: dropped PART from x"], lines
+    assert lines[-2].startswith("[" + "#" * 30 + "] 4/4 rounds")

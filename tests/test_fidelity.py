@@ -1,0 +1,86 @@
+"""The simulator against the testbed: the small fidelity check (root + netns), and the transport
+mechanisms the replay relies on (connection set-up, the recorded machine, jitter)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import simpy
+
+from sim import NetworkModel
+from sim.compare import replay_scenario
+from sim.fidelity import GOAL, QUICK, case_scenario, run_case
+from sim.network import Profile
+from sim.tcp import TcpTransport
+from sim.testbed import check_support
+
+
+def _bare(latency: float, **tcp):
+    net = NetworkModel(latency=latency, bandwidth=12.5e6, transfer="tcp", tcp=tcp)
+    env = simpy.Environment()
+    got: list = []
+    tr = TcpTransport(net, net.tcp, env, np.random.default_rng(0), lambda tok, sent: got.append((tok, env.now)))
+    return env, tr, got
+
+
+def test_first_message_on_a_new_connection_pays_the_tcp_and_zmtp_handshakes():
+    # measured on the testbed (160 ms RTT): the first message 3.5 RTT, the next ones 0.5 RTT
+    owd = 0.04
+    env, tr, got = _bare(owd)
+    tr.send("a", "b", 0, 100, "first")
+    env.run()
+    assert got[0][1] == pytest.approx(3.5 * 2 * owd, rel=0.02)
+    t0 = env.now
+    tr.send("a", "b", 0, 100, "second")
+    env.run()
+    assert got[1][1] - t0 == pytest.approx(owd, rel=0.02)
+    # the reply travels on the other side's own connection: a set-up of its own
+    t0 = env.now
+    tr.send("b", "a", 0, 100, "reply")
+    env.run()
+    assert got[2][1] - t0 == pytest.approx(3.5 * 2 * owd, rel=0.02)
+
+
+def test_tracker_is_released_when_the_last_byte_left():
+    env, tr, _ = _bare(0.01)
+    m = tr.send("a", "b", 0, 1_250_000, "x")  # 0.1 s at 12.5 MB/s, after a 60 ms set-up
+    seen = []
+    tr.watch(m, lambda: seen.append(env.now))
+    env.run()
+    assert tr.released(m) and seen and seen[0] > 0.1
+
+
+def test_host_jitter_reaches_the_simulator():
+    net = NetworkModel(latency=0.0, profiles={"a": Profile("a", 1e6, 1e6, jitter=0.01),
+                                              "b": Profile("b", 1e6, 1e6)})
+    rng = np.random.default_rng(0)
+    draws = [net.jitter_draw(rng, "a", "b") for _ in range(2000)]
+    assert min(draws) == 0.0 and 0.003 < float(np.mean(draws)) < 0.005  # E[max(0, N(0, s))] = s / sqrt(2 pi)
+    assert net.jitter_draw(rng, "b", "b") == 0.0
+
+
+def test_replay_uses_the_machine_the_testbed_recorded():
+    run = {"scenario": case_scenario(QUICK[0], rounds=1),
+           "testbed": {"tcp": {"congestion_control": "bbr", "rmem_max": 1 << 25},
+                       "cpu": {"costs": {"handle_msg": 1e-5}, "cores": 2}}}
+    sc = replay_scenario(run)
+    assert sc["network"]["tcp"]["congestion_control"] == "bbr"
+    assert sc["cpu"] == {"costs": {"handle_msg": 1e-5}, "cores": 2, "shared": True}
+    # what the scenario sets itself wins
+    run["scenario"]["network"] = {"tcp": {"congestion_control": "cubic"}}
+    assert replay_scenario(run)["network"]["tcp"]["congestion_control"] == "cubic"
+
+
+@pytest.mark.skipif(check_support() is not None, reason=f"testbed: {check_support()}")
+def test_simulator_predicts_the_testbed_on_the_quick_case():
+    """`python -m sim fidelity --quick`: predicted / measured step time of the quick case.
+
+    The goal is `GOAL` (0.85-1.15) and it is NOT met yet with the protocol as it stands (after
+    the matchmaking and part-size changes the simulator predicts 0.72-0.84 of the testbed's
+    steady rounds: testbed matchmaking takes 0.1-0.25 s per step that the model does not show;
+    see issue 10's note). This guard asserts the band the model does hold, so a change that
+    breaks the model (or the testbed) fails here; narrow it to `GOAL` when the goal is met."""
+    r = run_case(QUICK[0], rounds=4)
+    assert r.measured == r.measured and r.predicted == r.predicted, "no step finished"
+    held = (0.6, 1.4)
+    assert held[0] <= r.ratio <= held[1], (f"{r.name}: measured {r.measured:.3f} s, predicted "
+                                           f"{r.predicted:.3f} s, ratio {r.ratio:.2f} outside {held}")

@@ -1,0 +1,172 @@
+"""Matchmaking with a far peer (found on the testbed, sim/scenarios/hetero4.toml round 0): a joiner
+whose round trip to the rendezvous peer exceeds `request_timeout` gave up on it, asked the next
+candidate, was redirected back, hosted a pool of one and failed after the whole step timeout --
+while the rendezvous peer had put it into the group. Now the JOIN_ACK wait grows with the round
+trip the gossip measured, and a joiner that moved on still takes a late JOIN_ACK or GROUP.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sim import NetworkModel, SimCluster
+from zgossip.matchmaking import Matchmaker
+from zgossip.membership import Membership
+from zgossip.node import NodeConfig, StepDone
+from zgossip.wire import Message, MsgType
+
+N = 4
+FAR = 0.2  # one-way access latency of the far peer: a round trip of 0.4 s > request_timeout
+
+
+def _cluster(far_index, membership="gossip", seed=3):
+    def latency(src, dst):
+        far = f"sim://peer{far_index}"
+        return FAR if far in (src, dst) else 0.002
+
+    cl = SimCluster(seed=seed, network=NetworkModel(latency=latency, bandwidth=50e6), membership=membership)
+    cfg = NodeConfig(prefix="far", target_group_size=N, min_group_size=2, part_size_bytes=1 << 14,
+                     part_timeout=2.0, gossip_interval=0.1, peer_timeout=5.0, matchmaking_time=0.5,
+                     request_timeout=0.3)
+    rng = np.random.default_rng(seed)
+    peers = []
+    for _ in range(N):
+        peers.append(cl.add_peer(cfg, tensors=[rng.standard_normal(1 << 14).astype(np.float32)], known=peers))
+    return cl, peers, cfg
+
+
+def _rendezvous(peers):
+    node = peers[0].node
+    top = node.matchmaker.ranking(node.current_key())[0]
+    return next(i for i, p in enumerate(peers) if p.peer_id == top)
+
+
+def _far_index(membership):
+    """A slot that is not the rendezvous peer of the first round (so the far one is a joiner)."""
+    cl, peers, _ = _cluster(0, membership)
+    return next(i for i in range(N) if i != _rendezvous(peers))
+
+
+@pytest.mark.parametrize("membership", ["gossip", "static"])
+def test_far_joiner_gets_into_the_group_of_its_first_round(membership):
+    """gossip: the JOIN_ACK wait covers the measured round trip, so the far peer never moves on.
+    static (no round trips measured, so it does move on after request_timeout): the late GROUP of the
+    rendezvous peer it left is taken. Either way every peer averages over all four at once --
+    nobody waits part_timeout for a member that went elsewhere."""
+    far = _far_index(membership)
+    cl, peers, cfg = _cluster(far, membership)
+    cl.run(until=2.0)  # gossip warm-up (round trips measured)
+    evs = [p.step_tensors(timeout=5.0) for p in peers]
+    start = cl.env.now
+    cl.run(until=cl.env.all_of(evs))
+    for ev in evs:
+        act = ev.value
+        assert isinstance(act, StepDone), act
+        assert act.result.complete and len(act.result.members) == N
+    assert cl.env.now - start < cfg.part_timeout, "a member waited out part_timeout"
+    if membership == "static":
+        assert peers[far].node.matchmaker.join is None
+
+
+# ------------------------------------------------------------------ the state machine alone
+class _Joiner:
+    """A Matchmaker that knows peers a and b (plus itself) and records what it sends."""
+
+    def __init__(self, rtt=None):
+        self.sent = []
+        self.groups = []
+        self.fails = []
+        send = lambda ep, msg: self.sent.append((ep, msg))  # noqa: E731
+        rng = np.random.default_rng(0)
+        self.ms = Membership("j" * 16, "tcp://j:1", send, rng, peer_timeout=5.0, gossip_interval=0.5)
+        for p in ("a", "b"):
+            self.ms.observe(p * 16, f"tcp://{p}:1", 0.0)
+        if rtt is not None:
+            for p in ("a", "b"):
+                self.ms._sample_rtt(f"tcp://{p}:1", rtt)
+        self.mm = Matchmaker(self.ms, send, rng, lambda spec, now: self.groups.append(spec),
+                             lambda sid, err: self.fails.append(err), target_group_size=3, min_group_size=2,
+                             matchmaking_time=0.5, request_timeout=0.3)
+        # a key whose ranking puts the two others first, so the joiner asks them (not itself)
+        self.key = next(k for k in (f"k{i}" for i in range(200)) if self.mm.ranking(k)[-1] == self.ms.peer_id)
+        self.first, self.second = self.mm.ranking(self.key)[:2]
+
+    def ep(self, pid):
+        return self.ms.endpoint_of(pid)
+
+    def msg(self, mtype, pid, **body):
+        return Message(mtype, pid, self.ep(pid), body)
+
+    def group(self, pid, members, gid="g" * 16):
+        rows = [[m, self.ep(m), 1.0, "s1", 1] for m in members]
+        return self.msg(MsgType.GROUP, pid, key=self.key, gid=gid, members=rows)
+
+    def of(self, mtype):
+        return [(ep, m) for ep, m in self.sent if m.type is mtype]
+
+
+def test_ack_wait_grows_with_the_measured_round_trip():
+    assert _Joiner().mm.ack_wait("tcp://a:1") == pytest.approx(0.3)
+    j = _Joiner(rtt=0.25)
+    assert j.mm.ack_wait("tcp://a:1") == pytest.approx(0.3 + 3 * 0.25)
+    assert j.mm.ack_wait("tcp://elsewhere:1") == pytest.approx(0.3 + 3 * 0.25)  # unknown: the largest known
+    j.mm.begin("s1", j.key, 1.0, "L", 0.0, 10.0)
+    j.mm.on_timer(0.5)  # within the wait: still asking the first candidate
+    assert [ep for ep, _ in j.of(MsgType.JOIN)] == [j.ep(j.first)]
+
+
+def test_late_group_from_a_left_rendezvous_peer_is_taken():
+    j = _Joiner()
+    j.mm.begin("s1", j.key, 1.0, "L", 0.0, 10.0)
+    j.mm.on_timer(0.31)  # no JOIN_ACK from the first within request_timeout: ask the second
+    assert [ep for ep, _ in j.of(MsgType.JOIN)] == [j.ep(j.first), j.ep(j.second)]
+    j.mm.on_join_ack(j.msg(MsgType.JOIN_ACK, j.second, key=j.key, step="s1"), 0.35)
+    j.mm.on_group(j.group(j.first, [j.first, j.ms.peer_id]), 0.5)  # the first was only slow
+    assert len(j.groups) == 1 and j.groups[0].members[0].peer_id == j.first
+    assert [ep for ep, _ in j.of(MsgType.LEAVE)] == [j.ep(j.second)]  # its pool must not count on us
+    assert not j.of(MsgType.ABORT)
+    # the second's group, if it closed before our LEAVE came, is told not to wait for us
+    j.mm.on_group(j.group(j.second, [j.second, j.ms.peer_id], gid="h" * 16), 0.6)
+    assert [ep for ep, _ in j.of(MsgType.ABORT)] == [j.ep(j.second)]
+
+
+def test_late_join_ack_from_a_better_ranked_peer_takes_the_joiner_back():
+    j = _Joiner()
+    j.mm.begin("s1", j.key, 1.0, "L", 0.0, 10.0)
+    j.mm.on_timer(0.31)
+    j.mm.on_join_ack(j.msg(MsgType.JOIN_ACK, j.first, key=j.key, step="s1"), 0.4)
+    assert j.mm.join.target[0] == j.first and j.mm.join.phase.value == "queued"
+    assert [ep for ep, _ in j.of(MsgType.LEAVE)] == [j.ep(j.second)]
+    # the second's own JOIN_ACK, late as well, is answered with LEAVE (it ranks after the first)
+    j.mm.on_join_ack(j.msg(MsgType.JOIN_ACK, j.second, key=j.key, step="s1"), 0.45)
+    assert j.mm.join.target[0] == j.first
+    assert [ep for ep, _ in j.of(MsgType.LEAVE)] == [j.ep(j.second)] * 2
+
+
+def test_a_joiner_that_gives_up_tells_every_peer_it_asked():
+    """Before, only a rendezvous peer that had acknowledged was told; one that got the JOIN late kept
+    the joiner in its pool and its group waited part_timeout for it."""
+    j = _Joiner()
+    j.mm.begin("s1", j.key, 1.0, "L", 0.0, 10.0)
+    j.mm.on_timer(0.31)
+    j.mm.cancel(0.5, "cancelled")
+    assert sorted(ep for ep, _ in j.of(MsgType.LEAVE)) == sorted([j.ep(j.first), j.ep(j.second)])
+
+
+def test_a_pool_drops_a_joiner_that_left_before_it_closed():
+    sent = []
+    rng = np.random.default_rng(0)
+    ms = Membership("r" * 16, "tcp://r:1", lambda ep, m: sent.append((ep, m)), rng)
+    mm = Matchmaker(ms, lambda ep, m: sent.append((ep, m)), rng, lambda s, n: None, lambda s, e: None,
+                    target_group_size=4, min_group_size=2, matchmaking_time=0.5, request_timeout=0.3)
+    for p in ("a", "b", "c"):
+        ms.observe(p * 16, f"tcp://{p}:1", 0.0)
+    key = next(k for k in (f"k{i}" for i in range(200)) if mm.ranking(k)[0] == ms.peer_id)
+    join = lambda p: Message(MsgType.JOIN, p * 16, f"tcp://{p}:1",  # noqa: E731
+                             dict(key=key, step="s" + p, bw=1.0, layout="L", hops=0, want=4, g=1))
+    for p in ("a", "b", "c"):
+        mm.on_join(join(p), 0.1)
+    mm.on_leave(Message(MsgType.LEAVE, "c" * 16, "tcp://c:1", dict(key=key, step="sc")), 0.2)
+    mm.on_timer(0.7)
+    groups = [m for _, m in sent if m.type is MsgType.GROUP]
+    assert groups and all("c" * 16 not in [row[0] for row in g["members"]] for g in groups)

@@ -1,0 +1,111 @@
+"""Simulated training (`sim.train`, `python -m sim train`): the real training classes in virtual time.
+
+One seed gives one run, bit for bit (loss curve, trace) across processes and PYTHONHASHSEED; with
+churn, late joiners download state and every live trainer ends holding identical parameters after
+the final all-hands round; the sweep kind and the CLI run it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from sim.sweep import KINDS, Sweep, read_table, run_sweep  # noqa: E402
+from sim.train import TrainScenario, run_train  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SMALL = {"seed": 4, "peers": 6, "profiles": {"home": 1.0},
+         "train": {"optimizer": "moshpit", "params": 3000, "steps": 8, "step_time": 0.25, "eval_every": 2}}
+
+CHURN = {"seed": 3, "peers": 10, "profiles": {"home": 0.5, "datacenter": 0.5},
+         "churn": {"arrival_rate": 0.5, "departure_rate": 0.03, "until": 7.0},
+         "train": {"optimizer": "allreduce", "params": 5000, "steps": 24, "step_time": 0.5, "eval_every": 4}}
+
+
+def _run_in_process(spec: dict, hashseed: str) -> str:
+    code = "import json, sys; from sim.train import run_train; print(run_train(json.loads(sys.argv[1])).to_json())"
+    env = dict(os.environ, PYTHONHASHSEED=hashseed, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_one_seed_one_run_bit_for_bit_across_hash_seeds():
+    a = _run_in_process(SMALL, "0")
+    b = _run_in_process(SMALL, "977")
+    assert a == b  # every loss value, time, byte count and the network trace
+    res = json.loads(a)
+    assert len(res["trainers"]) == 6 and all(t["steps"] == 8 and not t["crashed"] for t in res["trainers"])
+    # every trainer averaged, and the loss went down
+    assert all(t["rounds"]["done"] >= 1 for t in res["trainers"])
+    assert res["curve"][-1]["loss"] < res["curve"][0]["loss"]
+    assert res["final"]["spread"] < 1e-3
+    other = run_train({**SMALL, "seed": 5})
+    assert other.trace != res["trace"] and other.loss_hash != res["loss_hash"]
+
+
+def test_churn_late_joiners_download_state_and_live_trainers_end_identical():
+    res = run_train(CHURN)
+    again = run_train(CHURN)
+    assert res.to_json() == again.to_json()  # the same run twice in one process: identical too
+    late = [t for t in res.trainers if t["late"]]
+    crashed = [t for t in res.trainers if t["crashed"]]
+    assert crashed, "the scenario should make trainers leave"
+    assert any(t["downloaded"] and not t["crashed"] for t in late), "a late joiner should download the state"
+    for t in late:
+        if not t["crashed"] and t["started"] > 1.0 + 0.5:  # arrived after training began (bootstrap_time 1 s)
+            assert t["first_step"] > 0  # it took up the swarm's step count
+    fin = res.final
+    assert fin["live"] == sum(1 for t in res.trainers if not t["crashed"])
+    assert fin["identical"] and fin["spread"] == 0.0, fin["param_groups"]
+    assert res.curve[-1]["loss"] < 0.8 * res.curve[0]["loss"]
+
+
+def test_every_optimizer_kind_trains():
+    for kind in ("gossip", "collaborative"):
+        res = run_train({**SMALL, "train": {**SMALL["train"], "optimizer": kind}})
+        assert res.curve[-1]["loss"] < res.curve[0]["loss"], kind
+        assert all(t["sent"] > 0 for t in res.trainers)
+
+
+def test_scenario_validation_names_the_problem():
+    with pytest.raises(ValueError, match="optimizer"):
+        TrainScenario.from_dict({"train": {"optimizer": "adamw"}})
+    with pytest.raises(ValueError, match="unknown \\[train\\] keys"):
+        TrainScenario.from_dict({"train": {"epochs": 3}})
+    with pytest.raises(ValueError, match="unknown train scenario keys"):
+        TrainScenario.from_dict({"rounds": 3})
+    with pytest.raises(ValueError, match="do not fit"):
+        TrainScenario.from_dict({"peers": 5, "train": {"grid": [2, 2]}})
+
+
+def test_sweep_kind_train(tmp_path):
+    assert "train" in KINDS
+    base = {**SMALL, "peers": 4, "train": {**SMALL["train"], "steps": 4}}
+    del base["seed"]
+    sw = Sweep(name="t", kind="train", base=base, axes={"train.optimizer": ["moshpit", "gossip"]}, seeds=[0])
+    out = run_sweep(sw, tmp_path / "t", workers=0, quiet=True)
+    assert out.computed == 2 and not out.failures
+    _, rows = read_table(tmp_path / "t")
+    assert {r["train.optimizer"] for r in rows} == {"moshpit", "gossip"}
+    assert all(r["live"] == 4 and r["loss"] > 0 for r in rows)
+    assert [r["round"] for r in rows if r["train.optimizer"] == "gossip"] == [0, 2, 4]
+
+
+def test_cli_train(tmp_path):
+    sc = tmp_path / "s.json"
+    sc.write_text(json.dumps({**SMALL, "peers": 3}))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-m", "sim", "train", str(sc), "--out", str(tmp_path / "r.json")],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "held-out loss" in out.stdout and "trace" in out.stdout
+    assert json.loads((tmp_path / "r.json").read_text())["final"]["live"] == 3
