@@ -34,6 +34,7 @@ def _wait(cond, timeout=6.0):
 def _swarm(n, *, keys=None, allow=None, local_ipc=True, extra=None, values=None, **kw):
     """n averagers holding value i (exactly representable means); peer 0 is everyone's initial peer."""
     avs = []
+    min_group = kw.pop("min_group_size", n)
     try:
         for i in range(n):
             v = float(i if values is None else values[i])
@@ -42,7 +43,7 @@ def _swarm(n, *, keys=None, allow=None, local_ipc=True, extra=None, values=None,
             if avs:
                 boot = [avs[0].endpoint + ("#" + keys[0].public if keys else "")]
             avs.append(zgossip.Averager([np.full(NUMEL, v, np.float32)], initial_peers=boot, local_ipc=local_ipc,
-                                        min_group_size=kw.pop("min_group_size", n) if i == 0 else n, seed=i,
+                                        min_group_size=min_group, seed=i,
                                         **{**KW, **kw, **sec, **((extra or {}).get(i, {}))}))
         yield avs
     finally:
@@ -181,7 +182,7 @@ def test_client_with_no_listening_socket_averages_and_downloads_state(curve):
         client = avs[3]
         assert client.client_mode and client.endpoint.startswith("client://")
         assert client.transport._router is None
-        assert _wait(lambda: len(client.peers()) == 3)
+        assert _wait(lambda: len(client.peers()) == 3 and all(len(a.peers()) == 2 for a in avs[:3]))
         res = _step_all(avs)
         for a, r in zip(avs, res):
             assert not isinstance(r, Exception), r

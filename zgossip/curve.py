@@ -62,6 +62,22 @@ class Curve:
         pid = self._told.get(endpoint) or self._given.get(endpoint) or membership_lookup(endpoint)
         return pid if pid is not None and public_key_of(pid) is not None else None
 
+    def vouched(self, msg) -> None:
+        """Peer ids and endpoints an authenticated peer names in a REDIRECT or GROUP: where to find
+        keys for peers not yet in our membership table (a redirect target, a groupmate). Never
+        overrides what a peer said of itself."""
+        from .wire import MsgType
+
+        if msg.type is MsgType.REDIRECT:
+            pairs = [(msg["to_id"], msg["to_ep"])]
+        elif msg.type is MsgType.GROUP:
+            pairs = [(m[0], m[1]) for m in msg["members"]]
+        else:
+            return
+        for pid, ep in pairs:
+            if ep not in self._told and public_key_of(pid) is not None:
+                self._given[ep] = pid
+
     def heard(self, peer_id: str, endpoint: str) -> bool:
         """An authenticated message from `peer_id` claims `endpoint`; True when that changes the key
         known for it (then connections opened with the old key must be closed)."""

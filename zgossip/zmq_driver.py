@@ -325,6 +325,7 @@ class ZmqTransport:
                     continue
                 if routed and not msg.endpoint.startswith(CLIENT_SCHEME) and self.curve.heard(msg.sender, msg.endpoint):
                     self.connections.close(msg.endpoint)  # opened with the key of whoever was there before
+                self.curve.vouched(msg)
             if routed and msg.endpoint.startswith(CLIENT_SCHEME) and wire.lane_of(msg.type) == 0:
                 if msg.endpoint != client_endpoint(msg.sender):
                     self.stats["invalid"] += 1
@@ -392,6 +393,13 @@ class ZmqTransport:
             self.stats["send_errors"] += 1
             if self.curve is not None and isinstance(e, ValueError) and "no public key" in str(e):
                 self.curve.once(("nokey", endpoint), f"could not send to {endpoint}: {e}")
+                return
+            if "temporarily unavailable" in str(e) or getattr(e, "errno", None) == zmq.EAGAIN:
+                # no connection came up (e.g. the peer refuses our key, or speaks no CURVE): once per peer
+                if (endpoint, "eagain") not in self._refusals:
+                    self._refusals.add((endpoint, "eagain"))
+                    log.warning("zgossip node %s: could not send to %s: no connection could be set up (later "
+                                "failures are only counted in stats['send_errors'])", self.endpoint, endpoint)
                 return
             log.warning("zgossip node %s: could not send %s to %s: %s", self.endpoint, msg.type.name, endpoint, e)
 
