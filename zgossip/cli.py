@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     train_demo.add_arguments(sub.add_parser("train-demo", help="local peers train one model together; one joins late"))
     bench_train.add_arguments(sub.add_parser("bench-train", help="one collaborative step (4 peers, 10M params) vs gloo"))
     kg = sub.add_parser("keygen", help="write a CURVE key pair: FILE (secret, mode 600) and FILE.pub (allow-file line)")
-    kg.add_argument("file")
+    kg.add_argument("file", help="where to write the secret key (FILE.pub gets the public key)")
     kg.add_argument("--force", action="store_true", help="overwrite an existing key file")
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "WARNING"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
