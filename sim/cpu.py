@@ -249,8 +249,8 @@ def calibrate(quick: bool = False) -> dict:
     rng = np.random.default_rng(0)
     big = rng.standard_normal(1 << 18).astype(np.float32)  # 1 MiB
     small_body = {"gid": "g" * 16, "owner": 1, "part": 0, "w": 1.0, "resc": 0}
-    m_small = wire.Message(wire.MsgType.PART, "a" * 16, "tcp://10.0.0.1:5555", small_body, (big[:16],))
-    m_big = wire.Message(wire.MsgType.PART, "a" * 16, "tcp://10.0.0.1:5555", small_body, (big,))
+    m_small = wire.make_message(wire.MsgType.PART, "a" * 16, "tcp://10.0.0.1:5555", small_body, (big[:16],))
+    m_big = wire.make_message(wire.MsgType.PART, "a" * 16, "tcp://10.0.0.1:5555", small_body, (big,))
 
     def per(fn: Callable[[], Any], n: int) -> float:
         return _best(lambda: [fn() for _ in range(n)], reps) / n
@@ -273,7 +273,7 @@ def calibrate(quick: bool = False) -> dict:
 
     def handle() -> None:
         now[0] += 1e-3
-        node.on_message(wire.Message(wire.MsgType.GOSSIP_REPLY, "p" * 16, "tcp://10.0.0.3:5555",
+        node.on_message(wire.make_message(wire.MsgType.GOSSIP_REPLY, "p" * 16, "tcp://10.0.0.3:5555",
                                      {"hb": next(hb), "peers": peers}), now[0])
         node.take_actions()
 

@@ -455,8 +455,7 @@ class SimCluster:
             if (src.endpoint, endpoint) not in self._routes:
                 q = self._backlog.setdefault((src.endpoint, endpoint), [])
                 if len(q) < 256:
-                    q.append(wire.Message._trusted(msg.type, msg.sender, msg.endpoint, msg.body,
-                                                   tuple(a.copy() for a in msg.payload)))
+                    q.append(msg.detached())
                 else:
                     self.unreachable += 1
                 return
@@ -471,9 +470,8 @@ class SimCluster:
             tag = frames[0]  # the packed header: what the trace digests
         else:
             nbytes = wire.message_nbytes(msg)
-            payload = wire.Message._trusted(msg.type, msg.sender, msg.endpoint, msg.body,
-                                            tuple(a.copy() for a in msg.payload))
-            tag = repr(sorted(msg.body.items())).encode()
+            payload = msg.detached()
+            tag = repr(sorted(msg.body().items())).encode()
         if self._cursor is not None:  # CPU model: the message leaves once it is encoded
             self._cursor += self.cpu_model.costs.send(nbytes)
             if self._cursor > self.env.now:

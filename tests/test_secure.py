@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import dataclasses
 import logging
 import time
 
@@ -283,7 +284,7 @@ def _hostile_transmit(av, mutate):
 
 
 def _replace_payload(msg, arr):
-    return wire.Message._trusted(msg.type, msg.sender, msg.endpoint, msg.body, (arr,))
+    return dataclasses.replace(msg, data=arr)
 
 
 PROTOCOL_CASES = ["nan_parts", "inf_parts", "wrong_shape", "foreign_results", "bad_state_chunks"]
@@ -304,8 +305,7 @@ def test_hostile_allowed_peer_protocol_data(case):
             if msg.type is wire.MsgType.PART and case == "wrong_shape":
                 return [(ep, _replace_payload(msg, np.array(msg.payload[0][:-1])))]
             if msg.type is wire.MsgType.RESULT and case == "foreign_results":
-                fake = wire.Message._trusted(msg.type, msg.sender, msg.endpoint, {**msg.body, "owner": 0},
-                                             (np.full_like(msg.payload[0], 1e6),))
+                fake = dataclasses.replace(msg, owner=0, data=np.full_like(msg.payload[0], 1e6))
                 return [(ep, fake), (ep, msg)]
             if msg.type is wire.MsgType.STATE_CHUNK and case == "bad_state_chunks":
                 return [(ep, _replace_payload(msg, np.zeros_like(msg.payload[0]) + 7))]

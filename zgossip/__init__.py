@@ -7,6 +7,7 @@ from .averager import Averager
 from .errors import (
     AveragerClosed,
     GroupNotFound,
+    IllegalTransition,
     InvalidMessage,
     PeerLost,
     ProtocolError,
@@ -42,6 +43,7 @@ __all__ = [
     "StepResult",
     "ZGossipError",
     "ProtocolError",
+    "IllegalTransition",
     "InvalidMessage",
     "GroupNotFound",
     "RoundTimeout",

@@ -18,6 +18,13 @@ Failure semantics (see README, "What a step guarantees"):
   unchanged;
 * the outcome lists, per span, how many parts were averaged and over whom.
 
+Every part has an explicit state, and every state change goes through `_move`, which checks it
+against the one transition table `MOVES` and raises `IllegalTransition` on a move it does not
+list (a bug). A member sees each part of the buffer as `PartState` (waiting for its result, then
+averaged, partly averaged or unchanged); a reducer sees each part it reduces as `ReduceState`
+(collecting terms, then reduced or given up); the round itself is `RoundPhase`. What a reducer
+does with NaN/inf, overflow and partial runs of terms is `zgossip.numeric`'s policy.
+
 This module never touches sockets, threads or clocks: it is driven by `on_*` calls
 with the current time and sends through the callable it is given.
 """
@@ -31,29 +38,60 @@ from typing import Any, Callable
 import numpy as np
 
 from .endpoints import listens
-from .errors import ProtocolError
+from .errors import IllegalTransition, ProtocolError
 from .matchmaking import GroupSpec
-from .kernels import OVERFLOW, accumulate, copy_finite, finish_mean
+from .messages import Abort, Gather, Message, Part, Rescue, RescueCall, Result
+from .numeric import PassPlan, add_pass, divide, plan_pass, take_finite
 from .partition import PartPlan, make_plan, streamed_part_elems
-from .wire import Message, MsgType
 
-__all__ = ["AllReduceRound", "RoundOutcome", "SpanOutcome", "RoundPhase"]
+__all__ = ["AllReduceRound", "RoundOutcome", "SpanOutcome", "RoundPhase", "PartState", "ReduceState", "MOVES", "transition"]
 
 log = logging.getLogger(__name__)
-
-_WAITING, _AVERAGED, _UNCHANGED = 0, 1, 2
-
-# An owner adds the terms of a part in one pass once all of them are in, which reads each term
-# once and writes the mean once, straight into its own tensor. In large groups it does not hold
-# every term that long: as soon as this many consecutive terms (in member order) are at hand, it
-# adds them to a partial sum in scratch space. (Adding terms as they came, in passes of two or
-# three, was measured 2-4% slower on the 4-peer bench: every pass reads and writes the partial sum.)
-_MIN_RUN = 4
 
 
 class RoundPhase(Enum):
     RUNNING = "running"
     DONE = "done"
+
+
+class PartState(Enum):
+    """A part of the buffer, as one member sees it."""
+
+    WAITING = "waiting"  # no result yet
+    AVERAGED = "averaged"  # holds the mean over a set of contributors that includes this member
+    PARTIAL = "partial"  # a leading range holds such a mean, the rest is unchanged (a NaN/inf cut it short)
+    UNCHANGED = "unchanged"  # left as it was: given up, left out, its reducers lost, or the deadline passed
+
+
+class ReduceState(Enum):
+    """A part this member reduces (as the span's owner, or as the substitute of a lost owner)."""
+
+    COLLECTING = "collecting"  # adding terms in member order as they come
+    REDUCED = "reduced"  # the mean is computed and sent to its contributors
+    GIVEN_UP = "given up"  # no mean (every other term lost, NaN/inf, overflow): members told to keep theirs
+
+
+#: The one transition table of a round: every legal move of the round, of a part and of a reduction.
+#: Terminal states have no moves; a handler that meets a part already settled ignores the message
+#: (late or duplicate data) instead of asking for a move.
+MOVES: dict[Enum, frozenset] = {
+    RoundPhase.RUNNING: frozenset({RoundPhase.DONE}),
+    RoundPhase.DONE: frozenset(),
+    PartState.WAITING: frozenset({PartState.AVERAGED, PartState.PARTIAL, PartState.UNCHANGED}),
+    PartState.AVERAGED: frozenset(),
+    PartState.PARTIAL: frozenset(),
+    PartState.UNCHANGED: frozenset(),
+    ReduceState.COLLECTING: frozenset({ReduceState.REDUCED, ReduceState.GIVEN_UP}),
+    ReduceState.REDUCED: frozenset(),
+    ReduceState.GIVEN_UP: frozenset(),
+}
+
+
+def transition(old: Enum, new: Enum, what: str) -> Enum:
+    """`new`, if `old` -> `new` is in `MOVES`; else IllegalTransition (a bug in this module)."""
+    if new not in MOVES[old]:
+        raise IllegalTransition(f"{what}: illegal move {old.value} -> {new.value}")
+    return new
 
 
 @dataclass(frozen=True)
@@ -110,7 +148,7 @@ class _Reduce:
         self.own_left_out: set[int] = set()  # parts our own data was left out of (it held NaN/inf)
         self.contrib: list[list[int]] = [[] for _ in range(self.nparts)]
         self.pending: dict[tuple[int, int], tuple[np.ndarray, float]] = {}
-        self.finished = [False] * self.nparts
+        self.state = [ReduceState.COLLECTING] * self.nparts
         self.left = self.nparts
         self.excluded: set[int] = set()
         self.declared: dict[int, frozenset[int]] = {}  # rescue only: member -> parts it needs
@@ -123,8 +161,13 @@ class _Reduce:
             return True
         need = self.declared[member] if self.rescue else range(self.nparts)
         return any(
-            not self.finished[p] and self.pos[p] <= member and (member, p) not in self.pending for p in need
+            self.state[p] is ReduceState.COLLECTING and self.pos[p] <= member and (member, p) not in self.pending
+            for p in need
         )
+
+    def settle(self, p: int, state: ReduceState) -> None:
+        self.state[p] = transition(self.state[p], state, f"reduction of span {self.owner} part {p}")
+        self.left -= 1
 
 
 class AllReduceRound:
@@ -159,6 +202,11 @@ class AllReduceRound:
         self._now = now  # time of the event being handled
         self._watchdog = now + part_timeout / 4
         self.phase = RoundPhase.RUNNING
+        # the round's own PARTs and RESULTs are built unchecked on the hot path (`Part.trusted`): what
+        # they hold is checked here once -- ids, group id, weight and the buffer's dtype
+        Part(self.me.peer_id, self.me.endpoint, group_id=spec.group_id, owner=0, part=0, weight=self.weight,
+             rescue=False, data=buffer[:0])
+        self._gid = spec.group_id
         bws = [m.bandwidth for m in spec.members]
         self.plan = make_plan(buffer.size, bws, streamed_part_elems(buffer.size, bws, part_elems, buffer.dtype.itemsize))
         self.index = {m.peer_id: i for i, m in enumerate(spec.members)}
@@ -174,7 +222,7 @@ class AllReduceRound:
             self.gathered.update({i: None for i, m in enumerate(spec.members) if not listens(m.endpoint)})
         self.gathered[self.rank] = gather
         self.weights: dict[int, float] = {self.rank: self.weight}
-        self.status = [[_WAITING] * self.plan.num_parts(o) for o in range(self.n)]
+        self.status = [[PartState.WAITING] * self.plan.num_parts(o) for o in range(self.n)]
         self.part_contrib: list[list[tuple[int, ...]]] = [[()] * self.plan.num_parts(o) for o in range(self.n)]
         self.rescued = [0] * self.n
         self.unresolved = sum(len(s) for s in self.status)
@@ -186,7 +234,7 @@ class AllReduceRound:
         if self.rank in self.aux:
             for o in range(self.n):
                 if o != self.rank:
-                    self.status[o] = [_UNCHANGED] * len(self.status[o])
+                    self.status[o] = [PartState.UNCHANGED] * len(self.status[o])
                     self.unresolved -= len(self.status[o])
         self.rescues: dict[int, _Reduce] = {}  # spans I re-reduce as a substitute
         self.rescue_target: dict[int, int] = {}  # lost owner -> substitute I declared to
@@ -197,8 +245,13 @@ class AllReduceRound:
         self.dropped = 0  # messages refused by validation against the group's plan (logged too)
 
     # ------------------------------------------------------------------ helpers
-    def _msg(self, mtype: MsgType, payload: tuple = (), **body: Any) -> Message:
-        return Message(mtype, self.me.peer_id, self.me.endpoint, {"gid": self.spec.group_id, **body}, payload)
+    def _part(self, owner: int, p: int, rescue: bool) -> Part:
+        lo, hi = self.plan.part(owner, p)
+        return Part.trusted(self.me.peer_id, self.me.endpoint, self._gid, owner, p, self.weight, rescue,
+                            self.buf[lo:hi])
+
+    def _result(self, owner: int, p: int, contrib: tuple[int, ...], rescue: bool, data: np.ndarray) -> Result:
+        return Result.trusted(self.me.peer_id, self.me.endpoint, self._gid, owner, p, contrib, rescue, data)
 
     def _send(self, member: int, msg: Message) -> None:
         for arr in msg.payload:
@@ -211,7 +264,8 @@ class AllReduceRound:
     # ------------------------------------------------------------------ start
     def start(self, now: float) -> None:
         if self.me.sends_gather:
-            gather_msg = self._msg(MsgType.GATHER, w=self.weight, data=self.gathered[self.rank])
+            gather_msg = Gather(self.me.peer_id, self.me.endpoint, group_id=self._gid, weight=self.weight,
+                                data=self.gathered[self.rank])
             for j in self._others():
                 if not (self.client and not listens(self.members[j].endpoint)):
                     self._send(j, gather_msg)
@@ -222,8 +276,7 @@ class AllReduceRound:
         for p in range(most):
             for o in order:
                 if p < self.plan.num_parts(o):
-                    lo, hi = self.plan.part(o, p)
-                    self._send(o, self._msg(MsgType.PART, (self.buf[lo:hi],), owner=o, part=p, w=self.weight, resc=0))
+                    self._send(o, self._part(o, p, rescue=False))
         for p in range(self.own.nparts):
             self._advance(self.own, p, now)
         self._check_done(now)
@@ -245,7 +298,7 @@ class AllReduceRound:
         is not; after the last, the part is done.
 
         The terms at hand are added in one pass (`kernels.accumulate`), which checks them for
-        NaN/inf block by block, once they are all in or at least `_MIN_RUN` of them are. The
+        NaN/inf block by block, once they are all in or at least `numeric.MIN_RUN` of them are. The
         owner's last pass stores the mean straight into its own tensor (the result is sent from
         there), other passes into scratch space. A member whose term is not finite is excluded
         from this span (our own data is only left out of this part); its term is dropped exactly when nothing of the pass was stored yet (the bad
@@ -262,7 +315,7 @@ class AllReduceRound:
 
     def _sum_part(self, r: _Reduce, p: int, now: float) -> int | None:
         """The body of `_advance`; returns a member it excluded, if any."""
-        if r.finished[p]:
+        if r.state[p] is not ReduceState.COLLECTING:
             return None
         lo, hi = self.plan.part(r.owner, p)
         a = r.acc[lo - r.lo : hi - r.lo]
@@ -286,16 +339,14 @@ class AllReduceRound:
                     break  # wait for k's part
             complete = k >= self.n
             first = not r.contrib[p]
-            if not run:
-                if complete:
-                    break
+            plan = plan_pass(len(run), complete, first)
+            if plan is PassPlan.WAIT:
                 return excluded
-            if not complete and len(run) < _MIN_RUN:
-                return excluded  # wait for more terms (see _MIN_RUN)
-            if complete and first and len(run) == 1:
-                # every other member's term is gone (lost, excluded): a "mean" over one member is
-                # its own data, which x*w/w would not always give back to the last bit. The part
-                # is left unchanged for that member too, as the others are told.
+            if plan is PassPlan.FINISH:
+                break
+            if plan is PassPlan.ALONE:
+                # every other member's term is gone (lost, excluded): the part is left unchanged for
+                # that member too, as the others are told (`numeric`: a mean over one is no mean)
                 r.pending.pop((run[0][0], p), None)
                 self._finish_part(r, p, (), a, now)
                 return excluded
@@ -304,9 +355,9 @@ class AllReduceRound:
             # the part) when its own data is in the mean; a rescuer's always goes to scratch space
             mine = not r.rescue and (self.rank in r.contrib[p] or any(j == self.rank for j, _, _ in run))
             out = self.buf[lo:hi] if complete and mine else a
-            verdict, bad_at = accumulate(out, [d for _, d, _ in run], [w for _, _, w in run], first,
-                                         wsum if complete else 0.0, src=a)
-            if verdict == -1:
+            verdict = add_pass(out, a, [d for _, d, _ in run], [w for _, _, w in run], first,
+                               wsum if complete else 0.0)
+            if verdict.ok:
                 for j, _, _ in run:
                     r.pending.pop((j, p), None)
                     r.contrib[p].append(j)
@@ -316,35 +367,33 @@ class AllReduceRound:
                 if complete:
                     self._finish_part(r, p, tuple(r.contrib[p]), a, now, in_buf=out is not a)
                 return excluded
-            # what was stored before the bad block: in scratch space it is a spoiled sum unless it
-            # is to be overwritten anyway (`first`); in our tensor it is the mean over these terms
-            kept = (lo, lo + bad_at, tuple(r.contrib[p]) + tuple(j for j, _, _ in run)) \
-                if out is not a and bad_at else None
-            if verdict == OVERFLOW:
-                self._give_up(r, p, a, now, "the sum of finite terms overflowed", kept)
-                return excluded
-            j = run[verdict][0]
-            if j == self.rank:
-                log.warning("%s: own data in span %d part %d holds NaN or inf: left out", self.me.peer_id[:8], r.owner, p)
-                r.own_left_out.add(p)
-            else:
-                # one NaN would poison every member's average: the sender is excluded from this
-                # reduction (its own copy of these elements stays unchanged), the others go on
-                self.dropped += 1
-                log.warning("%s: part %d of span %d from %s holds NaN or inf: sender excluded from this span",
-                            self.me.peer_id[:8], p, r.owner, self.members[j].peer_id[:8])
-                r.excluded.add(j)
-                for key in [key for key in r.pending if key[0] == j]:
-                    del r.pending[key]
-                excluded = j
-            if bad_at > 0 and (kept is not None or not first):
-                self._give_up(r, p, a, now, "it was partly summed before the bad block", kept)
+            kept = (lo, lo + verdict.kept, tuple(r.contrib[p]) + tuple(j for j, _, _ in run)) \
+                if verdict.kept else None
+            if verdict.bad_term is not None:
+                j = run[verdict.bad_term][0]
+                if j == self.rank:
+                    log.warning("%s: own data in span %d part %d holds NaN or inf: left out", self.me.peer_id[:8],
+                                r.owner, p)
+                    r.own_left_out.add(p)
+                else:
+                    # one NaN would poison every member's average: the sender is excluded from this
+                    # reduction (its own copy of these elements stays unchanged), the others go on
+                    self.dropped += 1
+                    log.warning("%s: part %d of span %d from %s holds NaN or inf: sender excluded from this span",
+                                self.me.peer_id[:8], p, r.owner, self.members[j].peer_id[:8])
+                    r.excluded.add(j)
+                    for key in [key for key in r.pending if key[0] == j]:
+                        del r.pending[key]
+                    excluded = j
+            if verdict.give_up is not None:
+                self._give_up(r, p, a, now, verdict.give_up, kept)
                 return excluded
             # nothing of that pass counts: try again without the bad term
         # the last expected term never came (its member was excluded), so the division was not
         # fused into it: done here, it can still overflow
-        if r.contrib[p] and not r.divided[p] and not finish_mean(a, r.wsum[p]):
-            self._give_up(r, p, a, now, "the sum of finite terms overflowed")
+        why = divide(a, r.wsum[p]) if r.contrib[p] and not r.divided[p] else None
+        if why is not None:
+            self._give_up(r, p, a, now, why)
         else:
             self._finish_part(r, p, tuple(r.contrib[p]), a, now)
         return excluded
@@ -357,21 +406,21 @@ class AllReduceRound:
                     f" (but the first {kept[1] - kept[0]} elements here)" if kept else "", why)
         if kept:
             self.partial.append((r.owner, *kept))
-        self._finish_part(r, p, (), a, now)
+        self._finish_part(r, p, (), a, now, partial=bool(kept))
 
     def _finish_part(self, r: _Reduce, p: int, contrib: tuple[int, ...], a: np.ndarray, now: float,
-                     in_buf: bool = False) -> None:
+                     in_buf: bool = False, partial: bool = False) -> None:
         """Part p is reduced (its mean is in `a`, or already in our tensor when `in_buf`), or given
-        up (no contributors): send the result or notices, and settle the part here."""
-        r.finished[p] = True
-        r.left -= 1
+        up (no contributors; `partial`: but a leading range of our tensor holds a mean): send the
+        result or notices, and settle the part here."""
+        r.settle(p, ReduceState.REDUCED if contrib else ReduceState.GIVEN_UP)
         for key in [k for k in r.pending if k[1] == p]:  # terms that came after the part was given up
             del r.pending[key]
         lo, hi = self.plan.part(r.owner, p)
         if in_buf:
             a = self.buf[lo:hi]  # sent zero-copy from there; nothing writes a settled part again
         if contrib:
-            msg = self._msg(MsgType.RESULT, (a,), owner=r.owner, part=p, contrib=list(contrib), resc=int(r.rescue))
+            msg = self._result(r.owner, p, contrib, r.rescue, a)
             for j in contrib:
                 if j != self.rank:
                     self._send(j, msg)
@@ -383,8 +432,7 @@ class AllReduceRound:
         for j in expected:
             if (j != self.rank and j not in contrib and j not in self.lost and j not in self.aux
                     and (not r.rescue or p in r.declared[j])):
-                notice = notice or self._msg(MsgType.RESULT, (a[:0],), owner=r.owner, part=p,
-                                             contrib=list(contrib), resc=int(r.rescue))
+                notice = notice or self._result(r.owner, p, contrib, r.rescue, a[:0])
                 self._send(j, notice)
         if contrib and not r.rescue and self.rank in self.aux:
             self.part_contrib[self.rank][p] = contrib  # what we reduced for the others, for the outcome
@@ -395,22 +443,27 @@ class AllReduceRound:
         else:
             # our own data is not in this part (we left it out, e.g. NaN): our copy stays unchanged
             # (a no-op when the part was resolved already, e.g. a rescue part we did not need)
-            self._resolve(r.owner, p, None, None)
+            self._resolve(r.owner, p, None, None, partial=partial)
 
-    def _settle(self, owner: int, p: int, contrib: tuple[int, ...], rescued: bool) -> None:
-        self.status[owner][p] = _AVERAGED
-        self.part_contrib[owner][p] = contrib
-        self.rescued[owner] += int(rescued)
+    def _set_part(self, owner: int, p: int, state: PartState) -> None:
+        self.status[owner][p] = transition(self.status[owner][p], state, f"span {owner} part {p}")
         self.unresolved -= 1
 
-    def _resolve(self, owner: int, p: int, contrib: tuple[int, ...] | None, data: np.ndarray | None, rescued: bool = False) -> None:
+    def _settle(self, owner: int, p: int, contrib: tuple[int, ...], rescued: bool) -> None:
+        self._set_part(owner, p, PartState.AVERAGED)
+        self.part_contrib[owner][p] = contrib
+        self.rescued[owner] += int(rescued)
+
+    def _resolve(self, owner: int, p: int, contrib: tuple[int, ...] | None, data: np.ndarray | None,
+                 rescued: bool = False, partial: bool = False) -> None:
         """Settle part p of `owner`'s span: with a result (copied into the buffer only as far as it
-        is finite) or, without one, as unchanged."""
-        if self.status[owner][p] != _WAITING:
+        is finite) or, without one, as unchanged (`partial`: but for a leading range already
+        recorded in `self.partial`). A part already settled stays as it is (late or duplicate news)."""
+        if self.status[owner][p] is not PartState.WAITING:
             return
         if contrib is not None and data is not None:
             lo, hi = self.plan.part(owner, p)
-            done = copy_finite(self.buf[lo:hi], data)
+            done = take_finite(self.buf[lo:hi], data)
             if done == hi - lo:
                 self._settle(owner, p, contrib, rescued)
                 return
@@ -420,8 +473,8 @@ class AllReduceRound:
                         self.me.peer_id[:8], owner, p, done, hi - lo)
             if done:
                 self.partial.append((owner, lo, lo + done, contrib))
-        self.status[owner][p] = _UNCHANGED
-        self.unresolved -= 1
+                partial = True
+        self._set_part(owner, p, PartState.PARTIAL if partial else PartState.UNCHANGED)
 
     def _exclude(self, j: int, now: float) -> None:
         for r in [self.own, *self.rescues.values()]:
@@ -435,7 +488,7 @@ class AllReduceRound:
 
     # ------------------------------------------------------------------ failures
     def _unresolved_parts(self, owner: int) -> list[int]:
-        return [p for p, s in enumerate(self.status[owner]) if s == _WAITING]
+        return [p for p, s in enumerate(self.status[owner]) if s is PartState.WAITING]
 
     def _substitute_for(self, owner: int) -> int | None:
         for k in range(1, self.n):
@@ -473,10 +526,9 @@ class AllReduceRound:
             for p in range(r.nparts):
                 self._advance(r, p, now)
             return
-        self._send(s, self._msg(MsgType.RESCUE, owner=j, need=need))
+        self._send(s, Rescue(self.me.peer_id, self.me.endpoint, group_id=self._gid, owner=j, need=tuple(need)))
         for p in need:
-            lo, hi = self.plan.part(j, p)
-            self._send(s, self._msg(MsgType.PART, (self.buf[lo:hi],), owner=j, part=p, w=self.weight, resc=1))
+            self._send(s, self._part(j, p, rescue=True))
 
     def _asked(self, k: int) -> None:
         """We just asked k for something (a rescue): what k owes for it is waited for from now.
@@ -494,7 +546,7 @@ class AllReduceRound:
             r = self.rescues[owner] = _Reduce(owner, self.plan, self.buf.dtype, self.n, rescue=True)
             r.excluded |= self.lost | self.aux
             r.declared.setdefault(self.rank, frozenset())
-            call = self._msg(MsgType.RESCUE_CALL, owner=owner)
+            call = RescueCall(self.me.peer_id, self.me.endpoint, group_id=self._gid, owner=owner)
             for k in self._others():
                 if k != owner:
                     self._send(k, call)
@@ -510,15 +562,14 @@ class AllReduceRound:
             return
         self._now = now
         self.last_heard[j] = now
-        handler = getattr(self, "_on_" + msg.type.name.lower())
-        handler(j, msg, now)
+        _HANDLERS[type(msg)](self, j, msg, now)
         self._check_done(now)
 
-    def _on_gather(self, j: int, msg: Message, now: float) -> None:
+    def _on_gather(self, j: int, msg: Gather, now: float) -> None:
         if not self.members[j].sends_gather:
             return self._bad(j, msg, "GATHER from a member that announced it sends none")
-        self.gathered.setdefault(j, msg["data"])
-        self.weights[j] = msg["w"]
+        self.gathered.setdefault(j, msg.data)
+        self.weights[j] = msg.weight
 
     def _bad(self, j: int, msg: Message, why: str) -> None:
         self.dropped += 1
@@ -532,11 +583,11 @@ class AllReduceRound:
             return None
         return lo, hi
 
-    def _on_part(self, j: int, msg: Message, now: float) -> None:
-        owner, p, arr = msg["owner"], msg["part"], msg.payload[0]
+    def _on_part(self, j: int, msg: Part, now: float) -> None:
+        owner, p, arr = msg.owner, msg.part, msg.data
         if self._part_range(owner, p, arr) is None:
             return self._bad(j, msg, "part index, length or dtype does not match the group's plan")
-        if msg["resc"]:
+        if msg.rescue:
             r = self.rescues.get(owner)
             if r is None or p not in r.declared.get(j, ()):
                 return self._bad(j, msg, "rescue part that was not declared")
@@ -544,54 +595,54 @@ class AllReduceRound:
             if owner != self.rank:
                 return self._bad(j, msg, "part of a span this member does not own")
             r = self.own
-        if j in r.excluded or r.finished[p] or r.pos[p] > j or (j, p) in r.pending:
+        if j in r.excluded or r.state[p] is not ReduceState.COLLECTING or r.pos[p] > j or (j, p) in r.pending:
             return  # late or duplicate: that member's share of this part is already settled
         self.bytes_received += arr.nbytes
-        self.weights.setdefault(j, msg["w"])
-        r.pending[(j, p)] = (arr, msg["w"])
+        self.weights.setdefault(j, msg.weight)
+        r.pending[(j, p)] = (arr, msg.weight)
         self._advance(r, p, now)
 
-    def _on_result(self, j: int, msg: Message, now: float) -> None:
-        owner, p, arr = msg["owner"], msg["part"], msg.payload[0]
-        contrib = tuple(msg["contrib"])
+    def _on_result(self, j: int, msg: Result, now: float) -> None:
+        owner, p, arr = msg.owner, msg.part, msg.data
+        contrib = tuple(msg.contributors)
         left_out = self.rank not in contrib and arr.size == 0  # a notice: this part was averaged without us
         rng = (owner, p) if left_out and owner < self.n and p < self.plan.num_parts(owner) else \
             self._part_range(owner, p, arr)
         if rng is None or any(c >= self.n for c in contrib):
             return self._bad(j, msg, "result does not match the group's plan")
-        if not msg["resc"] and owner in self.rescue_target:
+        if not msg.rescue and owner in self.rescue_target:
             # a late result from an owner we already declared lost: our part of its span was handed to
             # the substitute (and may still be on its way, zero-copy from our buffer), so only the
             # substitute's result may write it
             self.late_results += 1
             return
-        expected = self.rescue_target.get(owner) if msg["resc"] else owner
+        expected = self.rescue_target.get(owner) if msg.rescue else owner
         if j != expected:
             return self._bad(j, msg, "result from a member that does not reduce that span")
         self.bytes_received += arr.nbytes
         if self.rank in contrib:
-            self._resolve(owner, p, contrib, arr, rescued=bool(msg["resc"]))
+            self._resolve(owner, p, contrib, arr, rescued=msg.rescue)
         else:
             self._resolve(owner, p, None, None)
 
-    def _on_abort(self, j: int, msg: Message, now: float) -> None:
-        log.info("%s: member %s left round: %s", self.me.peer_id[:8], self.members[j].peer_id[:8], msg["reason"])
+    def _on_abort(self, j: int, msg: Abort, now: float) -> None:
+        log.info("%s: member %s left round: %s", self.me.peer_id[:8], self.members[j].peer_id[:8], msg.reason)
         self._member_lost(j, now)
 
-    def _on_rescue_call(self, j: int, msg: Message, now: float) -> None:
-        owner = msg["owner"]
+    def _on_rescue_call(self, j: int, msg: RescueCall, now: float) -> None:
+        owner = msg.owner
         if owner >= self.n or owner == self.rank:
             return
         if owner not in self.rescue_target:
             self._member_lost(owner, now, substitute=j)
             if owner not in self.rescue_target:  # nothing to rescue here: still answer, so j need not wait
-                self._send(j, self._msg(MsgType.RESCUE, owner=owner, need=[]))
+                self._send(j, Rescue(self.me.peer_id, self.me.endpoint, group_id=self._gid, owner=owner, need=()))
 
-    def _on_rescue(self, j: int, msg: Message, now: float) -> None:
-        owner = msg["owner"]
+    def _on_rescue(self, j: int, msg: Rescue, now: float) -> None:
+        owner = msg.owner
         if owner >= self.n or owner == self.rank or self.plan.num_parts(owner) == 0:
             return
-        need = frozenset(p for p in msg["need"] if p < self.plan.num_parts(owner))
+        need = frozenset(p for p in msg.need if p < self.plan.num_parts(owner))
         if owner not in self.rescue_target:
             self._member_lost(owner, now, substitute=self.rank)  # declares my own needs too
         r = self._start_rescue(owner)
@@ -660,7 +711,7 @@ class AllReduceRound:
         busy_rescue = any(r.left for r in self.rescues.values())
         if not force and (self.unresolved or waiting_gather or busy_rescue or self.own.left):
             return
-        self.phase = RoundPhase.DONE
+        self.phase = transition(self.phase, RoundPhase.DONE, f"round {self._gid}")
         self._on_done(self, now)
 
     # ------------------------------------------------------------------ result
@@ -670,7 +721,7 @@ class AllReduceRound:
         for o in range(self.n):
             contrib: set[int] = set()
             for p, s in enumerate(self.status[o]):
-                if s == _AVERAGED:
+                if s is PartState.AVERAGED:
                     contrib.update(self.part_contrib[o][p])
                     ranges.append(self.plan.part(o, p))
             if o == self.rank and self.rank in self.aux:  # our tensor is untouched; report what we served
@@ -688,7 +739,7 @@ class AllReduceRound:
                 SpanOutcome(
                     owner=ids[o],
                     parts=len(self.status[o]),
-                    averaged=sum(1 for s in self.status[o] if s == _AVERAGED),
+                    averaged=sum(1 for s in self.status[o] if s is PartState.AVERAGED),
                     rescued=self.rescued[o],
                     contributors=tuple(ids[i] for i in sorted(contrib)),
                 )
@@ -713,3 +764,14 @@ class AllReduceRound:
             bytes_received=self.bytes_received,
             auxiliary=tuple(ids[i] for i in sorted(self.aux)),
         )
+
+
+#: the handler of each message class a round receives (the node routes these by group id)
+_HANDLERS: dict[type[Message], Callable[[AllReduceRound, int, Any, float], None]] = {
+    Gather: AllReduceRound._on_gather,
+    Part: AllReduceRound._on_part,
+    Result: AllReduceRound._on_result,
+    Abort: AllReduceRound._on_abort,
+    RescueCall: AllReduceRound._on_rescue_call,
+    Rescue: AllReduceRound._on_rescue,
+}

@@ -69,9 +69,9 @@ class Curve:
         from .wire import MsgType
 
         if msg.type is MsgType.REDIRECT:
-            pairs = [(msg["to_id"], msg["to_ep"])]
+            pairs = [(msg.to_id, msg.to_endpoint)]
         elif msg.type is MsgType.GROUP:
-            pairs = [(m[0], m[1]) for m in msg["members"]]
+            pairs = [(m.peer_id, m.endpoint) for m in msg.members]
         else:
             return
         for pid, ep in pairs:

@@ -1,13 +1,32 @@
 """The error hierarchy users see. Every error zgossip raises derives from ZGossipError.
 
-Messages say what happened and what to try next; bad input from a *peer* never
-raises (it is a logged drop), these are for the local user.
+Messages say what happened and what to try next. Two branches are kept apart on purpose:
+
+* `ProtocolError` -- *local* misuse or a bug: a message we refuse to build, a state machine asked
+  for a move its transition table does not allow (`IllegalTransition`). It is raised.
+* `InvalidMessage` -- a *remote* peer's bad data. `wire.decode` raises it, and the driver turns it
+  into a logged, counted drop; it never reaches the user, and catching `ProtocolError` (a bug of
+  ours) can never swallow it, nor the reverse.
+
+```
+ZGossipError
+├── ProtocolError            local misuse or a bug
+│   └── IllegalTransition    a state machine refused a move
+├── InvalidMessage           a peer's message failed validation
+├── GroupNotFound
+├── RoundTimeout
+├── PeerLost
+├── AveragerClosed
+├── StepInProgress
+└── StateUnavailable
+```
 """
 from __future__ import annotations
 
 __all__ = [
     "ZGossipError",
     "ProtocolError",
+    "IllegalTransition",
     "InvalidMessage",
     "GroupNotFound",
     "RoundTimeout",
@@ -23,11 +42,16 @@ class ZGossipError(Exception):
 
 
 class ProtocolError(ZGossipError):
-    """An illegal state transition or a violated protocol invariant (a bug, or misuse)."""
+    """Local misuse or a violated protocol invariant (a bug): nothing a remote peer can cause."""
 
 
-class InvalidMessage(ProtocolError):
-    """A message failed validation. Raised only by `wire.decode`; the node turns it into a logged drop."""
+class IllegalTransition(ProtocolError):
+    """A protocol state machine was asked for a move its transition table does not allow (a bug)."""
+
+
+class InvalidMessage(ZGossipError):
+    """A peer's message failed validation. Raised only by `wire.decode` (and the checks it shares);
+    the driver turns it into a logged drop. Not a `ProtocolError`: bad remote data is not our bug."""
 
 
 class GroupNotFound(ZGossipError):

@@ -36,31 +36,14 @@ from typing import Callable
 import numpy as np
 
 from . import layouts
-from .errors import GroupNotFound, ProtocolError
-from .membership import Membership
+from .errors import GroupNotFound, IllegalTransition, ProtocolError
+from .messages import Abort, Group, Join, JoinAck, Leave, MemberInfo, Message, NoGroup, Redirect
 from .rendezvous import rendezvous_order
-from .wire import Message, MsgType
+from .view import MembershipView
 
 __all__ = ["MemberInfo", "GroupSpec", "Matchmaker", "rendezvous_order", "JoinPhase"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class MemberInfo:
-    peer_id: str
-    endpoint: str
-    bandwidth: float
-    step_id: str
-    gathers: int = 1  # flags: 1 = sends GATHER (it passed gather data), 2 = auxiliary (weight 0, no data)
-
-    @property
-    def sends_gather(self) -> bool:
-        return bool(self.gathers & 1)
-
-    @property
-    def auxiliary(self) -> bool:
-        return bool(self.gathers & 2)
 
 
 @dataclass(frozen=True)
@@ -114,7 +97,7 @@ class _Join:
 
     def move(self, phase: JoinPhase) -> None:
         if phase not in _PHASE_MOVES[self.phase]:
-            raise ProtocolError(f"join {self.step_id}: illegal move {self.phase.value} -> {phase.value}")
+            raise IllegalTransition(f"join {self.step_id}: illegal move {self.phase.value} -> {phase.value}")
         self.phase = phase
 
 
@@ -140,7 +123,7 @@ class _Pool:
 class Matchmaker:
     def __init__(
         self,
-        membership: Membership,
+        membership: MembershipView,
         send: Callable[[str, Message], None],
         rng: np.random.Generator,
         on_group: Callable[[GroupSpec, float], None],
@@ -178,9 +161,6 @@ class Matchmaker:
     def endpoint(self) -> str:
         return self.membership.endpoint
 
-    def _msg(self, mtype: MsgType, **body) -> Message:
-        return Message(mtype, self.peer_id, self.endpoint, body)
-
     # ================================================================ joiner side
     def begin(self, step_id: str, key: str, bandwidth: float, layout: str, now: float, timeout: float,
               want: int | None = None, gathers: bool = True, layout_desc: str = "") -> None:
@@ -203,7 +183,7 @@ class Matchmaker:
     def _leave_all(self, j: _Join, keep: str | None = None) -> None:
         """Tell every rendezvous peer we asked during this join (but `keep`) that we do not come:
         an open pool drops us; a closed one already sent its GROUP, which we answer with ABORT."""
-        leave = self._msg(MsgType.LEAVE, key=j.key, step=j.step_id)
+        leave = Leave(self.peer_id, self.endpoint, key=j.key, step_id=j.step_id)
         for pid, ep in j.asked.items():
             if pid != keep:
                 self._send(ep, leave)
@@ -234,11 +214,8 @@ class Matchmaker:
         j.since = now
         j.wait_until = now + self.ack_wait(endpoint)
         log.debug("%s t=%.3f JOIN -> %s hops=%d", self.peer_id[:8], now, peer_id[:8], j.hops)
-        self._send(
-            endpoint,
-            self._msg(MsgType.JOIN, key=j.key, step=j.step_id, bw=j.bandwidth, layout=j.layout, hops=j.hops, want=j.want,
-                      g=j.gathers, ld=j.desc),
-        )
+        self._send(endpoint, Join(self.peer_id, self.endpoint, key=j.key, step_id=j.step_id, bandwidth=j.bandwidth,
+                                  layout=j.layout, hops=j.hops, want=j.want, gathers=int(j.gathers), layout_desc=j.desc))
 
     def _ask_next(self, now: float) -> None:
         j = self.join
@@ -250,6 +227,7 @@ class Matchmaker:
         if pid is None:  # a client that knows no peer yet (the ranking holds no one): look again soon
             j.move(JoinPhase.ASKING)
             j.target = ("", "")
+            j.since = now
             j.wait_until = now + self.request_timeout
             return
         j.hops = 0
@@ -275,22 +253,22 @@ class Matchmaker:
         )
         self._on_fail(j.step_id, err)
 
-    def _current(self, msg: Message) -> _Join | None:
+    def _current(self, msg: JoinAck | Redirect | NoGroup) -> _Join | None:
         j = self.join
-        if j is None or msg["step"] != j.step_id or msg["key"] != j.key or msg.sender != j.target[0]:
+        if j is None or msg.step_id != j.step_id or msg.key != j.key or msg.sender != j.target[0]:
             return None
         return j
 
-    def _late(self, msg: Message) -> _Join | None:
+    def _late(self, msg: JoinAck | Group) -> _Join | None:
         """The join `msg` answers if it comes from a rendezvous peer we asked during it, but moved
         on from (it was slow, not dead)."""
         j = self.join
-        if (j is None or msg["step"] != j.step_id or msg["key"] != j.key or msg.sender == j.target[0]
+        if (j is None or msg.step_id != j.step_id or msg.key != j.key or msg.sender == j.target[0]
                 or j.asked.get(msg.sender) != msg.endpoint):
             return None
         return j
 
-    def on_join_ack(self, msg: Message, now: float) -> None:
+    def on_join_ack(self, msg: JoinAck, now: float) -> None:
         log.debug("%s t=%.3f JOIN_ACK <- %s", self.peer_id[:8], now, msg.sender[:8])
         j = self._current(msg)
         if j is None:
@@ -302,10 +280,10 @@ class Matchmaker:
             order = self.ranking(j.key)
             rank = {p: i for i, p in enumerate(order)}
             if rank.get(msg.sender, len(order)) >= rank.get(j.target[0], len(order)):
-                self._send(msg.endpoint, self._msg(MsgType.LEAVE, key=j.key, step=j.step_id))
+                self._send(msg.endpoint, Leave(self.peer_id, self.endpoint, key=j.key, step_id=j.step_id))
                 return
             j.history.append(f"{msg.sender[:8]}: late JOIN_ACK, back to it")
-            self._send(j.target[1], self._msg(MsgType.LEAVE, key=j.key, step=j.step_id))
+            self._send(j.target[1], Leave(self.peer_id, self.endpoint, key=j.key, step_id=j.step_id))
             j.silent.discard(msg.sender)
             j.target = (msg.sender, msg.endpoint)
             j.move(JoinPhase.QUEUED)
@@ -317,55 +295,54 @@ class Matchmaker:
         j.since = now
         j.wait_until = now + self.matchmaking_time + 2 * self.request_timeout + 2.0 * self._rtt(msg.endpoint)
 
-    def on_redirect(self, msg: Message, now: float) -> None:
+    def on_redirect(self, msg: Redirect, now: float) -> None:
         j = self._current(msg)
         if j is None:
             return
-        j.history.append(f"{msg.sender[:8]} redirected to {msg['to_id'][:8]}")
-        if msg["to_id"] in j.silent:
+        j.history.append(f"{msg.sender[:8]} redirected to {msg.to_id[:8]}")
+        if msg.to_id in j.silent:
             # the redirecting peer still believes in a peer that already failed us (gossip has not
             # expired it yet): ask the redirecting peer again with the hop budget spent, so it
             # takes the join itself instead of bouncing us back until peer_timeout
-            j.history.append(f"{msg['to_id'][:8]} already silent: asking {msg.sender[:8]} to host")
+            j.history.append(f"{msg.to_id[:8]} already silent: asking {msg.sender[:8]} to host")
             j.hops = 2
             self._ask(j, msg.sender, msg.endpoint, now)
             return
         j.hops += 1
-        self._ask(j, msg["to_id"], msg["to_ep"], now)
+        self._ask(j, msg.to_id, msg.to_endpoint, now)
 
-    def on_no_group(self, msg: Message, now: float) -> None:
+    def on_no_group(self, msg: NoGroup, now: float) -> None:
         j = self._current(msg)
         if j is None:
             return
-        j.seen = max(j.seen, msg["seen"])
-        j.history.append(f"{msg.sender[:8]}: {msg['reason']}")
-        if not msg["retry"]:
+        j.seen = max(j.seen, msg.seen)
+        j.history.append(f"{msg.sender[:8]}: {msg.reason}")
+        if not msg.retry:
             self._fail(now, "left over after the key's full group formed")
         elif now + self.matchmaking_time + self.request_timeout <= j.deadline:
             self._ask_next(now)  # another window fits in the budget: try again
         else:
             self._fail(now, "matchmaking window closed without enough peers")
 
-    def on_group(self, msg: Message, now: float) -> None:
+    def on_group(self, msg: Group, now: float) -> None:
         j = self.join
         log.debug("%s t=%.3f GROUP <- %s", self.peer_id[:8], now, msg.sender[:8])
-        members = tuple(MemberInfo(*m) for m in msg["members"])
+        members = msg.members
         mine = [i for i, m in enumerate(members) if m.peer_id == self.peer_id]
         # any GROUP that holds our current step is taken while we have none: its pool got our JOIN
         # (perhaps after we moved on from a slow rendezvous peer), and its members wait for us
-        current = (j is not None and msg["key"] == j.key and len(mine) == 1 and members[mine[0]].step_id == j.step_id)
+        current = (j is not None and msg.key == j.key and len(mine) == 1 and members[mine[0]].step_id == j.step_id)
         if not current:
             # a group for a step we gave up on: tell its members not to wait for us
+            abort = Abort(self.peer_id, self.endpoint, group_id=msg.group_id, reason="step no longer active")
             for m in members:
                 if m.peer_id != self.peer_id:
-                    self._send(m.endpoint, Message(MsgType.ABORT, self.peer_id, self.endpoint,
-                                                   {"gid": msg["gid"], "reason": "step no longer active"}))
+                    self._send(m.endpoint, abort)
             return
-        try:
-            spec = GroupSpec(j.key, msg["gid"], members, mine[0], tuple(msg.body.get("odd", ())))
-        except ProtocolError as e:
-            log.warning("%s: dropped malformed GROUP from %s: %s", self.peer_id, msg.sender, e)
+        if len({m.peer_id for m in members}) != len(members):  # a peer's bad data: GroupSpec would refuse it
+            log.warning("%s: dropped malformed GROUP from %s: a peer appears twice", self.peer_id, msg.sender)
             return
+        spec = GroupSpec(j.key, msg.group_id, members, mine[0], msg.left_out)
         if msg.sender != j.target[0]:
             j.history.append(f"{msg.sender[:8]}: late GROUP taken")
         # the other pools we joined must not count on us (the sender's is closed: it sent this)
@@ -375,24 +352,25 @@ class Matchmaker:
         self._on_group(spec, now)
 
     # ================================================================ rendezvous side
-    def on_join(self, msg: Message, now: float) -> None:
-        key = msg["key"]
-        log.debug("%s t=%.3f JOIN <- %s hops=%d", self.peer_id[:8], now, msg.sender[:8], msg["hops"])
-        if msg["hops"] < 2:
+    def on_join(self, msg: Join, now: float) -> None:
+        key = msg.key
+        log.debug("%s t=%.3f JOIN <- %s hops=%d", self.peer_id[:8], now, msg.sender[:8], msg.hops)
+        if msg.hops < 2:
             best = self.ranking(key)[0]
             if best != self.peer_id and best != msg.sender:
                 ep = self.membership.endpoint_of(best)
                 assert ep is not None
-                self._send(msg.endpoint, self._msg(MsgType.REDIRECT, key=key, step=msg["step"], to_id=best, to_ep=ep))
+                self._send(msg.endpoint, Redirect(self.peer_id, self.endpoint, key=key, step_id=msg.step_id,
+                                                  to_id=best, to_endpoint=ep))
                 return
         pool = self.pools.get(key)
         if pool is None:
             pool = self.pools[key] = _Pool(closes=now + self.matchmaking_time, opened=now)
         pool.entries = [e for e in pool.entries if e.peer_id != msg.sender]
-        pool.entries.append(_Entry(msg.sender, msg.endpoint, msg["step"], msg["bw"], msg["layout"], msg["want"], msg["g"],
-                                   msg.body.get("ld", "")))
-        self._send(msg.endpoint, self._msg(MsgType.JOIN_ACK, key=key, step=msg["step"]))
-        same = [e for e in pool.entries if e.layout == msg["layout"]]
+        pool.entries.append(_Entry(msg.sender, msg.endpoint, msg.step_id, msg.bandwidth, msg.layout, msg.want,
+                                   int(msg.gathers), msg.layout_desc))
+        self._send(msg.endpoint, JoinAck(self.peer_id, self.endpoint, key=key, step_id=msg.step_id))
+        same = [e for e in pool.entries if e.layout == msg.layout]
         enough = max(self.min_group_size, min([self.target_group_size] + [e.want for e in same]))
         if len(same) >= enough:
             # Full: close after a short grace for stragglers rather than at once, so that a line that
@@ -412,29 +390,30 @@ class Matchmaker:
         joined = {e.peer_id for e in pool.entries}
         return self.peer_id in joined and joined.issuperset(live)
 
-    def on_leave(self, msg: Message, now: float) -> None:
-        pool = self.pools.get(msg["key"])
+    def on_leave(self, msg: Leave, now: float) -> None:
+        pool = self.pools.get(msg.key)
         if pool is not None:
-            pool.entries = [e for e in pool.entries if not (e.peer_id == msg.sender and e.step_id == msg["step"])]
+            pool.entries = [e for e in pool.entries if not (e.peer_id == msg.sender and e.step_id == msg.step_id)]
 
     def _form(self, key: str, entries: list[_Entry], odd: list | None = None, why_odd: str = "") -> None:
-        if all(e.bandwidth == 0 for e in entries):
-            self._refuse(key, entries, f"all {len(entries)} peers with this key are clients (bandwidth 0)" + why_odd)
-            return
         if all(e.gathers & 2 for e in entries):
             self._refuse(key, entries, f"all {len(entries)} peers with this key are auxiliary (no data to average)")
             return
+        if all(e.bandwidth == 0 for e in entries):
+            self._refuse(key, entries, f"all {len(entries)} peers with this key are clients (bandwidth 0)" + why_odd)
+            return
         gid = self._rng.bytes(8).hex()
-        members = [[e.peer_id, e.endpoint, e.bandwidth, e.step_id, e.gathers] for e in entries]
-        msg = self._msg(MsgType.GROUP, key=key, gid=gid, members=members,
-                        odd=odd or [])  # one message for all: each finds itself
+        members = tuple(MemberInfo(e.peer_id, e.endpoint, e.bandwidth, e.step_id, e.gathers) for e in entries)
+        # one message for all: each finds itself
+        msg = Group(self.peer_id, self.endpoint, key=key, group_id=gid, members=members,
+                    left_out=tuple((pid, what) for pid, what in odd or ()))
         for e in entries:
             self._send(e.endpoint, msg)
 
     def _refuse(self, key: str, entries: list[_Entry], reason: str, retry: bool = True) -> None:
         for e in entries:
-            self._send(e.endpoint, self._msg(MsgType.NO_GROUP, key=key, step=e.step_id, reason=reason[:4000],
-                                             seen=len(entries), retry=int(retry)))
+            self._send(e.endpoint, NoGroup(self.peer_id, self.endpoint, key=key, step_id=e.step_id, reason=reason[:4000],
+                                           seen=len(entries), retry=retry))
 
     def _close_pool(self, key: str, pool: _Pool, now: float) -> None:
         by_layout: dict[str, list[_Entry]] = {}
@@ -501,7 +480,7 @@ class Matchmaker:
             j.history.append(f"{j.target[0][:8]}: {what} within {j.wait_until - j.since:.2g}s")
             j.silent.add(j.target[0])
             if j.phase is JoinPhase.QUEUED:
-                self._send(j.target[1], self._msg(MsgType.LEAVE, key=j.key, step=j.step_id))
+                self._send(j.target[1], Leave(self.peer_id, self.endpoint, key=j.key, step_id=j.step_id))
                 j.asked.pop(j.target[0], None)  # it was told we left: its GROUP would not hold us
             self._ask_next(now)
 

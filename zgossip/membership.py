@@ -26,7 +26,7 @@ import numpy as np
 
 from .endpoints import listens
 from .rendezvous import RankingCache
-from .wire import Message, MsgType
+from .messages import Bye, Gossip, GossipReply, Message
 
 __all__ = ["PeerRecord", "Membership"]
 
@@ -179,7 +179,7 @@ class Membership:
             # afterwards, so that two halves that lost each other find each other again
             targets += [ep for ep in self.initial_peers if ep not in targets]
         if targets:
-            msg = self._digest_message(MsgType.GOSSIP)
+            msg = self._digest_message(Gossip)
             for ep in targets:
                 self._pinged.setdefault(ep, now)
                 self._send(ep, msg)
@@ -205,14 +205,14 @@ class Membership:
             rec.updated = now
             rec.endpoint = endpoint
 
-    def on_gossip(self, msg: Message, now: float) -> None:
+    def on_gossip(self, msg: Gossip | GossipReply, now: float) -> None:
         if self._left.pop(msg.sender, None) is not None:
             self.observe(msg.sender, msg.endpoint, now)  # it said goodbye, and now gossips again: back
-        self.merge(msg["peers"], now)
+        self.merge(msg.peers, now)
         if self.said_goodbye:
             return  # we left: answering would only tell others about us again
-        if msg.type is MsgType.GOSSIP:
-            self._send(msg.endpoint, self._digest_message(MsgType.GOSSIP_REPLY))
+        if type(msg) is Gossip:
+            self._send(msg.endpoint, self._digest_message(GossipReply))
         else:
             sent = self._pinged.pop(msg.endpoint, None)
             if sent is not None and now - sent < self.peer_timeout:
@@ -262,11 +262,11 @@ class Membership:
             return
         self.said_goodbye = True
         self._next_tick = None
-        msg = Message(MsgType.BYE, self.peer_id, self.endpoint, {"hb": self.heartbeat})
+        msg = Bye(self.peer_id, self.endpoint, heartbeat=self.heartbeat)
         for pid in self.live_ids():
             self._send(self.peers[pid].endpoint, msg)
 
-    def on_bye(self, msg: Message, now: float) -> None:
+    def on_bye(self, msg: Bye, now: float) -> None:
         """`msg.sender` shut down cleanly: forget it at once (not after peer_timeout)."""
         pid = msg.sender
         if pid == self.peer_id:
@@ -278,11 +278,11 @@ class Membership:
         if len(self._left) > 4096:  # bounded: the oldest entries are past peer_timeout first
             self._left.pop(next(iter(self._left)))
         if rec is not None:
-            rec.heartbeat = max(rec.heartbeat, msg["hb"])
+            rec.heartbeat = max(rec.heartbeat, msg.heartbeat)
             self.forget(pid, now, why="said goodbye")
         else:
             old = self._tombstones.get(pid, (0, now))[0]
-            self._tombstones[pid] = (max(old, msg["hb"]), now)
+            self._tombstones[pid] = (max(old, msg.heartbeat), now)
 
     def forget(self, peer_id: str, now: float, why: str = "silent") -> None:
         rec = self.peers.pop(peer_id, None)
@@ -312,11 +312,11 @@ class Membership:
         chosen = self._rng.choice(len(ids), size=k, replace=False)
         return [self.peers[ids[i]].endpoint for i in sorted(chosen)]
 
-    def _digest_message(self, mtype: MsgType) -> Message:
+    def _digest_message(self, kind: type[Gossip] | type[GossipReply]) -> Gossip | GossipReply:
         ids = self.live_ids()
         if len(ids) > self.max_digest - 1:
             pick = self._rng.choice(len(ids), size=self.max_digest - 1, replace=False)
             ids = [ids[i] for i in sorted(pick)]
         entries = [(self.peer_id, self.endpoint, self.heartbeat, self.share, self.info)]
         entries += [(p, r.endpoint, r.heartbeat, r.share, r.info) for p in ids for r in (self.peers[p],)]
-        return Message(mtype, self.peer_id, self.endpoint, {"hb": self.heartbeat, "peers": entries})
+        return kind(self.peer_id, self.endpoint, heartbeat=self.heartbeat, peers=tuple(entries))

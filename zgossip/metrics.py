@@ -10,7 +10,7 @@ install. The tests check its output with prometheus_client's own parser.
 `JsonLinesLog` is a `StepLog` listener that appends one JSON object per step to a file
 (``zgossip peer --log-json FILE``).
 
-Not protocol code: it may start threads and open sockets (tests/test_architecture.py lists it
+Not protocol code: it may start threads and open sockets (tests/other/test_architecture.py lists it
 as an ops module), and the Averager imports it only when ``metrics_port`` is given.
 """
 from __future__ import annotations

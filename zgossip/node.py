@@ -20,13 +20,16 @@ import numpy as np
 from .actions import Disconnect, DownloadDone, DownloadFailed, Send, ServeState, StepDone, StepFailed
 from .allreduce import AllReduceRound, RoundOutcome, SpanOutcome
 from .endpoints import listens
-from .errors import PeerLost, ProtocolError, RoundTimeout, StepInProgress
+from .errors import IllegalTransition, PeerLost, RoundTimeout, StepInProgress
 from .grid import MoshpitGrid
 from .matchmaking import GroupSpec, Matchmaker
 from .membership import Membership
+from .messages import (
+    Abort, Bye, Done, Gather, Gossip, GossipReply, Group, Join, JoinAck, Leave, Message, NoGroup, Part, Redirect, Rescue,
+    RescueCall, Result, StateChunk, StateMeta, StateReq, check_info,
+)
 from .state import StateDonor, StateDownload
 from .view import MembershipView
-from .wire import Message, MsgType, check_info
 
 __all__ = [
     "NodeConfig", "StepRequest", "StepResult", "Node", "Send", "StepDone", "StepFailed", "Disconnect", "StepPhase",
@@ -116,8 +119,8 @@ _STEP_MOVES = {
     StepPhase.AVERAGING: {StepPhase.IDLE},
 }
 
-_STATE_TYPES = {MsgType.STATE_REQ, MsgType.STATE_META, MsgType.STATE_CHUNK}
-_ROUND_TYPES = {MsgType.GATHER, MsgType.PART, MsgType.RESULT, MsgType.ABORT, MsgType.RESCUE_CALL, MsgType.RESCUE}
+#: messages of a running all-reduce round (routed by group id)
+_ROUND_MESSAGES = (Gather, Part, Result, Abort, RescueCall, Rescue)
 
 
 @dataclass
@@ -176,6 +179,17 @@ class Node:
         self.downloads: dict[str, StateDownload] = {}
         self.stats = {"messages": 0, "dropped": 0, "late": 0}
         self._warned_layouts: set[tuple[str, str]] = set()
+        mm, ms = self.matchmaker, self.membership
+        #: which part of the node handles each message class
+        self._handlers: dict[type[Message], Any] = {
+            Gossip: ms.on_gossip, GossipReply: ms.on_gossip,
+            Join: mm.on_join, Leave: mm.on_leave, JoinAck: mm.on_join_ack, Redirect: mm.on_redirect,
+            NoGroup: mm.on_no_group, Group: mm.on_group,
+            Bye: self._on_bye,
+            **{cls: self._round_message for cls in _ROUND_MESSAGES},
+            Done: self._on_done_msg,
+            StateReq: self._on_state_req, StateMeta: self._on_state_meta, StateChunk: self._on_state_chunk,
+        }
 
     # ------------------------------------------------------------------ plumbing
     def _send(self, endpoint: str, msg: Message) -> None:
@@ -198,7 +212,7 @@ class Node:
 
     def _move(self, phase: StepPhase) -> None:
         if phase not in _STEP_MOVES[self.phase]:
-            raise ProtocolError(f"illegal step transition {self.phase.value} -> {phase.value}")
+            raise IllegalTransition(f"illegal step transition {self.phase.value} -> {phase.value}")
         self.phase = phase
 
     def current_key(self) -> str:
@@ -255,7 +269,7 @@ class Node:
             return
         if st.round is not None:
             rnd = st.round
-            abort = Message(MsgType.ABORT, self.peer_id, self.endpoint, {"gid": rnd.spec.group_id, "reason": why})
+            abort = Abort(self.peer_id, self.endpoint, group_id=rnd.spec.group_id, reason=why)
             for i, m in enumerate(rnd.members):
                 if i != rnd.rank:
                     self._send(m.endpoint, abort)
@@ -326,18 +340,27 @@ class Node:
         self.downloads.pop(dl.req, None)
         self._actions.append(DownloadFailed(dl.req, err) if err is not None else DownloadDone(dl.req, meta, arrays))
 
-    def _state_message(self, msg: Message, now: float) -> None:
-        if msg.type is MsgType.STATE_REQ:
-            if self.membership.share is None:
-                self.donor.refuse(msg["req"], msg.endpoint, "this peer does not share its state")
-            else:
-                self._actions.append(ServeState(msg["req"], msg.endpoint))
-            return
-        dl = self.downloads.get(msg["req"])
+    def _on_bye(self, msg: Bye, now: float) -> None:
+        self.membership.on_bye(msg, now)
+        self.on_peer_down(msg.endpoint, now)  # gone: a join waiting on it asks the next candidate now
+
+    def _on_state_req(self, msg: StateReq, now: float) -> None:
+        if self.membership.share is None:
+            self.donor.refuse(msg.req, msg.endpoint, "this peer does not share its state")
+        else:
+            self._actions.append(ServeState(msg.req, msg.endpoint))
+
+    def _on_state_meta(self, msg: StateMeta, now: float) -> None:
+        dl = self.downloads.get(msg.req)
         if dl is None:
             self.stats["late"] += 1
-        elif msg.type is MsgType.STATE_META:
+        else:
             dl.on_meta(msg, now)
+
+    def _on_state_chunk(self, msg: StateChunk, now: float) -> None:
+        dl = self.downloads.get(msg.req)
+        if dl is None:
+            self.stats["late"] += 1
         else:
             dl.on_chunk(msg, now)
 
@@ -346,8 +369,8 @@ class Node:
         have not said DONE and are not known dead). A peer shutting down waits (bounded) until not."""
         return any(self._owed.values())
 
-    def _on_done_msg(self, msg: Message) -> None:
-        gid = msg["gid"]
+    def _on_done_msg(self, msg: Done, now: float) -> None:
+        gid = msg.group_id
         st = self.step
         running = st is not None and st.round is not None and st.round.spec.group_id == gid
         if not running and gid not in self._finished:
@@ -409,31 +432,10 @@ class Node:
     def _dispatch(self, msg: Message, now: float) -> None:
         if msg.sender != self.peer_id:
             self.membership.observe(msg.sender, msg.endpoint, now)
-        t = msg.type
-        if t in (MsgType.GOSSIP, MsgType.GOSSIP_REPLY):
-            self.membership.on_gossip(msg, now)
-        elif t is MsgType.BYE:
-            self.membership.on_bye(msg, now)
-            self.on_peer_down(msg.endpoint, now)  # gone: a join waiting on it asks the next candidate now
-        elif t is MsgType.DONE:
-            self._on_done_msg(msg)
-        elif t in _ROUND_TYPES:
-            self._round_message(msg, now)
-        elif t in _STATE_TYPES:
-            self._state_message(msg, now)
-        else:
-            mm = self.matchmaker
-            {
-                MsgType.JOIN: mm.on_join,
-                MsgType.LEAVE: mm.on_leave,
-                MsgType.JOIN_ACK: mm.on_join_ack,
-                MsgType.REDIRECT: mm.on_redirect,
-                MsgType.NO_GROUP: mm.on_no_group,
-                MsgType.GROUP: mm.on_group,
-            }[t](msg, now)
+        self._handlers[type(msg)](msg, now)
 
-    def _round_message(self, msg: Message, now: float) -> None:
-        gid = msg["gid"]
+    def _round_message(self, msg: Gather | Part | Result | Abort | RescueCall | Rescue, now: float) -> None:
+        gid = msg.group_id
         st = self.step
         if st is not None and st.round is not None and st.round.spec.group_id == gid:
             before = st.round.dropped
@@ -442,14 +444,14 @@ class Node:
             return
         done = self._finished.get(gid)
         if done is not None:
-            if msg.type is MsgType.RESCUE_CALL:
+            if type(msg) is RescueCall:
                 # we finished already, so we need nothing: say so, so the substitute need not wait
-                reply = Message(MsgType.RESCUE, self.peer_id, self.endpoint, {"gid": gid, "owner": msg["owner"], "need": []})
+                reply = Rescue(self.peer_id, self.endpoint, group_id=gid, owner=msg.owner, need=())
                 self._send(msg.endpoint, reply)
             else:
                 self.stats["late"] += 1
             return
-        if self.phase is StepPhase.MATCHMAKING and msg.type is not MsgType.ABORT:
+        if self.phase is StepPhase.MATCHMAKING and type(msg) is not Abort:
             # a groupmate may start before our GROUP message arrives: keep its messages briefly
             early = self._early.setdefault(gid, [])
             if len(self._early) <= 4 and len(early) < self.config.early_buffer_messages:
@@ -510,7 +512,7 @@ class Node:
         while len(self._finished) > 8:
             self._finished.pop(next(iter(self._finished)))
         # tell the others we need nothing more, and remember who may still need something from us
-        done = Message(MsgType.DONE, self.peer_id, self.endpoint, {"gid": gid})
+        done = Done(self.peer_id, self.endpoint, group_id=gid)
         said = self._done_from.get(gid, set())
         serves = rnd.plan.num_parts(rnd.rank) > 0 or bool(rnd.rescues)  # a client with no span owes no results
         owed = {}
@@ -530,8 +532,7 @@ class Node:
             spans=out.spans, updated=out.updated,
             timings={"matchmaking": st.grouped - st.started, "allreduce": now - st.grouped, "total": now - st.started},
             bytes_sent=out.bytes_sent, bytes_received=out.bytes_received, coords=coords_before,
-            left_out=dict(rnd.spec.left_out),
-            auxiliary=out.auxiliary,
+            left_out=dict(rnd.spec.left_out), auxiliary=out.auxiliary,
         )
         if len(out.members) > 1 and not set(out.contributors) - {self.peer_id} and self.peer_id not in out.auxiliary:
             self._end_step(StepFailed(st.req.step_id, PeerLost(

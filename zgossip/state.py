@@ -21,16 +21,13 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .errors import ProtocolError, StateUnavailable
-from .membership import Membership
-from .wire import DTYPES, Message, MsgType
+from .errors import IllegalTransition, StateUnavailable
+from .messages import CODE_OF, DTYPES, Message, StateChunk, StateMeta, StateReq
+from .view import MembershipView
 
 __all__ = ["state_digest", "StateDonor", "StateDownload", "DownloadPhase"]
 
 log = logging.getLogger(__name__)
-
-_CODE_OF = {dt: code for code, dt in DTYPES.items()}
-
 
 def state_digest(arrays: Sequence[np.ndarray]) -> str:
     h = hashlib.blake2b(digest_size=16)
@@ -50,11 +47,10 @@ class StateDonor:
         self.peer_id, self.endpoint, self._send, self.chunk_bytes = peer_id, endpoint, send, chunk_bytes
         self.served = 0
 
-    def _meta(self, req: str, ok: bool, reason: str = "", meta: Any = None, specs: list | None = None,
-              digest: str = "") -> Message:
-        return Message(MsgType.STATE_META, self.peer_id, self.endpoint,
-                       {"req": req, "ok": int(ok), "reason": reason, "meta": meta, "specs": specs or [],
-                        "chunk_bytes": self.chunk_bytes, "digest": digest})
+    def _meta(self, req: str, ok: bool, reason: str = "", meta: Any = None, specs: tuple = (),
+              digest: str = "") -> StateMeta:
+        return StateMeta(self.peer_id, self.endpoint, req=req, ok=ok, reason=reason, meta=meta, specs=specs,
+                         chunk_bytes=self.chunk_bytes, digest=digest)
 
     def refuse(self, req: str, endpoint: str, reason: str) -> None:
         self._send(endpoint, self._meta(req, False, reason))
@@ -62,19 +58,18 @@ class StateDonor:
     def serve(self, req: str, endpoint: str, meta: Any, arrays: Sequence[np.ndarray]) -> None:
         specs = []
         for a in arrays:
-            if a.dtype not in _CODE_OF:
+            if a.dtype not in CODE_OF:
                 self.refuse(req, endpoint, f"donor state holds dtype {a.dtype}, which cannot be sent")
                 return
-            specs.append([_CODE_OF[a.dtype], list(a.shape)])
+            specs.append((CODE_OF[a.dtype], tuple(a.shape)))
         arrays = [np.ascontiguousarray(a) for a in arrays]
-        self._send(endpoint, self._meta(req, True, meta=meta, specs=specs, digest=state_digest(arrays)))
+        self._send(endpoint, self._meta(req, True, meta=meta, specs=tuple(specs), digest=state_digest(arrays)))
         idx = 0
         for t, a in enumerate(arrays):
             raw = a.reshape(-1).view(np.uint8)
             for off in range(0, raw.size, self.chunk_bytes):
-                body = {"req": req, "idx": idx, "tensor": t, "offset": off}
-                self._send(endpoint, Message(MsgType.STATE_CHUNK, self.peer_id, self.endpoint, body,
-                                             (raw[off: off + self.chunk_bytes],)))
+                self._send(endpoint, StateChunk(self.peer_id, self.endpoint, req=req, index=idx, tensor=t, offset=off,
+                                                data=raw[off: off + self.chunk_bytes]))
                 idx += 1
         self.served += 1
 
@@ -97,7 +92,7 @@ class StateDownload:
     """Downloader side of one `load_state_from_peers` call."""
 
     req: str
-    membership: Membership
+    membership: MembershipView
     send: Callable[[str, Message], None]
     rng: np.random.Generator
     started: float
@@ -119,7 +114,7 @@ class StateDownload:
 
     def _move(self, phase: DownloadPhase) -> None:
         if phase not in _MOVES[self.phase]:
-            raise ProtocolError(f"download {self.req}: illegal move {self.phase.value} -> {phase.value}")
+            raise IllegalTransition(f"download {self.req}: illegal move {self.phase.value} -> {phase.value}")
         self.phase = phase
 
     # ------------------------------------------------------------------ donor choice
@@ -144,8 +139,7 @@ class StateDownload:
         self.donor = (pick.peer_id, pick.endpoint)
         self._move(DownloadPhase.ASKING)
         self.wait_until = now + self.chunk_timeout
-        self.send(pick.endpoint, Message(MsgType.STATE_REQ, self.membership.peer_id, self.membership.endpoint,
-                                         {"req": self.req}))
+        self.send(pick.endpoint, StateReq(self.membership.peer_id, self.membership.endpoint, req=self.req))
 
     def _give_up_on_donor(self, now: float, why: str) -> None:
         self.history.append(f"{self.donor[0][:8]}: {why}")
@@ -158,12 +152,12 @@ class StateDownload:
         self.on_done(self, meta, arrays, err)
 
     # ------------------------------------------------------------------ messages
-    def on_meta(self, msg: Message, now: float) -> None:
-        if self.phase is not DownloadPhase.ASKING or msg.sender != self.donor[0] or msg["req"] != self.req:
+    def on_meta(self, msg: StateMeta, now: float) -> None:
+        if self.phase is not DownloadPhase.ASKING or msg.sender != self.donor[0] or msg.req != self.req:
             return
-        if not msg["ok"]:
-            return self._give_up_on_donor(now, f"refused: {msg['reason']}")
-        specs, chunk = msg["specs"], msg["chunk_bytes"]
+        if not msg.ok:
+            return self._give_up_on_donor(now, f"refused: {msg.reason}")
+        specs, chunk = msg.specs, msg.chunk_bytes
         bufs, plan, total = [], [], 0
         for t, (code, shape) in enumerate(specs):
             if code not in DTYPES:
@@ -174,21 +168,21 @@ class StateDownload:
                 return self._give_up_on_donor(now, f"state larger than the {self.max_bytes}-byte limit")
             bufs.append(np.empty(nbytes, dtype=np.uint8))
             plan += [(t, off, min(chunk, nbytes - off)) for off in range(0, nbytes, chunk)]
-        self._meta, self._specs, self._bufs, self._plan, self._next = msg["meta"], specs, bufs, plan, 0
-        self._digest = msg["digest"]
+        self._meta, self._specs, self._bufs, self._plan, self._next = msg.meta, specs, bufs, plan, 0
+        self._digest = msg.digest
         self._move(DownloadPhase.STREAMING)
         self.wait_until = now + self.chunk_timeout
         self._maybe_complete(now)
 
-    def on_chunk(self, msg: Message, now: float) -> None:
-        if self.phase is not DownloadPhase.STREAMING or msg.sender != self.donor[0] or msg["req"] != self.req:
+    def on_chunk(self, msg: StateChunk, now: float) -> None:
+        if self.phase is not DownloadPhase.STREAMING or msg.sender != self.donor[0] or msg.req != self.req:
             return
         if self._next >= len(self._plan):
             return self._give_up_on_donor(now, "sent more chunks than announced")
         t, off, length = self._plan[self._next]
-        arr = msg.payload[0]
-        if msg["idx"] != self._next or msg["tensor"] != t or msg["offset"] != off or arr.nbytes != length:
-            return self._give_up_on_donor(now, f"chunk {msg['idx']} does not match the announced layout")
+        arr = msg.data
+        if msg.index != self._next or msg.tensor != t or msg.offset != off or arr.nbytes != length:
+            return self._give_up_on_donor(now, f"chunk {msg.index} does not match the announced layout")
         self._bufs[t][off: off + length] = arr.view(np.uint8)
         self._next += 1
         self.wait_until = now + self.chunk_timeout

@@ -3,7 +3,7 @@
 `Node`, `Matchmaker` and `StateDownload` see membership only through this interface. Two
 classes implement it: `zgossip.membership.Membership` (gossip, what real peers run) and
 `sim.static.StaticView` (a converged table shared by a whole simulated swarm, for very large
-simulations). `tests/test_seam.py` checks that both provide every member listed here.
+simulations). `tests/sim/test_seam.py` checks that both provide every member listed here.
 """
 from __future__ import annotations
 

@@ -421,8 +421,7 @@ class ZmqTransport:
             if len(q) == q.maxlen:
                 self.stats["unreachable"] += 1
             # payload views of a tensor may change before the client connects: keep a copy
-            q.append(msg if not msg.payload else wire.Message._trusted(
-                msg.type, msg.sender, msg.endpoint, msg.body, tuple(a.copy() for a in msg.payload)))
+            q.append(msg.detached())
             return
         try:
             frames, big = self._lent.encode(msg, {} if batch is None else batch)

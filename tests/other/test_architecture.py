@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-PKG = Path(__file__).resolve().parent.parent / "zgossip"
-PROTOCOL_MODULES = ["wire", "membership", "matchmaking", "grid", "partition", "allreduce", "node", "tensors", "errors",
-                    "rendezvous", "state", "layouts"]
+PKG = Path(__file__).resolve().parents[2] / "zgossip"
+PROTOCOL_MODULES = ["wire", "messages", "membership", "matchmaking", "grid", "partition", "allreduce", "numeric", "node",
+                    "tensors", "errors", "rendezvous", "state", "layouts"]
 SEAM_MODULES = ["actions", "transport", "view"]  # the interfaces between protocol, transports and users
 USER_MODULES = ["averager", "training_state", "progress", "steplog"]  # above the seam: time and waits from the Clock
 # the training layer: also above the seam, on the averager's clock (so `python -m sim train` runs it)
@@ -69,6 +69,12 @@ def test_protocol_module_imports_no_io(module):
     assert not bad, f"zgossip/{module}.py imports {sorted(bad)}: protocol code must stay sans-IO"
 
 
+@pytest.mark.parametrize("module", [m for m in PROTOCOL_MODULES if m != "wire"])
+def test_only_wire_knows_bytes(module):
+    """Messages are typed values everywhere but in `wire`, which alone packs and parses headers."""
+    assert "msgpack" not in _imports(PKG / f"{module}.py"), f"zgossip/{module}.py imports msgpack: only wire knows bytes"
+
+
 @pytest.mark.parametrize("module", PROTOCOL_MODULES + SEAM_MODULES + USER_MODULES + TRAINING_MODULES)
 def test_no_global_random_and_no_own_threads(module):
     path = PKG / f"{module}.py"
@@ -89,7 +95,7 @@ def test_training_layer_ratchet():
                      + OPS_MODULES)
     tools = {"__init__", "bench", "bench_train", "cli", "demo", "peer", "swarm", "train_demo", "kernels"}  # CLIs, demos
     present = {p.stem for p in PKG.glob("*.py")}
-    assert present - classified - tools == set(), "classify new modules in tests/test_architecture.py"
+    assert present - classified - tools == set(), "classify new modules in tests/other/test_architecture.py"
     assert not TRAINING_NOT_YET_ON_THE_CLOCK, "the ratchet is empty: every training module is on the clock"
     assert set(TRAINING_MODULES) <= classified
 

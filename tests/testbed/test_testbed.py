@@ -22,7 +22,7 @@ from sim.testbed import PREFIX, Testbed, check_support, cleanup
 
 REASON = check_support()
 needs_netns = pytest.mark.skipif(REASON is not None, reason=f"testbed unavailable: {REASON}")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 

@@ -17,7 +17,7 @@ import pytest
 from sim import sweep as sw
 from sim.sweep import Sweep, load_sweep, read_table, run_sweep
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 SMALL = """
 name = "small"

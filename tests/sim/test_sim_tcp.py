@@ -17,9 +17,9 @@ from sim.network import Partition, Profile
 from sim.scenario import load_scenario, run_scenario
 from sim.tcp import TcpParams, TcpTransport
 from zgossip.node import NodeConfig
-from zgossip.wire import Message, MsgType, lane_of
+from zgossip.wire import MsgType, make_message, lane_of
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MB = 1_000_000
 
 
@@ -105,7 +105,7 @@ def _pair(transfer="tcp", **net):
 
 
 def _gossip(a, hb):
-    return Message(MsgType.GOSSIP_REPLY, a.peer_id, a.endpoint, {"hb": hb, "peers": []})
+    return make_message(MsgType.GOSSIP_REPLY, a.peer_id, a.endpoint, {"hb": hb, "peers": []})
 
 
 def test_loss_slows_tcp_but_never_loses_or_reorders_a_message():
@@ -115,7 +115,7 @@ def test_loss_slows_tcp_but_never_loses_or_reorders_a_message():
         seen.clear()
         for hb in range(10_001, 10_301):  # far above the nodes' own heartbeats
             cl._transmit(a, b.endpoint, _gossip(a, hb))
-        big = Message(MsgType.PART, a.peer_id, a.endpoint, {"gid": "g", "owner": 0, "part": 0, "w": 1.0, "resc": 0},
+        big = make_message(MsgType.PART, a.peer_id, a.endpoint, {"gid": "g", "owner": 0, "part": 0, "w": 1.0, "resc": 0},
                       (np.zeros(1 << 18, np.float32),))
         cl._transmit(a, b.endpoint, big)
         cl.run(until=200.0)
@@ -123,7 +123,7 @@ def test_loss_slows_tcp_but_never_loses_or_reorders_a_message():
 
     clean, seen0 = run(0.0)
     lossy, seen1 = run(0.05)
-    hbs = [m["hb"] for _, m in seen1 if m.type is MsgType.GOSSIP_REPLY and m["hb"] > 10_000]
+    hbs = [m.heartbeat for _, m in seen1 if m.type is MsgType.GOSSIP_REPLY and m.heartbeat > 10_000]
     assert hbs == list(range(10_001, 10_301))  # all there, in order
     assert lossy.lost == 0 and lossy.tcp.loss_events > 0
     part_at = [next(t for t, m in seen if m.type is MsgType.PART) for seen in (seen0, seen1)]
@@ -137,12 +137,12 @@ def test_a_result_on_lane_1_overtakes_parts_queued_on_lane_0():
     seen.clear()
     body = {"gid": "g", "owner": 0, "part": 0, "w": 1.0, "resc": 0}
     for p in range(3):
-        cl._transmit(a, b.endpoint, Message(MsgType.PART, a.peer_id, a.endpoint, {**body, "part": p},
+        cl._transmit(a, b.endpoint, make_message(MsgType.PART, a.peer_id, a.endpoint, {**body, "part": p},
                                             (np.zeros(1 << 17, np.float32),)))
     res = {"gid": "g", "owner": 0, "part": 0, "contrib": [0], "resc": 0}
-    cl._transmit(a, b.endpoint, Message(MsgType.RESULT, a.peer_id, a.endpoint, res, (np.zeros(16, np.float32),)))
+    cl._transmit(a, b.endpoint, make_message(MsgType.RESULT, a.peer_id, a.endpoint, res, (np.zeros(16, np.float32),)))
     cl.run(until=30.0)
-    kinds = [(m.type, m["part"]) for _, m in seen if m.type in (MsgType.PART, MsgType.RESULT)]
+    kinds = [(m.type, m.part) for _, m in seen if m.type in (MsgType.PART, MsgType.RESULT)]
     assert kinds[0] == (MsgType.RESULT, 0)
     assert [p for t, p in kinds if t is MsgType.PART] == [0, 1, 2]  # lane 0 keeps its order
 
@@ -154,7 +154,7 @@ def test_partition_delays_tcp_traffic_until_it_heals_and_loses_nothing():
     seen.clear()
     cl._transmit(a, b.endpoint, _gossip(a, 42))
     cl.run(until=20.0)
-    assert [m["hb"] for _, m in seen] == [42]
+    assert [m.heartbeat for _, m in seen] == [42]
     assert seen[0][0] >= 4.0
 
 

@@ -1,6 +1,7 @@
 """State download: donor choice by priority, spreading, chunked streaming, verification, fallback."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -10,7 +11,7 @@ import zgossip
 from harness import FAST
 from sim import NetworkModel, SimCluster
 from zgossip.node import DownloadDone, DownloadFailed, NodeConfig
-from zgossip.wire import Message, MsgType
+from zgossip.wire import MsgType
 
 CFG = dict(prefix="st", gossip_interval=0.05, peer_timeout=3.0, part_size_bytes=4096)
 
@@ -87,10 +88,10 @@ def test_corrupted_stream_is_rejected_by_checksum():
     send = donor._send
 
     def corrupting_send(endpoint, msg):  # flips one byte of the third chunk on its way out
-        if msg.type is MsgType.STATE_CHUNK and msg["idx"] == 2:
+        if msg.type is MsgType.STATE_CHUNK and msg.index == 2:
             bad = msg.payload[0].copy()
             bad[0] ^= 0xFF
-            msg = Message(msg.type, msg.sender, msg.endpoint, msg.body, (bad,))
+            msg = dataclasses.replace(msg, data=bad)
         send(endpoint, msg)
 
     donor._send = corrupting_send

@@ -23,7 +23,7 @@ from zgossip.steplog import StepLog, StepRecord
 
 from harness import FAST
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _samples(text: str) -> dict:

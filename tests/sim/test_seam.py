@@ -22,7 +22,7 @@ from zgossip.membership import Membership
 from zgossip.node import NodeConfig
 from zgossip.view import MembershipView
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------ actions and their executor

@@ -12,7 +12,7 @@ from sim import SimCluster
 from zgossip import wire
 from zgossip.membership import Membership
 from zgossip.node import NodeConfig
-from zgossip.wire import Message, MsgType
+from zgossip.wire import Message, MsgType, make_message
 
 
 class Net:
@@ -65,7 +65,7 @@ def test_bye_removes_the_peer_at_once_and_stale_gossip_does_not_bring_it_back():
     assert "p2" not in a.live_ids() and "p2" not in b.live_ids()
     assert "tcp://10.0.0.3:1" in a.forgotten  # -> the node closes its connections to it
     # a digest that still carries p2 at its last heartbeat (gossip in flight) does not revive it
-    stale = Message(MsgType.GOSSIP_REPLY, "p9", "tcp://10.0.0.9:1",
+    stale = make_message(MsgType.GOSSIP_REPLY, "p9", "tcp://10.0.0.9:1",
                     {"hb": 1, "peers": [("p2", "tcp://10.0.0.3:1", c.heartbeat, None, {})]})
     a.on_gossip(stale, t + 0.1)
     assert "p2" not in a.live_ids()
@@ -103,7 +103,7 @@ def test_a_peer_restarted_under_the_same_id_comes_back_by_gossiping():
     net.deliver(t)
     assert a.live_ids() == []
     t += 0.2
-    hello = Message(MsgType.GOSSIP, "p1", "tcp://10.0.0.2:1", {"hb": 1, "peers": [("p1", "tcp://10.0.0.2:1", 1, None, {})]})
+    hello = make_message(MsgType.GOSSIP, "p1", "tcp://10.0.0.2:1", {"hb": 1, "peers": [("p1", "tcp://10.0.0.2:1", 1, None, {})]})
     a.observe("p1", "tcp://10.0.0.2:1", t)  # what the node does first, for any message
     a.on_gossip(hello, t)
     assert a.live_ids() == ["p1"]
@@ -113,7 +113,7 @@ def test_bye_from_a_namesake_at_another_address_is_ignored():
     net = Net(2)
     t = net.converge(3.0)
     a = net.members[0]
-    fake = Message(MsgType.BYE, "p1", "tcp://10.6.6.6:1", {"hb": 10**6})
+    fake = make_message(MsgType.BYE, "p1", "tcp://10.6.6.6:1", {"hb": 10**6})
     a.on_bye(fake, t)
     assert a.live_ids() == ["p1"]
 
@@ -166,7 +166,7 @@ def test_goodbye_on_real_sockets():
 
 @pytest.mark.parametrize("body", [{}, {"hb": -1}, {"hb": "x"}, {"hb": 1, "extra": 2}])
 def test_malformed_bye_is_refused_by_the_wire(body):
-    frames = wire.encode(Message(MsgType.BYE, "p1", "tcp://10.0.0.2:1", {"hb": 1}))
+    frames = wire.encode(make_message(MsgType.BYE, "p1", "tcp://10.0.0.2:1", {"hb": 1}))
     import msgpack
 
     header = msgpack.unpackb(frames[0], raw=False)

@@ -19,7 +19,7 @@ pytest.importorskip("torch")
 from sim.sweep import KINDS, Sweep, read_table, run_sweep  # noqa: E402
 from sim.train import TrainScenario, run_train  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 SMALL = {"seed": 4, "peers": 6, "profiles": {"home": 1.0},
          "train": {"optimizer": "moshpit", "params": 3000, "steps": 8, "step_time": 0.25, "eval_every": 2}}

@@ -8,7 +8,7 @@ from sim import NetworkModel, SimCluster
 from sim.network import PROFILES, Partition, SlowLink
 from sim.scenario import run_scenario
 from zgossip.node import NodeConfig
-from zgossip.wire import Message, MsgType
+from zgossip.wire import MsgType, make_message
 
 RNG = np.random.default_rng(0)
 
@@ -81,12 +81,12 @@ def _two_peers(**net):
     b = cl.add_peer(cfg, known=[a])
     seen: list = []
     orig = b.node.on_message
-    b.node.on_message = lambda msg, now: (seen.append((now, msg["hb"])), orig(msg, now))[1]
+    b.node.on_message = lambda msg, now: (seen.append((now, msg.heartbeat)), orig(msg, now))[1]
     return cl, a, b, seen
 
 
 def _gossip(cl, a, b, hb):
-    msg = Message(MsgType.GOSSIP_REPLY, a.peer_id, a.endpoint, {"hb": hb, "peers": []})
+    msg = make_message(MsgType.GOSSIP_REPLY, a.peer_id, a.endpoint, {"hb": hb, "peers": []})
     cl._transmit(a, b.endpoint, msg)
 
 
@@ -109,7 +109,7 @@ def test_crashed_peer_loses_what_it_had_queued():
     cl, a, b, seen = _two_peers(latency=0.0, bandwidth=300.0)
     cl.run(until=1.0)
     seen.clear()
-    big = Message(MsgType.GOSSIP_REPLY, a.peer_id, a.endpoint, {"hb": 1, "peers": []})
+    big = make_message(MsgType.GOSSIP_REPLY, a.peer_id, a.endpoint, {"hb": 1, "peers": []})
     for _ in range(3):
         cl._transmit(a, b.endpoint, big)  # ~45 bytes: 0.15 s each on a 300 B/s uplink
     cl.run(until=cl.env.now + 0.2)
@@ -149,7 +149,7 @@ def test_in_order_per_pair_end_to_end_under_heavy_jitter():
     b = cl.add_peer(cfg, known=[a])
     seen = []
     orig = b.node.on_message
-    b.node.on_message = lambda msg, now: (seen.append(msg["hb"]), orig(msg, now))[1]
+    b.node.on_message = lambda msg, now: (seen.append(msg.heartbeat), orig(msg, now))[1]
     cl.run(until=1.0)
     seen.clear()
     for hb in range(100):

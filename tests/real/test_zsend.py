@@ -169,7 +169,7 @@ def test_settle_sends_drops_what_a_dead_peer_never_took(monkeypatch, path):
         silent.listen()
         ep = f"tcp://127.0.0.1:{silent.getsockname()[1]}"
         data = np.ones(8 << 20, np.float32)  # 32 MiB: more than the kernel buffers of one connection
-        msg = wire.Message(wire.MsgType.PART, x.peer_id, x.endpoint,
+        msg = wire.make_message(wire.MsgType.PART, x.peer_id, x.endpoint,
                            {"gid": "0" * 16, "owner": 0, "part": 0, "w": 1.0, "resc": 0}, (data,))
         try:
             x._transport.call(lambda now: d.transmit(ep, msg))

@@ -30,7 +30,7 @@ from zgossip import wire
 from zgossip.errors import InvalidMessage
 from zgossip.matchmaking import rendezvous_order
 from zgossip.partition import make_plan
-from zgossip.wire import Message, MsgType
+from zgossip.wire import Message, MsgType, make_message
 
 PREFIX = "bad"
 MAX_MSG = 1 << 20
@@ -110,13 +110,13 @@ def frames_of(msg: Message, header: Callable[[list], Any] | None = None) -> list
 
 
 def gossip(sender: str = "0123456789abcdef", endpoint: str = "tcp://127.0.0.1:9") -> Message:
-    return Message(MsgType.GOSSIP, sender, endpoint, {"hb": 1, "peers": []})
+    return make_message(MsgType.GOSSIP, sender, endpoint, {"hb": 1, "peers": []})
 
 
 def part(sender: str = "0123456789abcdef", endpoint: str = "tcp://127.0.0.1:9", gid: str = "feedfacefeedface",
          n: int = 16, owner: int = 0, index: int = 0) -> Message:
     body = {"gid": gid, "owner": owner, "part": index, "w": 1.0, "resc": 0}
-    return Message(MsgType.PART, sender, endpoint, body, (np.arange(n, dtype=np.float32),))
+    return make_message(MsgType.PART, sender, endpoint, body, (np.arange(n, dtype=np.float32),))
 
 
 def with_body(**changes: Any) -> Callable[[list], list]:
@@ -235,13 +235,13 @@ def test_undecodable_message_is_dropped_and_counted(pair, ctx, build) -> None:
 #: valid messages for a round A is not in (spoofed as coming from B) -> the node's `dropped` counter
 OUT_OF_CONTEXT: list[tuple[str, Callable[[zgossip.Averager], Message]]] = [
     ("PART for an unknown group", lambda b: part(b.peer_id, b.endpoint)),
-    ("RESULT for an unknown group", lambda b: Message(
+    ("RESULT for an unknown group", lambda b: make_message(
         MsgType.RESULT, b.peer_id, b.endpoint,
         {"gid": "feedfacefeedface", "owner": 0, "part": 0, "contrib": [0, 1], "resc": 0},
         (np.full(16, np.nan, np.float32),))),
-    ("GATHER for an unknown group", lambda b: Message(
+    ("GATHER for an unknown group", lambda b: make_message(
         MsgType.GATHER, b.peer_id, b.endpoint, {"gid": "feedfacefeedface", "w": 1.0, "data": {"x": 1}})),
-    ("ABORT for an unknown group", lambda b: Message(
+    ("ABORT for an unknown group", lambda b: make_message(
         MsgType.ABORT, b.peer_id, b.endpoint, {"gid": "feedfacefeedface", "reason": "no"})),
 ]
 
@@ -315,7 +315,7 @@ class FakeMember:
         self.dealers: dict[str, zmq.Socket] = {}
 
     def msg(self, mtype: MsgType, body: dict, payload: tuple = ()) -> Message:
-        return Message(mtype, self.peer_id, self.endpoint, body, payload)
+        return make_message(mtype, self.peer_id, self.endpoint, body, payload)
 
     def send(self, endpoint: str, frames: list[bytes] | Message) -> None:
         sock = self.dealers.get(endpoint)
@@ -371,11 +371,11 @@ def test_bad_parts_from_a_groupmate_in_a_live_round(ctx) -> None:
             assert not missing, f"JOIN gained fields {missing}: teach this fake member about them"
             fake.send(rv.endpoint, fake.msg(MsgType.JOIN, {k: join[k] for k in schema}))
             group = fake.expect(MsgType.GROUP, 10)
-            gid = group["gid"]
-            members = [m[0] for m in group["members"]]
+            gid = group.group_id
+            members = [m.peer_id for m in group.members]
             assert sorted(members) == sorted(ids + [fid])
             ra, rb = members.index(a.peer_id), members.index(b.peer_id)
-            plan = make_plan(NUMEL, [m[2] for m in group["members"]], KW["part_size_bytes"] // 4)
+            plan = make_plan(NUMEL, [m.bandwidth for m in group.members], KW["part_size_bytes"] // 4)
             assert plan.num_parts(ra) >= 2
 
             def bad_part(n: int, *, dtype: Any = np.float32, owner: int = ra, index: int = 0, resc: int = 0) -> Message:
@@ -438,8 +438,8 @@ _LIMITS = wire.WireLimits(max_header_bytes=1 << 16, max_frame_bytes=1 << 16, max
 
 def _valid_frames() -> list[list[bytes]]:
     out = [frames_of(gossip()), frames_of(part())]
-    out.append(frames_of(Message(MsgType.ABORT, "ab", "tcp://h:1", {"gid": "g", "reason": "r"})))
-    out.append(frames_of(Message(MsgType.RESULT, "ab", "tcp://h:1",
+    out.append(frames_of(make_message(MsgType.ABORT, "ab", "tcp://h:1", {"gid": "g", "reason": "r"})))
+    out.append(frames_of(make_message(MsgType.RESULT, "ab", "tcp://h:1",
                                  {"gid": "g", "owner": 1, "part": 2, "contrib": [0, 1], "resc": 1},
                                  (np.zeros(3, np.float64),))))
     return out

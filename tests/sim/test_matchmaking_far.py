@@ -13,7 +13,7 @@ from sim import NetworkModel, SimCluster
 from zgossip.matchmaking import Matchmaker
 from zgossip.membership import Membership
 from zgossip.node import NodeConfig, StepDone
-from zgossip.wire import Message, MsgType
+from zgossip.wire import MsgType, make_message
 
 N = 4
 FAR = 0.2  # one-way access latency of the far peer: a round trip of 0.4 s > request_timeout
@@ -95,7 +95,7 @@ class _Joiner:
         return self.ms.endpoint_of(pid)
 
     def msg(self, mtype, pid, **body):
-        return Message(mtype, pid, self.ep(pid), body)
+        return make_message(mtype, pid, self.ep(pid), body)
 
     def group(self, pid, members, gid="g" * 16):
         rows = [[m, self.ep(m), 1.0, "s1", 1] for m in members]
@@ -162,11 +162,11 @@ def test_a_pool_drops_a_joiner_that_left_before_it_closed():
     for p in ("a", "b", "c"):
         ms.observe(p * 16, f"tcp://{p}:1", 0.0)
     key = next(k for k in (f"k{i}" for i in range(200)) if mm.ranking(k)[0] == ms.peer_id)
-    join = lambda p: Message(MsgType.JOIN, p * 16, f"tcp://{p}:1",  # noqa: E731
+    join = lambda p: make_message(MsgType.JOIN, p * 16, f"tcp://{p}:1",  # noqa: E731
                              dict(key=key, step="s" + p, bw=1.0, layout="L", hops=0, want=4, g=1))
     for p in ("a", "b", "c"):
         mm.on_join(join(p), 0.1)
-    mm.on_leave(Message(MsgType.LEAVE, "c" * 16, "tcp://c:1", dict(key=key, step="sc")), 0.2)
+    mm.on_leave(make_message(MsgType.LEAVE, "c" * 16, "tcp://c:1", dict(key=key, step="sc")), 0.2)
     mm.on_timer(0.7)
     groups = [m for _, m in sent if m.type is MsgType.GROUP]
-    assert groups and all("c" * 16 not in [row[0] for row in g["members"]] for g in groups)
+    assert groups and all("c" * 16 not in [m.peer_id for m in g.members] for g in groups)

@@ -12,7 +12,7 @@ import pytest
 
 from sim.scenario import Scenario, load_scenario, run_scenario
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FAULTY = {
     "peers": 12, "grid": [4, 3], "rounds": 4, "seed": 11, "numel": 64, "unavailability": 0.05, "round_gap": 0.2,
     "network": {"latency": {"dist": "uniform", "low": 0.001, "high": 0.02}, "bandwidth": 5e6, "loss": 0.02},

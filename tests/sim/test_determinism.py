@@ -51,7 +51,7 @@ def _run_in_subprocess(seed: int, hashseed: str) -> dict:
     env = dict(os.environ, PYTHONHASHSEED=hashseed)
     code = SCENARIO.replace("SEED", str(seed))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parent.parent)
+                         cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 

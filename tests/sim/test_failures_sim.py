@@ -194,7 +194,9 @@ def test_a_result_holding_nan_is_taken_only_up_to_its_first_bad_block(monkeypatc
     and stop before the bad block; `updated` says exactly which elements changed."""
     from zgossip import kernels
     from zgossip.allreduce import AllReduceRound
-    from zgossip.wire import Message, MsgType
+    import dataclasses
+
+    from zgossip.wire import MsgType
 
     numel = 4 * 4096  # spans of 4096 float64, parts of 2048: blocks of kernels.BLOCK=1024 inside
     cl = SimCluster(seed=3, network=NetworkModel(latency=0.001, bandwidth=2e6))
@@ -210,10 +212,10 @@ def test_a_result_holding_nan_is_taken_only_up_to_its_first_bad_block(monkeypatc
     orig_send = AllReduceRound._send
 
     def send(self, member, msg):
-        if self.me.peer_id == buggy and msg.type is MsgType.RESULT and msg["part"] == 0 and msg.payload[0].size:
+        if self.me.peer_id == buggy and msg.type is MsgType.RESULT and msg.part == 0 and msg.data.size:
             data = msg.payload[0].copy()
             data[bad_at] = np.nan
-            msg = Message(msg.type, msg.sender, msg.endpoint, msg.body, (data,))
+            msg = dataclasses.replace(msg, data=data)
         orig_send(self, member, msg)
 
     monkeypatch.setattr(AllReduceRound, "_send", send)

@@ -1,0 +1,213 @@
+"""The all-reduce round alone: a few AllReduceRounds built directly from a GroupSpec, their
+messages carried by hand (through the wire codec), time passed in. No node, no driver."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from handfed import Outbox, ep, pid
+from zgossip.allreduce import MOVES, AllReduceRound, PartState, ReduceState, RoundPhase, transition
+from zgossip.errors import IllegalTransition, ProtocolError
+from zgossip.matchmaking import GroupSpec
+from zgossip.messages import Abort, MemberInfo, Part
+
+NUMEL, PART = 3000, 256
+
+
+class Group:
+    """n rounds of one group; `carry` delivers what they sent, in order, until nothing is left."""
+
+    def __init__(self, buffers: list[np.ndarray], weights: list[float], part_timeout: float = 1.0,
+                 deadline: float = 10.0, bandwidths: list[float] | None = None) -> None:
+        n = len(buffers)
+        bws = bandwidths or [1.0] * n
+        members = tuple(MemberInfo(pid(i), ep(i), bws[i], f"s{i}") for i in range(n))
+        self.outs = [Outbox() for _ in range(n)]
+        self.done: list[float | None] = [None] * n
+        self.rounds = [
+            AllReduceRound(GroupSpec("k", "g1", members, i), buffers[i], weights[i], {"rank": i}, self.outs[i], 0.0,
+                           part_elems=PART, part_timeout=part_timeout, deadline=deadline,
+                           on_done=lambda rnd, now, i=i: self.done.__setitem__(i, now))
+            for i in range(n)
+        ]
+        self.by_ep = {ep(i): r for i, r in enumerate(self.rounds)}
+        self.cut: set[int] = set()  # members whose messages are lost both ways
+
+    def start(self, now: float = 0.0) -> None:
+        for i, r in enumerate(self.rounds):
+            if i not in self.cut:
+                r.start(now)
+
+    def carry(self, now: float = 0.0) -> int:
+        moved = 0
+        while True:
+            batch = [(i, e, m) for i, o in enumerate(self.outs) for e, m in o.take()]
+            if not batch:
+                return moved
+            for i, e, m in batch:
+                dst = self.by_ep[e]
+                if i in self.cut or dst.rank in self.cut:
+                    continue
+                dst.on_message(m, now)
+                moved += 1
+
+
+def data(n: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(NUMEL) for _ in range(n)]
+
+
+def mean(bufs: list[np.ndarray], weights: list[float], who: list[int]) -> np.ndarray:
+    w = np.array([weights[i] for i in who])
+    return sum(wi * bufs[i] for wi, i in zip(w, who)) / w.sum()
+
+
+def assert_averaged_or_unchanged(g: Group, before: list[np.ndarray], weights: list[float]) -> None:
+    """Every element ends as a weighted mean over contributors that include its member, or unchanged."""
+    for i, r in enumerate(g.rounds):
+        out = r.outcome()
+        buf = r.buf
+        changed = np.zeros(NUMEL, bool)
+        for lo, hi in out.updated:
+            changed[lo:hi] = True
+        assert np.array_equal(buf[~changed], before[i][~changed], equal_nan=True)
+        for o, span in enumerate(out.spans):
+            for p in range(r.plan.num_parts(o)):
+                lo, hi = r.plan.part(o, p)
+                if r.status[o][p] is PartState.AVERAGED:
+                    who = list(r.part_contrib[o][p])
+                    assert i in who
+                    np.testing.assert_allclose(buf[lo:hi], mean(before, weights, who)[lo:hi], rtol=1e-12)
+
+
+def test_three_members_average_exactly_and_bit_identically():
+    bufs, w = data(3), [1.0, 2.0, 0.5]
+    before = [b.copy() for b in bufs]
+    g = Group(bufs, w)
+    g.start()
+    g.carry(0.1)
+    assert g.done == [0.1, 0.1, 0.1]
+    for r in g.rounds:
+        out = r.outcome()
+        assert r.phase is RoundPhase.DONE and out.complete and out.lost == ()
+        assert all(s is PartState.AVERAGED for row in r.status for s in row)
+        assert all(s is ReduceState.REDUCED for s in r.own.state)
+        assert out.gathered == {pid(i): {"rank": i} for i in range(3)} and out.weights == {pid(i): w[i] for i in range(3)}
+    np.testing.assert_allclose(bufs[0], mean(before, w, [0, 1, 2]), rtol=1e-12)
+    assert np.array_equal(bufs[0], bufs[1]) and np.array_equal(bufs[1], bufs[2])  # fixed summation order
+
+
+def test_a_member_whose_data_holds_nan_is_left_out_of_that_span_only():
+    bufs, w = data(3, 1), [1.0, 1.0, 1.0]
+    g = Group(bufs, w)
+    lo, hi = g.rounds[0].plan.part(0, 1)
+    bufs[2][lo + 3] = np.nan  # member 2's term of part 1 of member 0's span
+    before = [b.copy() for b in bufs]
+    g.start()
+    g.carry()
+    r0, r2 = g.rounds[0], g.rounds[2]
+    assert 2 in r0.own.excluded and r0.dropped == 1
+    # part 0 was reduced before the bad part came; from part 1 on, member 2 is out of span 0
+    assert [r0.part_contrib[0][p] for p in range(r0.plan.num_parts(0))] == [(0, 1, 2)] + [(0, 1)] * 3
+    # and was told, at once, to keep its own copy of those parts
+    assert r2.status[0] == [PartState.AVERAGED] + [PartState.UNCHANGED] * 3
+    assert all(s is PartState.AVERAGED for o in (1, 2) for s in r2.status[o])
+    assert np.isnan(bufs[2][lo + 3])
+    assert_averaged_or_unchanged(g, before, w)
+
+
+def test_a_silent_member_is_declared_lost_and_its_span_is_rescued():
+    bufs, w = data(3, 2), [1.0, 3.0, 2.0]
+    before = [b.copy() for b in bufs]
+    g = Group(bufs, w, part_timeout=1.0)
+    g.cut = {2}
+    g.start()
+    g.carry()
+    assert g.done == [None, None, None]
+    t = 0.0
+    while g.done[0] is None or g.done[1] is None:
+        t = min(r.next_deadline() for r in g.rounds[:2])
+        for r in g.rounds[:2]:
+            if r.next_deadline() <= t:
+                r.on_timer(t)
+        g.carry(t)
+        assert t < 5.0
+    for i in (0, 1):
+        out = g.rounds[i].outcome()
+        assert out.lost == (pid(2),) and not out.complete
+        assert out.spans[2].rescued == out.spans[2].parts > 0  # the substitute re-reduced the lost span
+        assert set(out.contributors) == {pid(0), pid(1)}
+    assert 1.0 <= t <= 2.6  # noticed between T and 1.25 T of silence (owed data), rescued at once
+    assert np.array_equal(bufs[0], bufs[1])
+    assert_averaged_or_unchanged(g, before, w)
+
+
+def test_the_deadline_leaves_what_is_unresolved_unchanged():
+    bufs, w = data(2, 3), [1.0, 1.0]
+    before = [b.copy() for b in bufs]
+    g = Group(bufs, w, part_timeout=100.0, deadline=3.0)
+    g.cut = {1}
+    g.start()
+    g.carry()
+    r = g.rounds[0]
+    assert r.next_deadline() <= 3.0
+    r.on_timer(3.0)
+    assert g.done[0] == 3.0 and r.phase is RoundPhase.DONE and r.next_deadline() is None
+    assert all(s is PartState.UNCHANGED for row in r.status for s in row)
+    assert r.outcome().updated == [] and np.array_equal(bufs[0], before[0])
+
+
+def test_messages_from_outside_the_group_are_dropped_and_counted():
+    bufs = data(2, 4)
+    g = Group(bufs, [1.0, 1.0])
+    g.start()
+    r = g.rounds[0]
+    stranger = Part(pid(9), ep(9), group_id="g1", owner=0, part=0, weight=1.0, rescue=False,
+                    data=np.zeros(PART))
+    namesake = Part(pid(1), ep(9), group_id="g1", owner=0, part=0, weight=1.0, rescue=False, data=np.zeros(PART))
+    r.on_message(stranger, 0.0)
+    r.on_message(namesake, 0.0)
+    wrong_len = Part(pid(1), ep(1), group_id="g1", owner=0, part=0, weight=1.0, rescue=False, data=np.zeros(3))
+    r.on_message(wrong_len, 0.0)
+    assert r.dropped == 3 and r.own.pending == {}
+
+
+def test_an_abort_mid_round_excludes_the_member():
+    bufs, w = data(3, 5), [1.0, 1.0, 1.0]
+    before = [b.copy() for b in bufs]
+    g = Group(bufs, w)
+    g.rounds[0].start(0.0)
+    g.rounds[1].start(0.0)
+    g.rounds[0].on_message(Abort(pid(2), ep(2), group_id="g1", reason="user cancelled"), 0.0)
+    g.rounds[1].on_message(Abort(pid(2), ep(2), group_id="g1", reason="user cancelled"), 0.0)
+    g.cut = {2}
+    g.carry()
+    for i in (0, 1):
+        assert g.done[i] == 0.0 and g.rounds[i].outcome().lost == (pid(2),)
+    assert_averaged_or_unchanged(g, before, w)
+
+
+def test_one_transition_table_refuses_illegal_moves():
+    for old, moves in MOVES.items():
+        for new in type(old):
+            if new in moves:
+                assert transition(old, new, "x") is new
+            else:
+                with pytest.raises(IllegalTransition, match="illegal move"):
+                    transition(old, new, "x")
+    terminal = [s for s, m in MOVES.items() if not m]
+    assert set(terminal) == {RoundPhase.DONE, PartState.AVERAGED, PartState.PARTIAL, PartState.UNCHANGED,
+                             ReduceState.REDUCED, ReduceState.GIVEN_UP}
+    assert set(MOVES) == set(RoundPhase) | set(PartState) | set(ReduceState)
+
+
+def test_local_misuse_raises_protocol_error():
+    members = (MemberInfo(pid(0), ep(0), 1.0, "s"), MemberInfo(pid(1), ep(1), 1.0, "t"))
+    spec = GroupSpec("k", "g", members, 0)
+    kw = dict(part_elems=PART, part_timeout=1.0, deadline=1.0, on_done=lambda r, now: None)
+    with pytest.raises(ProtocolError):
+        AllReduceRound(spec, np.zeros((2, 2)), 1.0, None, Outbox(), 0.0, **kw)
+    with pytest.raises(ProtocolError):  # a weight no peer would accept
+        AllReduceRound(spec, np.zeros(4), float("nan"), None, Outbox(), 0.0, **kw)
+    with pytest.raises(ProtocolError):  # a dtype the wire does not carry
+        AllReduceRound(spec, np.zeros(4, np.complex64), 1.0, None, Outbox(), 0.0, **kw)
