@@ -184,6 +184,13 @@ def _peer_list(v: Any) -> tuple:
 
 
 _SPEC = _record(_str(4), _list(_int(0, 1 << 40), 32))  # dtype code, shape
+
+
+def _join_flags(v: Any) -> Any:
+    """JOIN's `g`: flags (1 = sends GATHER, 2 = auxiliary); a bool, as first released, means 0/1."""
+    if type(v) is bool:
+        return v
+    return _int(0, 3)(v)
 _MEMBER = _record(_ID, _EP, _float(0.0, 1e18), _ID, _int(0, 3))  # id, endpoint, bandwidth, step, flags (1 GATHER, 2 aux)
 
 
@@ -346,7 +353,7 @@ class Join(Message):
     FIELDS = _fields(("key", "key", _KEY, _PLAIN), ("step_id", "step", _ID, _PLAIN),
                      ("bandwidth", "bw", _float(0.0, 1e18), _PLAIN), ("layout", "layout", _str(128), _PLAIN),
                      ("hops", "hops", _int(0, 16), _PLAIN), ("want", "want", _IDX, _PLAIN),
-                     ("gathers", "g", _int(0, 3), _PLAIN), ("layout_desc", "ld", _str(2048), _PLAIN))
+                     ("gathers", "g", _join_flags, _PLAIN), ("layout_desc", "ld", _str(2048), _PLAIN))
     OPTIONAL = {"ld": ""}
 
 

@@ -305,7 +305,9 @@ def test_hostile_allowed_peer_protocol_data(case):
             if msg.type is wire.MsgType.PART and case == "wrong_shape":
                 return [(ep, _replace_payload(msg, np.array(msg.payload[0][:-1])))]
             if msg.type is wire.MsgType.RESULT and case == "foreign_results":
-                fake = dataclasses.replace(msg, owner=0, data=np.full_like(msg.payload[0], 1e6))
+                # the same part, claimed for a span another member owns (its own span it may reduce as it
+                # likes: an allowed reducer that lies about its own span is outside what keys can stop)
+                fake = dataclasses.replace(msg, owner=(msg.owner + 1) % 4, data=np.full_like(msg.payload[0], 1e6))
                 return [(ep, fake), (ep, msg)]
             if msg.type is wire.MsgType.STATE_CHUNK and case == "bad_state_chunks":
                 return [(ep, _replace_payload(msg, np.zeros_like(msg.payload[0]) + 7))]
