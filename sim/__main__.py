@@ -312,7 +312,7 @@ def cmd_testbed(args: argparse.Namespace) -> int:
             if not args.quiet:
                 print(format_selftest(measured), file=sys.stderr)
         sysctls = dict(kv.split("=", 1) for kv in args.sysctl)
-        res = run_testbed(sc, sysctls=sysctls, progress=None if args.quiet else _progress(),
+        res = run_testbed(sc, sysctls=sysctls, curve=args.curve, progress=None if args.quiet else _progress(),
                           say=(lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr)))
         if measured is not None:
             res["testbed"]["measured_links"] = measured
@@ -436,6 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tb.add_argument("--quiet", action="store_true", help="no progress bar or testbed messages")
     tb.add_argument("--compare", action="store_true", help="also run the simulator: its median step per host")
     tb.add_argument("--selftest", action="store_true", help="measure each host's RTT and TCP rate vs configured")
+    tb.add_argument("--curve", action="store_true", help="peers with CURVE keys: authenticated, encrypted links")
     tb.add_argument("--measure", action="store_true", help="run the selftest first and store it in the results")
     tb.add_argument("--sysctl", action="append", default=[], metavar="KEY=VALUE",
                     help="set a kernel setting in every host's namespace, e.g. net.ipv4.tcp_slow_start_after_idle=0")

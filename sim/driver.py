@@ -25,6 +25,12 @@ What the ZeroMQ driver does with connections is modelled too:
 * **Disconnect actions** (the node forgot a peer) close the DEALERs to that endpoint: the
   monitor goes with them, and under TCP the connections are closed (a later message opens a
   new one, in slow start; messages not yet sent are dropped, as linger 0 does).
+* **Client mode** (``add_peer(..., client=True)``; endpoint ``client://peerN``): the peer
+  listens nowhere. A message to it travels only once it has sent a lane-0 message to the
+  sender and that message arrived (the real ROUTER learns the route on receipt); until then it
+  waits in a backlog, flushed at that arrival, as `zgossip.zmq_driver` keeps one. Replies
+  share one connection (lane 0), as they do on the real client's DEALER; a client cannot reach
+  another client (dropped, counted in ``unreachable``).
 * **Settling sends** (TCP transfer only): `step_tensors` on one float tensor with ``alpha = 1``
   is what `Averager.step` averages in place, and that step hands the tensor back only after
   libzmq released the zero-copy parts and results it queued (``settle_sends``): it waits for
@@ -48,6 +54,7 @@ import simpy
 from zgossip import wire
 from zgossip.actions import DownloadDone, DownloadFailed, StepDone, StepFailed, execute
 from zgossip.averager import Averager
+from zgossip.endpoints import listens
 from zgossip.node import Node, NodeConfig
 
 from .clock import VirtualClock
@@ -392,6 +399,10 @@ class SimCluster:
         # lane-0 DEALERs (src, dst endpoint) the ZeroMQ driver would hold, each with a disconnect
         # monitor; insertion-ordered, so notices go out in a fixed order
         self._dealers: dict[tuple[str, str], None] = {}
+        # client mode: (peer, client) pairs whose reply route exists, and what waits for one
+        self._routes: set[tuple[str, str]] = set()
+        self._backlog: dict[tuple[str, str], list[wire.Message]] = {}
+        self.unreachable = 0
         self.notices = 0
         self.peers: dict[str, SimPeer] = {}
         self._trace = hashlib.blake2b(digest_size=16)
@@ -403,11 +414,19 @@ class SimCluster:
         self.table = StaticTable() if self.membership == "static" else None
 
     def add_peer(self, config: NodeConfig, *, initial_peers: Sequence[str] = (), tensors: Sequence[Any] | None = None,
-                 known: Sequence["SimPeer"] = (), endpoint: str | None = None) -> SimPeer:
-        """Start a peer. Reusing the endpoint of a crashed peer models a restarted process (a new identity)."""
+                 known: Sequence["SimPeer"] = (), endpoint: str | None = None, client: bool = False,
+                 auxiliary: bool = False) -> SimPeer:
+        """Start a peer. Reusing the endpoint of a crashed peer models a restarted process (a new identity).
+        `client`: it accepts no connection (client mode; it reduces nothing)."""
         idx = self._created
         self._created += 1
-        endpoint = endpoint or f"sim://peer{idx}"
+        endpoint = endpoint or (f"client://peer{idx}" if client else f"sim://peer{idx}")
+        if not listens(endpoint):
+            if self.table is not None:
+                raise ValueError("client-mode peers need gossip membership, not the static table")
+            import dataclasses
+
+            config = dataclasses.replace(config, bandwidth=0.0)
         if endpoint in self.peers and self.peers[endpoint].alive:
             raise ValueError(f"{endpoint} is taken by a live peer")
         peer = SimPeer(self, endpoint, known, tensors)
@@ -416,7 +435,7 @@ class SimCluster:
         # a peer without tensors (it only downloads state) gets an empty placeholder
         peer.averager = Averager(list(tensors) if tensors is not None else [np.zeros(0)], config=config,
                                  initial_peers=tuple(initial_peers), seed=[self.seed, idx], transport=peer,
-                                 allow_state_sharing=False)
+                                 allow_state_sharing=False, auxiliary=auxiliary)
         return peer
 
     def spawn(self, fn: Any, *args: Any, name: str = "sim-thread") -> Any:
@@ -429,7 +448,19 @@ class SimCluster:
         if dst is None or not src.alive or src.paused:
             return
         lane = wire.lane_of(msg.type)
-        if lane == 0:
+        if not listens(endpoint):  # a client: only on the connection it opened to src
+            if not listens(src.endpoint):
+                self.unreachable += 1
+                return
+            if (src.endpoint, endpoint) not in self._routes:
+                q = self._backlog.setdefault((src.endpoint, endpoint), [])
+                if len(q) < 256:
+                    q.append(msg.detached())
+                else:
+                    self.unreachable += 1
+                return
+            lane = 0
+        elif lane == 0:
             self._dealers[(src.endpoint, endpoint)] = None
         if self.encode:
             frames = wire.encode(msg)
@@ -490,6 +521,10 @@ class SimCluster:
             self.lost += 1  # a partition began while it was in flight (TCP would retransmit: see sim.tcp)
             return
         msg = wire.decode(payload) if self.encode else payload
+        if not listens(src.endpoint) and wire.lane_of(msg.type) == 0 and (dst.endpoint, src.endpoint) not in self._routes:
+            self._routes.add((dst.endpoint, src.endpoint))  # dst's ROUTER now knows how to answer the client
+            for waiting in self._backlog.pop((dst.endpoint, src.endpoint), []):
+                self._transmit(dst, src.endpoint, waiting)
         self.delivered += 1
         rb = self.network.received_bytes
         rb[dst.endpoint] = rb.get(dst.endpoint, 0) + nbytes
@@ -511,6 +546,10 @@ class SimCluster:
         ep = peer.endpoint
         if self.tcp is not None:
             self.tcp.reset(ep)
+        for key in [k for k in self._routes if ep in k]:  # client routes die with either end's sockets
+            self._routes.discard(key)
+        for key in [k for k in self._backlog if ep in k]:
+            del self._backlog[key]
         for key in list(self._dealers):
             src, dst = key
             if src == ep:

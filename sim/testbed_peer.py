@@ -48,8 +48,14 @@ def main() -> int:
     from zgossip.errors import ZGossipError
 
     data = np.ascontiguousarray(np.load(cfg["tensor"]).astype(cfg["dtype"], copy=False))
+    sec = {}
+    if cfg.get("curve"):
+        from zgossip.identity import KeyPair
+
+        c = cfg["curve"]
+        sec = {"secret_key": KeyPair(c["public"], c["secret"]), "allowed_keys": c["allowed"]}
     avg = Averager([data], listen=cfg["listen"], initial_peers=cfg["initial_peers"], local_ipc=False,
-                   **cfg["averager"])
+                   **cfg["averager"], **sec)
     say({"ready": True, "endpoint": avg.endpoint, "peer_id": avg.peer_id, "pid": os.getpid(),
          "t": time.monotonic()})
     try:

@@ -216,7 +216,12 @@ class _Controller(FaultContext):
     def _start(self, index: int) -> PeerProcess:
         live = [i for i, p in enumerate(self.slots) if p is not None and p.alive and i != index]
         boot = [self.endpoint(live[0])] if live else ([] if index == 0 else [self.endpoint(0)])
+        keys = getattr(self, "keys", None)  # CURVE: a key pair per slot (a restarted process keeps it)
+        if keys is not None:
+            boot = [f"{ep}#{keys[live[0] if live else 0].public}" for ep in boot]
         cfg = {"slot": index, "listen": self.endpoint(index), "initial_peers": boot,
+               "curve": None if keys is None else {"public": keys[index].public, "secret": keys[index].secret,
+                                                   "allowed": [k.public for k in keys]},
                "tensor": self.tb.shm_path(f"t{index}.npy"), "dtype": self.sc.dtype,
                "averager": {**averager_settings(self.sc, self.coords[index], index),
                             "seed": self.sc.seed * 1_000_003 + index * 1009 + self.generation[index]}}
@@ -272,8 +277,10 @@ class _Controller(FaultContext):
 def run_testbed(sc: Scenario | dict, progress: Callable[[int, int], None] | None = None,
                 say: Callable[[str], None] = lambda s: None,
                 on_round: Callable[[int, dict[int, np.ndarray]], None] | None = None,
-                sysctls: dict[str, str] | None = None) -> dict:
+                sysctls: dict[str, str] | None = None, curve: bool = False) -> dict:
     """Run the scenario on real peers in an emulated network; returns the results dict (see module doc).
+
+    ``curve``: every peer gets a CURVE key pair and allows the others' (authenticated, encrypted links).
 
     ``on_round(r, {slot: tensor})`` sees every live peer's tensor after round r (e.g. for tests that
     check each peer's result against its group's inputs); ``testbed.peers`` in the result maps each
@@ -298,6 +305,10 @@ def run_testbed(sc: Scenario | dict, progress: Callable[[int, int], None] | None
     with Testbed(hosts, seed=sc.seed, sysctls=sysctls) as tb:
         tcp = namespace_tcp(tb)
         ctl = _Controller(sc, tb, say)
+        if curve:
+            from zgossip.identity import KeyPair
+
+            ctl.keys = [KeyPair.generate() for _ in range(sc.peers)]
         stop = threading.Event()
         fault_thread = None
         try:

@@ -40,6 +40,7 @@ static int (*z_msg_init)(zmsg_t *);
 static int (*z_msg_recv)(zmsg_t *, void *, int);
 static size_t (*z_msg_size)(const zmsg_t *);
 static int (*z_msg_more)(const zmsg_t *);
+static const char *(*z_msg_gets)(const zmsg_t *, const char *);
 static int (*z_msg_init_size)(zmsg_t *, size_t);
 static void *(*z_msg_data)(zmsg_t *);
 static int (*z_msg_send)(zmsg_t *, void *, int);
@@ -272,14 +273,17 @@ static PyTypeObject FrameType = {
     .tp_as_sequence = &frame_as_sequence,
 };
 
-/* recv(socket_address, inline_max) -> tuple of frames, or None when nothing is waiting.
+/* recv(socket_address, inline_max[, prop]) -> tuple of frames, or None when nothing is waiting.
  * One whole multipart message, ZMQ_DONTWAIT; frames of at most inline_max bytes come as bytes,
- * larger ones as Frame objects (no copy). */
+ * larger ones as Frame objects (no copy). With `prop` (a message property such as "User-Id",
+ * which a ZAP handler sets for an authenticated connection) it returns (frames, value or None). */
 static PyObject *py_recv(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *addr_obj;
     Py_ssize_t inline_max;
-    if (!PyArg_ParseTuple(args, "On", &addr_obj, &inline_max)) return NULL;
+    const char *prop = NULL;
+    PyObject *meta = NULL;
+    if (!PyArg_ParseTuple(args, "On|z", &addr_obj, &inline_max, &prop)) return NULL;
     void *sock = PyLong_AsVoidPtr(addr_obj);
     if (sock == NULL) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "null socket");
@@ -302,6 +306,16 @@ static PyObject *py_recv(PyObject *self, PyObject *args) {
             goto fail;
         }
         int more = z_msg_more(&f->msg);
+        if (prop != NULL && meta == NULL) {
+            const char *v = z_msg_gets(&f->msg, prop); /* NULL where the frame has no such property */
+            if (v != NULL) {
+                meta = PyUnicode_DecodeUTF8(v, (Py_ssize_t)strlen(v), "replace");
+                if (meta == NULL) {
+                    Py_DECREF(f);
+                    goto fail;
+                }
+            }
+        }
         PyObject *item = (PyObject *)f;
         size_t size = z_msg_size(&f->msg);
         if ((Py_ssize_t)size <= inline_max) {
@@ -316,8 +330,13 @@ static PyObject *py_recv(PyObject *self, PyObject *args) {
     }
     PyObject *t = PyList_AsTuple(out);
     Py_DECREF(out);
-    return t;
+    if (prop == NULL || t == NULL) return t;
+    PyObject *pair = PyTuple_Pack(2, t, meta != NULL ? meta : Py_None);
+    Py_DECREF(t);
+    Py_XDECREF(meta);
+    return pair;
 fail:
+    Py_XDECREF(meta);
     Py_DECREF(out);
     return NULL;
 }
@@ -350,6 +369,7 @@ static PyObject *py_load(PyObject *self, PyObject *args) {
     SYM(z_msg_recv, "zmq_msg_recv")
     SYM(z_msg_size, "zmq_msg_size")
     SYM(z_msg_more, "zmq_msg_more")
+    SYM(z_msg_gets, "zmq_msg_gets")
 #undef SYM
     int a, b, c;
     z_version(&a, &b, &c);
@@ -359,7 +379,7 @@ static PyObject *py_load(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"load", py_load, METH_VARARGS, "load(path) -> libzmq version; bind to the already loaded libzmq"},
     {"send", py_send, METH_VARARGS, "send(socket_address, frames): one multipart message, DONTWAIT"},
-    {"recv", py_recv, METH_VARARGS, "recv(socket_address, inline_max) -> tuple of frames or None"},
+    {"recv", py_recv, METH_VARARGS, "recv(socket_address, inline_max[, prop]) -> frames or None; with prop: (frames, property value)"},
     {"reap", py_reap, METH_NOARGS, "release buffers libzmq is done with; returns how many"},
     {NULL, NULL, 0, NULL},
 };

@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .endpoints import listens
 from .errors import IllegalTransition, ProtocolError
 from .matchmaking import GroupSpec
 from .messages import Abort, Gather, Message, Part, Rescue, RescueCall, Result
@@ -115,11 +116,12 @@ class RoundOutcome:
     lost: tuple[str, ...]  # members excluded or declared lost during the round
     bytes_sent: int = 0
     bytes_received: int = 0
+    auxiliary: tuple[str, ...] = ()  # members that lent bandwidth only (weight 0, no data)
 
     @property
     def complete(self) -> bool:
-        """True when every element was averaged over every member."""
-        n = len(self.members)
+        """True when every element was averaged over every member that brought data."""
+        n = len(self.members) - len(self.auxiliary)
         return not self.lost and all(
             s.parts == 0 or (s.averaged == s.parts and len(s.contributors) == n) for s in self.spans
         )
@@ -213,7 +215,11 @@ class AllReduceRound:
         self.lost: set[int] = set()
         # members that pass no gather data send no GATHER (in large groups that all-to-all would
         # dominate the traffic); their entry is None and their weight is known to the span owners only
-        self.gathered: dict[int, Any] = {i: None for i, m in enumerate(spec.members) if not m.gathers}
+        self.gathered: dict[int, Any] = {i: None for i, m in enumerate(spec.members) if not m.sends_gather}
+        # two client-mode peers cannot reach each other (neither listens): they exchange no GATHER
+        self.client = not listens(self.me.endpoint)
+        if self.client:
+            self.gathered.update({i: None for i, m in enumerate(spec.members) if not listens(m.endpoint)})
         self.gathered[self.rank] = gather
         self.weights: dict[int, float] = {self.rank: self.weight}
         self.status = [[PartState.WAITING] * self.plan.num_parts(o) for o in range(self.n)]
@@ -221,6 +227,15 @@ class AllReduceRound:
         self.rescued = [0] * self.n
         self.unresolved = sum(len(s) for s in self.status)
         self.own = _Reduce(self.rank, self.plan, buffer.dtype, self.n, rescue=False)
+        # Auxiliary members (weight 0) bring no data: nobody waits for their parts, they send none,
+        # and they need no results -- they only reduce their span for the others.
+        self.aux = frozenset(i for i, m in enumerate(spec.members) if m.auxiliary)
+        self.own.excluded |= self.aux
+        if self.rank in self.aux:
+            for o in range(self.n):
+                if o != self.rank:
+                    self.status[o] = [PartState.UNCHANGED] * len(self.status[o])
+                    self.unresolved -= len(self.status[o])
         self.rescues: dict[int, _Reduce] = {}  # spans I re-reduce as a substitute
         self.rescue_target: dict[int, int] = {}  # lost owner -> substitute I declared to
         self.bytes_sent = 0
@@ -248,14 +263,15 @@ class AllReduceRound:
 
     # ------------------------------------------------------------------ start
     def start(self, now: float) -> None:
-        if self.me.gathers:
+        if self.me.sends_gather:
             gather_msg = Gather(self.me.peer_id, self.me.endpoint, group_id=self._gid, weight=self.weight,
                                 data=self.gathered[self.rank])
             for j in self._others():
-                self._send(j, gather_msg)
+                if not (self.client and not listens(self.members[j].endpoint)):
+                    self._send(j, gather_msg)
         # interleave owners part by part, starting after our own rank, so that all
         # owners receive their first parts early and the reductions overlap
-        order = [(self.rank + k) % self.n for k in range(1, self.n)]
+        order = [(self.rank + k) % self.n for k in range(1, self.n)] if self.rank not in self.aux else []
         most = max((self.plan.num_parts(o) for o in order), default=0)
         for p in range(most):
             for o in order:
@@ -414,9 +430,12 @@ class AllReduceRound:
         expected = r.declared if r.rescue else range(self.n)
         notice = None
         for j in expected:
-            if j != self.rank and j not in contrib and j not in self.lost and (not r.rescue or p in r.declared[j]):
+            if (j != self.rank and j not in contrib and j not in self.lost and j not in self.aux
+                    and (not r.rescue or p in r.declared[j])):
                 notice = notice or self._result(r.owner, p, contrib, r.rescue, a[:0])
                 self._send(j, notice)
+        if contrib and not r.rescue and self.rank in self.aux:
+            self.part_contrib[self.rank][p] = contrib  # what we reduced for the others, for the outcome
         if self.rank in contrib:
             if not in_buf:
                 self.buf[lo:hi] = a  # checked finite by the reduction
@@ -525,7 +544,7 @@ class AllReduceRound:
         r = self.rescues.get(owner)
         if r is None:
             r = self.rescues[owner] = _Reduce(owner, self.plan, self.buf.dtype, self.n, rescue=True)
-            r.excluded |= self.lost
+            r.excluded |= self.lost | self.aux
             r.declared.setdefault(self.rank, frozenset())
             call = RescueCall(self.me.peer_id, self.me.endpoint, group_id=self._gid, owner=owner)
             for k in self._others():
@@ -547,7 +566,7 @@ class AllReduceRound:
         self._check_done(now)
 
     def _on_gather(self, j: int, msg: Gather, now: float) -> None:
-        if not self.members[j].gathers:
+        if not self.members[j].sends_gather:
             return self._bad(j, msg, "GATHER from a member that announced it sends none")
         self.gathered.setdefault(j, msg.data)
         self.weights[j] = msg.weight
@@ -705,6 +724,13 @@ class AllReduceRound:
                 if s is PartState.AVERAGED:
                     contrib.update(self.part_contrib[o][p])
                     ranges.append(self.plan.part(o, p))
+            if o == self.rank and self.rank in self.aux:  # our tensor is untouched; report what we served
+                served = [c for c in self.part_contrib[o] if c]
+                for c in served:
+                    contrib.update(c)
+                spans.append(SpanOutcome(owner=ids[o], parts=len(self.status[o]), averaged=len(served),
+                                         rescued=0, contributors=tuple(ids[i] for i in sorted(contrib))))
+                continue
             for owner, lo, hi, who in self.partial:  # results taken up to their first non-finite block
                 if owner == o:
                     contrib.update(who)
@@ -736,6 +762,7 @@ class AllReduceRound:
             lost=tuple(ids[i] for i in sorted(self.lost)),
             bytes_sent=self.bytes_sent,
             bytes_received=self.bytes_received,
+            auxiliary=tuple(ids[i] for i in sorted(self.aux)),
         )
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import dataclasses
 import itertools
 import logging
 from typing import Any, Iterator, Sequence
@@ -25,6 +26,7 @@ import numpy as np
 from . import wire
 from .actions import DownloadDone, DownloadFailed, ServeState, StepDone, StepFailed
 from .endpoints import check_endpoint
+from .identity import AllowList, load_key, peer_id_of, split_peer
 from .errors import AveragerClosed, RoundTimeout, StateUnavailable, StepInProgress, ZGossipError
 from .node import Node, NodeConfig, StepRequest, StepResult
 from .steplog import StepLog
@@ -114,6 +116,24 @@ class Averager:
     sockets instead of TCP loopback, found by the TCP endpoint they advertise; about a fifth
     faster on the 4-peer bench. ``False`` (or ``ZGOSSIP_LOCAL_IPC=0``) keeps TCP.
 
+    ``secret_key`` (a key file written by ``zgossip keygen``, or an `identity.KeyPair`) and
+    ``allowed_keys`` (an allow file, a list of Z85 public keys, or an `identity.AllowList`):
+    authenticated, encrypted peers (ZeroMQ CURVE). The peer id becomes the public key (hex); only
+    peers whose keys are allowed can connect, and every message's sender is checked against the
+    key of its connection. Initial peers then need their key: ``tcp://HOST:PORT#KEY``, or an
+    allow-file line ``KEY tcp://HOST:PORT``. Every peer of a swarm must have keys, or none
+    (a mixed pair refuses each other, logged as an error). Off by default: without keys anyone
+    who can reach a peer's port can join and feed values into the average, and nothing is encrypted.
+
+    ``client_mode`` (automatic with ``listen=None``): for a peer behind NAT or a firewall. It binds
+    nothing and accepts no connection; peers answer it over the connections it opened. It takes
+    part in matchmaking, sends its parts, receives results and state, but reduces no span
+    (bandwidth 0) and serves no state.
+
+    ``auxiliary``: this peer brings no data (its steps have weight 0 and leave its tensors unchanged)
+    but reduces a span for the others with its bandwidth; results list it in ``auxiliary``.
+    Its tensors only give the layout (zeros of the right shapes will do).
+
     ``metrics_port``: serve Prometheus metrics (steps by outcome, step durations, bytes, live peers,
     transport counters) at ``http://metrics_host:PORT/metrics``; 0 picks a free port
     (`metrics_endpoint` says which). ``metrics_host`` defaults to 127.0.0.1: use "0.0.0.0" to let
@@ -133,7 +153,7 @@ class Averager:
         tensors: Sequence[Any],
         *,
         prefix: str | None = None,
-        listen: str = "tcp://127.0.0.1:0",
+        listen: str | None = "tcp://127.0.0.1:0",
         initial_peers: Sequence[str] = (),
         target_group_size: int = 16,
         min_group_size: int = 2,
@@ -158,6 +178,10 @@ class Averager:
         shutdown_timeout: float = 5.0,
         transport: Transport | None = None,
         config: NodeConfig | None = None,
+        secret_key: Any = None,
+        allowed_keys: Any = None,
+        client_mode: bool = False,
+        auxiliary: bool = False,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
     ) -> None:
@@ -167,8 +191,31 @@ class Averager:
             raise ValueError("shutdown_timeout must be >= 0")
         self.shutdown_timeout = float(shutdown_timeout)
         initial_peers = tuple(initial_peers) if not isinstance(initial_peers, str) else (initial_peers,)
+        client_mode = bool(client_mode) or listen is None
+        keys = allowed = None
+        if secret_key is not None:
+            keys = load_key(secret_key)
+            if allowed_keys is None:
+                raise ValueError("secret_key needs allowed_keys: the public keys (or an allow file) of the peers "
+                                 "this one accepts")
+            allowed = AllowList.of(allowed_keys)
+        elif allowed_keys is not None:
+            raise ValueError("allowed_keys without secret_key: give this peer a key too (zgossip keygen FILE)")
+        peer_keys: dict[str, str] = {}
+        split = [split_peer(p) for p in initial_peers]
+        initial_peers = tuple(ep for ep, _ in split)
+        for ep, key in split:
+            if key is not None:
+                if keys is None:
+                    raise ValueError(f"initial peer {ep} is given with a public key, but this peer has no key: "
+                                     "mixed swarms are refused (pass secret_key= and allowed_keys=)")
+                peer_keys[ep] = peer_id_of(key)
+            elif keys is not None and allowed is not None and ep not in allowed.endpoints:
+                raise ValueError(f"initial peer {ep} has no public key: with keys, write tcp://HOST:PORT#KEY or add "
+                                 "'KEY tcp://HOST:PORT' to the allow file")
         if transport is None:  # addresses are the ZeroMQ transport's: others name peers their own way
-            check_endpoint(listen, "listen address", listen=True)
+            if not client_mode:
+                check_endpoint(listen, "listen address", listen=True)
             for ep in initial_peers:
                 check_endpoint(ep, "initial peer address")
         self._tensors = list(tensors)
@@ -179,6 +226,8 @@ class Averager:
                           and self._arrays[0].dtype == self.layout.dtype)
         if config is None and prefix is None:
             raise TypeError("Averager needs a prefix (or a whole NodeConfig as config=)")
+        if client_mode:
+            bandwidth = 0.0  # peers cannot send a client parts of a span: it reduces none
         self.config = config if config is not None else NodeConfig(
             prefix=prefix, target_group_size=target_group_size, min_group_size=min_group_size,
             matchmaking_time=matchmaking_time, request_timeout=request_timeout,
@@ -186,17 +235,26 @@ class Averager:
             gossip_interval=gossip_interval, peer_timeout=peer_timeout, bandwidth=bandwidth,
             grid=tuple(grid), grid_coords=tuple(grid_coords) if grid_coords is not None else None,
         )
+        if client_mode and self.config.bandwidth:
+            self.config = dataclasses.replace(self.config, bandwidth=0.0)
+        self.client_mode = client_mode
+        self.auxiliary = bool(auxiliary)
+        if self.auxiliary and client_mode:
+            raise ValueError("an auxiliary peer lends its bandwidth to reduce spans, which a client (it accepts no "
+                             "connection) cannot do")
         part_size_bytes = self.config.part_size_bytes
         frame_limit = max_message_bytes or max(64 << 20, part_size_bytes + (1 << 16))
         if transport is None and part_size_bytes > frame_limit:
             raise ValueError("part_size_bytes exceeds max_message_bytes: peers would drop every part")
         self._rng = np.random.default_rng(seed)
-        self.peer_id = self._rng.bytes(8).hex()
+        self.peer_id = self._rng.bytes(8).hex() if keys is None else keys.peer_id
+        self._allowed = allowed
         if transport is None:
             from .zmq_driver import ZmqTransport  # pyzmq is loaded only when a ZeroMQ transport is made
 
-            transport = ZmqTransport(listen, limits=wire.WireLimits(max_frame_bytes=frame_limit),
-                                     announce_host=announce_host, local_ipc=local_ipc, initial_peers=initial_peers)
+            transport = ZmqTransport(listen or "", limits=wire.WireLimits(max_frame_bytes=frame_limit),
+                                     announce_host=announce_host, local_ipc=local_ipc, initial_peers=initial_peers,
+                                     keys=keys, allowed=allowed, peer_keys=peer_keys, client_mode=client_mode)
         self._transport = transport
         self._clock = clock = transport.clock
         self._lock = clock.lock(reentrant=True)
@@ -237,9 +295,32 @@ class Averager:
 
     def _make_node(self, initial_peers: tuple[str, ...]) -> Any:
         def make(endpoint: str, membership: Any = None) -> Node:
-            return Node(self.peer_id, endpoint, self.config, self._rng, initial_peers, membership=membership)
+            node = Node(self.peer_id, endpoint, self.config, self._rng, initial_peers, membership=membership)
+            if self._allowed is not None and membership is None:
+                node.membership.admit = self._allowed.__contains__  # gossip never enters a key not allowed
+            return node
 
         return make
+
+    def allow(self, public_key: str) -> None:
+        """Accept this public key from now on (keys only)."""
+        if self._allowed is None:
+            raise ValueError("this averager has no keys")
+        self._allowed.allow(public_key)
+
+    def revoke(self, public_key: str, timeout: float = 5.0) -> None:
+        """Stop accepting this public key: its messages are dropped from now on, it is forgotten,
+        and new connections with it are refused (keys only)."""
+        if self._allowed is None:
+            raise ValueError("this averager has no keys")
+        self._allowed.revoke(public_key)
+        pid = peer_id_of(public_key)
+
+        def forget(node: Node, now: float) -> None:
+            if pid in node.membership.peers:
+                node.membership.forget(pid, now)
+
+        self._transport.run_on_io(forget, timeout)
 
     @property
     def clock(self) -> Any:
@@ -280,8 +361,8 @@ class Averager:
         if wait and getattr(self._inside, "active", 0):
             raise ZGossipError("step(wait=True) inside get_tensors() would deadlock: the averaged tensors "
                                "are written under that lock; leave the block first or use wait=False")
-        weight = float(weight)
-        if not (weight > 0.0 and np.isfinite(weight)):
+        weight = 0.0 if self.auxiliary else float(weight)  # an auxiliary peer contributes no data
+        if not self.auxiliary and not (weight > 0.0 and np.isfinite(weight)):
             raise ValueError("weight must be a finite number > 0")
         if timeout is None:
             timeout = max(5.0, 3 * self.config.matchmaking_time)

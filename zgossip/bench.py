@@ -91,6 +91,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "Unix sockets (the default between peers on one host)")
     p.add_argument("--matchmaking", action="store_true", help="benchmark matchmaking latency instead of the all-reduce")
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
+    p.add_argument("--curve", action="store_true",
+                   help="peers with CURVE keys (authenticated, encrypted); the all-reduce bench also runs the same "
+                        "swarm without keys and prints the ratio")
     p.add_argument("--seed", type=int, default=0, help="seed of the peers' random tensors (default 0)")
     p.add_argument("--timeout", type=float, default=120.0, help="bound on each step and each wait, in seconds")
 
@@ -320,8 +323,9 @@ class GlooGroup:
 # ---------------------------------------------------------------------------- all-reduce
 def bench_allreduce(peers: int, numel: int, reps: int, part_size: int | None = None, seed: int = 0,
                     timeout: float = 120.0, vs_gloo: bool = False, vs_checkout: str | None = None,
-                    tcp_only: bool = False) -> dict:
+                    tcp_only: bool = False, curve: bool = False) -> dict:
     truth = _mean_of_peers(seed, peers, numel)
+    per_peer = curve_kwargs(peers) if curve else None
     gloo = GlooGroup(peers, numel, seed, timeout) if vs_gloo else None
     other = None
     # with tcp_only, both zgossip swarms (this code and --vs-checkout's) keep to TCP loopback
@@ -341,7 +345,8 @@ def bench_allreduce(peers: int, numel: int, reps: int, part_size: int | None = N
             other.wait_membership(timeout=min(timeout, 30.0))
             for _ in range(WARMUP):
                 _step_once(other, timeout, aligned)
-        with LocalSwarm(peers, numel, seed=seed, averager_kwargs=kw, start_timeout=timeout, env=env) as swarm:
+        with LocalSwarm(peers, numel, seed=seed, averager_kwargs=kw, start_timeout=timeout, env=env,
+                        per_peer_kwargs=per_peer) as swarm:
             swarm.wait_membership(timeout=min(timeout, 30.0))
             build = {"native_kernels": all(i.get("native", False) for i in swarm.info),
                      "fast_send": all(i.get("fast_send", False) for i in swarm.info)}
@@ -444,10 +449,19 @@ def _mean_of_peers(seed: int, peers: int, numel: int) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------- matchmaking
+def curve_kwargs(peers: int) -> list[dict]:
+    """Per-peer Averager arguments for a swarm with CURVE keys where every peer allows every other."""
+    from .identity import KeyPair
+
+    keys = [KeyPair.generate() for _ in range(peers)]
+    return [{"secret_key": k, "allowed_keys": [x.public for x in keys]} for k in keys]
+
+
 def bench_matchmaking(peers: int = 8, numel: int = 1024, steps: int = MIN_MATCHMAKING_STEPS, seed: int = 0,
-                      timeout: float = 60.0) -> dict:
+                      timeout: float = 60.0, curve: bool = False) -> dict:
     kw = _swarm_kwargs(peers, None, timeout)
-    with LocalSwarm(peers, numel, seed=seed, averager_kwargs=kw, start_timeout=timeout) as swarm:
+    with LocalSwarm(peers, numel, seed=seed, averager_kwargs=kw, start_timeout=timeout,
+                    per_peer_kwargs=curve_kwargs(peers) if curve else None) as swarm:
         swarm.wait_membership(timeout=min(timeout, 30.0))
         for _ in range(WARMUP):
             _step_once(swarm, timeout)
@@ -456,6 +470,7 @@ def bench_matchmaking(peers: int = 8, numel: int = 1024, steps: int = MIN_MATCHM
         foreign = load.cores()
     return {
         "benchmark": "matchmaking",
+        "curve": curve,
         "peers": peers,
         "numel": numel,
         "steps": steps,
@@ -481,11 +496,12 @@ def run(args: argparse.Namespace) -> int:
     if args.matchmaking:
         peers = args.peers or 8
         numel = 1024 if args.numel is None else args.numel
-        res = bench_matchmaking(peers, numel, max(args.reps, MIN_MATCHMAKING_STEPS), args.seed, args.timeout)
+        res = bench_matchmaking(peers, numel, max(args.reps, MIN_MATCHMAKING_STEPS), args.seed, args.timeout,
+                                args.curve)
         if args.json:
             print(json.dumps(res))
         else:
-            print(f"zgossip bench --matchmaking: {peers} peers that know each other, {numel} floats, "
+            print(f"zgossip bench --matchmaking{' --curve' if args.curve else ''}: {peers} peers that know each other, {numel} floats, "
                   f"{res['steps']} steps (max over peers per step)")
             print(_line("matchmaking", res["matchmaking"]))
             print(_line("whole step", res["step"]))
@@ -497,6 +513,8 @@ def run(args: argparse.Namespace) -> int:
     if peers < 2 or numel < 1:
         print("zgossip bench: need --peers >= 2 and --numel >= 1", file=sys.stderr)
         return 2
+    if args.curve:
+        return _run_curve(args, peers, numel)
     out = bench_allreduce(peers, numel, args.reps, args.part_size, args.seed, args.timeout, args.vs == "gloo",
                           args.vs_checkout, args.tcp_only)
     zg = out["zgossip"]
@@ -534,6 +552,30 @@ def run(args: argparse.Namespace) -> int:
               f"{out['paired_ratio_vs_checkout']:.3f}x")
     print(f"  other processes kept {out['other_load_cores']:.2f} cores busy meanwhile")
     return 0 if zg["correct"] else 1
+
+
+def _run_curve(args: argparse.Namespace, peers: int, numel: int) -> int:
+    """The same swarm without keys, then with CURVE keys; the ratio of their median steps."""
+    plain = bench_allreduce(peers, numel, args.reps, args.part_size, args.seed, args.timeout, tcp_only=args.tcp_only)
+    cur = bench_allreduce(peers, numel, args.reps, args.part_size, args.seed, args.timeout, tcp_only=args.tcp_only,
+                          curve=True)
+    out = {"benchmark": "allreduce-curve", "peers": peers, "numel": numel, "plain": plain, "curve": cur,
+           "ratio": cur["zgossip"]["step"]["median"] / plain["zgossip"]["step"]["median"],
+           "cpu_ratio": (cur["zgossip"]["cpu_seconds_all_peers"]["median"]
+                         / plain["zgossip"]["cpu_seconds_all_peers"]["median"])}
+    ok = plain["zgossip"]["correct"] and cur["zgossip"]["correct"]
+    if args.json:
+        print(json.dumps(out))
+        return 0 if ok else 1
+    print(f"zgossip bench --curve: {peers} peers x {numel} float32 ({numel * 4 / 2**20:.1f} MiB), {args.reps} reps; "
+          f"between peers: {cur['zgossip']['transport']}")
+    for name, r in (("plain", plain), ("CURVE", cur)):
+        print(_line(f"{name} step()", r["zgossip"]["step"]))
+        print(_line(f"  {name} CPU, all peers", r["zgossip"]["cpu_seconds_all_peers"]))
+    print(f"  ratio CURVE/plain (medians): step {out['ratio']:.2f}x, CPU {out['cpu_ratio']:.2f}x; "
+          f"correct: {'yes' if ok else 'NO'}")
+    print(f"  other processes kept {max(plain['other_load_cores'], cur['other_load_cores']):.2f} cores busy meanwhile")
+    return 0 if ok else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,16 +19,35 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_arguments(sub.add_parser("bench", help="time the all-reduce, optionally against torch.distributed gloo"))
     train_demo.add_arguments(sub.add_parser("train-demo", help="local peers train one model together; one joins late"))
     bench_train.add_arguments(sub.add_parser("bench-train", help="one collaborative step (4 peers, 10M params) vs gloo"))
+    kg = sub.add_parser("keygen", help="write a CURVE key pair: FILE (secret, mode 600) and FILE.pub (allow-file line)")
+    kg.add_argument("file", help="where to write the secret key (FILE.pub gets the public key)")
+    kg.add_argument("--force", action="store_true", help="overwrite an existing key file")
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "WARNING"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return {"demo": demo.run, "peer": peer.run, "bench": bench.run, "train-demo": train_demo.run,
-                "bench-train": bench_train.run}[args.command](args)
+                "bench-train": bench_train.run, "keygen": _keygen}[args.command](args)
     except KeyboardInterrupt:
         # Ctrl-C: the command's finally blocks stopped its peer processes; no traceback, the shell's
         # exit status for SIGINT (128 + 2)
         print(file=sys.stderr)
         return 130
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    from .identity import write_key_file
+
+    try:
+        kp = write_key_file(args.file, overwrite=args.force)
+    except (ValueError, OSError) as e:
+        print(f"zgossip keygen: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.file} (secret, mode 600) and {args.file}.pub")
+    print(f"public key: {kp.public}")
+    print(f"peer id:    {kp.peer_id}")
+    print(f"add the public key (the line in {args.file}.pub, optionally followed by this peer's tcp://HOST:PORT) "
+          "to every peer's allow file")
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 """Outgoing ZeroMQ connections of one node: a DEALER per (peer endpoint, lane), and a
 disconnect monitor on each lane-0 DEALER.
 
-Messages are one-way: each node receives on its ROUTER and sends on its own DEALERs. Lane 1
+Messages are one-way: each node receives on its ROUTER and sends on its own DEALERs -- except
+for a node in client mode, which listens nowhere and reads what peers answer on the DEALERs it
+opened (`readable`; the peers' ROUTERs reply through the connection). With keys
+(`zgossip.curve`) every DEALER is a CURVE client of the key expected at its endpoint. Lane 1
 carries only averaged results (`wire.lane_of`): they travel on a connection of their own, so
 they are not queued behind the bulk of PART data still streaming to that peer (5-9% faster on
 the 4-peer bench, paired runs). Every socket has linger 0 (the default makes ``ctx.term()``
@@ -15,35 +18,58 @@ from typing import Callable
 import zmq
 
 from . import wire
+from .curve import HANDSHAKE_EVENTS, Curve
 from .local_ipc import LocalRoutes
 
 __all__ = ["Connections"]
 
 
 class Connections:
-    def __init__(self, ctx: zmq.Context, poller: zmq.Poller, routes: LocalRoutes, stats: dict) -> None:
+    def __init__(self, ctx: zmq.Context, poller: zmq.Poller, routes: LocalRoutes, stats: dict,
+                 curve: Curve | None = None, server_id: Callable[[str], str | None] | None = None,
+                 readable: bool = False, max_msg_bytes: int = -1) -> None:
         self._ctx = ctx
         self._poller = poller
         self.routes = routes
         self._stats = stats
+        self._curve = curve
+        self._server_id = server_id  # endpoint -> the peer id (key) expected there (with curve)
+        self._readable = readable  # client mode: peers answer on these connections
+        self._max_msg = max_msg_bytes
         self._dealers: dict[tuple[str, int], tuple[zmq.Socket, zmq.Socket | None]] = {}  # -> dealer, monitor
         self.monitors: dict[zmq.Socket, str] = {}  # monitor PAIR socket -> the dealer's endpoint
+        self.inbound: dict[zmq.Socket, tuple[str, str | None]] = {}  # readable dealer -> (endpoint, peer id)
 
     def dealer(self, endpoint: str, lane: int = 0) -> zmq.Socket:
         got = self._dealers.get((endpoint, lane))
         if got is not None:
             return got[0]
+        server = None
+        if self._curve is not None:
+            server = self._server_id(endpoint) if self._server_id is not None else None
+            if server is None:
+                raise ValueError(f"no public key known for {endpoint}: give it as tcp://HOST:PORT#KEY or in the "
+                                 "allow file (KEY tcp://HOST:PORT)")
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)  # never drop: payloads are zero-copy, queueing costs no copy
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_msg)
+        if not self._readable:
+            sock.setsockopt(zmq.RCVHWM, 1)  # nobody reads it: a peer that writes back cannot pile up memory
+        if server is not None:
+            self._curve.client(sock, server)  # type: ignore[union-attr]
         mon = None
         if lane == 0:
             # a dropped connection (the peer's process died) is reported at once, so the protocol
             # need not wait out its timeouts: messages queued on a dropped connection may be lost.
-            # (Lane 0 is the one every groupmate has; one report per peer is enough.)
-            mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            # (Lane 0 is the one every groupmate has; one report per peer is enough.) Failed
+            # handshakes (a refused key, a peer without keys) are reported once in the log.
+            mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_EVENTS)
             self.monitors[mon] = endpoint
             self._poller.register(mon, zmq.POLLIN)
+        if self._readable:
+            self.inbound[sock] = (endpoint, server)
+            self._poller.register(sock, zmq.POLLIN)
         route = self.routes.connect_to(endpoint)
         sock.connect(route)
         self._stats["connections"] += 1
@@ -61,6 +87,9 @@ class Connections:
             if got is None:
                 continue
             sock, mon = got
+            if sock in self.inbound:
+                self._poller.unregister(sock)
+                del self.inbound[sock]
             if mon is not None:
                 self._poller.unregister(mon)
                 self.monitors.pop(mon, None)
@@ -75,8 +104,10 @@ class Connections:
         for ep in {ep for ep, _ in self._dealers}:
             self.close(ep)
 
-    def drain_monitors(self, ready: dict, on_down: Callable[[str], None]) -> None:
-        """Read the monitors that are ready; call ``on_down(endpoint)`` per dropped connection."""
+    def drain_monitors(self, ready: dict, on_down: Callable[[str], None],
+                       on_handshake: Callable[[str, dict], None] | None = None) -> None:
+        """Read the monitors that are ready; call ``on_down(endpoint)`` per dropped connection and
+        ``on_handshake(endpoint, event)`` per failed handshake."""
         from zmq.utils.monitor import recv_monitor_message
 
         for mon, endpoint in list(self.monitors.items()):
@@ -89,3 +120,5 @@ class Connections:
                     break
                 if event["event"] == zmq.EVENT_DISCONNECTED:
                     on_down(endpoint)
+                elif on_handshake is not None:
+                    on_handshake(endpoint, event)

@@ -10,7 +10,20 @@ import logging
 import socket
 from typing import Any, Callable, Sequence
 
-__all__ = ["check_endpoint", "advertised_host", "advertised"]
+__all__ = ["check_endpoint", "advertised_host", "advertised", "CLIENT_SCHEME", "client_endpoint", "listens"]
+
+#: The endpoint of a peer in client mode (it listens nowhere): ``client://<peer id>``. Peers never
+#: connect to it; they answer such a peer on the connection it opened (`zgossip.zmq_driver`).
+CLIENT_SCHEME = "client://"
+
+
+def client_endpoint(peer_id: str) -> str:
+    return CLIENT_SCHEME + peer_id
+
+
+def listens(endpoint: str) -> bool:
+    """Whether peers can connect to `endpoint` (False for a client-mode peer)."""
+    return not endpoint.startswith(CLIENT_SCHEME)
 
 log = logging.getLogger(__name__)
 

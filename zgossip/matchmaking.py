@@ -215,7 +215,7 @@ class Matchmaker:
         j.wait_until = now + self.ack_wait(endpoint)
         log.debug("%s t=%.3f JOIN -> %s hops=%d", self.peer_id[:8], now, peer_id[:8], j.hops)
         self._send(endpoint, Join(self.peer_id, self.endpoint, key=j.key, step_id=j.step_id, bandwidth=j.bandwidth,
-                                  layout=j.layout, hops=j.hops, want=j.want, gathers=bool(j.gathers), layout_desc=j.desc))
+                                  layout=j.layout, hops=j.hops, want=j.want, gathers=int(j.gathers), layout_desc=j.desc))
 
     def _ask_next(self, now: float) -> None:
         j = self.join
@@ -224,7 +224,12 @@ class Matchmaker:
         if pid is None:  # everyone went silent: start over rather than give up early
             j.silent.clear()
             pid = self._best_candidate(j)
-            assert pid is not None  # the ranking always holds this node itself
+        if pid is None:  # a client that knows no peer yet (the ranking holds no one): look again soon
+            j.move(JoinPhase.ASKING)
+            j.target = ("", "")
+            j.since = now
+            j.wait_until = now + self.request_timeout
+            return
         j.hops = 0
         self._ask(j, pid, self.membership.endpoint_of(pid) or self.endpoint, now)
 
@@ -391,6 +396,9 @@ class Matchmaker:
             pool.entries = [e for e in pool.entries if not (e.peer_id == msg.sender and e.step_id == msg.step_id)]
 
     def _form(self, key: str, entries: list[_Entry], odd: list | None = None, why_odd: str = "") -> None:
+        if all(e.gathers & 2 for e in entries):
+            self._refuse(key, entries, f"all {len(entries)} peers with this key are auxiliary (no data to average)")
+            return
         if all(e.bandwidth == 0 for e in entries):
             self._refuse(key, entries, f"all {len(entries)} peers with this key are clients (bandwidth 0)" + why_odd)
             return

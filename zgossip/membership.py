@@ -24,6 +24,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from .endpoints import listens
 from .rendezvous import RankingCache
 from .messages import Bye, Gossip, GossipReply, Message
 
@@ -69,6 +70,9 @@ class Membership:
             raise ValueError("need 0 < gossip_interval < peer_timeout")
         self.peer_id = peer_id
         self.endpoint = endpoint
+        # A client-mode peer (`zgossip.endpoints.listens`) is never entered in anyone's table: it
+        # cannot host a rendezvous, serve state or take gossip, and it talks to peers directly.
+        self.listening = listens(endpoint)
         self._send = send
         self._rng = rng
         self.initial_peers = tuple(ep for ep in initial_peers if ep != endpoint)
@@ -76,6 +80,7 @@ class Membership:
         self.fanout = fanout
         self.peer_timeout = peer_timeout
         self.max_digest = max_digest
+        self.admit: Callable[[str], bool] = lambda peer_id: True  # with keys: is this peer id allowed?
         self.heartbeat = 0
         self.share: float | None = None  # this node's state-sharing priority, gossiped with its heartbeat
         self.info: dict = {}  # this node's public record, gossiped with its heartbeat
@@ -106,8 +111,8 @@ class Membership:
         return self._sorted
 
     def everyone(self) -> list[str]:
-        """Live peers including this node."""
-        return self.live_ids() + [self.peer_id]
+        """Live peers including this node (unless it is a client: nobody can reach it to meet there)."""
+        return self.live_ids() + [self.peer_id] if self.listening else self.live_ids()
 
     def ranking(self, key: str) -> list[str]:
         """Everyone in rendezvous order for `key` (see `zgossip.rendezvous`), cached per membership version."""
@@ -181,7 +186,7 @@ class Membership:
 
     def observe(self, peer_id: str, endpoint: str, now: float) -> None:
         """Direct contact from a peer proves it is alive."""
-        if peer_id == self.peer_id:
+        if peer_id == self.peer_id or not listens(endpoint) or not self.admit(peer_id):
             return
         left = self._left.get(peer_id)
         if left is not None:
@@ -236,7 +241,7 @@ class Membership:
 
     def merge(self, entries: Iterable[tuple[str, str, int, float | None, dict]], now: float) -> None:
         for pid, ep, hb, share, info in entries:
-            if pid == self.peer_id:
+            if pid == self.peer_id or not listens(ep) or not self.admit(pid):
                 continue
             rec = self.peers.get(pid)
             if rec is None:

@@ -184,7 +184,14 @@ def _peer_list(v: Any) -> tuple:
 
 
 _SPEC = _record(_str(4), _list(_int(0, 1 << 40), 32))  # dtype code, shape
-_MEMBER = _record(_ID, _EP, _float(0.0, 1e18), _ID, _FLAG)  # id, endpoint, bandwidth, step, sends GATHER
+
+
+def _join_flags(v: Any) -> Any:
+    """JOIN's `g`: flags (1 = sends GATHER, 2 = auxiliary); a bool, as first released, means 0/1."""
+    if type(v) is bool:
+        return v
+    return _int(0, 3)(v)
+_MEMBER = _record(_ID, _EP, _float(0.0, 1e18), _ID, _int(0, 3))  # id, endpoint, bandwidth, step, flags (1 GATHER, 2 aux)
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,7 +202,15 @@ class MemberInfo:
     endpoint: str
     bandwidth: float
     step_id: str
-    gathers: int = 1  # 1 if the member sends GATHER (it passed gather data), 0 if not
+    gathers: int = 1  # flags: 1 = sends GATHER (it passed gather data), 2 = auxiliary (weight 0, no data)
+
+    @property
+    def sends_gather(self) -> bool:
+        return bool(self.gathers & 1)
+
+    @property
+    def auxiliary(self) -> bool:
+        return bool(self.gathers & 2)
 
 
 # How a field's typed value and its wire form differ. The wire form of a node-built message is
@@ -332,13 +347,13 @@ class Join(Message):
     layout: str  # fingerprint: only equal layouts are grouped
     hops: int
     want: int
-    gathers: bool
+    gathers: int  # flags: 1 = it will send GATHER, 2 = auxiliary (weight 0: it brings no data)
     layout_desc: str = ""  # count, shapes and dtypes as text (zgossip.layouts), to say what differs
     type: ClassVar[MsgType] = MsgType.JOIN
     FIELDS = _fields(("key", "key", _KEY, _PLAIN), ("step_id", "step", _ID, _PLAIN),
                      ("bandwidth", "bw", _float(0.0, 1e18), _PLAIN), ("layout", "layout", _str(128), _PLAIN),
                      ("hops", "hops", _int(0, 16), _PLAIN), ("want", "want", _IDX, _PLAIN),
-                     ("gathers", "g", _FLAG, _BOOL), ("layout_desc", "ld", _str(2048), _PLAIN))
+                     ("gathers", "g", _join_flags, _PLAIN), ("layout_desc", "ld", _str(2048), _PLAIN))
     OPTIONAL = {"ld": ""}
 
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from .actions import Disconnect, DownloadDone, DownloadFailed, Send, ServeState, StepDone, StepFailed
 from .allreduce import AllReduceRound, RoundOutcome, SpanOutcome
+from .endpoints import listens
 from .errors import IllegalTransition, PeerLost, RoundTimeout, StepInProgress
 from .grid import MoshpitGrid
 from .matchmaking import GroupSpec, Matchmaker
@@ -103,6 +104,7 @@ class StepResult:
     coords: tuple[int, ...]
     # peers that stepped with the same key but could not join: their tensors differ (peer id -> what differs)
     left_out: dict[str, str] = field(default_factory=dict)
+    auxiliary: tuple[str, ...] = ()  # members that only lent bandwidth (weight 0, contributed no data)
 
 
 class StepPhase(Enum):
@@ -257,7 +259,8 @@ class Node:
         axis = self.grid.axis(self.round_index)
         want = self.grid.shape[axis] if axis is not None else None
         self.matchmaker.begin(req.step_id, key, self.config.bandwidth, req.layout, now, req.timeout, want,
-                              gathers=req.gather is not None, layout_desc=req.layout_desc)
+                              gathers=int(req.gather is not None) | (2 if req.weight == 0 else 0),
+                              layout_desc=req.layout_desc)
         self._drain_loopback(now)
 
     def cancel_step(self, step_id: str, now: float, why: str) -> None:
@@ -515,6 +518,8 @@ class Node:
         owed = {}
         for i, m in enumerate(rnd.members):
             if i != rnd.rank:
+                if rnd.client and not listens(m.endpoint):
+                    continue  # one client cannot reach another
                 self._send(m.endpoint, done)
                 if serves and i not in rnd.lost and (m.peer_id, m.endpoint) not in said:
                     owed[m.peer_id] = m.endpoint
@@ -527,9 +532,9 @@ class Node:
             spans=out.spans, updated=out.updated,
             timings={"matchmaking": st.grouped - st.started, "allreduce": now - st.grouped, "total": now - st.started},
             bytes_sent=out.bytes_sent, bytes_received=out.bytes_received, coords=coords_before,
-            left_out=dict(rnd.spec.left_out),
+            left_out=dict(rnd.spec.left_out), auxiliary=out.auxiliary,
         )
-        if len(out.members) > 1 and not set(out.contributors) - {self.peer_id}:
+        if len(out.members) > 1 and not set(out.contributors) - {self.peer_id} and self.peer_id not in out.auxiliary:
             self._end_step(StepFailed(st.req.step_id, PeerLost(
                 f"group {out.group_id[:8]} of {len(out.members)} formed, but no other member's data arrived "
                 f"(lost: {', '.join(p[:8] for p in out.lost) or 'none'}); tensors left unchanged")))

@@ -48,6 +48,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seed of the tensor and the peer id (default: random; two peers must not share one)")
     p.add_argument("--tcp-only", action="store_true",
                    help="reach peers on this host over TCP too (by default through their local Unix sockets)")
+    p.add_argument("--key", default=None, metavar="FILE",
+                   help="this peer's key file (zgossip keygen FILE): authenticated, encrypted peers (needs --allow)")
+    p.add_argument("--allow", default=None, metavar="FILE",
+                   help="allow file: one public key per line, optionally followed by tcp://HOST:PORT")
+    p.add_argument("--client", action="store_true",
+                   help="client mode: listen nowhere (behind NAT/firewall); peers answer over our connections")
+    p.add_argument("--auxiliary", action="store_true", help="bring no data, lend bandwidth to reduce for others")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (0 = a free port)")
     p.add_argument("--metrics-host", default="127.0.0.1",
@@ -75,7 +82,9 @@ def run(args: argparse.Namespace) -> int:
     try:  # a malformed address is the user's typo: one line and exit status 2, like argparse
         check_endpoint(args.listen, "--listen address", listen=True)
         for ep in args.initial_peers:
-            check_endpoint(ep, "--initial-peers address")
+            check_endpoint(ep.partition("#")[0], "--initial-peers address")
+        if (args.key is None) != (args.allow is None):
+            raise ValueError("--key and --allow go together")
     except ValueError as e:
         print(f"zgossip peer: error: {e}", file=sys.stderr)
         return 2
@@ -85,11 +94,12 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        avg = Averager([data], prefix=args.prefix, listen=args.listen, initial_peers=args.initial_peers,
-                       announce_host=args.announce_host, target_group_size=args.target_group_size,
-                       min_group_size=args.min_group_size, seed=args.seed, local_ipc=not args.tcp_only,
-                       metrics_port=args.metrics_port, metrics_host=args.metrics_host)
-    except OSError as e:  # e.g. the metrics port is taken
+        avg = Averager([data], prefix=args.prefix, listen=None if args.client else args.listen,
+                       initial_peers=args.initial_peers, announce_host=args.announce_host,
+                       target_group_size=args.target_group_size, min_group_size=args.min_group_size, seed=args.seed,
+                       local_ipc=not args.tcp_only, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                       secret_key=args.key, allowed_keys=args.allow, auxiliary=args.auxiliary)
+    except (OSError, ValueError) as e:  # e.g. the metrics port is taken
         print(f"zgossip peer: error: {e}", file=sys.stderr)
         return 2
     log_json = None

@@ -195,6 +195,9 @@ class LocalSwarm:
             self._spawn(ctx, 0, list(self.initial_peers))
             self._hello(0)
             first = list(self.initial_peers) or [self.info[0]["endpoint"]]
+            key0 = (self.per_peer_kwargs or [{}])[0].get("secret_key")
+            if key0 is not None and not self.initial_peers:  # with keys, peers need peer 0's key too
+                first = [first[0] + "#" + key0.public]
             for i in range(1, self.n):
                 self._spawn(ctx, i, first)
             for i in range(1, self.n):

@@ -11,10 +11,20 @@ The ROUTER sets MAXMSGSIZE, so an oversize frame drops that connection inside li
 byte reaches Python; everything else that arrives goes through `wire.decode`, and an invalid
 message is logged and counted, never raised. The rest lives beside it, one concept a module:
 zero-copy loans (`zgossip.zerocopy`), local Unix-socket routing (`zgossip.local_ipc`), the C
-sender (`zgossip.fast_send`), process-wide settings (`zgossip.process_tuning`).
+sender (`zgossip.fast_send`), process-wide settings (`zgossip.process_tuning`), CURVE keys and
+who sent what (`zgossip.curve`, `zgossip.zap`).
+
+**Client mode** (``client_mode=True``, for peers behind NAT or a firewall): nothing is bound. The
+node's endpoint is ``client://<peer id>``, which peers never connect to; it opens its DEALERs
+as usual and reads peers' answers on them. A peer answers a client through its ROUTER, on the
+connection the client opened: the routing id of the client's latest lane-0 message (`_replies`).
+Messages for a client that has not connected yet wait in a small backlog (`_backlog`, flushed
+on its first message, bounded) -- e.g. a groupmate's GATHER that beats the client's first PART.
+With keys, a client's claim to its id is checked like any other sender's.
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import logging
 import queue
@@ -27,7 +37,9 @@ from . import fast_send, wire
 from .actions import Owner, execute
 from .clock import WALL_CLOCK
 from .connections import Connections
-from .endpoints import advertised, check_endpoint
+from .curve import HANDSHAKE_EVENTS, Curve, handshake_failure
+from .endpoints import CLIENT_SCHEME, advertised, check_endpoint, client_endpoint
+from .identity import AllowList, KeyPair
 from .fast_send import FAST_SEND
 from .local_ipc import LocalRoutes, enabled, local_name
 from .node import Node
@@ -40,7 +52,10 @@ __all__ = ["ZmqTransport", "ZmqDriver", "check_endpoint", "FAST_SEND"]
 log = logging.getLogger(__name__)
 
 _INLINE_BYTES = 1 << 12  # received frames up to this size are copied into bytes, larger ones are not
-_STATS = ("received", "invalid", "sent", "send_errors", "errors", "disconnects", "connections", "local_connections")
+_STATS = ("received", "invalid", "sent", "send_errors", "errors", "disconnects", "connections", "local_connections",
+          "unauthenticated", "refused", "handshake_failures", "unreachable")
+_BACKLOG_MESSAGES = 256  # per client that has not connected yet
+_BACKLOG_CLIENTS = 64
 
 
 class ZmqTransport:
@@ -50,21 +65,57 @@ class ZmqTransport:
 
     def __init__(self, listen: str = "tcp://127.0.0.1:0", *, limits: wire.WireLimits = wire.WireLimits(),
                  announce_host: str | None = None, name: str | None = None, local_ipc: bool = True,
-                 initial_peers: Sequence[str] = ()) -> None:
+                 initial_peers: Sequence[str] = (), keys: KeyPair | None = None, allowed: AllowList | None = None,
+                 peer_keys: dict[str, str] | None = None, client_mode: bool = False) -> None:
+        """`keys` turns CURVE on: `allowed` (required then) lists who may connect, `peer_keys` maps
+        endpoints to the peer ids (keys) expected there (initial peers given with ``#KEY``).
+        `client_mode`: bind nothing, receive on the connections this node opens (see above)."""
         self.listen, self.limits, self.announce_host, self.name = listen, limits, announce_host, name
         self.local_ipc, self.initial_peers = enabled(local_ipc), tuple(initial_peers)
         self.local_address: str | None = None  # the abstract socket this node listens on as well
         self.stats = dict.fromkeys(_STATS, 0)
         self._stopping = False
+        if keys is not None and allowed is None:
+            raise ValueError("a node with keys needs an allow list (allowed_keys=...)")
+        self.keys, self.allowed, self.client_mode = keys, allowed, bool(client_mode)
+        self._peer_keys = dict(peer_keys or {})
+        self.curve: Curve | None = None
+        self._replies: dict[str, bytes] = {}  # client peer id -> routing id of its connection to our ROUTER
+        self._backlog: dict[str, collections.deque] = {}  # client peer id -> messages waiting for it to connect
+        self._refusals: set[tuple[str, str]] = set()  # (where, kind) of failed handshakes already logged
 
     def start(self, peer_id: str, make_node: NodeFactory, owner: Owner) -> None:
         tune_malloc()
         self._owner, self._zsend, self._ctx = owner, fast_send.zsend, context()
         self._lent = LentPayloads(self._zsend)
+        self._max_msg = max(self.limits.max_frame_bytes, self.limits.max_header_bytes)
+        if self.keys is not None:
+            if self.keys.peer_id != peer_id:
+                raise ValueError("with keys, the peer id must be the public key's (identity.peer_id_of)")
+            self.curve = Curve(self.keys, self.allowed, self._peer_keys, self.stats,  # type: ignore[arg-type]
+                               self.name or peer_id[:8])
+        self._router = self._router_monitor = None
+        self._zap_domain = None
+        if self.client_mode:
+            self.endpoint = client_endpoint(peer_id)
+        else:
+            self._bind()
+        self._make_rest(peer_id, make_node)
+
+    def _bind(self) -> None:
         self._router = r = self._ctx.socket(zmq.ROUTER)
         r.setsockopt(zmq.LINGER, 0)
-        r.setsockopt(zmq.MAXMSGSIZE, max(self.limits.max_frame_bytes, self.limits.max_header_bytes))
+        r.setsockopt(zmq.MAXMSGSIZE, self._max_msg)
         r.setsockopt(zmq.RCVHWM, 0)
+        r.setsockopt(zmq.ROUTER_MANDATORY, 1)  # replies to a client that left raise, rather than vanish
+        if self.curve is not None:
+            from . import zap
+
+            self._zap_domain = f"zgossip-{id(self):x}"
+            zap.register(self._ctx, self._zap_domain, zap.Gate(self.curve.allowed, self.name or "?", self.stats))
+            self.curve.server(r, self._zap_domain)
+        # failed handshakes (a key not allowed, a peer with/without keys) are logged once per kind
+        self._router_monitor = r.get_monitor_socket(HANDSHAKE_EVENTS)
         self._router_address = r.underlying
         listen = self.listen[:-2] + ":*" if self.listen.startswith("tcp://") and self.listen.endswith(":0") else self.listen
         r.bind(listen)
@@ -78,10 +129,14 @@ class ZmqTransport:
                 log.warning("zgossip node %s: could not listen on the local socket @%s (%s); "
                             "peers on this host will connect over TCP only if they do not find it",
                             self.endpoint, local, e)
+
+    def _make_rest(self, peer_id: str, make_node: NodeFactory) -> None:
         self.node = make_node(self.endpoint, None)
         self._poller = zmq.Poller()
         self.routes = LocalRoutes(self.endpoint, self.local_ipc)
-        self.connections = Connections(self._ctx, self._poller, self.routes, self.stats)
+        self.connections = Connections(self._ctx, self._poller, self.routes, self.stats, curve=self.curve,
+                                       server_id=self._server_id, readable=self.client_mode,
+                                       max_msg_bytes=self._max_msg)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         wake = f"inproc://zgossip-wake-{id(self)}"
         self._wake_in, self._wake_out = self._ctx.socket(zmq.PAIR), self._ctx.socket(zmq.PAIR)
@@ -147,7 +202,10 @@ class ZmqTransport:
     # ---------------------------------------------------------------- I/O thread
     def _run(self) -> None:
         poller, now, node = self._poller, self.clock.now, self.node
-        poller.register(self._router, zmq.POLLIN)
+        router, mon = self._router, self._router_monitor
+        if router is not None:
+            poller.register(router, zmq.POLLIN)
+            poller.register(mon, zmq.POLLIN)
         poller.register(self._wake_in, zmq.POLLIN)
         try:
             self._guard(node.start, now())
@@ -158,10 +216,18 @@ class ZmqTransport:
                 events = dict(poller.poll(wait_ms))
                 if self._wake_in in events:
                     self._drain_commands()
-                if self._router in events:
-                    self._drain_router()
-                if len(events) > (self._wake_in in events) + (self._router in events):
-                    self.connections.drain_monitors(events, self._peer_down)
+                handled = (self._wake_in in events)
+                if router is not None and router in events:
+                    self._drain(router, None)
+                    handled += 1
+                if mon is not None and mon in events:
+                    self._drain_router_monitor()
+                    handled += 1
+                if len(events) > handled:
+                    for sock, (ep, pid) in list(self.connections.inbound.items()):
+                        if sock in events:
+                            self._drain(sock, (ep, pid))
+                    self.connections.drain_monitors(events, self._peer_down, self._handshake_failed)
                 dl = node.next_deadline()
                 if dl is not None and now() >= dl:
                     self._guard(node.on_timer, now())
@@ -169,7 +235,14 @@ class ZmqTransport:
         finally:
             self._started.set()
             self.connections.close_all()
-            self._router.close(0)
+            if router is not None:
+                router.disable_monitor()
+                mon.close(0)
+                router.close(0)
+            if self._zap_domain is not None:
+                from . import zap
+
+                zap.unregister(self._ctx, self._zap_domain)
             self._wake_in.close(0)
             self._lent.reap()
 
@@ -199,22 +272,46 @@ class ZmqTransport:
                 break
             self._guard(fn, self.clock.now())
 
-    def _next_frames(self) -> Any:
-        """The next message on the ROUTER without its routing id, or None when none is waiting."""
+    def _next_frames(self, sock: zmq.Socket, routed: bool) -> Any:
+        """(routing id or None, frames, the connection's ZAP user id or None) of the next message on
+        `sock` (`routed`: a ROUTER), or None when none is waiting."""
+        want_user = self.curve is not None and routed
         if self._zsend is not None:  # no zmq.Frame objects, no zmq.Again raised when the queue is empty
-            frames = self._zsend.recv(self._router_address, _INLINE_BYTES)
-            return None if frames is None else frames[1:]
-        try:
-            frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            return None
-        return [f.buffer for f in frames[1:]]
+            addr = self._router_address if sock is self._router else sock.underlying
+            if want_user:
+                got = self._zsend.recv(addr, _INLINE_BYTES, "User-Id")
+                if got is None:
+                    return None
+                frames, user = got
+            else:
+                frames, user = self._zsend.recv(addr, _INLINE_BYTES), None
+                if frames is None:
+                    return None
+        else:
+            try:
+                raw = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return None
+            user = None
+            if want_user and len(raw) > 1:
+                try:
+                    user = raw[1].get("User-Id")
+                except zmq.ZMQError:
+                    user = None
+            frames = [bytes(f.buffer) if i == 0 and routed else f.buffer for i, f in enumerate(raw)]
+        if routed:
+            return bytes(frames[0]), frames[1:], user
+        return None, list(frames), user
 
-    def _drain_router(self) -> None:
+    def _drain(self, sock: zmq.Socket, dealer: tuple[str, str | None] | None) -> None:
+        """Messages on our ROUTER (`dealer` None) or, in client mode, on the DEALER to `dealer`
+        = (endpoint, peer id expected there)."""
+        routed = dealer is None
         for _ in range(256):  # bounded, so timers and commands still get their turn
-            frames = self._next_frames()
-            if frames is None:
+            got = self._next_frames(sock, routed)
+            if got is None:
                 return
+            rid, frames, user = got
             self.stats["received"] += 1
             try:
                 msg = wire.decode(frames, self.limits)
@@ -222,7 +319,58 @@ class ZmqTransport:
                 self.stats["invalid"] += 1
                 log.warning("zgossip node %s: dropped invalid message: %s", self.endpoint, e)
                 continue
+            if self.curve is not None:
+                source = dealer[0] if dealer is not None else f"{msg.endpoint} (claimed)"
+                if not self.curve.check(msg.sender, user if routed else dealer[1], source):  # type: ignore[index]
+                    continue
+                if routed and not msg.endpoint.startswith(CLIENT_SCHEME) and self.curve.heard(msg.sender, msg.endpoint):
+                    self.connections.close(msg.endpoint)  # opened with the key of whoever was there before
+                self.curve.vouched(msg)
+            if routed and msg.endpoint.startswith(CLIENT_SCHEME) and wire.lane_of(msg.type) == 0:
+                if msg.endpoint != client_endpoint(msg.sender):
+                    self.stats["invalid"] += 1
+                    continue
+                self._client_seen(msg.sender, rid)
             self._guard(self.node.on_message, msg, self.clock.now())
+
+    def _server_id(self, endpoint: str) -> str | None:
+        """The peer id (key) expected at `endpoint`, for a CURVE client connection."""
+        assert self.curve is not None
+
+        def from_membership(ep: str) -> str | None:
+            for pid, rec in self.node.membership.peers.items():
+                if rec.endpoint == ep:
+                    return pid
+            return None
+
+        return self.curve.peer_at(endpoint, from_membership)
+
+    def _client_seen(self, peer_id: str, rid: bytes) -> None:
+        self._replies[peer_id] = rid
+        waiting = self._backlog.pop(peer_id, None)
+        if waiting:
+            batch: dict = {}
+            for msg in waiting:
+                self.transmit(client_endpoint(peer_id), msg, batch)
+
+    def _drain_router_monitor(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        while True:
+            try:
+                event = recv_monitor_message(self._router_monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handshake_failed("a connecting peer", event)
+
+    def _handshake_failed(self, where: str, event: dict) -> None:
+        self.stats["handshake_failures"] += 1
+        kind, text = handshake_failure(event, self.curve is not None)
+        if (where, kind) in self._refusals or len(self._refusals) > 4096:
+            return
+        self._refusals.add((where, kind))
+        log.error("zgossip node %s: connection with %s refused: %s (logged once; counted in "
+                  "stats['handshake_failures'])", self.endpoint, where, text)
 
     def _peer_down(self, endpoint: str) -> None:
         self.stats["disconnects"] += 1
@@ -230,6 +378,8 @@ class ZmqTransport:
 
     # ---------------------------------------------------------------- actions.Carrier
     def transmit(self, endpoint: str, msg: wire.Message, batch: dict | None = None) -> None:
+        if endpoint.startswith(CLIENT_SCHEME):
+            return self._to_client(endpoint, msg, batch)
         try:
             frames, big = self._lent.encode(msg, {} if batch is None else batch)
             sock = self.connections.dealer(endpoint, wire.lane_of(msg.type))
@@ -241,9 +391,54 @@ class ZmqTransport:
             self.stats["sent"] += 1
         except (zmq.ZMQError, ValueError, OSError) as e:
             self.stats["send_errors"] += 1
+            if self.curve is not None and isinstance(e, ValueError) and "no public key" in str(e):
+                self.curve.once(("nokey", endpoint), f"could not send to {endpoint}: {e}")
+                return
+            if "temporarily unavailable" in str(e) or getattr(e, "errno", None) == zmq.EAGAIN:
+                # no connection came up (e.g. the peer refuses our key, or speaks no CURVE): once per peer
+                if (endpoint, "eagain") not in self._refusals:
+                    self._refusals.add((endpoint, "eagain"))
+                    log.warning("zgossip node %s: could not send to %s: no connection could be set up (later "
+                                "failures are only counted in stats['send_errors'])", self.endpoint, endpoint)
+                return
             log.warning("zgossip node %s: could not send %s to %s: %s", self.endpoint, msg.type.name, endpoint, e)
 
+    def _to_client(self, endpoint: str, msg: wire.Message, batch: dict | None) -> None:
+        """Answer a client through our ROUTER, on the connection it opened; queue (bounded) until it
+        connects. A client cannot reach another client: that is dropped and counted."""
+        pid = endpoint[len(CLIENT_SCHEME):]
+        rid = self._replies.get(pid)
+        if self._router is None:
+            self.stats["unreachable"] += 1
+            return
+        if rid is None:
+            q = self._backlog.get(pid)
+            if q is None:
+                if len(self._backlog) >= _BACKLOG_CLIENTS:
+                    self.stats["unreachable"] += 1
+                    return
+                q = self._backlog[pid] = collections.deque(maxlen=_BACKLOG_MESSAGES)
+            if len(q) == q.maxlen:
+                self.stats["unreachable"] += 1
+            # payload views of a tensor may change before the client connects: keep a copy
+            q.append(msg.detached())
+            return
+        try:
+            frames, big = self._lent.encode(msg, {} if batch is None else batch)
+            frames = (rid, *frames) if isinstance(frames, tuple) else [rid, *frames]
+            self._lent.send(self._router, frames, big, endpoint)
+            self.stats["sent"] += 1
+        except (zmq.ZMQError, OSError) as e:  # the client's connection is gone (ROUTER_MANDATORY)
+            self._replies.pop(pid, None)
+            self.stats["unreachable"] += 1
+            log.debug("zgossip node %s: could not answer client %s: %s", self.endpoint, pid[:8], e)
+
     def disconnect(self, endpoint: str) -> None:
+        if endpoint.startswith(CLIENT_SCHEME):
+            pid = endpoint[len(CLIENT_SCHEME):]
+            self._replies.pop(pid, None)
+            self._backlog.pop(pid, None)
+            return
         self.connections.close(endpoint)
 
     def route(self, endpoint: str) -> str | None:

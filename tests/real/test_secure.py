@@ -1,0 +1,343 @@
+"""Authenticated, encrypted peers (CURVE + allow lists), client mode and a hostile-peer suite,
+on the real ZeroMQ transport (loopback; every wait bounded; everything shut down)."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import dataclasses
+import logging
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+import zgossip
+from zgossip import wire
+from zgossip.identity import AllowList, KeyPair, load_key, write_key_file, KeyFileWarning, peer_id_of
+
+NUMEL = 4096
+KW = dict(prefix="sec", target_group_size=8, matchmaking_time=0.4, request_timeout=0.3, part_size_bytes=4096,
+          part_timeout=0.6, gossip_interval=0.1, peer_timeout=3.0, allreduce_timeout=8.0, shutdown_timeout=1.0)
+
+
+def _wait(cond, timeout=6.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@contextlib.contextmanager
+def _swarm(n, *, keys=None, allow=None, local_ipc=True, extra=None, values=None, **kw):
+    """n averagers holding value i (exactly representable means); peer 0 is everyone's initial peer."""
+    avs = []
+    min_group = kw.pop("min_group_size", n)
+    try:
+        for i in range(n):
+            v = float(i if values is None else values[i])
+            sec = dict(secret_key=keys[i], allowed_keys=allow) if keys else {}
+            boot = []
+            if avs:
+                boot = [avs[0].endpoint + ("#" + keys[0].public if keys else "")]
+            avs.append(zgossip.Averager([np.full(NUMEL, v, np.float32)], initial_peers=boot, local_ipc=local_ipc,
+                                        min_group_size=min_group, seed=i,
+                                        **{**KW, **kw, **sec, **((extra or {}).get(i, {}))}))
+        yield avs
+    finally:
+        for a in avs:
+            a.shutdown(timeout=1.0)
+
+
+def _step_all(avs, timeout=6.0, **kw):
+    futs = [a.step(wait=False, timeout=timeout, **kw) for a in avs]
+    out = []
+    for f in futs:
+        try:
+            out.append(f.result(timeout + 12))
+        except zgossip.ZGossipError as e:
+            out.append(e)
+    return out
+
+
+def _tensor(a):
+    with a.get_tensors() as t:
+        return np.array(t[0])
+
+
+# ------------------------------------------------------------------ keys and files
+def test_keygen_file_is_private_and_loads(tmp_path):
+    kp = write_key_file(tmp_path / "k")
+    assert (tmp_path / "k").stat().st_mode & 0o777 == 0o600
+    assert load_key(tmp_path / "k") == kp
+    assert AllowList.of(tmp_path / "k.pub").ids == {kp.peer_id}
+    (tmp_path / "k").chmod(0o644)
+    with pytest.warns(KeyFileWarning, match="chmod 600"):
+        load_key(tmp_path / "k")
+    with pytest.raises(ValueError, match="exists"):
+        write_key_file(tmp_path / "k")
+
+
+def test_mixed_configuration_is_refused_at_construction():
+    kp = KeyPair.generate()
+    with pytest.raises(ValueError, match="mixed"):
+        zgossip.Averager([np.zeros(4, np.float32)], prefix="x", initial_peers=["tcp://127.0.0.1:5#" + kp.public])
+    with pytest.raises(ValueError, match="no public key"):
+        zgossip.Averager([np.zeros(4, np.float32)], prefix="x", secret_key=kp, allowed_keys=[kp.public],
+                         initial_peers=["tcp://127.0.0.1:5"])
+    with pytest.raises(ValueError, match="allowed_keys"):
+        zgossip.Averager([np.zeros(4, np.float32)], prefix="x", secret_key=kp)
+
+
+# ------------------------------------------------------------------ allowed peers average
+@pytest.mark.parametrize("local_ipc", [True, False], ids=["unix", "tcp"])
+def test_allowed_peers_average_with_curve(local_ipc):
+    keys = [KeyPair.generate() for _ in range(4)]
+    with _swarm(4, keys=keys, allow=[k.public for k in keys], local_ipc=local_ipc) as avs:
+        assert all(a.peer_id == k.peer_id for a, k in zip(avs, keys))
+        assert _wait(lambda: all(len(a.peers()) == 3 for a in avs))
+        res = _step_all(avs)
+        for a, r in zip(avs, res):
+            assert not isinstance(r, Exception), r
+            assert r.complete and len(r.contributors) == 4
+            assert np.array_equal(_tensor(a), np.full(NUMEL, 1.5, np.float32))
+            assert a.stats["unauthenticated"] == 0 and a.stats["refused"] == 0
+        assert (avs[1].stats["local_connections"] > 0) == local_ipc
+
+
+def test_disallowed_peer_learns_and_changes_nothing(caplog):
+    keys = [KeyPair.generate() for _ in range(3)]
+    bad = KeyPair.generate()
+    allow = [k.public for k in keys]
+    with _swarm(3, keys=keys, allow=allow) as avs:
+        # the intruder knows an honest endpoint and key and allows everyone; nobody allows it
+        with caplog.at_level(logging.WARNING, logger="zgossip.zap"):
+            intruder = zgossip.Averager([np.full(NUMEL, 1000.0, np.float32)], secret_key=bad,
+                                        allowed_keys=allow + [bad.public], seed=9,
+                                        initial_peers=[f"{a.endpoint}#{k.public}" for a, k in zip(avs, keys)],
+                                        **{**KW, "min_group_size": 2})
+            try:
+                assert _wait(lambda: all(len(a.peers()) == 2 for a in avs))
+                fut = intruder.step(wait=False, timeout=3.0)
+                res = _step_all(avs)
+                for a, r in zip(avs, res):
+                    assert not isinstance(r, Exception), r
+                    assert intruder.peer_id not in r.members
+                    # bit-identical to a run without it: the exact mean of 0, 1, 2
+                    assert np.array_equal(_tensor(a), np.full(NUMEL, 1.0, np.float32))
+                    assert intruder.peer_id not in a.peers()
+                with pytest.raises(zgossip.GroupNotFound):
+                    fut.result(20)
+                assert intruder.peers() == []  # it learned nothing about the swarm
+                assert np.array_equal(_tensor(intruder), np.full(NUMEL, 1000.0, np.float32))
+                assert sum(a.stats["refused"] for a in avs) > 0
+            finally:
+                intruder.shutdown(timeout=1.0)
+        lines = [r for r in caplog.records if "refused a connection" in r.getMessage()]
+        assert 1 <= len(lines) <= 3  # at most one line per honest node for this source
+
+
+def test_revoked_key_is_dropped_and_forgotten():
+    keys = [KeyPair.generate() for _ in range(3)]
+    with _swarm(3, keys=keys, allow=[k.public for k in keys], min_group_size=2) as avs:
+        assert _wait(lambda: all(len(a.peers()) == 2 for a in avs))
+        for a in avs[:2]:
+            a.revoke(keys[2].public)
+        # its next messages are dropped; gossip from the third cannot bring it back
+        assert _wait(lambda: all(avs[2].peer_id not in a.peers() for a in avs[:2]), 3.0)
+        time.sleep(0.5)
+        assert all(avs[2].peer_id not in a.peers() for a in avs[:2])
+        assert sum(a.stats["unauthenticated"] for a in avs[:2]) > 0
+        res = _step_all(avs[:2])
+        for a, r in zip(avs[:2], res):
+            assert not isinstance(r, Exception), r
+            assert avs[2].peer_id not in r.members
+            assert np.array_equal(_tensor(a), np.full(NUMEL, 0.5, np.float32))
+
+
+def test_mixed_swarm_is_refused_with_a_clear_error(caplog):
+    kp = KeyPair.generate()
+    with caplog.at_level(logging.ERROR):
+        keyed = zgossip.Averager([np.zeros(NUMEL, np.float32)], secret_key=kp, allowed_keys=[kp.public], **KW)
+        plain = zgossip.Averager([np.zeros(NUMEL, np.float32)], initial_peers=[keyed.endpoint], local_ipc=False, **KW)
+        try:
+            assert _wait(lambda: keyed.stats["handshake_failures"] > 0 and plain.stats["handshake_failures"] > 0)
+            assert plain.peers() == [] and keyed.peers() == []
+        finally:
+            plain.shutdown(timeout=1.0)
+            keyed.shutdown(timeout=1.0)
+    text = " ".join(r.getMessage() for r in caplog.records)
+    assert "mixed swarms are refused" in text
+
+
+# ------------------------------------------------------------------ client mode
+@pytest.mark.parametrize("curve", [False, True], ids=["plain", "curve"])
+def test_client_with_no_listening_socket_averages_and_downloads_state(curve):
+    keys = [KeyPair.generate() for _ in range(4)] if curve else None
+    allow = [k.public for k in keys] if curve else None
+    extra = {3: dict(listen=None)}  # no socket bound at all: nothing can connect to it
+    with _swarm(4, keys=keys, allow=allow, extra=extra) as avs:
+        client = avs[3]
+        assert client.client_mode and client.endpoint.startswith("client://")
+        assert client.transport._router is None
+        assert _wait(lambda: len(client.peers()) == 3 and all(len(a.peers()) == 2 for a in avs[:3]))
+        res = _step_all(avs)
+        for a, r in zip(avs, res):
+            assert not isinstance(r, Exception), r
+            assert len(r.contributors) == 4
+            assert np.array_equal(_tensor(a), np.full(NUMEL, 1.5, np.float32))
+        avs[0].get_current_state = lambda: ({"epoch": 7}, [np.full(NUMEL, 42.0, np.float32)])
+        meta, tensors = client.load_state_from_peers(timeout=10.0, chunk_timeout=2.0)
+        assert meta == {"epoch": 7} or meta is None
+        assert np.array_equal(_tensor(client), tensors[0])
+
+
+def test_auxiliary_peer_on_zeromq():
+    extra = {3: dict(auxiliary=True)}
+    with _swarm(4, extra=extra, values=[0, 1, 2, 100]) as avs:
+        res = _step_all(avs)
+        for i, (a, r) in enumerate(zip(avs, res)):
+            assert not isinstance(r, Exception), r
+            assert r.auxiliary == (avs[3].peer_id,)
+            want = 100.0 if i == 3 else 1.0
+            assert np.array_equal(_tensor(a), np.full(NUMEL, want, np.float32))
+
+
+# ------------------------------------------------------------------ hostile peers
+def _raw_dealer(target, keys=None, server=None):
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.linger = 0
+    if keys is not None:
+        s.curve_secretkey, s.curve_publickey = keys.secret.encode(), keys.public.encode()
+        s.curve_serverkey = server.encode()
+    s.connect(target)
+    return s
+
+
+def _header(mtype, sender, endpoint, body, meta=(), version=wire.PROTOCOL_VERSION):
+    return msgpack.packb([version, int(mtype), sender, endpoint, body, list(meta)], use_bin_type=True)
+
+
+RAW_CASES = ["wrong_version", "truncated", "oversize", "garbage", "impersonation", "replay", "gossip_flood", "join_flood"]
+
+
+@pytest.mark.parametrize("case", RAW_CASES)
+def test_hostile_raw_messages_change_nothing(case):
+    keys = [KeyPair.generate() for _ in range(4)]  # the fourth is an allowed but hostile peer
+    allow = [k.public for k in keys]
+    with _swarm(3, keys=keys, allow=allow, max_message_bytes=1 << 20) as avs:
+        victim = avs[0]
+        evil = _raw_dealer(victim.endpoint, keys[3], keys[0].public)
+        me, ep = keys[3].peer_id, "tcp://127.0.0.1:9"
+        before = dict(victim.stats)
+        gossip = {"hb": 1, "peers": []}
+        if case == "wrong_version":
+            evil.send_multipart([_header(wire.MsgType.GOSSIP, me, ep, gossip, version=99)])
+        elif case == "truncated":
+            evil.send_multipart([_header(wire.MsgType.PART, me, ep, {"gid": "x", "owner": 0, "part": 0, "w": 1.0,
+                                                                   "resc": 0}, [["f4", 1000]]), b"\0" * 12])
+        elif case == "oversize":
+            evil.send_multipart([_header(wire.MsgType.GOSSIP, me, ep, gossip), b"\0" * (2 << 20)])
+        elif case == "garbage":
+            evil.send_multipart([b"\xc1\xff not msgpack"])
+        elif case in ("impersonation", "replay"):
+            # a message in another peer's name: made up, or captured from that peer and sent again
+            body = {"hb": 10 ** 6, "peers": [[avs[1].peer_id, "tcp://127.0.0.1:1", 10 ** 6, None, {}]]}
+            evil.send_multipart([_header(wire.MsgType.GOSSIP_REPLY, avs[1].peer_id, avs[1].endpoint, body)])
+        elif case == "gossip_flood":
+            for i in range(3000):
+                evil.send_multipart([_header(wire.MsgType.GOSSIP, me, ep, {"hb": i, "peers": []})])
+        elif case == "join_flood":
+            for i in range(3000):
+                evil.send_multipart([_header(wire.MsgType.JOIN, me, ep, {"key": f"sec/{i}", "step": f"s{i}", "bw": 1.0,
+                                                                        "layout": "x", "hops": 2, "want": 2, "g": 0})])
+        time.sleep(0.5)
+        res = _step_all(avs)
+        for a, r in zip(avs, res):
+            assert not isinstance(r, Exception), r
+            assert set(r.members) == {x.peer_id for x in avs}
+            assert np.array_equal(_tensor(a), np.full(NUMEL, 1.0, np.float32))
+        after = victim.stats
+        if case in ("wrong_version", "truncated", "garbage"):
+            assert after["invalid"] > before["invalid"]
+        if case in ("impersonation", "replay"):
+            assert after["unauthenticated"] > before["unauthenticated"]
+            assert victim.transport.node.membership.peers[avs[1].peer_id].endpoint == avs[1].endpoint
+        evil.close(0)
+
+
+def _hostile_transmit(av, mutate):
+    """Make an allowed peer hostile: every message it sends passes through `mutate(endpoint, msg)`,
+    which returns the messages to send instead."""
+    tr = av.transport
+    orig = tr.transmit
+
+    def transmit(endpoint, msg, batch=None):
+        for ep2, m2 in mutate(endpoint, msg):
+            orig(ep2, m2, None)
+
+    tr.transmit = transmit
+
+
+def _replace_payload(msg, arr):
+    return dataclasses.replace(msg, data=arr)
+
+
+PROTOCOL_CASES = ["nan_parts", "inf_parts", "wrong_shape", "foreign_results", "bad_state_chunks"]
+
+
+@pytest.mark.parametrize("case", PROTOCOL_CASES)
+def test_hostile_allowed_peer_protocol_data(case):
+    keys = [KeyPair.generate() for _ in range(4)]
+    allow = [k.public for k in keys]
+    with _swarm(4, keys=keys, allow=allow, min_group_size=3, values=[0, 1, 2, 50]) as avs:
+        honest, evil = avs[:3], avs[3]
+
+        def mutate(ep, msg):
+            if msg.type is wire.MsgType.PART and case in ("nan_parts", "inf_parts"):
+                bad = np.array(msg.payload[0])
+                bad[::7] = np.nan if case == "nan_parts" else np.inf
+                return [(ep, _replace_payload(msg, bad))]
+            if msg.type is wire.MsgType.PART and case == "wrong_shape":
+                return [(ep, _replace_payload(msg, np.array(msg.payload[0][:-1])))]
+            if msg.type is wire.MsgType.RESULT and case == "foreign_results":
+                # the same part, claimed for a span another member owns (its own span it may reduce as it
+                # likes: an allowed reducer that lies about its own span is outside what keys can stop)
+                fake = dataclasses.replace(msg, owner=(msg.owner + 1) % 4, data=np.full_like(msg.payload[0], 1e6))
+                return [(ep, fake), (ep, msg)]
+            if msg.type is wire.MsgType.STATE_CHUNK and case == "bad_state_chunks":
+                return [(ep, _replace_payload(msg, np.zeros_like(msg.payload[0]) + 7))]
+            return [(ep, msg)]
+
+        _hostile_transmit(evil, mutate)
+        assert _wait(lambda: all(len(a.peers()) == 3 for a in avs))
+        if case == "bad_state_chunks":
+            evil._priority = 100.0
+            evil._declare_sharing()
+            for a in honest[1:]:
+                a.get_current_state = lambda: ({"good": 1}, [np.full(NUMEL, 5.0, np.float32)])
+            assert _wait(lambda: honest[0]._ask_node(lambda n: bool(n.membership.donors())
+                                                     and n.membership.donors()[0].peer_id == evil.peer_id))
+            meta, tensors = honest[0].load_state_from_peers(timeout=15.0, chunk_timeout=1.0)
+            assert meta == {"good": 1} and np.array_equal(tensors[0], np.full(NUMEL, 5.0, np.float32))
+            return
+        res = _step_all(avs)
+        for a, r in zip(honest, res[:3]):
+            assert not isinstance(r, Exception), r
+            got = _tensor(a)
+            if case == "foreign_results":  # the evil peer's data was fine: a mean over all four
+                assert np.array_equal(got, np.full(NUMEL, 13.25, np.float32))
+            else:
+                # its bad parts are left out of every honest owner's span (mean of 0, 1, 2 there); in the
+                # span it reduces itself its own data was fine, so there it is a member like any other
+                own = np.float32([0, 1, 2][honest.index(a)])
+                assert np.all(np.isfinite(got))
+                assert set(np.unique(got).tolist()) <= {1.0, 13.25, float(own)}
+                for span in r.spans:
+                    if span.owner != evil.peer_id:
+                        assert evil.peer_id not in span.contributors
+        assert sum(a.stats["dropped"] + a.stats["invalid"] for a in honest) >= 0

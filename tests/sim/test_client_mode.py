@@ -1,0 +1,41 @@
+"""Client mode in the simulator: a peer that accepts no connection still averages, with the
+very protocol code a real client runs (sim.driver models the ROUTER reply routes)."""
+import numpy as np
+import pytest
+
+from sim import NetworkModel, SimCluster
+from zgossip.node import NodeConfig, StepDone
+
+NUMEL = 4096
+
+
+def _run(clients, seed=0, n=4, gather=None):
+    cl = SimCluster(seed=seed, network=NetworkModel(latency=0.002, bandwidth=5e6))
+    cfg = NodeConfig(prefix="c", target_group_size=n, min_group_size=n, part_size_bytes=4096, part_timeout=0.5,
+                     gossip_interval=0.05, peer_timeout=3.0, matchmaking_time=0.3, request_timeout=0.2)
+    rng = np.random.default_rng(seed)
+    peers = []
+    for i in range(n):
+        ts = [rng.standard_normal(NUMEL)]
+        boot = [peers[0].endpoint] if peers else []
+        peers.append(cl.add_peer(cfg, tensors=ts, initial_peers=boot, client=i in clients))
+    cl.run(until=1.0)
+    before = np.stack([p.tensors[0].copy() for p in peers])
+    evs = [p.step_tensors(weight=1.0, gather=gather, timeout=5.0) for p in peers]
+    cl.run(until=cl.env.all_of(evs))
+    return cl, peers, before, [e.value for e in evs]
+
+
+@pytest.mark.parametrize("clients", [(3,), (1, 3)])
+@pytest.mark.parametrize("gather", [None, {"x": 1}])
+def test_clients_average_over_connections_they_opened(clients, gather):
+    cl, peers, before, acts = _run(clients, gather=gather)
+    mean = before.mean(axis=0)
+    for p, act in zip(peers, acts):
+        assert isinstance(act, StepDone), act
+        assert len(act.result.members) == 4 and len(act.result.contributors) == 4 and not act.result.lost
+        np.testing.assert_allclose(p.tensors[0], mean, rtol=0, atol=1e-12)
+    for i in clients:  # nobody lists a client in its table, and a client hosts no rendezvous
+        assert all(peers[i].peer_id not in p.node.membership.peers for p in peers)
+        assert peers[i].endpoint.startswith("client://")
+    assert cl.unreachable == 0  # clients never try to reach each other

@@ -1,0 +1,117 @@
+"""CURVE on one node's sockets: keys for each connection, and who sent each message.
+
+With a key pair, a node's ROUTER is a CURVE server (ZeroMQ RFC 26, the guide's "Ironhouse"
+pattern): every connection, TCP or a local Unix socket, is authenticated both ways and
+encrypted, and a client's key must be on the node's allow list (`zgossip.zap`). Each DEALER
+the node opens is a CURVE client that must know the key of the peer it connects to, so it
+cannot be fooled into talking to anyone else. That key comes from, in order:
+
+1. what peers told us themselves: an authenticated message from peer id P claiming endpoint E
+   means P's key for E (a peer id is its public key in hex, `zgossip.identity`);
+2. `tcp://h:p#KEY` initial peers, and endpoints written in the allow file;
+3. the membership table (gossip carries peer ids, which are keys).
+
+A message is accepted only when its sender field equals the key that authenticated its
+connection and that key is still allowed (so revoking takes effect at once); anything else is
+dropped, counted in ``stats["unauthenticated"]`` and logged once per source.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import zmq
+
+from .identity import AllowList, KeyPair, public_key_of
+
+__all__ = ["Curve"]
+
+log = logging.getLogger(__name__)
+
+_MECHANISM_MISMATCH = zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+# (not EVENT_HANDSHAKE_FAILED_NO_DETAIL: that is any connection closed mid-handshake, e.g. the
+# SO_PEERCRED probe of `zgossip.local_ipc`)
+HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+
+
+class Curve:
+    """CURVE settings and bookkeeping of one node (None of these when the node has no keys)."""
+
+    def __init__(self, keys: KeyPair, allowed: AllowList, known: dict[str, str], stats: dict, name: str) -> None:
+        self.keys, self.allowed, self.stats, self.name = keys, allowed, stats, name
+        self.allowed.ids.add(keys.peer_id)  # a node always accepts itself (restarts on the same key)
+        self._told: dict[str, str] = {}  # endpoint -> peer id, from that peer's own messages
+        self._given = {**{ep: pid for ep, pid in allowed.endpoints.items()}, **known}  # endpoint -> peer id
+        self.logged: set[tuple[str, str]] = set()
+
+    # ---------------------------------------------------------------- sockets
+    def server(self, sock: zmq.Socket, domain: str) -> None:
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, self.keys.secret.encode())
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, self.keys.public.encode())
+        sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
+
+    def client(self, sock: zmq.Socket, server_id: str) -> None:
+        sock.setsockopt(zmq.CURVE_SERVERKEY, public_key_of(server_id).encode())  # type: ignore[union-attr]
+        sock.setsockopt(zmq.CURVE_SECRETKEY, self.keys.secret.encode())
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, self.keys.public.encode())
+
+    # ---------------------------------------------------------------- keys of endpoints
+    def peer_at(self, endpoint: str, membership_lookup: Callable[[str], str | None]) -> str | None:
+        """The peer id (= key) expected at `endpoint`, or None when no source names one."""
+        pid = self._told.get(endpoint) or self._given.get(endpoint) or membership_lookup(endpoint)
+        return pid if pid is not None and public_key_of(pid) is not None else None
+
+    def vouched(self, msg) -> None:
+        """Peer ids and endpoints an authenticated peer names in a REDIRECT or GROUP: where to find
+        keys for peers not yet in our membership table (a redirect target, a groupmate). Never
+        overrides what a peer said of itself."""
+        from .wire import MsgType
+
+        if msg.type is MsgType.REDIRECT:
+            pairs = [(msg.to_id, msg.to_endpoint)]
+        elif msg.type is MsgType.GROUP:
+            pairs = [(m.peer_id, m.endpoint) for m in msg.members]
+        else:
+            return
+        for pid, ep in pairs:
+            if ep not in self._told and public_key_of(pid) is not None:
+                self._given[ep] = pid
+
+    def heard(self, peer_id: str, endpoint: str) -> bool:
+        """An authenticated message from `peer_id` claims `endpoint`; True when that changes the key
+        known for it (then connections opened with the old key must be closed)."""
+        old = self._told.get(endpoint)
+        self._told[endpoint] = peer_id
+        return old is not None and old != peer_id
+
+    # ---------------------------------------------------------------- messages
+    def check(self, sender: str, user_id: str | None, source: str) -> bool:
+        """Whether a message claiming `sender`, on a connection authenticated as `user_id`, is taken."""
+        if user_id is not None and sender == user_id and user_id in self.allowed:
+            return True
+        self.stats["unauthenticated"] += 1
+        why = ("revoked key" if user_id == sender else
+               f"sender {sender[:16]} on a connection authenticated as {str(user_id)[:16]}")
+        self.once(("msg", str(user_id)), f"dropped a message from {source}: {why} (later ones are only counted)")
+        return False
+
+    def once(self, key: tuple[str, str], text: str, level: int = logging.WARNING) -> None:
+        if key in self.logged or len(self.logged) > 4096:
+            return
+        self.logged.add(key)
+        log.log(level, "zgossip node %s: %s", self.name, text)
+
+
+def handshake_failure(event: dict, keyed: bool) -> tuple[str, str]:
+    """(kind, explanation) for a failed-handshake monitor event on a node with (`keyed`) or
+    without keys."""
+    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and event["value"] == _MECHANISM_MISMATCH:
+        return "mixed", ("a peer without keys (plain) and a peer with keys (CURVE) met: mixed swarms are refused. "
+                         + ("This peer has a key; give every peer one (`zgossip keygen`, Averager(secret_key=...))"
+                            if keyed else "This peer has no key, the other has: give this peer a key and allow list "
+                                          "or run the whole swarm without keys"))
+    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return "auth", "the peer refused this peer's key (it is not on that peer's allow list)"
+    return "handshake", f"handshake failed (event {event['event']:#x}, value {event['value']:#x}): " \
+                        "a wrong key for that endpoint, or not a zgossip peer"

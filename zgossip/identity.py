@@ -1,0 +1,249 @@
+"""Peer identities: CURVE key pairs, key files, allow lists, and peer ids derived from keys.
+
+A peer with a key pair is known by the hex form of its 32-byte CURVE public key
+(`peer_id_of`), so its id is whatever its key is and no peer can claim another's id: the
+ZeroMQ transport checks every message's sender against the key that authenticated its
+connection. Keys are written in Z85 (ZeroMQ's 40-character text form).
+
+Files (all plain text, ``#`` starts a comment):
+
+* key file (``zgossip keygen FILE``), readable by its owner only -- loading it warns otherwise::
+
+      public-key = <40 Z85 characters>
+      secret-key = <40 Z85 characters>
+
+  ``FILE.pub`` beside it holds the public key alone, as one allow-file line.
+* allow file: one allowed public key per line, optionally followed by the endpoint where that
+  peer listens (then ``initial_peers=["tcp://h:p"]`` finds its key)::
+
+      rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7  tcp://10.0.0.5:41000   # host a
+      Yne@$w-vo<fVvi]a<NY6T1ed:M$fCG*[IaLV{hID                          # host b
+
+* an initial peer with a key: ``tcp://HOST:PORT#<Z85 public key>``.
+
+Nothing here imports pyzmq (`generate` does, when called): ``import zgossip`` stays light.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+__all__ = ["KeyPair", "AllowList", "peer_id_of", "public_key_of", "z85_encode", "z85_decode", "split_peer",
+           "is_key", "write_key_file", "load_key", "KeyFileWarning"]
+
+log = logging.getLogger(__name__)
+
+_Z85 = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#"
+_Z85_INDEX = {c: i for i, c in enumerate(_Z85)}
+
+
+class KeyFileWarning(UserWarning):
+    """A secret key file others can read."""
+
+
+def z85_encode(raw: bytes) -> str:
+    if len(raw) % 4:
+        raise ValueError("Z85 encodes multiples of 4 bytes")
+    out = []
+    for i in range(0, len(raw), 4):
+        v = int.from_bytes(raw[i:i + 4], "big")
+        chunk = []
+        for _ in range(5):
+            v, r = divmod(v, 85)
+            chunk.append(_Z85[r])
+        out.extend(reversed(chunk))
+    return "".join(out)
+
+
+def z85_decode(text: str) -> bytes:
+    if len(text) % 5:
+        raise ValueError("Z85 text must be a multiple of 5 characters")
+    out = bytearray()
+    for i in range(0, len(text), 5):
+        v = 0
+        for c in text[i:i + 5]:
+            d = _Z85_INDEX.get(c)
+            if d is None:
+                raise ValueError(f"{c!r} is not a Z85 character")
+            v = v * 85 + d
+        if v >= 1 << 32:
+            raise ValueError("Z85 group out of range")
+        out += v.to_bytes(4, "big")
+    return bytes(out)
+
+
+def is_key(text: Any) -> bool:
+    """Whether `text` is a 40-character Z85 key."""
+    if not isinstance(text, str) or len(text) != 40:
+        return False
+    try:
+        z85_decode(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _check_key(text: Any, what: str) -> str:
+    if not is_key(text):
+        raise ValueError(f"invalid {what} {text!r:.60}: expected 40 Z85 characters (as `zgossip keygen` writes)")
+    return text
+
+
+def peer_id_of(public_key: str) -> str:
+    """The peer id of a peer holding this (Z85) public key: its 32 bytes in hex."""
+    return z85_decode(_check_key(public_key, "public key")).hex()
+
+
+def public_key_of(peer_id: str) -> str | None:
+    """The Z85 public key a key-derived peer id stands for, or None if it is not one."""
+    if not isinstance(peer_id, str) or len(peer_id) != 64:
+        return None
+    try:
+        return z85_encode(bytes.fromhex(peer_id))
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class KeyPair:
+    """A CURVE key pair in Z85. ``repr`` never shows the secret."""
+
+    public: str
+    secret: str = field(repr=False)
+
+    def __post_init__(self) -> None:
+        _check_key(self.public, "public key")
+        _check_key(self.secret, "secret key")
+
+    @property
+    def peer_id(self) -> str:
+        return peer_id_of(self.public)
+
+    @classmethod
+    def generate(cls) -> "KeyPair":
+        import zmq  # only here: generating needs libzmq's curve25519
+
+        pub, sec = zmq.curve_keypair()
+        return cls(pub.decode(), sec.decode())
+
+
+def _fields(text: str) -> dict[str, str]:
+    out = {}
+    for line in text.splitlines():
+        k, eq, v = line.partition("=")
+        if eq and not k.strip().startswith("#"):
+            out[k.strip()] = v.strip().strip('"')
+    return out
+
+
+def load_key(source: Any) -> KeyPair:
+    """A `KeyPair` from a key file path (or a KeyPair). Warns (`KeyFileWarning`) when the file
+    is readable by anyone but its owner."""
+    if isinstance(source, KeyPair):
+        return source
+    path = Path(source)
+    try:
+        mode = path.stat().st_mode
+    except OSError as e:
+        raise ValueError(f"cannot read key file {path}: {e}") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        warnings.warn(f"key file {path} is readable by others (mode {stat.S_IMODE(mode):o}): anyone who reads it can "
+                      f"join the swarm as this peer; run `chmod 600 {path}`", KeyFileWarning, stacklevel=2)
+    f = _fields(path.read_text())
+    if "secret-key" not in f or "public-key" not in f:
+        raise ValueError(f"{path} is not a zgossip key file (needs 'public-key = ...' and 'secret-key = ...' lines; "
+                         "write one with `zgossip keygen FILE`)")
+    return KeyPair(f["public-key"], f["secret-key"])
+
+
+def write_key_file(path: Any, keys: KeyPair | None = None, overwrite: bool = False) -> KeyPair:
+    """Write a key file readable by its owner only (created with mode 600, never widened), and
+    ``PATH.pub`` with the public key as an allow-file line. Returns the key pair."""
+    keys = keys or KeyPair.generate()
+    path = Path(path)
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if overwrite else os.O_EXCL)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except FileExistsError:
+        raise ValueError(f"{path} exists; not overwriting a key") from None
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write("# zgossip key pair: keep this file private (mode 600)\n"
+                f'public-key = "{keys.public}"\nsecret-key = "{keys.secret}"\n')
+    Path(str(path) + ".pub").write_text(f"{keys.public}\n")
+    return keys
+
+
+def split_peer(spec: str) -> tuple[str, str | None]:
+    """``tcp://h:p#KEY`` -> (``tcp://h:p``, KEY); an address without ``#`` -> (address, None)."""
+    if not isinstance(spec, str) or "#" not in spec:
+        return spec, None
+    ep, _, key = spec.partition("#")  # an address never holds "#"; a Z85 key may
+    return ep, _check_key(key, f"public key in {spec!r:.80}")
+
+
+class AllowList:
+    """The public keys a peer accepts connections and messages from, by peer id; optionally the
+    endpoints some of them listen at. Changing it at run time (`allow`, `revoke`) takes effect
+    for the next message: a revoked peer's messages are dropped from then on."""
+
+    def __init__(self, keys: Iterable[str] = (), endpoints: dict[str, str] | None = None) -> None:
+        self.ids: set[str] = {peer_id_of(k) for k in keys}
+        self.endpoints: dict[str, str] = dict(endpoints or {})  # endpoint -> peer id
+        self.version = 0
+
+    def __contains__(self, peer_id: object) -> bool:
+        return peer_id in self.ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def allow(self, public_key: str) -> None:
+        self.ids.add(peer_id_of(public_key))
+        self.version += 1
+
+    def revoke(self, public_key: str) -> None:
+        self.ids.discard(peer_id_of(public_key))
+        self.version += 1
+
+    @classmethod
+    def parse(cls, text: str, where: str = "allow list") -> "AllowList":
+        keys, eps = [], {}
+        for n, raw in enumerate(text.splitlines(), 1):
+            fields = raw.split()
+            if not fields or (fields[0].startswith("#") and not is_key(fields[0])):
+                continue  # blank or a comment line (a key may itself hold '#': Z85 has it)
+            key, rest = fields[0], []
+            for f in fields[1:]:
+                if f.startswith("#"):
+                    break
+                rest.append(f)
+            if not is_key(key):
+                raise ValueError(f"{where}, line {n}: {key!r:.60} is not a public key (40 Z85 characters)")
+            keys.append(key)
+            if rest:
+                if not rest[0].startswith("tcp://") or len(rest) > 1:
+                    raise ValueError(f"{where}, line {n}: after the key, expected one endpoint tcp://HOST:PORT")
+                eps[rest[0]] = peer_id_of(key)
+        return cls(keys, eps)
+
+    @classmethod
+    def of(cls, spec: Any) -> "AllowList":
+        """From an `AllowList`, a path to an allow file, or an iterable of Z85 keys (each may
+        carry an endpoint as ``KEY tcp://h:p``)."""
+        if isinstance(spec, AllowList):
+            return spec
+        if isinstance(spec, (str, os.PathLike)) and not is_key(spec):
+            path = Path(spec)
+            try:
+                return cls.parse(path.read_text(), str(path))
+            except OSError as e:
+                raise ValueError(f"cannot read allow file {path}: {e}") from None
+        if isinstance(spec, str):
+            spec = [spec]
+        return cls.parse("\n".join(spec))

@@ -1,0 +1,124 @@
+"""ZAP: libzmq asks this handler whether a CURVE client's key may connect (ZeroMQ RFC 27).
+
+A CURVE server socket proves to each client that it holds the key the client expected, and
+learns the client's public key in the handshake; whether that key is welcome is libzmq's
+question to the ZAP handler bound at ``inproc://zeromq.zap.01`` of the socket's context.
+There is one such endpoint per context, and every zgossip node of a process shares one
+context (`zgossip.process_tuning.context`), so this module runs one handler thread per
+context and each node registers its ROUTER's ZAP domain with its own `Gate`. The thread
+only answers ZAP requests (a set look-up each); node sockets stay on their I/O threads.
+
+An allowed key gets status 200 and its peer id as the ZAP user id, which libzmq attaches to
+every message of that connection ("User-Id"): the transport checks each message's sender
+against it. A refused key gets 400 and never reaches the protocol: its handshake fails, it
+receives nothing and nothing it sends is read. Each refused key is logged once per node and
+counted every time (`stats["refused"]`).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import zmq
+
+from .identity import AllowList
+
+__all__ = ["Gate", "register", "unregister"]
+
+log = logging.getLogger(__name__)
+
+_ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+
+
+class Gate:
+    """One node's admission policy: its allow list, counters and log-once memory."""
+
+    def __init__(self, allowed: AllowList, name: str, stats: dict) -> None:
+        self.allowed, self.name, self.stats = allowed, name, stats
+        self.logged: set[str] = set()
+
+    def admit(self, client_key: bytes, address: str) -> str | None:
+        """The peer id for an allowed key; None (after counting, and logging once) otherwise."""
+        pid = client_key.hex()
+        if pid in self.allowed:
+            return pid
+        self.stats["refused"] = self.stats.get("refused", 0) + 1
+        if pid not in self.logged and len(self.logged) < 4096:
+            self.logged.add(pid)
+            log.warning("zgossip node %s: refused a connection from %s with key %s: not on the allow list "
+                        "(further attempts with this key are only counted in stats['refused'])",
+                        self.name, address or "a local socket", pid[:16])
+        return None
+
+
+class _Handler:
+    def __init__(self, ctx: zmq.Context) -> None:
+        self.gates: dict[str, Gate] = {}
+        self.lock = threading.Lock()
+        self.sock = ctx.socket(zmq.REP)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(_ZAP_ENDPOINT)
+        self.stop = False
+        self.thread = threading.Thread(target=self._run, name="zgossip-zap", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        sock = self.sock
+        try:
+            while not self.stop:
+                if not sock.poll(200):
+                    continue
+                frames = sock.recv_multipart()
+                sock.send_multipart(self._answer(frames))
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            sock.close(0)
+
+    def _answer(self, frames: list[bytes]) -> list[bytes]:
+        if len(frames) < 6:
+            return [b"1.0", frames[1] if len(frames) > 1 else b"", b"500", b"malformed ZAP request", b"", b""]
+        version, request_id, domain, address, _routing_id, mechanism = frames[:6]
+        creds = frames[6:]
+
+        def reply(code: bytes, text: bytes, user: str = "") -> list[bytes]:
+            return [version, request_id, code, text, user.encode(), b""]
+
+        with self.lock:
+            gate = self.gates.get(domain.decode(errors="replace"))
+        if gate is None:
+            return reply(b"400", b"no zgossip node for this domain")
+        if mechanism != b"CURVE" or len(creds) != 1 or len(creds[0]) != 32:
+            return reply(b"400", b"zgossip peers speak CURVE")
+        pid = gate.admit(creds[0], address.decode(errors="replace"))
+        return reply(b"200", b"OK", pid) if pid is not None else reply(b"400", b"key not allowed")
+
+
+_handlers: dict[int, _Handler] = {}
+_lock = threading.Lock()
+
+
+def register(ctx: zmq.Context, domain: str, gate: Gate) -> None:
+    """Route ZAP requests for `domain` (a ROUTER's ``ZAP_DOMAIN``) to `gate`; starts the context's
+    handler on first use."""
+    with _lock:
+        h = _handlers.get(id(ctx))
+        if h is None or h.stop or not h.thread.is_alive():
+            h = _handlers[id(ctx)] = _Handler(ctx)
+        with h.lock:
+            h.gates[domain] = gate
+
+
+def unregister(ctx: zmq.Context, domain: str) -> None:
+    """Forget `domain`; the handler thread ends with the last one (and unbinds the ZAP endpoint)."""
+    with _lock:
+        h = _handlers.get(id(ctx))
+        if h is None:
+            return
+        with h.lock:
+            h.gates.pop(domain, None)
+            last = not h.gates
+        if last:
+            h.stop = True
+            h.thread.join(2)
+            del _handlers[id(ctx)]
