@@ -62,6 +62,7 @@ class DownloadDone:
     req: str
     meta: Any
     arrays: list
+    repair: tuple[int, str] | None = None  # a self-repair: (version, root) the arrays hold
 
 
 @dataclass(frozen=True, slots=True)

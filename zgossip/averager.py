@@ -29,6 +29,7 @@ from .endpoints import check_endpoint
 from .identity import AllowList, load_key, peer_id_of, split_peer
 from .errors import AveragerClosed, RoundTimeout, StateUnavailable, StepInProgress, ZGossipError
 from .node import Node, NodeConfig, StepRequest, StepResult
+from .state import StateSnapshot
 from .steplog import StepLog
 from .tensors import FlatLayout, as_array
 from .transport import Transport
@@ -269,6 +270,8 @@ class Averager:
         # serving our state to a downloader copies it under the tensor lock: its own worker, so a
         # large state never delays writing back a finished round
         self._server = clock.executor("zgossip-serve")
+        self._steps_begun = 0
+        self._published: tuple[int, int] | None = None  # (version, steps begun) of the last publish_state
         self._downloads: dict[str, cf.Future] = {}
         self._allow_sharing = bool(allow_state_sharing)
         self._priority = float(state_sharing_priority)
@@ -383,6 +386,7 @@ class Averager:
                         self._buffer = self.layout.new_buffer()
                     buf = self.layout.snapshot(self._arrays, self._buffer)
             step_id = f"{self.peer_id[:8]}-{next(self._seq)}"
+            self._steps_begun += 1  # the tensors may change: a repair to the published version is stale
             fut: cf.Future = StepFuture(self, step_id)
             self._futures[step_id] = (fut, None if in_place else buf, entered)
             # the node times the step from when it gets it: what the snapshot took is already spent
@@ -491,6 +495,32 @@ class Averager:
     def _declare_sharing(self) -> None:
         prio = self._priority if self._allow_sharing else None
         self._transport.call(lambda now: self._transport.node.set_state_sharing(prio))
+
+    def publish_state(self, version: int) -> str:
+        """Serve a snapshot of the state from now on and gossip (version, its hash) for self-repair.
+
+        Call it at a step boundary, when every peer's shared state should be bit-identical (after
+        a global average and the same optimizer step), with a version all peers agree on (the
+        epoch, the step count). The snapshot (`get_current_state`, copied under the tensor lock)
+        is hashed here, in the caller's thread (SHA-256 in 4 MiB chunks, ~1 GB/s); downloaders
+        then get it without waiting for the tensor lock. A peer whose hash a strict majority of
+        the peers at its version outvote downloads their state and writes it into its tensors,
+        unless it began a step since (see `zgossip.repair`; `stats["repairs"]` counts them).
+        Returns the hash (the state's root digest)."""
+        if self._closed:
+            raise AveragerClosed("this averager was shut down")
+        if type(version) is not int or version < 0:
+            raise ValueError("version must be an int >= 0")
+        meta, arrays = self.get_current_state()
+        snap = StateSnapshot.build(meta, [_to_numpy(a) for a in arrays], self.config.state_chunk_bytes)
+        self._published = (version, self._steps_begun)
+        self._transport.call(lambda now: self._transport.node.publish_state(version, snap, now))
+        return snap.root
+
+    def state_verdict(self) -> Any:
+        """How the (version, hash) published last compares with the live peers' (`zgossip.repair.Verdict`),
+        or None before `publish_state`."""
+        return self._ask_node(lambda node: node.state_verdict())
 
     def get_current_state(self) -> tuple[Any, list[np.ndarray]]:
         """What a peer downloading from us receives: ``(metadata, tensors)``. Override to add
@@ -668,13 +698,15 @@ class Averager:
     def _serve(self, act: ServeState) -> None:
         try:
             meta, arrays = self.get_current_state()
-            arrays = [_to_numpy(a) for a in arrays]
+            snap = StateSnapshot.build(meta, [_to_numpy(a) for a in arrays], self.config.state_chunk_bytes)
             err = ""
+        except TypeError as e:
+            snap, err = None, str(e)
         except Exception as e:
             log.exception("get_current_state failed")
-            meta, arrays, err = None, None, f"donor could not produce its state: {type(e).__name__}"
+            snap, err = None, f"donor could not produce its state: {type(e).__name__}"
         try:
-            self._transport.call(lambda now: self._transport.node.serve_state(act.req, act.endpoint, meta, arrays, now, err))
+            self._transport.call(lambda now: self._transport.node.serve_state(act.req, act.endpoint, snap, now, err))
         except RuntimeError:
             pass  # shutting down
 
@@ -683,6 +715,9 @@ class Averager:
         self._server.submit(self._serve, act)
 
     def download_finished(self, act: DownloadDone | DownloadFailed) -> None:
+        if type(act) is DownloadDone and act.repair is not None:
+            self._applier.submit(self._apply_repair, act)
+            return
         dfut = self._downloads.get(act.req)
         if dfut is None or dfut.done():
             return
@@ -707,6 +742,26 @@ class Averager:
             _settle_future(fut, result=act.result)
             return
         self._applier.submit(self._apply, act.result, fut, buf, entered)
+
+    def _apply_repair(self, act: DownloadDone) -> None:
+        version, root = act.repair
+        with self._lock:
+            if self._published != (version, self._steps_begun):
+                log.warning("%s: repaired state of version %d arrived after a newer step began: not applied",
+                            self.peer_id[:8], version)
+                return
+            try:
+                self._write_state(act.meta, act.arrays)
+            except Exception as e:
+                log.error("%s: could not write the repaired state: %s", self.peer_id[:8], e)
+                return
+        log.warning("%s: wrote the swarm's state of version %d (root %s) into this peer's tensors",
+                    self.peer_id[:8], version, root[:8])
+
+    def _write_state(self, meta: Any, arrays: Sequence[np.ndarray]) -> None:
+        """Write a repaired state (what `get_current_state` of a majority peer gave). Called under the
+        tensor lock; subclasses that add optimizer state to `get_current_state` override it."""
+        self.set_tensors(arrays)
 
     def _apply(self, result: StepResult, fut: cf.Future, buf: np.ndarray, entered: float) -> None:
         t0 = self._clock.now()

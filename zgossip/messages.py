@@ -82,6 +82,15 @@ def _str(max_len: int) -> Check:
     return check
 
 
+def _bytes(max_len: int) -> Check:
+    def check(v: Any) -> bytes:
+        if type(v) is not bytes or len(v) > max_len:
+            raise InvalidMessage(f"expected bytes of at most {max_len}, got {type(v).__name__}")
+        return v
+
+    return check
+
+
 def _int(lo: int, hi: int) -> Check:
     def check(v: Any) -> int:
         if type(v) is not int or not lo <= v <= hi:
@@ -132,10 +141,15 @@ _WEIGHT = _float(0.0, 1e30)
 _REASON = _str(4000)
 
 
+#: entries in a peer's gossiped info record: 14 of the user's (`Node.check_user_info`) and the node's
+#: own ``zg.`` keys (round, prefix tag, state version and hash); receivers refuse larger records
+MAX_INFO = 24
+
+
 def _info(v: Any) -> dict:
     """A small public record a peer gossips about itself (e.g. training progress)."""
-    if not isinstance(v, dict) or len(v) > 16:
-        raise InvalidMessage("info must be a map of at most 16 entries")
+    if not isinstance(v, dict) or len(v) > MAX_INFO:
+        raise InvalidMessage(f"info must be a map of at most {MAX_INFO} entries")
     for k, x in v.items():
         if not isinstance(k, str) or len(k) > 32:
             raise InvalidMessage("info keys must be short strings")
@@ -172,8 +186,8 @@ def _peer_list(v: Any) -> tuple:
             raise InvalidMessage("bad heartbeat")
         if share is not None and (type(share) not in (int, float) or not math.isfinite(share)):
             raise InvalidMessage("bad sharing priority")
-        if type(info) is not dict or len(info) > 16:
-            raise InvalidMessage("info must be a map of at most 16 entries")
+        if type(info) is not dict or len(info) > MAX_INFO:
+            raise InvalidMessage(f"info must be a map of at most {MAX_INFO} entries")
         for k, x in info.items():
             t = type(x)
             if type(k) is not str or len(k) > 32 or t not in _SCALARS:
@@ -506,14 +520,22 @@ class Done(Message):
 # ---------------------------------------------------------------------------- state download
 @dataclass(frozen=True, slots=True)
 class StateReq(Message):
+    """``count`` 0: send me your snapshot's STATE_META; else chunks ``first..first+count-1`` of snapshot ``root``."""
+
     req: str
+    root: str = ""
+    first: int = 0
+    count: int = 0
     type: ClassVar[MsgType] = MsgType.STATE_REQ
-    FIELDS = _fields(("req", "req", _ID, _PLAIN),)
+    FIELDS = _fields(("req", "req", _ID, _PLAIN), ("root", "root", _str(64), _PLAIN),
+                     ("first", "first", _int(0, 1 << 32), _PLAIN), ("count", "n", _int(0, 1 << 16), _PLAIN))
+    OPTIONAL = {"root": "", "first": 0, "n": 0}
 
 
 @dataclass(frozen=True, slots=True)
 class StateMeta(Message):
-    """A donor's answer: a refusal (`ok` False, `reason`), or the state's layout and checksum."""
+    """A donor's answer: a refusal (`ok` False, `reason`), or the state's layout, the digest of each
+    chunk (`hashes`, 16 bytes each: see `zgossip.state`) and the root digest over them (`digest`)."""
 
     req: str
     ok: bool
@@ -522,10 +544,13 @@ class StateMeta(Message):
     specs: tuple  # (dtype code, shape) per tensor
     chunk_bytes: int
     digest: str
+    hashes: bytes = b""
     type: ClassVar[MsgType] = MsgType.STATE_META
     FIELDS = _fields(("req", "req", _ID, _PLAIN), ("ok", "ok", _FLAG, _BOOL), ("reason", "reason", _REASON, _PLAIN),
                      ("meta", "meta", _any, _PLAIN), ("specs", "specs", _list(_SPEC, 1 << 16), _SPECS),
-                     ("chunk_bytes", "chunk_bytes", _int(1, 1 << 40), _PLAIN), ("digest", "digest", _str(64), _PLAIN))
+                     ("chunk_bytes", "chunk_bytes", _int(1, 1 << 40), _PLAIN), ("digest", "digest", _str(64), _PLAIN),
+                     ("hashes", "hashes", _bytes(16 << 15), _PLAIN))
+    OPTIONAL = {"hashes": b""}
 
 
 @dataclass(frozen=True, slots=True, eq=False)

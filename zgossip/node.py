@@ -28,7 +28,8 @@ from .messages import (
     Abort, Bye, Done, Gather, Gossip, GossipReply, Group, Join, JoinAck, Leave, Message, NoGroup, Part, Redirect, Rescue,
     RescueCall, Result, StateChunk, StateMeta, StateReq, check_info,
 )
-from .state import StateDonor, StateDownload
+from .repair import HASH_KEY, VERSION_KEY, Verdict, read_mark, vote
+from .state import StateDonor, StateDownload, StateSnapshot
 from .view import MembershipView
 
 __all__ = [
@@ -60,10 +61,18 @@ class NodeConfig:
     grid_coords: tuple[int, ...] | None = None
     early_buffer_messages: int = 512  # round messages kept while our GROUP is still on its way
     max_state_bytes: int = 1 << 36  # largest state a download accepts
+    # state chunks: the unit of transfer and of the digests; part of the state hash peers vote on
+    # (zgossip.repair), so it must be equal across the swarm
+    state_chunk_bytes: int = 4 << 20
+    state_donors: int = 4  # a download fetches chunks from up to this many donors at once
+    self_repair: bool = True  # a peer outvoted on its published state hash downloads the majority's
+    repair_timeout: float = 120.0
 
     def __post_init__(self) -> None:
         if self.part_size_bytes < 16:
             raise ValueError("part_size_bytes must be at least 16")
+        if self.state_chunk_bytes < 16 or self.state_donors < 1:
+            raise ValueError("need state_chunk_bytes >= 16 and state_donors >= 1")
         if self.bandwidth < 0:
             raise ValueError("bandwidth must be >= 0 (0 = client)")
         if self.part_timeout <= 0 or self.allreduce_timeout <= 0:
@@ -166,6 +175,7 @@ class Node:
         self.round_index = 0  # the next round this node expects; see `swarm_round`
         self._prefix_tag = hashlib.blake2b(config.prefix.encode(), digest_size=6).hexdigest()
         self._user_info: dict = {}
+        self.state_mark: tuple[int, str] | None = None  # the (version, root) we published (zgossip.repair)
         self._publish_round()
         self.phase = StepPhase.IDLE
         self.step: _Step | None = None
@@ -175,9 +185,16 @@ class Node:
         # of ours (queued on a slow link); `owes_others` tells the driver to keep them flowing.
         self._owed: dict[str, dict[str, str]] = {}  # gid -> {peer id: endpoint} not DONE yet
         self._done_from: dict[str, set[tuple[str, str]]] = {}  # gid -> (peer id, endpoint) that said DONE
-        self.donor = StateDonor(peer_id, endpoint, self._send, config.part_size_bytes)
+        self.donor = StateDonor(peer_id, endpoint, self._send, config.state_chunk_bytes)
         self.downloads: dict[str, StateDownload] = {}
-        self.stats = {"messages": 0, "dropped": 0, "late": 0}
+        self.stats = {"messages": 0, "dropped": 0, "late": 0, "repairs": 0, "repair_failures": 0,
+                      "state_bad_chunks": 0, "state_refetched": 0}
+        # self-repair (zgossip.repair): the last verdict, the repair under way
+        self.last_verdict: Verdict | None = None
+        self._repair: tuple[str, int, str, str] | None = None  # (download req, version, root, our root)
+        self._outvoted_since: float | None = None
+        self._next_vote = 0.0
+        self._repair_seq = 0
         self._warned_layouts: set[tuple[str, str]] = set()
         mm, ms = self.matchmaker, self.membership
         #: which part of the node handles each message class
@@ -234,7 +251,10 @@ class Node:
         return best
 
     def _publish_round(self) -> None:
-        self.membership.info = {**self._user_info, self._ROUND: self.round_index, self._PREFIX: self._prefix_tag}
+        info = {**self._user_info, self._ROUND: self.round_index, self._PREFIX: self._prefix_tag}
+        if self.state_mark is not None:
+            info[VERSION_KEY], info[HASH_KEY] = self.state_mark
+        self.membership.info = info
 
     def _advance_round(self, to: int) -> None:
         self.round_index = to
@@ -321,24 +341,92 @@ class Node:
         out[self.peer_id] = dict(self._user_info)
         return out
 
-    def serve_state(self, req: str, endpoint: str, meta: Any, arrays: list | None, now: float,
+    def serve_state(self, req: str, endpoint: str, snap: StateSnapshot | None, now: float,
                     error: str = "") -> None:
-        if arrays is None:
+        """The owner's answer to `ServeState`: a snapshot (`StateSnapshot.build`, hashed off this
+        thread) or None with the reason."""
+        if snap is None:
             self.donor.refuse(req, endpoint, error or "state unavailable")
         else:
-            self.donor.serve(req, endpoint, meta, arrays)
+            self.donor.serve(req, endpoint, snap)
         self._drain_loopback(now)
 
-    def begin_download(self, req: str, now: float, timeout: float, chunk_timeout: float) -> None:
+    def publish_state(self, version: int, snap: StateSnapshot, now: float) -> None:
+        """Serve `snap` from now on (no tensor lock, no fresh copy per request) and gossip
+        (version, root) for the vote of `zgossip.repair`."""
+        self.donor.publish(snap)
+        self.state_mark = (int(version), snap.root)
+        self._outvoted_since = None
+        self._publish_round()
+        self.membership.heartbeat += 1  # fresher than what others hold, so they take it at once
+
+    def begin_download(self, req: str, now: float, timeout: float, chunk_timeout: float,
+                       target_root: str = "", only: tuple[str, ...] = ()) -> None:
         dl = StateDownload(req, self.membership, self._send, self._rng, now, now + timeout, chunk_timeout,
-                           self.config.max_state_bytes, self._on_download_done)
+                           self.config.max_state_bytes, self._on_download_done, target_root=target_root,
+                           only=only, max_donors=self.config.state_donors)
         self.downloads[req] = dl
         dl.start(now)
         self._drain_loopback(now)
 
     def _on_download_done(self, dl: StateDownload, meta: Any, arrays: list | None, err: Exception | None) -> None:
         self.downloads.pop(dl.req, None)
-        self._actions.append(DownloadFailed(dl.req, err) if err is not None else DownloadDone(dl.req, meta, arrays))
+        self.stats["state_bad_chunks"] += dl.bad_chunks
+        self.stats["state_refetched"] += dl.refetched
+        repair = None
+        if self._repair is not None and self._repair[0] == dl.req:
+            _, version, root, ours = self._repair
+            self._repair = None
+            if err is not None:
+                self.stats["repair_failures"] += 1
+                self._next_vote = dl.started + 4 * self.config.gossip_interval  # retry, not at once
+                log.warning("%s: state repair to version %d root %s failed: %s", self.peer_id[:8], version,
+                            root[:8], err)
+                return
+            repair = (version, root)
+            self.stats["repairs"] += 1
+            log.warning("%s: state repaired: version %d now holds the majority's root %s (from %s)",
+                        self.peer_id[:8], version, root[:8],
+                        ", ".join(f"{p[:8]}:{n}" for p, n in sorted(dl.per_donor.items())))
+            if self.state_mark == (version, ours):  # the owner published nothing newer meanwhile
+                assert dl.snapshot is not None
+                self.publish_state(version, dl.snapshot, dl.started)  # serve and vote with the repaired state
+        self._actions.append(DownloadFailed(dl.req, err) if err is not None
+                             else DownloadDone(dl.req, meta, arrays, repair))
+
+    # ------------------------------------------------------------------ self-repair (zgossip.repair)
+    def state_verdict(self) -> Verdict | None:
+        """How our published (version, root) compares with what the live peers published."""
+        if self.state_mark is None:
+            return None
+        version, mine = self.state_mark
+        marks = ((pid, *m) for pid, rec in self.membership.peers.items() if (m := read_mark(rec.info)) is not None)
+        return vote(version, mine, marks)
+
+    def _check_state(self, now: float) -> None:
+        """Between steps, at most once a gossip interval: outvoted for two intervals running -> repair."""
+        cfg = self.config
+        if (not cfg.self_repair or self.state_mark is None or self._repair is not None or now < self._next_vote
+                or self.phase is not StepPhase.IDLE):
+            return
+        self._next_vote = now + cfg.gossip_interval
+        verdict = self.last_verdict = self.state_verdict()
+        if verdict is None or verdict.action != "repair":
+            self._outvoted_since = None
+            return
+        if self._outvoted_since is None:  # the view may be a moment old: wait for the next gossip
+            self._outvoted_since = now
+            return
+        if now - self._outvoted_since < cfg.gossip_interval:
+            return
+        self._repair_seq += 1
+        req = f"{self.peer_id[:8]}-r{self._repair_seq}"
+        self._repair = (req, verdict.version, verdict.majority, verdict.mine)
+        log.warning("%s: state hash %s at version %d is outvoted (%d of %d peers hold %s): repairing from them",
+                    self.peer_id[:8], verdict.mine[:8], verdict.version, verdict.agreeing, verdict.voters,
+                    verdict.majority[:8])
+        self.begin_download(req, now, cfg.repair_timeout, min(cfg.peer_timeout, 10.0),
+                            target_root=verdict.majority, only=verdict.donors)
 
     def _on_bye(self, msg: Bye, now: float) -> None:
         self.membership.on_bye(msg, now)
@@ -347,6 +435,10 @@ class Node:
     def _on_state_req(self, msg: StateReq, now: float) -> None:
         if self.membership.share is None:
             self.donor.refuse(msg.req, msg.endpoint, "this peer does not share its state")
+        elif msg.count:
+            self.donor.serve_chunks(msg)  # from the snapshot cache: never waits for the tensors
+        elif self.donor.published is not None:
+            self.donor.serve(msg.req, msg.endpoint, self.donor.published)
         else:
             self._actions.append(ServeState(msg.req, msg.endpoint))
 
@@ -418,6 +510,7 @@ class Node:
             self.step.round.on_timer(now)
         for dl in list(self.downloads.values()):
             dl.on_timer(now)
+        self._check_state(now)
         self._drain_loopback(now)
 
     def next_deadline(self) -> float | None:

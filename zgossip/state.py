@@ -1,20 +1,39 @@
-"""State download: a newcomer fetches (metadata, tensors) from a peer that shares its state.
+"""State download: a peer fetches (metadata, tensors) in checksummed chunks from several donors at once.
 
-Donors declare a priority (e.g. their epoch) in the membership gossip. A downloader
-asks the best-priority donor, choosing at random among equally good ones so that
-newcomers spread out instead of all hitting one peer. The donor answers with
-STATE_META (dtype and shape of every tensor, chunk size, a blake2b checksum) and
-streams STATE_CHUNKs of raw bytes. Every chunk must be the next one expected, with
-the right tensor, offset and length, and arrive within ``chunk_timeout`` of the
-previous; the checksum is verified before anything is handed over. Any failure (a
-refusal, silence, a bad chunk, a dropped connection, a checksum mismatch) moves on
-to the next donor, and bytes are only ever written into buffers this module owns:
-a partial download never reaches the user's tensors.
+A donor serves a *snapshot*: private copies of its state cut into chunks of ``chunk_bytes``
+(never spanning two tensors), each with a 128-bit SHA-256 digest, and a *root* digest over
+the layout and every chunk digest. The root names the state: two peers with bit-identical
+tensors have the same root (it is what `zgossip.repair` votes on), and a downloader that
+knows the root it wants can check every chunk, from any donor, against the chunk digests
+the root covers. SHA-256 and not a faster non-cryptographic hash because a hostile donor
+must not be able to forge a chunk that passes (the CPU has SHA extensions: ~1 GB/s a core).
+
+Protocol (all messages in `zgossip.messages`):
+
+* ``STATE_REQ count=0`` asks a donor for its snapshot's ``STATE_META`` (layout, chunk
+  digests, root, the user's metadata). A donor holding a published snapshot (`publish`)
+  answers from it at once, on the I/O thread; otherwise its owner takes a snapshot first.
+* ``STATE_REQ root=R first=i count=n`` asks for chunks i..i+n-1 of snapshot R. The donor
+  serves them from its snapshot cache, never from the live tensors, so serving never waits
+  for the tensor lock while the owner averages. The cache holds at most ``max_snapshots``
+  snapshots (least recently used evicted): memory is bounded by that many copies of the
+  state; a request for an evicted root is refused and the downloader moves on.
+
+The downloader asks up to ``max_donors`` donors of the best priority tier for their META,
+adopts the first root it accepts (the ``target_root`` it was given, if any) and hands out
+windows of chunks to every donor that answered with that root; each donor keeps up to two
+windows in flight and a faster donor simply asks for more. A donor that refuses, stalls for
+``chunk_timeout``, drops its connection, sends a chunk it was not asked for or a chunk whose
+digest is wrong is dropped: its outstanding chunks go back to the pool and are fetched from
+the others (counted in `refetched`, bad digests in `bad_chunks`), and the next candidate is
+asked. Bytes are only written into buffers this module owns: a partial download never
+reaches the user's tensors.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, Sequence
@@ -25,71 +44,158 @@ from .errors import IllegalTransition, StateUnavailable
 from .messages import CODE_OF, DTYPES, Message, StateChunk, StateMeta, StateReq
 from .view import MembershipView
 
-__all__ = ["state_digest", "StateDonor", "StateDownload", "DownloadPhase"]
+__all__ = ["state_digest", "chunk_digest", "StateSnapshot", "StateDonor", "StateDownload", "DownloadPhase",
+           "DIGEST_BYTES", "MAX_CHUNKS_PER_REQUEST"]
 
 log = logging.getLogger(__name__)
 
-def state_digest(arrays: Sequence[np.ndarray]) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    for a in arrays:
-        h.update(memoryview(np.ascontiguousarray(a)).cast("B"))
-    return h.hexdigest()
+DIGEST_BYTES = 16  # per chunk: 128 bits of SHA-256
+MAX_CHUNKS_PER_REQUEST = 256  # a donor queues at most this many chunks for one request
 
 
-def _chunks(nbytes: int, chunk: int) -> int:
-    return -(-nbytes // chunk)
+def chunk_digest(data: Any) -> bytes:
+    return hashlib.sha256(data).digest()[:DIGEST_BYTES]
+
+
+def plan_chunks(specs: Sequence[tuple[str, tuple]], chunk_bytes: int) -> tuple[list[tuple[int, int, int]], list[int]]:
+    """(tensor, offset, length) of every chunk, and the byte size of every tensor."""
+    plan, sizes = [], []
+    for t, (code, shape) in enumerate(specs):
+        nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[code].itemsize
+        sizes.append(nbytes)
+        plan += [(t, off, min(chunk_bytes, nbytes - off)) for off in range(0, nbytes, chunk_bytes)]
+    return plan, sizes
+
+
+def state_root(specs: Sequence[tuple[str, tuple]], chunk_bytes: int, hashes: bytes) -> str:
+    """The name of a state: a digest over its layout and the digest of every chunk."""
+    h = hashlib.sha256(repr((tuple((c, tuple(s)) for c, s in specs), int(chunk_bytes))).encode())
+    h.update(hashes)
+    return h.hexdigest()[:32]
+
+
+def state_digest(arrays: Sequence[np.ndarray], chunk_bytes: int = 4 << 20) -> str:
+    """The root digest of `arrays` (what `StateSnapshot.build(...).root` gives)."""
+    return StateSnapshot.build(None, arrays, chunk_bytes).root
+
+
+@dataclass(frozen=True, eq=False)
+class StateSnapshot:
+    """Private copies of a state, cut into digested chunks. Built off the I/O thread (hashing costs)."""
+
+    meta: Any
+    arrays: tuple[np.ndarray, ...]  # contiguous; never written after the snapshot is built
+    specs: tuple[tuple[str, tuple[int, ...]], ...]
+    chunk_bytes: int
+    plan: tuple[tuple[int, int, int], ...]
+    hashes: bytes  # DIGEST_BYTES per chunk
+    root: str
+
+    @classmethod
+    def build(cls, meta: Any, arrays: Sequence[np.ndarray], chunk_bytes: int,
+              hashes: bytes | None = None) -> "StateSnapshot":
+        """Raises TypeError for a dtype the stream cannot carry. `arrays` must not change afterwards
+        (pass copies); `hashes`, when known (a verified download), skips the hashing."""
+        specs = []
+        for a in arrays:
+            if a.dtype not in CODE_OF:
+                raise TypeError(f"state holds dtype {a.dtype}, which cannot be sent")
+            specs.append((CODE_OF[a.dtype], tuple(int(n) for n in a.shape)))
+        arrays = tuple(np.ascontiguousarray(a) for a in arrays)
+        plan, _ = plan_chunks(specs, chunk_bytes)
+        if hashes is None:
+            raws = [a.reshape(-1).view(np.uint8) for a in arrays]
+            hashes = b"".join(chunk_digest(raws[t][off: off + n]) for t, off, n in plan)
+        return cls(meta, arrays, tuple(specs), chunk_bytes, tuple(plan), hashes,
+                   state_root(specs, chunk_bytes, hashes))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
+
+    def chunk(self, i: int) -> np.ndarray:
+        t, off, n = self.plan[i]
+        return self.arrays[t].reshape(-1).view(np.uint8)[off: off + n]
 
 
 class StateDonor:
-    """Donor side: refuses, or streams a snapshot the driver obtained from the user."""
+    """Donor side: answers META requests and chunk requests from a small cache of snapshots."""
 
-    def __init__(self, peer_id: str, endpoint: str, send: Callable[[str, Message], None], chunk_bytes: int) -> None:
+    def __init__(self, peer_id: str, endpoint: str, send: Callable[[str, Message], None], chunk_bytes: int,
+                 max_snapshots: int = 2) -> None:
         self.peer_id, self.endpoint, self._send, self.chunk_bytes = peer_id, endpoint, send, chunk_bytes
-        self.served = 0
+        self.max_snapshots = max(1, max_snapshots)
+        self._cache: OrderedDict[str, StateSnapshot] = OrderedDict()
+        self.published: StateSnapshot | None = None
+        self.served = 0  # META answers
+        self.chunks_served = 0
 
-    def _meta(self, req: str, ok: bool, reason: str = "", meta: Any = None, specs: tuple = (),
-              digest: str = "") -> StateMeta:
-        return StateMeta(self.peer_id, self.endpoint, req=req, ok=ok, reason=reason, meta=meta, specs=specs,
-                         chunk_bytes=self.chunk_bytes, digest=digest)
+    def _meta(self, req: str, ok: bool, reason: str = "", snap: StateSnapshot | None = None) -> StateMeta:
+        if snap is None:
+            return StateMeta(self.peer_id, self.endpoint, req=req, ok=ok, reason=reason, meta=None, specs=(),
+                             chunk_bytes=self.chunk_bytes, digest="")
+        return StateMeta(self.peer_id, self.endpoint, req=req, ok=ok, reason=reason, meta=snap.meta, specs=snap.specs,
+                         chunk_bytes=snap.chunk_bytes, digest=snap.root, hashes=snap.hashes)
+
+    def _keep(self, snap: StateSnapshot) -> None:
+        self._cache[snap.root] = snap
+        self._cache.move_to_end(snap.root)
+        while len(self._cache) > self.max_snapshots:
+            self._cache.popitem(last=False)  # in-flight chunk frames keep their own reference
+
+    def publish(self, snap: StateSnapshot | None) -> None:
+        """The snapshot META requests get from now on (a versioned copy); None: take one per request."""
+        self.published = snap
+        if snap is not None:
+            self._keep(snap)
 
     def refuse(self, req: str, endpoint: str, reason: str) -> None:
         self._send(endpoint, self._meta(req, False, reason))
 
-    def serve(self, req: str, endpoint: str, meta: Any, arrays: Sequence[np.ndarray]) -> None:
-        specs = []
-        for a in arrays:
-            if a.dtype not in CODE_OF:
-                self.refuse(req, endpoint, f"donor state holds dtype {a.dtype}, which cannot be sent")
-                return
-            specs.append((CODE_OF[a.dtype], tuple(a.shape)))
-        arrays = [np.ascontiguousarray(a) for a in arrays]
-        self._send(endpoint, self._meta(req, True, meta=meta, specs=tuple(specs), digest=state_digest(arrays)))
-        idx = 0
-        for t, a in enumerate(arrays):
-            raw = a.reshape(-1).view(np.uint8)
-            for off in range(0, raw.size, self.chunk_bytes):
-                self._send(endpoint, StateChunk(self.peer_id, self.endpoint, req=req, index=idx, tensor=t, offset=off,
-                                                data=raw[off: off + self.chunk_bytes]))
-                idx += 1
+    def serve(self, req: str, endpoint: str, snap: StateSnapshot) -> None:
+        """Answer a META request with `snap` (kept in the cache for the chunk requests that follow)."""
+        self._keep(snap)
+        self._send(endpoint, self._meta(req, True, snap=snap))
         self.served += 1
+
+    def serve_chunks(self, msg: StateReq) -> None:
+        snap = self._cache.get(msg.root)
+        if snap is None:
+            return self.refuse(msg.req, msg.endpoint, "this peer no longer holds that state (it moved on)")
+        if msg.count > MAX_CHUNKS_PER_REQUEST or msg.first + msg.count > len(snap.plan):
+            return self.refuse(msg.req, msg.endpoint, "chunk range outside the state")
+        self._cache.move_to_end(msg.root)
+        for i in range(msg.first, msg.first + msg.count):
+            t, off, _ = snap.plan[i]
+            self._send(msg.endpoint, StateChunk(self.peer_id, self.endpoint, req=msg.req, index=i, tensor=t,
+                                                offset=off, data=snap.chunk(i)))
+        self.chunks_served += msg.count
 
 
 class DownloadPhase(Enum):
-    ASKING = "asking"  # STATE_REQ sent, waiting for STATE_META
-    STREAMING = "streaming"  # receiving chunks
+    ASKING = "asking"  # META requests out, no state adopted yet
+    STREAMING = "streaming"  # a root adopted: chunks flow from every donor that holds it
     DONE = "done"
 
 
 _MOVES = {
-    DownloadPhase.ASKING: {DownloadPhase.ASKING, DownloadPhase.STREAMING, DownloadPhase.DONE},
-    DownloadPhase.STREAMING: {DownloadPhase.ASKING, DownloadPhase.DONE},
+    DownloadPhase.ASKING: {DownloadPhase.STREAMING, DownloadPhase.DONE},
+    DownloadPhase.STREAMING: {DownloadPhase.STREAMING, DownloadPhase.DONE},  # restart with another state
     DownloadPhase.DONE: set(),
 }
 
 
 @dataclass
+class _Donor:
+    endpoint: str
+    wait_until: float
+    inflight: set[int] = field(default_factory=set)
+    got: int = 0
+
+
+@dataclass
 class StateDownload:
-    """Downloader side of one `load_state_from_peers` call."""
+    """Downloader side of one `load_state_from_peers` call (or of a repair, with `target_root`)."""
 
     req: str
     membership: MembershipView
@@ -100,17 +206,29 @@ class StateDownload:
     chunk_timeout: float
     max_bytes: int
     on_done: Callable[["StateDownload", Any, list[np.ndarray] | None, Exception | None], None]
+    target_root: str = ""  # accept only this state ("" = the first a best donor offers)
+    only: tuple[str, ...] = ()  # ask only these peers ("" = every donor)
+    max_donors: int = 4
+    window: int = 4  # chunks per request; a donor keeps at most two requests in flight
     phase: DownloadPhase = DownloadPhase.ASKING
-    donor: tuple[str, str] = ("", "")
     tried: list[str] = field(default_factory=list)
     history: list[str] = field(default_factory=list)
-    wait_until: float = 0.0
+    bad_chunks: int = 0  # chunks whose digest was wrong (fetched again elsewhere)
+    refetched: int = 0  # chunks asked again from another donor after theirs failed
+    root: str = ""
+    snapshot: StateSnapshot | None = None  # the verified result (hashes reused by a repair)
+    _asked: dict[str, tuple[str, float]] = field(default_factory=dict)  # peer -> (endpoint, answer by)
+    _active: dict[str, _Donor] = field(default_factory=dict)
     _meta: Any = None
+    _specs: tuple = ()
+    _chunk_bytes: int = 0
+    _hashes: bytes = b""
     _bufs: list[np.ndarray] = field(default_factory=list)
-    _plan: list[tuple[int, int, int]] = field(default_factory=list)  # (tensor, offset, length) per chunk
-    _next: int = 0
-    _digest: str = ""
-    _specs: list = field(default_factory=list)
+    _plan: list[tuple[int, int, int]] = field(default_factory=list)
+    _fresh: int = 0  # chunks from here on were never asked for
+    _retry: list[int] = field(default_factory=list)  # chunks to ask again, sorted
+    _received: int = 0
+    per_donor: dict[str, int] = field(default_factory=dict)  # chunks received from each donor
 
     def _move(self, phase: DownloadPhase) -> None:
         if phase not in _MOVES[self.phase]:
@@ -119,11 +237,25 @@ class StateDownload:
 
     # ------------------------------------------------------------------ donor choice
     def start(self, now: float) -> None:
-        self._ask_next(now)
+        self._ask_more(now)
 
-    def _ask_next(self, now: float) -> None:
-        donors = [r for r in self.membership.donors() if r.peer_id not in self.tried]
-        if not donors:
+    def _candidates(self) -> list:
+        recs = [r for r in self.membership.donors() if r.peer_id not in self.tried
+                and (not self.only or r.peer_id in self.only)]
+        if not recs:
+            return []
+        best = recs[0].share
+        tier = [r for r in recs if r.share == best]  # a lower tier most likely holds another state
+        order = self.rng.permutation(len(tier))  # spread newcomers over equally good donors
+        return [tier[int(i)] for i in order]
+
+    def _ask_more(self, now: float) -> None:
+        room = self.max_donors - len(self._asked) - len(self._active)
+        for rec in self._candidates()[:max(0, room)]:
+            self.tried.append(rec.peer_id)
+            self._asked[rec.peer_id] = (rec.endpoint, now + self.chunk_timeout)
+            self.send(rec.endpoint, StateReq(self.membership.peer_id, self.membership.endpoint, req=self.req))
+        if not self._asked and not self._active and self.phase is not DownloadPhase.DONE:
             live = len(self.membership.live_ids())
             sharing = len(self.membership.donors())
             what = "; ".join(self.history[-6:]) or "nothing to try"
@@ -131,86 +263,168 @@ class StateDownload:
                 f"could not download state: {live} live peers known, {sharing} share state, "
                 f"{len(self.tried)} tried. What happened: {what}. Start a peer with allow_state_sharing=True "
                 "or retry once more peers are up."))
-            return
-        best = donors[0].share
-        tier = [r for r in donors if r.share == best]
-        pick = tier[int(self.rng.integers(len(tier)))]  # spread newcomers over equally good donors
-        self.tried.append(pick.peer_id)
-        self.donor = (pick.peer_id, pick.endpoint)
-        self._move(DownloadPhase.ASKING)
-        self.wait_until = now + self.chunk_timeout
-        self.send(pick.endpoint, StateReq(self.membership.peer_id, self.membership.endpoint, req=self.req))
 
-    def _give_up_on_donor(self, now: float, why: str) -> None:
-        self.history.append(f"{self.donor[0][:8]}: {why}")
-        log.info("state download %s: donor %s failed: %s", self.req, self.donor[0][:8], why)
-        self._bufs, self._plan, self._next = [], [], 0
-        self._ask_next(now)
+    def _drop(self, peer: str, now: float, why: str) -> None:
+        """Give up on `peer`: its outstanding chunks go back to the pool; ask another donor."""
+        self.history.append(f"{peer[:8]}: {why}")
+        log.info("state download %s: donor %s dropped: %s", self.req, peer[:8], why)
+        self._asked.pop(peer, None)
+        d = self._active.pop(peer, None)
+        if d is not None and d.inflight:
+            self.refetched += len(d.inflight)
+            self._retry = sorted(set(self._retry) | d.inflight)
+        if self.phase is DownloadPhase.DONE:
+            return
+        self._ask_more(now)
+        for p in list(self._active):
+            self._assign(p, now)
 
     def _finish(self, meta: Any, arrays: list[np.ndarray] | None, err: Exception | None) -> None:
         self._move(DownloadPhase.DONE)
+        self._asked.clear()
+        self._active.clear()
         self.on_done(self, meta, arrays, err)
+
+    # ------------------------------------------------------------------ chunk assignment
+    def _assign(self, peer: str, now: float) -> None:
+        d = self._active.get(peer)
+        while d is not None and len(d.inflight) <= self.window:
+            if self._retry:
+                first, n = self._retry[0], 1
+                while n < min(self.window, len(self._retry)) and self._retry[n] == first + n:
+                    n += 1
+                del self._retry[:n]
+            elif self._fresh < len(self._plan):
+                first, n = self._fresh, min(self.window, len(self._plan) - self._fresh)
+                self._fresh += n
+            else:
+                return
+            if not d.inflight:
+                d.wait_until = now + self.chunk_timeout
+            d.inflight.update(range(first, first + n))
+            self.send(d.endpoint, StateReq(self.membership.peer_id, self.membership.endpoint, req=self.req,
+                                           root=self.root, first=first, count=n))
 
     # ------------------------------------------------------------------ messages
     def on_meta(self, msg: StateMeta, now: float) -> None:
-        if self.phase is not DownloadPhase.ASKING or msg.sender != self.donor[0] or msg.req != self.req:
+        peer = msg.sender
+        if self.phase is DownloadPhase.DONE or msg.req != self.req:
             return
+        if peer in self._active:  # a refusal of a chunk request (e.g. the donor moved on)
+            if not msg.ok:
+                self._drop(peer, now, f"refused chunks: {msg.reason}")
+            return
+        if peer not in self._asked:
+            return
+        endpoint = self._asked[peer][0]
         if not msg.ok:
-            return self._give_up_on_donor(now, f"refused: {msg.reason}")
-        specs, chunk = msg.specs, msg.chunk_bytes
-        bufs, plan, total = [], [], 0
-        for t, (code, shape) in enumerate(specs):
-            if code not in DTYPES:
-                return self._give_up_on_donor(now, f"tensor {t} has disallowed dtype {code!r}")
-            nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[code].itemsize
-            total += nbytes
-            if total > self.max_bytes:
-                return self._give_up_on_donor(now, f"state larger than the {self.max_bytes}-byte limit")
-            bufs.append(np.empty(nbytes, dtype=np.uint8))
-            plan += [(t, off, min(chunk, nbytes - off)) for off in range(0, nbytes, chunk)]
-        self._meta, self._specs, self._bufs, self._plan, self._next = msg.meta, specs, bufs, plan, 0
-        self._digest = msg.digest
-        self._move(DownloadPhase.STREAMING)
-        self.wait_until = now + self.chunk_timeout
+            return self._drop(peer, now, f"refused: {msg.reason}")
+        # every holder of the adopted state is gone: without a wanted root, start over with this one
+        restart = bool(self.root) and msg.digest != self.root and not self._active and not self.target_root
+        why = self._check_meta(msg, restart)
+        if why:
+            return self._drop(peer, now, why)
+        if not self.root or restart:
+            if restart:
+                self.history.append(f"{peer[:8]}: holds another state; starting over with it")
+            self._adopt(msg)
+        del self._asked[peer]
+        self._active[peer] = _Donor(endpoint, now + self.chunk_timeout)
+        self._assign(peer, now)
         self._maybe_complete(now)
 
+    def _check_meta(self, msg: StateMeta, restart: bool = False) -> str:
+        if self.target_root and msg.digest != self.target_root:
+            return "offers another state than the one wanted"
+        if self.root and msg.digest != self.root and not restart:
+            return "holds another state than the other donors"
+        total = 0
+        for t, (code, shape) in enumerate(msg.specs):
+            if code not in DTYPES:
+                return f"tensor {t} has disallowed dtype {code!r}"
+            total += int(np.prod(shape, dtype=np.int64)) * DTYPES[code].itemsize
+            if total > self.max_bytes:
+                return f"state larger than the {self.max_bytes}-byte limit"
+        plan, _ = plan_chunks(msg.specs, msg.chunk_bytes)
+        if len(msg.hashes) != DIGEST_BYTES * len(plan):
+            return "chunk digests do not match the announced layout"
+        if state_root(msg.specs, msg.chunk_bytes, msg.hashes) != msg.digest:
+            return "root digest does not match its chunk digests"
+        return ""
+
+    def _adopt(self, msg: StateMeta) -> None:
+        plan, sizes = plan_chunks(msg.specs, msg.chunk_bytes)
+        self.root, self._meta, self._specs = msg.digest, msg.meta, tuple(msg.specs)
+        self._chunk_bytes, self._hashes, self._plan = msg.chunk_bytes, msg.hashes, plan
+        self._bufs = [np.empty(n, dtype=np.uint8) for n in sizes]
+        self._fresh, self._retry, self._received, self.per_donor = 0, [], 0, {}
+        self._move(DownloadPhase.STREAMING)
+
     def on_chunk(self, msg: StateChunk, now: float) -> None:
-        if self.phase is not DownloadPhase.STREAMING or msg.sender != self.donor[0] or msg.req != self.req:
+        if self.phase is not DownloadPhase.STREAMING or msg.req != self.req:
             return
-        if self._next >= len(self._plan):
-            return self._give_up_on_donor(now, "sent more chunks than announced")
-        t, off, length = self._plan[self._next]
-        arr = msg.data
-        if msg.index != self._next or msg.tensor != t or msg.offset != off or arr.nbytes != length:
-            return self._give_up_on_donor(now, f"chunk {msg.index} does not match the announced layout")
-        self._bufs[t][off: off + length] = arr.view(np.uint8)
-        self._next += 1
-        self.wait_until = now + self.chunk_timeout
+        peer = msg.sender
+        d = self._active.get(peer)
+        if d is None:
+            return  # from a donor already dropped: its chunks were asked again elsewhere
+        i = msg.index
+        if i not in d.inflight:
+            return self._drop(peer, now, f"sent chunk {i}, which it was not asked for")
+        t, off, length = self._plan[i]
+        raw = msg.data.view(np.uint8)
+        if msg.tensor != t or msg.offset != off or raw.nbytes != length:
+            return self._drop(peer, now, f"chunk {i} does not match the announced layout")
+        if chunk_digest(raw) != self._hashes[i * DIGEST_BYTES: (i + 1) * DIGEST_BYTES]:
+            self.bad_chunks += 1
+            log.warning("state download %s: chunk %d from %s fails its digest: fetching it elsewhere",
+                        self.req, i, peer[:8])
+            return self._drop(peer, now, f"chunk {i} failed its checksum")
+        self._bufs[t][off: off + length] = raw
+        d.inflight.discard(i)
+        d.got += 1
+        self.per_donor[peer] = self.per_donor.get(peer, 0) + 1
+        self._received += 1
+        d.wait_until = now + self.chunk_timeout
+        self._assign(peer, now)
         self._maybe_complete(now)
 
     def _maybe_complete(self, now: float) -> None:
-        if self._next < len(self._plan):
+        if self.phase is not DownloadPhase.STREAMING or self._received < len(self._plan):
             return
         arrays = [b.view(DTYPES[code]).reshape(shape) for b, (code, shape) in zip(self._bufs, self._specs)]
-        if state_digest(arrays) != self._digest:
-            return self._give_up_on_donor(now, "checksum mismatch")
+        # every chunk matched its digest and the digests match the root: the state is verified
+        self.snapshot = StateSnapshot(self._meta, tuple(arrays), self._specs, self._chunk_bytes, tuple(self._plan),
+                                      self._hashes, self.root)
         self._finish(self._meta, arrays, None)
 
     def peer_down(self, endpoint: str, now: float) -> None:
-        if self.phase is not DownloadPhase.DONE and self.donor[1] == endpoint:
-            self._give_up_on_donor(now, "connection lost")
+        if self.phase is DownloadPhase.DONE:
+            return
+        for peer in [p for p, (ep, _) in self._asked.items() if ep == endpoint]:
+            self._drop(peer, now, "connection lost")
+        for peer in [p for p, d in self._active.items() if d.endpoint == endpoint]:
+            self._drop(peer, now, "connection lost")
 
     # ------------------------------------------------------------------ time
     def next_deadline(self) -> float | None:
-        return None if self.phase is DownloadPhase.DONE else min(self.deadline, self.wait_until)
+        if self.phase is DownloadPhase.DONE:
+            return None
+        times = [self.deadline] + [t for _, t in self._asked.values()]
+        times += [d.wait_until for d in self._active.values() if d.inflight]
+        return min(times)
 
     def on_timer(self, now: float) -> None:
         if self.phase is DownloadPhase.DONE:
             return
         if now >= self.deadline:
-            self.history.append(f"{self.donor[0][:8]}: overall timeout")
+            self.history.append("overall timeout")
             self._finish(None, None, StateUnavailable(
                 f"state download timed out after {now - self.started:.1f}s: " + "; ".join(self.history[-6:])))
-        elif now >= self.wait_until:
-            what = "no answer" if self.phase is DownloadPhase.ASKING else f"stalled after chunk {self._next}"
-            self._give_up_on_donor(now, f"{what} within {self.chunk_timeout:g}s")
+            return
+        for peer in [p for p, (_, t) in self._asked.items() if now >= t]:
+            if self.phase is not DownloadPhase.DONE:
+                self._drop(peer, now, f"no answer within {self.chunk_timeout:g}s")
+        for peer in [p for p, d in self._active.items() if d.inflight and now >= d.wait_until]:
+            if self.phase is not DownloadPhase.DONE and peer in self._active:
+                self._drop(peer, now, f"stalled with {len(self._active[peer].inflight)} chunks owed "
+                                      f"for {self.chunk_timeout:g}s")

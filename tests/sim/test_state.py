@@ -13,7 +13,7 @@ from sim import NetworkModel, SimCluster
 from zgossip.node import DownloadDone, DownloadFailed, NodeConfig
 from zgossip.wire import MsgType
 
-CFG = dict(prefix="st", gossip_interval=0.05, peer_timeout=3.0, part_size_bytes=4096)
+CFG = dict(prefix="st", gossip_interval=0.05, peer_timeout=3.0, part_size_bytes=4096, state_chunk_bytes=4096)
 
 
 def _sim(n_donors, bandwidth=None, seed=0, priorities=None):
@@ -59,9 +59,9 @@ def test_newcomers_spread_over_equally_good_donors():
 def test_donor_dying_mid_stream_falls_back_and_never_hands_over_partial_state():
     cl, donors, new = _sim(2, bandwidth=2e5, priorities=[9.0, 1.0])  # slow links: the stream takes ~0.1 s
     ev = new.load_state(chunk_timeout=0.3)
-    cl.run(until=cl.env.now + 0.03)
+    cl.run(until=cl.env.now + 0.06)  # META, then chunk requests: the first chunks are in
     dl = next(iter(new.node.downloads.values()))
-    assert dl.donor[0] == donors[0].peer_id and 0 < dl._next < len(dl._plan)  # really mid-stream
+    assert set(dl._active) == {donors[0].peer_id} and 0 < dl._received < len(dl._plan)  # really mid-stream
     donors[0].crash()
     cl.run(until=ev)
     act = ev.value
@@ -101,6 +101,7 @@ def test_corrupted_stream_is_rejected_by_checksum():
     for got, want in zip(ev.value.arrays, donors[1].tensors):
         assert np.array_equal(got, want)  # fell back to the honest donor
     assert donors[0].node.donor.served == 1  # the corrupt stream was really sent and then refused
+    assert new.averager.stats["state_bad_chunks"] == 1
 
 
 def test_averager_load_state_from_peers_over_zmq():

@@ -1,118 +1,220 @@
-"""State download alone: a StateDonor and StateDownloads driven directly, messages carried by hand."""
+"""State download alone: StateDonors and a StateDownload driven directly, messages carried by hand."""
 from __future__ import annotations
 
 import dataclasses
 
 import numpy as np
-import pytest
 
 from handfed import Outbox, ep, membership_with, pid
 from zgossip import messages as M
 from zgossip.errors import StateUnavailable
-from zgossip.state import DownloadPhase, StateDonor, StateDownload
+from zgossip.state import DownloadPhase, StateDonor, StateDownload, StateSnapshot
 
-STATE = [np.arange(40, dtype=np.float32).reshape(4, 10), np.array([1, 2, 3], dtype=np.int64)]
+STATE = [np.arange(400, dtype=np.float32).reshape(40, 10), np.arange(30, dtype=np.int64)]
+CHUNK = 64  # 1600 + 240 bytes: 25 + 4 chunks
 
 
-class Newcomer:
-    def __init__(self, donors: dict[int, float], deadline: float = 10.0) -> None:
+class Swarm:
+    """One downloader (peer 1) and donors 2.., each a StateDonor holding a snapshot."""
+
+    def __init__(self, donors: dict[int, float], state=STATE, deadline: float = 10.0, **kw) -> None:
         self.out = Outbox()
         m = membership_with(1, [], self.out)
         m.merge([(pid(i), ep(i), 1, share, {}) for i, share in donors.items()], 0.0)
         self.done: list[tuple] = []
         self.dl = StateDownload("req1", m, self.out, np.random.default_rng(0), 0.0, deadline, 1.0, 1 << 20,
-                                lambda dl, meta, arrays, err: self.done.append((meta, arrays, err)))
+                                lambda dl, meta, arrays, err: self.done.append((meta, arrays, err)), **kw)
+        self.donors: dict[str, tuple[StateDonor, Outbox]] = {}
+        self.snap = StateSnapshot.build({"epoch": 7}, state, CHUNK)
+        for i in donors:
+            out = Outbox()
+            d = StateDonor(pid(i), ep(i), out, CHUNK)
+            d.publish(self.snap)
+            self.donors[ep(i)] = (d, out)
+        self.silent: set[str] = set()  # donors that stopped answering (their messages are lost)
 
-    def carry(self, msgs, now: float, mutate=None) -> None:
-        for _, msg in msgs:
-            if mutate is not None:
-                msg = mutate(msg)
-            (self.dl.on_meta if isinstance(msg, M.StateMeta) else self.dl.on_chunk)(msg, now)
+    def pump(self, now: float, mutate=None, rounds: int = 1000) -> None:
+        """Carry messages both ways until nothing moves."""
+        for _ in range(rounds):
+            moved = False
+            for to, msg in self.out.take():
+                moved = True
+                if to in self.silent:
+                    continue
+                d, _ = self.donors[to]
+                if msg.count:
+                    d.serve_chunks(msg)
+                else:
+                    d.serve(msg.req, msg.endpoint, d.published)
+            for e, (d, out) in self.donors.items():
+                for _, msg in out.take():
+                    moved = True
+                    if e in self.silent:
+                        continue
+                    if mutate is not None:
+                        msg = mutate(e, msg)
+                        if msg is None:
+                            continue
+                    (self.dl.on_meta if isinstance(msg, M.StateMeta) else self.dl.on_chunk)(msg, now)
+            if not moved:
+                return
 
 
-def donor(i: int) -> tuple[StateDonor, Outbox]:
-    out = Outbox()
-    return StateDonor(pid(i), ep(i), out, chunk_bytes=64), out
-
-
-def test_download_from_the_best_donor_chunk_by_chunk():
-    n = Newcomer({2: 1.0, 3: 5.0})
-    n.dl.start(0.0)
-    [(to, req)] = n.out.take()
-    assert to == ep(3) and isinstance(req, M.StateReq) and req.req == "req1"
-    d, dout = donor(3)
-    d.serve(req.req, ep(1), {"epoch": 7}, STATE)
-    sent = dout.take()
-    assert isinstance(sent[0][1], M.StateMeta) and sent[0][1].ok
-    assert [m.index for _, m in sent[1:]] == list(range(len(sent) - 1)) and len(sent) - 1 == 3 + 1
-    n.carry(sent[:1], 0.1)
-    assert n.dl.phase is DownloadPhase.STREAMING
-    n.carry(sent[1:], 0.2)
-    [(meta, arrays, err)] = n.done
-    assert err is None and meta == {"epoch": 7}
+def check_state(arrays) -> None:
     for a, b in zip(arrays, STATE):
         assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
-    assert n.dl.phase is DownloadPhase.DONE and n.dl.next_deadline() is None
 
 
-def test_a_corrupted_chunk_fails_the_checksum_and_the_next_donor_is_asked():
-    n = Newcomer({2: 1.0, 3: 5.0})
-    n.dl.start(0.0)
-    d, dout = donor(3)
-    d.serve("req1", ep(1), None, STATE)
+def test_chunks_come_from_every_donor_in_parallel():
+    s = Swarm({2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0})
+    s.dl.start(0.0)
+    s.pump(0.1)
+    [(meta, arrays, err)] = s.done
+    assert err is None and meta == {"epoch": 7}
+    check_state(arrays)
+    assert sorted(s.dl.per_donor) == sorted(pid(i) for i in (2, 3, 4, 5))
+    assert sum(s.dl.per_donor.values()) == len(s.snap.plan) == 29
+    assert s.dl.phase is DownloadPhase.DONE and s.dl.next_deadline() is None
+    assert s.dl.snapshot.root == s.snap.root and s.dl.bad_chunks == s.dl.refetched == 0
 
-    def flip(msg):
-        if isinstance(msg, M.StateChunk) and msg.index == 1:
+
+def test_a_chunk_failing_its_digest_is_fetched_elsewhere_and_counted():
+    s = Swarm({2: 1.0, 3: 1.0})
+    flipped = []
+
+    def flip(e, msg):
+        if isinstance(msg, M.StateChunk) and e == ep(2) and not flipped:
             bad = msg.data.copy()
             bad[0] ^= 1
+            flipped.append(msg.index)
             return dataclasses.replace(msg, data=bad)
         return msg
 
-    n.out.take()
-    n.carry(dout.take(), 0.1, mutate=flip)
-    assert not n.done
-    [(to, req)] = n.out.take()
-    assert to == ep(2) and "checksum mismatch" in n.dl.history[-1]
+    s.dl.start(0.0)
+    s.pump(0.1, mutate=flip)
+    [(meta, arrays, err)] = s.done
+    assert err is None and flipped
+    check_state(arrays)
+    assert s.dl.bad_chunks == 1 and s.dl.refetched >= 1 and "failed its checksum" in s.dl.history[0]
+    assert pid(2) not in s.dl._active  # the lying donor was dropped: the rest came from donor 3
 
 
-def test_refusal_then_silence_then_nobody_left():
-    n = Newcomer({2: 1.0, 3: 5.0})
-    n.dl.start(0.0)
-    d, dout = donor(3)
-    d.refuse("req1", ep(1), "busy")
-    n.carry(dout.take(), 0.1)
-    assert [e for e, _ in n.out.take()] == [ep(3), ep(2)]
-    n.dl.on_timer(1.1)  # asked at 0.1, no answer within the chunk timeout of 1 s
-    [(meta, arrays, err)] = n.done
-    assert isinstance(err, StateUnavailable) and "refused: busy" in str(err) and "no answer" in str(err)
+def test_a_donor_going_silent_mid_transfer_has_its_chunks_fetched_from_the_others():
+    s = Swarm({2: 1.0, 3: 1.0, 4: 1.0})
+    got = []
+
+    def die_after_three(e, msg):
+        if isinstance(msg, M.StateChunk) and e == ep(3):
+            got.append(msg.index)
+            if len(got) == 3:
+                s.silent.add(ep(3))
+        return msg
+
+    s.dl.start(0.0)
+    s.pump(0.1, mutate=die_after_three)
+    assert not s.done and s.dl._active[pid(3)].inflight  # stuck waiting for the dead donor
+    s.dl.on_timer(1.2)  # its chunk timeout passes
+    s.pump(1.3)
+    [(meta, arrays, err)] = s.done
+    assert err is None
+    check_state(arrays)
+    assert s.dl.refetched > 0 and "stalled" in s.dl.history[-1] and s.dl.per_donor[pid(3)] == 3
 
 
-def test_a_chunk_out_of_order_or_of_the_wrong_size_is_refused():
-    n = Newcomer({3: 1.0})
-    n.dl.start(0.0)
-    d, dout = donor(3)
-    d.serve("req1", ep(1), None, STATE)
-    sent = dout.take()
-    n.carry(sent[:1], 0.1)
-    n.carry(sent[2:3], 0.2)  # chunk 1 before chunk 0
-    assert "does not match" in n.dl.history[-1]
-    [(meta, arrays, err)] = n.done  # no other donor
-    assert isinstance(err, StateUnavailable)
+def test_a_dropped_connection_hands_the_chunks_to_the_others_at_once():
+    s = Swarm({2: 1.0, 3: 1.0})
+
+    def die_after_two(e, msg):
+        if isinstance(msg, M.StateChunk) and e == ep(2) and s.dl.per_donor.get(pid(2)) == 1:
+            s.silent.add(ep(2))
+        return msg
+
+    s.dl.start(0.0)
+    s.pump(0.1, mutate=die_after_two)
+    assert not s.done and s.dl._active[pid(2)].inflight
+    s.dl.peer_down(ep(2), 0.2)  # no chunk timeout to wait for
+    s.pump(0.3)
+    [(meta, arrays, err)] = s.done
+    assert err is None and "connection lost" in s.dl.history[0] and s.dl.per_donor[pid(2)] == 2
+    check_state(arrays)
 
 
-def test_donor_refuses_a_state_it_cannot_send():
-    d, dout = donor(3)
-    d.serve("r", ep(1), None, [np.zeros(3, dtype=np.complex64)])
-    [(_, meta)] = dout.take()
-    assert not meta.ok and "complex64" in meta.reason
+def test_only_the_wanted_root_is_accepted():
+    other = [a + 1 for a in STATE]
+    s = Swarm({2: 1.0, 3: 1.0}, target_root=StateSnapshot.build(None, other, CHUNK).root)
+    s.dl.start(0.0)
+    s.pump(0.1)
+    [(meta, arrays, err)] = s.done
+    assert isinstance(err, StateUnavailable) and "another state than the one wanted" in str(err)
 
 
-@pytest.mark.parametrize("limit", [100])
-def test_state_larger_than_the_limit_is_refused(limit):
-    n = Newcomer({3: 1.0})
-    n.dl.max_bytes = limit
-    n.dl.start(0.0)
-    d, dout = donor(3)
-    d.serve("req1", ep(1), None, STATE)
-    n.carry(dout.take()[:1], 0.1)
-    assert "limit" in n.dl.history[-1]
+def test_a_donor_holding_another_state_is_not_mixed_in():
+    s = Swarm({2: 1.0, 3: 1.0, 4: 1.0})
+    odd, _ = s.donors[ep(4)]
+    odd.publish(StateSnapshot.build({"epoch": 7}, [a * 2 for a in STATE], CHUNK))
+    s.dl.start(0.0)
+    s.pump(0.1)
+    [(meta, arrays, err)] = s.done
+    assert err is None
+    # whichever root came first was adopted; every chunk came from donors holding exactly that one
+    if pid(4) in s.dl.per_donor:
+        assert set(s.dl.per_donor) == {pid(4)} and np.array_equal(arrays[0], STATE[0] * 2)
+    else:
+        check_state(arrays)
+        assert any("another state" in h for h in s.dl.history)
+
+
+def test_a_meta_whose_digests_do_not_add_up_is_refused():
+    s = Swarm({2: 1.0})
+
+    def forge(e, msg):
+        if isinstance(msg, M.StateMeta) and msg.ok:
+            return dataclasses.replace(msg, hashes=bytes(len(msg.hashes)))
+        return msg
+
+    s.dl.start(0.0)
+    s.pump(0.1, mutate=forge)
+    [(_, _, err)] = s.done
+    assert isinstance(err, StateUnavailable) and "root digest does not match" in str(err)
+
+
+def test_a_donor_that_moved_on_refuses_chunks_and_the_others_finish():
+    s = Swarm({2: 1.0, 3: 1.0})
+    d2, _ = s.donors[ep(2)]
+    s.dl.start(0.0)
+    s.pump(0.1, rounds=1)  # METAs answered, first chunk requests out
+    for k in range(2):  # donor 2 publishes two newer versions: the old snapshot leaves its cache
+        d2.publish(StateSnapshot.build(None, [a + k + 1 for a in STATE], CHUNK))
+    s.pump(0.2)
+    [(meta, arrays, err)] = s.done
+    assert err is None and any("moved on" in h for h in s.dl.history)
+    check_state(arrays)
+
+
+def test_donor_refuses_chunk_ranges_outside_its_state_and_nobody_left_says_what_happened():
+    out = Outbox()
+    d = StateDonor(pid(3), ep(3), out, CHUNK)
+    snap = StateSnapshot.build(None, STATE, CHUNK)
+    d.publish(snap)
+    d.serve_chunks(M.StateReq(pid(1), ep(1), req="r", root=snap.root, first=28, count=5))
+    [(_, meta)] = out.take()
+    assert not meta.ok and "outside" in meta.reason
+    s = Swarm({})
+    s.dl.start(0.0)
+    [(_, _, err)] = s.done
+    assert isinstance(err, StateUnavailable) and "0 share state" in str(err)
+
+
+def test_snapshot_refuses_a_dtype_the_stream_cannot_carry_and_size_limits_hold():
+    try:
+        StateSnapshot.build(None, [np.zeros(3, dtype=np.complex64)], CHUNK)
+    except TypeError as e:
+        assert "complex64" in str(e)
+    else:
+        raise AssertionError("complex64 accepted")
+    s = Swarm({3: 1.0})
+    s.dl.max_bytes = 100
+    s.dl.start(0.0)
+    s.pump(0.1)
+    [(_, _, err)] = s.done
+    assert isinstance(err, StateUnavailable) and "limit" in str(err)
