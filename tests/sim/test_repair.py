@@ -8,7 +8,7 @@ from sim import NetworkModel, SimCluster
 from zgossip.node import NodeConfig
 from zgossip.state import StateSnapshot
 
-CFG = dict(prefix="rp", gossip_interval=0.05, peer_timeout=3.0, part_size_bytes=4096, state_chunk_bytes=1024)  # 18 chunks
+CFG = dict(prefix="rp", gossip_interval=0.05, peer_timeout=3.0, part_size_bytes=4096, state_chunk_bytes=256)  # 68 chunks
 
 
 def _swarm(n, seed=0, configs=None):
