@@ -107,6 +107,12 @@ class Averager:
     in-place step returns, parts still queued for a slow or dead peer are dropped, so bytes
     of the tensor never leave after the caller changed them.
 
+    State sharing: ``load_state_from_peers`` fetches chunks of ``state_chunk_bytes`` from up to
+    ``state_donors`` donors holding the same state at once (per-chunk SHA-256, fail-over; see
+    `zgossip.state`); `publish_state` makes donors serve a versioned snapshot without the tensor
+    lock and lets a peer whose state hash is outvoted repair itself (`zgossip.repair`).
+    ``state_chunk_bytes`` is part of the state hash: keep it equal across a swarm.
+
     ``shutdown_timeout``: how long `shutdown` keeps serving what this peer still owes groupmates
     of a recent round (results they have not confirmed, sends libzmq still holds) before it stops.
 
@@ -173,6 +179,8 @@ class Averager:
         announce_host: str | None = None,
         allow_state_sharing: bool = True,
         state_sharing_priority: float = 0.0,
+        state_chunk_bytes: int = 4 << 20,
+        state_donors: int = 4,
         seed: int | None = None,
         in_place: bool = True,
         local_ipc: bool = True,
@@ -235,6 +243,7 @@ class Averager:
             part_size_bytes=part_size_bytes, part_timeout=part_timeout, allreduce_timeout=allreduce_timeout,
             gossip_interval=gossip_interval, peer_timeout=peer_timeout, bandwidth=bandwidth,
             grid=tuple(grid), grid_coords=tuple(grid_coords) if grid_coords is not None else None,
+            state_chunk_bytes=state_chunk_bytes, state_donors=state_donors,
         )
         if client_mode and self.config.bandwidth:
             self.config = dataclasses.replace(self.config, bandwidth=0.0)
@@ -529,7 +538,7 @@ class Averager:
             return None, [np.array(a) for a in self._arrays]
 
     def load_state_from_peers(self, timeout: float = 60.0, chunk_timeout: float = 5.0,
-                              apply: bool = True, wait: bool = True) -> Any:
+                              apply: bool = True, wait: bool = True, donors: int | None = None) -> Any:
         """Download ``(metadata, tensors)`` from the best-priority peer that shares its state.
 
         Donors are tried in priority order (random among equals); a donor that refuses,
@@ -538,13 +547,16 @@ class Averager:
         the tensors are copied into this averager's tensors, after checking every shape and
         dtype (a mismatch raises and writes nothing). Raises `StateUnavailable`. With
         ``wait=False`` returns a `concurrent.futures.Future` of the same (applied when it is set).
+        ``donors``: fetch from up to this many donors holding the same state at once (default
+        ``state_donors``).
         """
         if self._closed:
             raise AveragerClosed("this averager was shut down")
         req = f"{self.peer_id[:8]}-s{next(self._seq)}"
         fut: cf.Future = cf.Future()
         self._downloads[req] = fut
-        self._transport.call(lambda now: self._transport.node.begin_download(req, now, timeout, chunk_timeout))
+        self._transport.call(lambda now: self._transport.node.begin_download(req, now, timeout, chunk_timeout,
+                                                                             max_donors=donors))
         if not wait:  # the node ends the download by itself within `timeout`
             out: cf.Future = cf.Future()
 

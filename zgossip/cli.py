@@ -1,4 +1,4 @@
-"""The ``zgossip`` command: ``demo``, ``peer``, ``bench``, ``train-demo`` and ``bench-train``."""
+"""The ``zgossip`` command: ``demo``, ``peer``, ``bench``, ``train-demo``, ``bench-train`` and ``bench-state``."""
 from __future__ import annotations
 
 import argparse
@@ -12,13 +12,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zgossip", description="Decentralized tensor averaging over ZeroMQ.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from . import bench, bench_train, demo, peer, train_demo
+    from . import bench, bench_state, bench_train, demo, peer, train_demo
 
     demo.add_arguments(sub.add_parser("demo", help="8 local peers average random tensors on a Moshpit grid"))
     peer.add_arguments(sub.add_parser("peer", help="run one peer for real (multi-host) use"))
     bench.add_arguments(sub.add_parser("bench", help="time the all-reduce, optionally against torch.distributed gloo"))
     train_demo.add_arguments(sub.add_parser("train-demo", help="local peers train one model together; one joins late"))
     bench_train.add_arguments(sub.add_parser("bench-train", help="one collaborative step (4 peers, 10M params) vs gloo"))
+    bench_state.add_arguments(sub.add_parser("bench-state", help="state download from N donors vs 1 (1 GiB, loopback)"))
     kg = sub.add_parser("keygen", help="write a CURVE key pair: FILE (secret, mode 600) and FILE.pub (allow-file line)")
     kg.add_argument("file", help="where to write the secret key (FILE.pub gets the public key)")
     kg.add_argument("--force", action="store_true", help="overwrite an existing key file")
@@ -26,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=getattr(args, "log_level", "WARNING"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return {"demo": demo.run, "peer": peer.run, "bench": bench.run, "train-demo": train_demo.run,
-                "bench-train": bench_train.run, "keygen": _keygen}[args.command](args)
+                "bench-train": bench_train.run, "bench-state": bench_state.run, "keygen": _keygen}[args.command](args)
     except KeyboardInterrupt:
         # Ctrl-C: the command's finally blocks stopped its peer processes; no traceback, the shell's
         # exit status for SIGINT (128 + 2)

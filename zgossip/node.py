@@ -361,10 +361,10 @@ class Node:
         self.membership.heartbeat += 1  # fresher than what others hold, so they take it at once
 
     def begin_download(self, req: str, now: float, timeout: float, chunk_timeout: float,
-                       target_root: str = "", only: tuple[str, ...] = ()) -> None:
+                       target_root: str = "", only: tuple[str, ...] = (), max_donors: int | None = None) -> None:
         dl = StateDownload(req, self.membership, self._send, self._rng, now, now + timeout, chunk_timeout,
                            self.config.max_state_bytes, self._on_download_done, target_root=target_root,
-                           only=only, max_donors=self.config.state_donors)
+                           only=only, max_donors=max(1, max_donors or self.config.state_donors))
         self.downloads[req] = dl
         dl.start(now)
         self._drain_loopback(now)

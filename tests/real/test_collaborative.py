@@ -126,22 +126,18 @@ def _donor(index: int, conn: Any, seed: int, epoch: int, die_mid_stream: bool, i
     if die_mid_stream:
         from zgossip import state
 
-        serve = state.StateDonor.serve
+        serve_chunks = state.StateDonor.serve_chunks
+        served: list = []
 
-        def half_then_die(self: Any, req: str, endpoint: str, meta: Any, arrays: Any) -> None:
-            sent: list = []
-            real_send = self._send
-            self._send = lambda ep, msg: sent.append((ep, msg))
-            try:
-                serve(self, req, endpoint, meta, arrays)
-            finally:
-                self._send = real_send
-            for ep, msg in sent[: max(2, len(sent) // 2)]:
-                real_send(ep, msg)
-            conn.send({"event": "partial", "sent": max(2, len(sent) // 2), "of": len(sent)})
+        def first_request_then_die(self: Any, msg: Any) -> None:
+            if served:
+                return  # dying: later chunk requests go unanswered
+            serve_chunks(self, msg)
+            served.append(msg.count)
+            conn.send({"event": "partial", "sent": msg.count, "of": len(self._cache[msg.root].plan)})
             threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
 
-        state.StateDonor.serve = half_then_die
+        state.StateDonor.serve_chunks = first_request_then_die
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
     with torch.no_grad():
         g = torch.Generator().manual_seed(seed)
@@ -149,7 +145,7 @@ def _donor(index: int, conn: Any, seed: int, epoch: int, die_mid_stream: bool, i
             p.copy_(torch.randn(p.shape, generator=g))
     opt = CollaborativeOptimizer(torch.optim.Adam(model.parameters()), prefix="dl", target_batch_size=10 ** 9,
                                  initial_peers=initial, load_state_on_start=False,
-                                 averager_opts=dict(FAST, part_size_bytes=4096))  # ~33 chunks of state
+                                 averager_opts=dict(FAST, part_size_bytes=4096, state_chunk_bytes=4096))  # ~33 chunks
     try:
         opt.local_epoch = epoch
         opt._update_sharing()
@@ -177,7 +173,8 @@ def test_donor_killed_mid_download_falls_back_and_never_applies_partial_state():
         values_a = [torch.randn(p.shape, generator=g) for p in model.parameters()]
         new = CollaborativeOptimizer(torch.optim.Adam(model.parameters()), prefix="dl", target_batch_size=10 ** 9,
                                      initial_peers=[up_b["endpoint"]], load_state_on_start=False,
-                                     state_chunk_timeout=1.0, averager_opts=dict(FAST, part_size_bytes=4096))
+                                     state_chunk_timeout=1.0, averager_opts=dict(FAST, part_size_bytes=4096,
+                                                                                 state_chunk_bytes=4096))
         try:
             deadline = time.monotonic() + 20
             # both donors' latest records (epoch, and the sharing priority gossiped with it) have arrived
