@@ -1,6 +1,6 @@
 """``zgossip bench-state``: a state download from N donors against the same from 1, side by side.
 
-Donor processes on loopback each publish the same state (``--size-mib`` of int64, a versioned
+Donor processes on loopback each publish the same state (``--size-mib`` of float64, a versioned
 snapshot as `Averager.publish_state` makes one; the donors hold only that copy). One downloader
 process then fetches it again and again, alternating 1 donor and N donors (ABBA order per
 repetition, so drift of a shared machine hits both alike), with `load_state_from_peers(donors=k,
@@ -67,7 +67,7 @@ def _machine_busy() -> float:
 
 def bench_state(size_bytes: int) -> np.ndarray:
     """The state every donor holds: the same bytes everywhere, distinct in every chunk."""
-    return np.arange(size_bytes // 8, dtype=np.int64)
+    return np.arange(size_bytes // 8, dtype=np.float64)
 
 
 def hash_cost(size_bytes: int = 64 << 20, chunk_bytes: int = 4 << 20, reps: int = 5) -> dict:
@@ -143,7 +143,7 @@ def downloader_main(conn: Any, initial_peers: Sequence[str], donors: int, chunk_
             meta, arrays = av.load_state_from_peers(timeout=timeout, chunk_timeout=10.0, apply=False, donors=k)
             dt = time.perf_counter() - t0
             a = arrays[0]
-            ok = a.dtype == np.int64 and a.size > 0 and int(a[-1]) == a.size - 1 and int(a[a.size // 2]) == a.size // 2
+            ok = a.dtype == np.float64 and a.size > 0 and int(a[-1]) == a.size - 1 and int(a[a.size // 2]) == a.size // 2
             del arrays, a
             st = av.stats
             conn.send({"event": "got", "seconds": dt, "ok": ok, "bad_chunks": st["state_bad_chunks"],
