@@ -85,9 +85,12 @@ def hash_cost(size_bytes: int = 64 << 20, chunk_bytes: int = 4 << 20, reps: int 
 
 
 def donor_main(conn: Any, size_bytes: int, chunk_bytes: int, initial_peers: Sequence[str], die_after: int = 0,
-               tcp_only: bool = True) -> None:
+               tcp_only: bool = True, uplink: float = 0.0) -> None:
     """A donor process: publish the bench state, report where it listens, serve until told to stop.
-    With ``die_after`` k > 0 it SIGKILLs itself as soon as it was asked for chunks k times."""
+    With ``die_after`` k > 0 it SIGKILLs itself as soon as it was asked for chunks k times. With
+    ``uplink`` > 0 (bytes/s) it emulates a donor whose upload link is that fast: before serving a
+    request its I/O thread waits until a token bucket of that rate has room (it serves nothing else
+    meanwhile, as a saturated link would not)."""
     from .averager import Averager
     from .state import StateSnapshot
 
@@ -96,6 +99,16 @@ def donor_main(conn: Any, size_bytes: int, chunk_bytes: int, initial_peers: Sequ
     try:
         snap = StateSnapshot.build(None, [bench_state(size_bytes)], chunk_bytes)
         node = av.transport.node
+        if uplink > 0:
+            paced, free_at = node.donor.serve_chunks, [0.0]
+
+            def serve_paced(msg: Any) -> None:
+                now = time.monotonic()
+                free_at[0] = max(free_at[0], now) + msg.count * chunk_bytes / uplink
+                time.sleep(max(0.0, free_at[0] - now - msg.count * chunk_bytes / uplink))
+                paced(msg)
+
+            node.donor.serve_chunks = serve_paced
         if die_after > 0:
             serve, asked = node.donor.serve_chunks, [0]
 
@@ -187,14 +200,14 @@ class _Procs:
 
 
 def bench_state_download(size_mib: int, donors: int, reps: int, chunk_bytes: int = 4 << 20,
-                         timeout: float = 120.0, tcp_only: bool = True) -> dict:
+                         timeout: float = 120.0, tcp_only: bool = True, uplink: float = 0.0) -> dict:
     size = size_mib << 20
     procs = _Procs()
     try:
-        procs.start(donor_main, size, chunk_bytes, [], 0, tcp_only)
+        procs.start(donor_main, size, chunk_bytes, [], 0, tcp_only, uplink)
         first = procs.recv(0, timeout, "donor 0")
         for i in range(1, donors):
-            procs.start(donor_main, size, chunk_bytes, [first["endpoint"]], 0, tcp_only)
+            procs.start(donor_main, size, chunk_bytes, [first["endpoint"]], 0, tcp_only, uplink)
         ups = [first] + [procs.recv(i, timeout, f"donor {i}") for i in range(1, donors)]
         assert len({u["root"] for u in ups}) == 1, "donors hold different states"
         d = procs.start(downloader_main, [first["endpoint"]], donors, chunk_bytes, timeout, tcp_only)
@@ -216,7 +229,7 @@ def bench_state_download(size_mib: int, donors: int, reps: int, chunk_bytes: int
                                 "others_cpu": max(0.0, _machine_busy() - busy0 - sum(cpu))})
         ratios = [a["seconds"] / b["seconds"] for a, b in zip(runs[1], runs[donors])]
         med = {k: statistics.median(r["seconds"] for r in v) for k, v in runs.items()}
-        return {"size_bytes": size, "donors": donors, "reps": reps, "chunk_bytes": chunk_bytes, "runs": runs,
+        return {"size_bytes": size, "donors": donors, "uplink": uplink, "reps": reps, "chunk_bytes": chunk_bytes, "runs": runs,
                 "median_seconds": med, "speedup_paired_median": statistics.median(ratios), "speedups": ratios,
                 "gb_per_s": {k: size / v / 1e9 for k, v in med.items()}}
     finally:
@@ -228,6 +241,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--donors", type=int, default=4, help="donors of the parallel download (default 4); 1 is always timed too")
     p.add_argument("--reps", type=int, default=3, help="repetitions of each (ABBA order; default 3)")
     p.add_argument("--chunk-mib", type=float, default=4.0, help="state chunk size in MiB (default 4)")
+    p.add_argument("--donor-uplink-mbps", type=float, default=0.0, metavar="MB/S",
+                   help="emulate donors whose upload is this many MB/s (paced in the donor process; default: "
+                        "unlimited, i.e. loopback at whatever the CPUs allow)")
     p.add_argument("--ipc", action="store_true", help="peers on one host use Unix sockets (default: TCP loopback)")
     p.add_argument("--hash-only", action="store_true", help="only measure the cost of hashing a 64 MiB state")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -244,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
         out: dict = {"hash_64mib": hc}
     else:
         out = {"hash_64mib": hc, **bench_state_download(args.size_mib, args.donors, args.reps, chunk, args.timeout,
-                                                         not args.ipc)}
+                                                         not args.ipc, args.donor_uplink_mbps * 1e6)}
     if args.json:
         print(json.dumps({"machine": machine_line(), **out}))
         return 0
@@ -254,7 +270,8 @@ def run(args: argparse.Namespace) -> int:
     if args.hash_only:
         return 0
     n = args.donors
-    print(f"state download of {args.size_mib} MiB over {'Unix sockets' if args.ipc else 'TCP loopback'}, "
+    paced = f", donors' upload paced to {args.donor_uplink_mbps:g} MB/s each" if args.donor_uplink_mbps > 0 else ""
+    print(f"state download of {args.size_mib} MiB over {'Unix sockets' if args.ipc else 'TCP loopback'}{paced}, "
           f"{out['reps']} reps each, ABBA order:")
     for k in (1, n):
         rs = out["runs"][k]
