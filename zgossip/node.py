@@ -320,7 +320,7 @@ class Node:
 
     @staticmethod
     def check_user_info(info: dict) -> dict:
-        """What a user may publish: at most 14 scalar entries (2 of the 16 are the node's own), no 'zg.' keys."""
+        """What a user may publish: at most 14 scalar entries (the node adds its own 'zg.' keys), no 'zg.' keys."""
         info = dict(check_info(dict(info)))  # the same check peers apply on receipt
         if any(k.startswith("zg.") for k in info) or len(info) > 14:
             raise ValueError("info keys starting with 'zg.' are reserved; at most 14 entries")

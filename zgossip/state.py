@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 DIGEST_BYTES = 16  # per chunk: 128 bits of SHA-256
 MAX_CHUNKS_PER_REQUEST = 256  # a donor queues at most this many chunks for one request
+MAX_DIGEST_BYTES = 16 << 15  # what STATE_META's `hashes` may hold (zgossip.messages): 32768 chunks
 
 
 def chunk_digest(data: Any) -> bytes:
@@ -154,6 +155,9 @@ class StateDonor:
 
     def serve(self, req: str, endpoint: str, snap: StateSnapshot) -> None:
         """Answer a META request with `snap` (kept in the cache for the chunk requests that follow)."""
+        if len(snap.hashes) > MAX_DIGEST_BYTES:
+            return self.refuse(req, endpoint, f"state has {len(snap.plan)} chunks, more than a STATE_META can list "
+                                              f"({MAX_DIGEST_BYTES // DIGEST_BYTES}): use a larger state_chunk_bytes")
         self._keep(snap)
         self._send(endpoint, self._meta(req, True, snap=snap))
         self.served += 1
