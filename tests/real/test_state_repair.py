@@ -71,3 +71,16 @@ def test_a_corrupted_peer_repairs_itself_over_zeromq():
     finally:
         for a in avs:
             a.shutdown(timeout=2.0)
+
+
+def test_a_donor_serves_its_published_snapshot_while_its_tensors_are_locked():
+    state = [np.arange(50000, dtype=np.float32)]
+    with zgossip.Averager([state[0].copy()], prefix="snap", state_chunk_bytes=16 << 10, **FAST) as a, \
+            zgossip.Averager([np.zeros(50000, np.float32)], prefix="snap", initial_peers=[a.endpoint],
+                             allow_state_sharing=False, **FAST) as b:
+        _wait(lambda: a.peers() and b._ask_node(lambda node: len(node.membership.donors())) == 1, 10, "membership")
+        a.publish_state(1)
+        with a.get_tensors() as ts:  # the tensor lock held, as while a round's result is written back
+            ts[0][:] = 99.0  # changed since the publish: downloaders get the published version
+            meta, arrays = b.load_state_from_peers(timeout=5, chunk_timeout=1.0, apply=False)
+        assert np.array_equal(arrays[0], state[0])
