@@ -342,15 +342,19 @@ class StateDownload:
             return "offers another state than the one wanted"
         if self.root and msg.digest != self.root and not restart:
             return "holds another state than the other donors"
-        total = 0
+        total = chunks = 0
         for t, (code, shape) in enumerate(msg.specs):
             if code not in DTYPES:
                 return f"tensor {t} has disallowed dtype {code!r}"
-            total += int(np.prod(shape, dtype=np.int64)) * DTYPES[code].itemsize
+            if any(n > self.max_bytes for n in shape):  # also keeps the product below overflow
+                return f"state larger than the {self.max_bytes}-byte limit"
+            nbytes = int(np.prod(shape, dtype=object)) * DTYPES[code].itemsize
+            total += nbytes
+            chunks += -(-nbytes // msg.chunk_bytes)
             if total > self.max_bytes:
                 return f"state larger than the {self.max_bytes}-byte limit"
-        plan, _ = plan_chunks(msg.specs, msg.chunk_bytes)
-        if len(msg.hashes) != DIGEST_BYTES * len(plan):
+        # counted before any plan is built: a tiny chunk size must not make us list billions of chunks
+        if len(msg.hashes) != DIGEST_BYTES * chunks:
             return "chunk digests do not match the announced layout"
         if state_root(msg.specs, msg.chunk_bytes, msg.hashes) != msg.digest:
             return "root digest does not match its chunk digests"

@@ -218,3 +218,18 @@ def test_snapshot_refuses_a_dtype_the_stream_cannot_carry_and_size_limits_hold()
     s.pump(0.1)
     [(_, _, err)] = s.done
     assert isinstance(err, StateUnavailable) and "limit" in str(err)
+
+
+def test_a_hostile_meta_with_a_tiny_chunk_size_is_refused_without_planning_its_chunks():
+    s = Swarm({2: 1.0})
+
+    def tiny(e, msg):
+        if isinstance(msg, M.StateMeta) and msg.ok:
+            return dataclasses.replace(msg, specs=(("f8", (1 << 27,)),), chunk_bytes=1)  # 1 GiB in 1-byte chunks
+        return msg
+
+    s.dl.max_bytes = 1 << 31
+    s.dl.start(0.0)
+    s.pump(0.1, mutate=tiny)
+    [(_, _, err)] = s.done
+    assert isinstance(err, StateUnavailable) and "digests do not match" in str(err)
