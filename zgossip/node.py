@@ -456,6 +456,25 @@ class Node:
         else:
             dl.on_chunk(msg, now)
 
+    def chunk_target(self, msg: StateChunk) -> tuple[np.ndarray, int, int, bytes] | None:
+        """Where a chunk a running download waits for goes, and its digest (`StateDownload.target`):
+        a driver may hash and place it elsewhere, then hand it in with `on_hashed_chunk`. None: hand
+        it in through `on_message`."""
+        dl = self.downloads.get(msg.req)
+        return None if dl is None else dl.target(msg)
+
+    def on_hashed_chunk(self, msg: StateChunk, digest: bytes | None, placed_in: np.ndarray | None,
+                        now: float) -> None:
+        """`on_message` for a chunk whose `chunk_digest` the driver computed (None: it could not),
+        written into `placed_in` when that digest was the one wanted."""
+        self.stats["messages"] += 1
+        dl = self.downloads.get(msg.req)
+        if dl is None:
+            self.stats["late"] += 1
+        else:
+            dl.on_chunk(msg, now, digest, placed_in)
+        self._drain_loopback(now)
+
     def owes_others(self) -> bool:
         """Whether members of a recent round of ours may still wait for something we sent them (they
         have not said DONE and are not known dead). A peer shutting down waits (bounded) until not."""

@@ -368,7 +368,28 @@ class StateDownload:
         self._fresh, self._retry, self._received, self.per_donor = 0, [], 0, {}
         self._move(DownloadPhase.STREAMING)
 
-    def on_chunk(self, msg: StateChunk, now: float) -> None:
+    def target(self, msg: StateChunk) -> tuple[np.ndarray, int, int, bytes] | None:
+        """For a chunk this download waits for, in the announced layout: (buffer, offset, length,
+        digest it must have); None for any other. A cheap test (no hashing) for a driver that hashes
+        chunks off its I/O thread: it may write the chunk's bytes into buffer[offset:offset+length]
+        once, and only if, their digest is the one given, then hand the chunk to `on_chunk` with
+        its digest and the buffer (`placed_in`). Bytes that match the digest are the right bytes,
+        so a chunk placed twice (fetched again elsewhere) writes the same bytes."""
+        if self.phase is not DownloadPhase.STREAMING or msg.req != self.req:
+            return None
+        d = self._active.get(msg.sender)
+        if d is None or msg.index not in d.inflight:
+            return None
+        i = msg.index
+        t, off, length = self._plan[i]
+        if msg.tensor != t or msg.offset != off or msg.data.nbytes != length:
+            return None
+        return self._bufs[t], off, length, self._hashes[i * DIGEST_BYTES: (i + 1) * DIGEST_BYTES]
+
+    def on_chunk(self, msg: StateChunk, now: float, digest: bytes | None = None,
+                 placed_in: np.ndarray | None = None) -> None:
+        """`digest`: `chunk_digest` of the chunk's bytes, when the caller computed it; `placed_in`:
+        the buffer (from `target`) the caller already wrote the verified bytes into."""
         if self.phase is not DownloadPhase.STREAMING or msg.req != self.req:
             return
         peer = msg.sender
@@ -382,12 +403,15 @@ class StateDownload:
         raw = msg.data.view(np.uint8)
         if msg.tensor != t or msg.offset != off or raw.nbytes != length:
             return self._drop(peer, now, f"chunk {i} does not match the announced layout")
-        if chunk_digest(raw) != self._hashes[i * DIGEST_BYTES: (i + 1) * DIGEST_BYTES]:
+        if digest is None:
+            digest = chunk_digest(raw)
+        if digest != self._hashes[i * DIGEST_BYTES: (i + 1) * DIGEST_BYTES]:
             self.bad_chunks += 1
             log.warning("state download %s: chunk %d from %s fails its digest: fetching it elsewhere",
                         self.req, i, peer[:8])
             return self._drop(peer, now, f"chunk {i} failed its checksum")
-        self._bufs[t][off: off + length] = raw
+        if placed_in is None or placed_in is not self._bufs[t]:  # not written by the caller (or a state since replaced)
+            self._bufs[t][off: off + length] = raw
         d.inflight.discard(i)
         d.got += 1
         self.per_donor[peer] = self.per_donor.get(peer, 0) + 1

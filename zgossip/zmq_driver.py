@@ -27,10 +27,12 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import logging
+import os
 import queue
 import threading
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import zmq
 
 from . import fast_send, wire
@@ -42,8 +44,10 @@ from .endpoints import CLIENT_SCHEME, advertised, check_endpoint, client_endpoin
 from .identity import AllowList, KeyPair
 from .fast_send import FAST_SEND
 from .local_ipc import LocalRoutes, enabled, local_name
+from .messages import StateChunk
 from .node import Node
 from .process_tuning import context, tune_malloc
+from .state import chunk_digest
 from .transport import NodeFactory
 from .zerocopy import LentPayloads
 
@@ -56,6 +60,18 @@ _STATS = ("received", "invalid", "sent", "send_errors", "errors", "disconnects",
           "unauthenticated", "refused", "handshake_failures", "unreachable")
 _BACKLOG_MESSAGES = 256  # per client that has not connected yet
 _BACKLOG_CLIENTS = 64
+_HASH_ELSEWHERE_BYTES = 1 << 16  # state chunks at least this large are hashed off the I/O thread
+_MAX_HASHING = 64  # chunks handed to the hashing threads and not back yet (beyond: hashed inline)
+_HASH_THREADS = max(1, min(4, (os.cpu_count() or 1) - 1))
+
+
+def _hash_and_place(data: np.ndarray, buf: np.ndarray, off: int, length: int, want: bytes) -> tuple[bytes, Any]:
+    """On a hashing thread: the chunk's digest, and `buf` if the chunk matched `want` and was written there."""
+    digest = chunk_digest(data)
+    if digest != want:
+        return digest, None
+    buf[off: off + length] = data
+    return digest, buf
 
 
 class ZmqTransport:
@@ -145,6 +161,8 @@ class ZmqTransport:
         self._wake_in.bind(wake)
         self._wake_out.connect(wake)
         self._wake_lock = threading.Lock()
+        self._hasher: cf.ThreadPoolExecutor | None = None  # started by the first large state chunk
+        self._hashing = 0
         self._thread = threading.Thread(target=self._run, name=f"{self.name or 'zgossip-' + peer_id[:8]}-io",
                                         daemon=True)
         self._started = threading.Event()
@@ -234,6 +252,8 @@ class ZmqTransport:
                 self._lent.reap()  # buffers libzmq finished with, whose senders already let go
         finally:
             self._started.set()
+            if self._hasher is not None:
+                self._hasher.shutdown(wait=False, cancel_futures=True)
             self.connections.close_all()
             if router is not None:
                 router.disable_monitor()
@@ -331,7 +351,45 @@ class ZmqTransport:
                     self.stats["invalid"] += 1
                     continue
                 self._client_seen(msg.sender, rid)
+            if type(msg) is StateChunk and self._hash_elsewhere(msg):
+                continue
             self._guard(self.node.on_message, msg, self.clock.now())
+
+    def _hash_elsewhere(self, msg: StateChunk) -> bool:
+        """Hash a state chunk a download waits for on a hashing thread (hashlib and numpy's copy let
+        go of the GIL), which also writes it into the download's buffer if, and only if, its digest
+        is the one wanted; this thread receives the next chunks meanwhile, and the node gets the
+        chunk with its digest when done. Unwanted chunks, small ones and any beyond `_MAX_HASHING`
+        waiting are handed in as usual (the node hashes or drops them here)."""
+        if msg.data.nbytes < _HASH_ELSEWHERE_BYTES or self._hashing >= _MAX_HASHING:
+            return False
+        target = self.node.chunk_target(msg)
+        if target is None:
+            return False
+        if self._hasher is None:
+            self._hasher = cf.ThreadPoolExecutor(_HASH_THREADS, thread_name_prefix="zgossip-hash")
+        try:
+            fut = self._hasher.submit(_hash_and_place, msg.data.view(np.uint8), *target)
+        except RuntimeError:  # shut down
+            return False
+        self._hashing += 1
+
+        def hashed(now: float) -> None:
+            self._hashing -= 1
+            try:
+                digest, placed_in = fut.result()
+            except Exception:
+                digest, placed_in = None, None  # the node hashes it itself
+            self.node.on_hashed_chunk(msg, digest, placed_in, now)
+
+        def post(_: cf.Future) -> None:
+            try:
+                self.call(hashed)
+            except (RuntimeError, zmq.ZMQError):
+                pass  # stopping: the download dies with the node
+
+        fut.add_done_callback(post)
+        return True
 
     def _server_id(self, endpoint: str) -> str | None:
         """The peer id (key) expected at `endpoint`, for a CURVE client connection."""

@@ -233,3 +233,41 @@ def test_a_hostile_meta_with_a_tiny_chunk_size_is_refused_without_planning_its_c
     s.pump(0.1, mutate=tiny)
     [(_, _, err)] = s.done
     assert isinstance(err, StateUnavailable) and "digests do not match" in str(err)
+
+
+def test_a_driver_may_hash_and_place_wanted_chunks_elsewhere_and_a_wrong_digest_still_drops_the_donor():
+    from zgossip.state import chunk_digest
+
+    s = Swarm({2: 1.0, 3: 1.0})
+    targets, lied, placed = [], [], []
+
+    def hashed_elsewhere(e, msg):
+        if not isinstance(msg, M.StateChunk):
+            return msg
+        target = s.dl.target(msg)
+        targets.append(target is not None)
+        assert s.dl.target(dataclasses.replace(msg, req="other")) is None
+        assert s.dl.target(dataclasses.replace(msg, offset=msg.offset + 1)) is None  # not the announced layout
+        if target is None:  # a lying donor's chunks still in flight: handed in as they are, and ignored
+            s.dl.on_chunk(msg, 0.1)
+            return None
+        buf, off, n, want = target
+        raw = msg.data.view(np.uint8)
+        digest = chunk_digest(raw)
+        if e == ep(2) and not lied:
+            lied.append(msg.index)
+            digest = bytes(16)  # as if the bytes hashed elsewhere were not the ones announced
+        if digest == want:  # what the driver's hashing thread does: place only verified bytes
+            buf[off: off + n] = raw
+            placed.append(msg.index)
+        s.dl.on_chunk(msg, 0.1, digest, buf if digest == want else None)
+        assert s.dl.target(msg) is None  # taken (or its donor dropped): not hashed twice
+        return None
+
+    s.dl.start(0.0)
+    s.pump(0.1, mutate=hashed_elsewhere)
+    [(_, arrays, err)] = s.done
+    assert err is None and lied and targets[0]
+    check_state(arrays)
+    assert s.dl.bad_chunks == 1 and pid(2) not in s.dl._active
+    assert sorted(placed) == list(range(len(s.snap.plan)))  # every chunk came in through the caller's copy
