@@ -66,6 +66,7 @@ class StepFuture(cf.Future):
         self._gather = gather
         self._triggered = not held
         self._phase = StepStage.SCHEDULED if held else StepStage.MATCHMAKING
+        self._reached_allreduce = False
         self._lock = averager.clock.lock()  # one trigger at a time (the user's, or the scheduled one)
 
     @property
@@ -75,6 +76,12 @@ class StepFuture(cf.Future):
     @property
     def triggered(self) -> bool:
         return self._triggered
+
+    @property
+    def reached_allreduce(self) -> bool:
+        """Whether the all-reduce began (then groupmates count on this peer's data, and a failure is
+        the round's, not matchmaking's)."""
+        return self._reached_allreduce
 
     @property
     def weight(self) -> float:
@@ -124,6 +131,8 @@ class StepFuture(cf.Future):
         stage = _OF_PHASE.get(phase)
         if stage is not None:
             self._phase = stage
+            if stage is StepStage.RUNNING_ALLREDUCE:
+                self._reached_allreduce = True
 
     def __repr__(self) -> str:
         return f"<StepControl {self.step_id} {self.stage.value}{' triggered' if self._triggered else ''}>"
