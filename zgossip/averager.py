@@ -23,7 +23,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from . import wire
+from . import staging, wire
 from .actions import DownloadDone, DownloadFailed, ServeState, StepDone, StepFailed, StepProgress
 from .endpoints import check_endpoint
 from .identity import AllowList, load_key, peer_id_of, split_peer
@@ -64,7 +64,7 @@ def _settle_future(fut: cf.Future, result: Any = None, error: BaseException | No
 
 
 class Averager:
-    """Decentralized group averaging of `tensors` (numpy arrays and/or CPU torch tensors), in place.
+    """Decentralized group averaging of `tensors` (numpy arrays and/or torch tensors on any device), in place.
 
     Parameters mirror hivemind's DecentralizedAverager where they mean the same thing:
     ``target_group_size`` / ``min_group_size`` bound group sizes; ``matchmaking_time`` is
@@ -74,6 +74,10 @@ class Averager:
     bounds a round; ``bandwidth`` is this peer's relative share of the reduction (0 makes
     it a client that reduces nothing); ``averaging_alpha`` moves tensors only part way
     to the mean; ``grid`` / ``grid_coords`` place the peer on a Moshpit grid.
+
+    Torch tensors on a device (CUDA, ...) are staged through reusable host mirrors (pinned on
+    CUDA) with asynchronous copies ordered against the training stream (`zgossip.staging`);
+    `get_tensors` yields the device tensors themselves.
 
     ``in_place``: when the averager holds a single float32/float64 tensor and
     ``averaging_alpha`` is 1, a blocking ``step()`` averages that tensor where it lies,
@@ -200,11 +204,15 @@ class Averager:
             for ep in initial_peers:
                 check_endpoint(ep, "initial peer address")
         self._tensors = list(tensors)
-        self._arrays = [as_array(t) for t in self._tensors]
-        self.layout = FlatLayout.of(self._tensors)
+        # tensors on a device (CUDA, ...) are averaged through host mirrors (zgossip.staging)
+        self._staging = (staging.DeviceStaging(self._tensors) if any(staging.on_device(t) for t in self._tensors)
+                         else None)
+        host = self._staging.host_tensors(self._tensors) if self._staging is not None else self._tensors
+        self._arrays = [as_array(t) for t in host]
+        self.layout = FlatLayout.of(host)
         self.averaging_alpha = float(averaging_alpha)
         self._in_place = (bool(in_place) and len(self._arrays) == 1 and self.averaging_alpha == 1.0
-                          and self._arrays[0].dtype == self.layout.dtype)
+                          and self._arrays[0].dtype == self.layout.dtype and self._staging is None)
         if config is None and prefix is None:
             raise TypeError("Averager needs a prefix (or a whole NodeConfig as config=)")
         if client_mode:
@@ -375,6 +383,7 @@ class Averager:
                     if self._buffer is None or self._transport.sends_pending():
                         # a buffer still referenced by an unsent zero-copy frame must not be overwritten
                         self._buffer = self.layout.new_buffer()
+                    self._pull()
                     buf = self.layout.snapshot(self._arrays, self._buffer)
             step_id = f"{self.peer_id[:8]}-{next(self._seq)}"
             fut: cf.Future = StepFuture(self, step_id)
@@ -478,6 +487,7 @@ class Averager:
                 return
             if self._buffer is None or self._transport.sends_pending():
                 self._buffer = self.layout.new_buffer()  # never overwrite bytes a zero-copy frame still lends
+            self._pull()
             buf = self.layout.snapshot(self._arrays, self._buffer)
         weight = 0.0 if self.auxiliary else ctl.weight
 
@@ -564,6 +574,7 @@ class Averager:
         """What a peer downloading from us receives: ``(metadata, tensors)``. Override to add
         optimizer state or metadata (any msgpack-able object). Called on a worker thread."""
         with self._lock:
+            self._pull()
             return None, [np.array(a) for a in self._arrays]
 
     def load_state_from_peers(self, timeout: float = 60.0, chunk_timeout: float = 5.0,
@@ -624,6 +635,8 @@ class Averager:
         with self._lock:
             for src, dst in zip(arrays, self._arrays):
                 np.copyto(dst, src, casting="same_kind")
+            if self._staging is not None:
+                self._staging.push_all(self.layout.offsets)
 
     def publish(self, **info: Any) -> None:
         """Gossip a small public record about this peer (at most 14 scalar entries; keys starting
@@ -790,7 +803,11 @@ class Averager:
         t0 = self._clock.now()
         try:
             with self._lock:
+                if self.averaging_alpha != 1.0:
+                    self._pull()  # moving part way starts from the tensors' current values
                 self.layout.apply(self._arrays, buf, result.updated, self.averaging_alpha)
+                if self._staging is not None:
+                    self._staging.push(result.updated, self.layout.offsets)
         except Exception as e:  # pragma: no cover - defensive
             self._release()
             _settle_future(fut, error=ZGossipError(f"could not write the averaged tensors: {e}"))
@@ -801,6 +818,11 @@ class Averager:
         self.step_log.record_result(step_id, result, now)
         self._release()
         _settle_future(fut, result=result)
+
+    def _pull(self) -> None:
+        """Device tensors -> their host mirrors (under the tensor lock); nothing for host tensors."""
+        if self._staging is not None:
+            self._staging.pull()
 
     def _release(self) -> None:
         try:

@@ -16,7 +16,7 @@ PKG = Path(__file__).resolve().parents[2] / "zgossip"
 PROTOCOL_MODULES = ["wire", "messages", "membership", "matchmaking", "grid", "partition", "allreduce", "numeric", "node",
                     "tensors", "errors", "rendezvous", "state", "layouts"]
 SEAM_MODULES = ["actions", "transport", "view"]  # the interfaces between protocol, transports and users
-USER_MODULES = ["averager", "training_state", "progress", "steplog", "step_control"]  # above the seam: time and waits from the Clock
+USER_MODULES = ["averager", "training_state", "progress", "steplog", "step_control", "staging"]  # above the seam: time and waits from the Clock
 # the training layer: also above the seam, on the averager's clock (so `python -m sim train` runs it)
 TRAINING_MODULES = ["optim", "collaborative", "accumulator", "trainer"]
 # Training classes that still wait on the wall clock or on threads of their own. Phase 2 of the seam
