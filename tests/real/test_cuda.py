@@ -71,6 +71,8 @@ def test_the_training_stream_keeps_running_while_the_group_averages():
     """A step whose groupmate triggers 0.5 s late: meanwhile the training stream runs kernels freely
     (the averager holds it only for its copies, never for the network round)."""
     xa, xb = torch.zeros(1 << 18, device="cuda"), torch.ones(1 << 18, device="cuda")
+    w = torch.randn(512, 512, device="cuda")
+    torch.tanh(w @ w.T).sum().item()  # warm up (cuBLAS handles, kernels) before anything is timed
     a, b = _pair([xa], [xb])
     with a, b:
         ca, cb = a.step(require_trigger=True, wait=False), b.step(require_trigger=True, wait=False)
