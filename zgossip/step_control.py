@@ -120,6 +120,12 @@ class StepFuture(cf.Future):
             self._triggered = True
             self._averager._trigger(self)
 
+    allow_allreduce = trigger  # hivemind's name
+
+    @property
+    def began_allreduce(self) -> bool:  # hivemind's name
+        return self._reached_allreduce
+
     def cancel(self) -> bool:
         if self.done():
             return super().cancel()  # False unless already cancelled
