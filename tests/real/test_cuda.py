@@ -17,6 +17,14 @@ from zgossip import StepStage
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+def _wait_for_sharer(avg):
+    """Until `avg` learned (by gossip) that its peer shares state: bounded, no fixed sleep."""
+    deadline = time.monotonic() + 10
+    while not avg._ask_node(lambda node: node.membership.donors()):
+        assert time.monotonic() < deadline, "the donor's sharing never reached the downloader"
+        time.sleep(0.02)
+
+
 def _pair(ta, tb, **kw):
     a = zgossip.Averager(ta, prefix="cuda", target_group_size=2, seed=1, **{**FAST, **kw})
     b = zgossip.Averager(tb, prefix="cuda", target_group_size=2, initial_peers=[a.endpoint], seed=2,
@@ -115,6 +123,7 @@ def test_state_download_to_and_from_cuda_tensors():
     a, b = _pair([xa], [xb])
     with a, b:
         xb.mul_(2)  # the donor's current device values are what it serves
+        _wait_for_sharer(a)
         a.load_state_from_peers(timeout=10)
         torch.cuda.synchronize()
         assert torch.equal(xa, xb)

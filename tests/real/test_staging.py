@@ -165,6 +165,14 @@ def staged(monkeypatch):
     monkeypatch.setattr(staging, "on_device", lambda t: isinstance(t, torch.Tensor))
 
 
+def _wait_for_sharer(avg):
+    """Until `avg` learned (by gossip) that its peer shares state: bounded, no fixed sleep."""
+    deadline = time.monotonic() + 10
+    while not avg._ask_node(lambda node: node.membership.donors()):
+        assert time.monotonic() < deadline, "the donor's sharing never reached the downloader"
+        time.sleep(0.02)
+
+
 def _pair(ta, tb, **kw):
     a = zgossip.Averager(ta, prefix="stg", target_group_size=2, seed=1, **{**FAST, **kw})
     b = zgossip.Averager(tb, prefix="stg", target_group_size=2, initial_peers=[a.endpoint], seed=2,
@@ -202,6 +210,7 @@ def test_averager_through_staging_averages_device_tensors_and_keeps_get_tensors(
         # a downloader receives the current device values (pulled), and a state load pushes them back
         with torch.no_grad():
             tb[1].fill_(7.0)
+        _wait_for_sharer(a)
         meta, arrays = a.load_state_from_peers(timeout=10, apply=True)
         np.testing.assert_allclose(arrays[1], 7.0)
         np.testing.assert_allclose(ta[1].numpy(), 7.0)

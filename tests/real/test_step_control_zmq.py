@@ -20,7 +20,8 @@ def trio():
     try:
         for i in range(3):
             avgs.append(zgossip.Averager([np.full(16, float(i), np.float32)], prefix="ctl", target_group_size=3,
-                                         initial_peers=[avgs[0].endpoint] if avgs else [], seed=10 + i, **FAST))
+                                         initial_peers=[avgs[0].endpoint] if avgs else [], seed=10 + i,
+                                         **{**FAST, "part_timeout": 5.0}))
         deadline = time.monotonic() + 10
         while not all(len(a.peers()) == 2 for a in avgs):
             assert time.monotonic() < deadline
@@ -42,8 +43,6 @@ def test_scheduled_steps_start_at_the_scheduled_time(trio):
     at = trio[0].clock.now() + 1.2
     ctls = [a.step(scheduled_time=at, wait=False) for a in trio]
     assert all(c.stage is StepStage.SCHEDULED for c in ctls)
-    _until(ctls[0], StepStage.AWAITING_TRIGGER)
-    assert time.monotonic() < at
     results = [c.result(10) for c in ctls]
     assert all(r.complete and len(r.members) == 3 for r in results)
     assert min(r.timings["awaiting_trigger"] for r in results) > 0
@@ -63,7 +62,7 @@ def test_trigger_and_cancel_after_grouping(trio):
     for c in ctls[:2]:
         r = c.result(10)
         assert trio[2].peer_id in r.lost and len(r.contributors) == 2
-    assert time.monotonic() - t0 < 1.5  # told by ABORT, not timed out (part_timeout is 2 s)
+    assert time.monotonic() - t0 < 4.0  # told by ABORT, not timed out (that takes part_timeout, 5 s)
     for a in trio[:2]:
         with a.get_tensors() as (t,):
             np.testing.assert_allclose(t, 0.5)
