@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["NATIVE", "BLOCK", "ACC_BLOCK", "SUB_BLOCK", "OVERFLOW", "all_finite", "accumulate", "finish_mean",
+__all__ = ["NATIVE", "ISA", "STREAM_STORES", "BLOCK", "ACC_BLOCK", "SUB_BLOCK", "OVERFLOW", "all_finite", "accumulate", "finish_mean",
            "copy_finite"]
 
 try:  # pragma: no cover - depends on the build
@@ -29,6 +29,10 @@ if os.environ.get("ZGOSSIP_NATIVE", "1") == "0":
 
 #: True when the C kernels are in use.
 NATIVE = _native is not None
+#: The instruction set the C kernels' loops run with ("avx512f", "avx2", "default", "baseline"), or None (numpy).
+ISA = _native.isa() if _native is not None and hasattr(_native, "isa") else None
+#: `copy_finite` writes with non-temporal stores (C kernels only; ``ZGOSSIP_STREAM_STORES=0`` turns them off).
+STREAM_STORES = os.environ.get("ZGOSSIP_STREAM_STORES", "1") != "0"
 #: Granularity of `copy_finite`: it copies whole blocks of this many elements.
 BLOCK = 1024
 #: Granularity of `accumulate`'s checks: it reports the block where a bad value sits.
@@ -130,7 +134,7 @@ def copy_finite(dst: np.ndarray, src: np.ndarray) -> int:
     if dst.shape != src.shape:
         raise ValueError("dst and src differ in shape")
     if _fast(dst, src) and dst.dtype == src.dtype:
-        return _native.copy_finite(dst, src, dst.itemsize)
+        return _native.copy_finite(dst, src, dst.itemsize, STREAM_STORES)
     if _numpy_finite(src):
         dst[...] = src
         return src.size

@@ -11,7 +11,7 @@ import threading
 
 import zmq
 
-__all__ = ["context", "tune_malloc"]
+__all__ = ["context", "tune_malloc", "malloc_tuned"]
 
 _malloc_tuned = False
 _ctx_lock = threading.Lock()
@@ -60,4 +60,9 @@ def tune_malloc() -> bool:
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
     _malloc_tuned = bool(mallopt(m_mmap_threshold, 64 << 20)) and bool(mallopt(m_trim_threshold, 256 << 20))
+    return _malloc_tuned
+
+
+def malloc_tuned() -> bool:
+    """Whether `tune_malloc` changed this process's malloc settings."""
     return _malloc_tuned
