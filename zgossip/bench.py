@@ -145,6 +145,51 @@ def _machine_busy_seconds() -> float:
         return 0.0
 
 
+def _thread_counters(pids: Sequence[int]) -> dict[tuple[int, int], tuple[str, int, int, int]]:
+    """(pid, tid) -> (thread name, utime ticks, stime ticks, minor faults) of every thread of `pids`."""
+    out = {}
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    text = f.read()
+            except OSError:
+                continue
+            name = text[text.index("(") + 1:text.rindex(")")]
+            fields = text.rsplit(")", 1)[1].split()
+            out[(pid, int(tid))] = (name, int(fields[11]), int(fields[12]), int(fields[7]))
+    return out
+
+
+def _thread_kind(name: str) -> str:
+    if name.startswith("ZMQbg/IO"):
+        return "libzmq I/O"  # libzmq's own thread: the socket system calls (kernel TCP/Unix copies)
+    if name.startswith("ZMQbg"):
+        return "libzmq other"
+    if name == "zgossip-io":
+        return "zgossip I/O"  # zgossip's protocol thread: Python per message, the C kernels
+    return name
+
+
+def _cpu_by_thread(before: dict, after: dict, steps: int) -> dict[str, dict[str, float]]:
+    """User and system CPU milliseconds and minor page faults per step, summed over processes by
+    kind of thread."""
+    tick = 1000.0 / os.sysconf("SC_CLK_TCK")
+    out: dict[str, dict[str, float]] = {}
+    for key, (name, u, st, flt) in after.items():
+        _, u0, s0, f0 = before.get(key, (name, 0, 0, 0))
+        row = out.setdefault(_thread_kind(name), {"user_ms": 0.0, "sys_ms": 0.0, "minor_faults": 0.0})
+        row["user_ms"] += (u - u0) * tick / steps
+        row["sys_ms"] += (st - s0) * tick / steps
+        row["minor_faults"] += (flt - f0) / steps
+    return {k: v for k, v in sorted(out.items(), key=lambda kv: -(kv[1]["user_ms"] + kv[1]["sys_ms"]))
+            if v["user_ms"] + v["sys_ms"] + v["minor_faults"] > 0}
+
+
 class _ForeignLoad:
     """How many cores processes other than ours kept busy while we measured."""
 
@@ -393,6 +438,8 @@ def bench_allreduce(peers: int, numel: int, reps: int, part_size: int | None = N
             load = _ForeignLoad([i["pid"] for i in swarm.info] + (gloo.pids if gloo else [])
                                 + ([i["pid"] for i in other.info] if other else []))
             zg_rows, gl_rows, ot_rows = [], [], []
+            zg_pids, gl_pids = [i["pid"] for i in swarm.info], (gloo.pids if gloo else [])
+            zg_t0, gl_t0 = _thread_counters(zg_pids), _thread_counters(gl_pids)
             for k in range(reps):
                 # alternate the order so that neither side always runs right after the other
                 if gloo is not None and k % 2:
@@ -405,6 +452,8 @@ def bench_allreduce(peers: int, numel: int, reps: int, part_size: int | None = N
                 if other is not None and not k % 2:
                     ot_rows.append(_step_once(other, timeout, aligned))
             foreign = load.cores()
+            zg_threads = _cpu_by_thread(zg_t0, _thread_counters(zg_pids), reps)
+            gl_threads = _cpu_by_thread(gl_t0, _thread_counters(gl_pids), reps)
             stats = _checked([swarm.call(i, "stats", timeout=timeout) for i in range(peers)], "stats")
             local = [a["stats"].get("local_connections", 0) for a in stats]
             build["transport"] = "unix sockets" if all(local) else "tcp" if not any(local) else "mixed"
@@ -429,6 +478,7 @@ def bench_allreduce(peers: int, numel: int, reps: int, part_size: int | None = N
         "parent_round_trip": _summary(times["parent"]),
         "start_skew": _summary(times["start_skew"]),
         "cpu_seconds_all_peers": _summary(times["cpu"]),
+        "cpu_by_thread": zg_threads,
         "correct": correct,
         "max_abs_error": err,
         **build,
@@ -455,6 +505,7 @@ def bench_allreduce(peers: int, numel: int, reps: int, part_size: int | None = N
         out["gloo"] = {
             "all_reduce": _summary(g["time"]),
             "cpu_seconds_all_peers": _summary(g["cpu"]),
+            "cpu_by_thread": gl_threads,
             "correct": g_correct,
             "max_abs_error": g_err,
         }
@@ -528,6 +579,11 @@ def _ms(s: float) -> str:
     return f"{s * 1000:8.1f} ms"
 
 
+def _thread_lines(rows: dict[str, dict[str, float]]) -> list[str]:
+    return [f"      {kind:<22}user {r['user_ms']:6.1f} ms  sys {r['sys_ms']:6.1f} ms  minor faults {r['minor_faults']:7.0f}"
+            for kind, r in rows.items()]
+
+
 def _line(name: str, s: dict) -> str:
     return f"  {name:<24}median {_ms(s['median'])}   min {_ms(s['min'])}   max {_ms(s['max'])}"
 
@@ -582,6 +638,9 @@ def run(args: argparse.Namespace) -> int:
     print(_line("  of which all-reduce", zg["allreduce"]))
     print(_line("  of which matchmaking", zg["matchmaking"]))
     print(_line("  CPU, all peers", zg["cpu_seconds_all_peers"]))
+    if zg["cpu_by_thread"]:
+        print("    by thread, per step (/proc counters, all peers):")
+        print("\n".join(_thread_lines(zg["cpu_by_thread"])))
     print(f"  correct: {'yes' if zg['correct'] else 'NO'} (max |error| vs float64 mean {zg['max_abs_error']:.2e})")
     ratio = zg["memory"]["extra_peak_ratio"]
     if ratio is not None:
@@ -591,6 +650,9 @@ def run(args: argparse.Namespace) -> int:
         gl = out["gloo"]
         print(_line("gloo all_reduce", gl["all_reduce"]))
         print(_line("  CPU, all ranks", gl["cpu_seconds_all_peers"]))
+        if gl["cpu_by_thread"]:
+            print("    by thread, per step (/proc counters, all ranks):")
+            print("\n".join(_thread_lines(gl["cpu_by_thread"])))
         print(f"  gloo correct: {'yes' if gl['correct'] else 'NO'}")
         print(f"  ratio zgossip/gloo (medians): time {out['ratio']:.2f}x, CPU {out['cpu_ratio']:.2f}x "
               "(lower is better for zgossip)")
