@@ -202,7 +202,8 @@ done:
 /* Copies n bytes with non-temporal stores where the CPU has them (SSE2): a received result is
  * written into the tensor and not read again this round, so there is no point reading the
  * destination's cache lines first (which an ordinary store does) or keeping them in cache.
- * The caller issues the store fence (`_mm_sfence`) after its last call. */
+ * The caller issues the store fence (`_mm_sfence`) after its last call. Opt-in (kernels.STREAM_STORES):
+ * whether it pays depends on the CPU, and paired runs showed no gain on the machine we measure on. */
 static void stream_copy(char *dst, const char *src, size_t n) {
 #if defined(__SSE2__)
     size_t head = (16 - ((uintptr_t)dst & 15)) & 15;

@@ -31,8 +31,11 @@ if os.environ.get("ZGOSSIP_NATIVE", "1") == "0":
 NATIVE = _native is not None
 #: The instruction set the C kernels' loops run with ("avx512f", "avx2", "default", "baseline"), or None (numpy).
 ISA = _native.isa() if _native is not None and hasattr(_native, "isa") else None
-#: `copy_finite` writes with non-temporal stores (C kernels only; ``ZGOSSIP_STREAM_STORES=0`` turns them off).
-STREAM_STORES = os.environ.get("ZGOSSIP_STREAM_STORES", "1") != "0"
+#: `copy_finite` writes with non-temporal stores (C kernels only). Off unless ``ZGOSSIP_STREAM_STORES=1``:
+#: whether they pay depends on the CPU model and on what else runs (docs/performance.md: no gain in
+#: paired runs of the 4-peer bench on an AMD EPYC VM, +1% CPU), and no quick check at start-up can
+#: tell, since what decides is whether the tensor's cache lines would be read again soon.
+STREAM_STORES = os.environ.get("ZGOSSIP_STREAM_STORES", "0") == "1"
 #: Granularity of `copy_finite`: it copies whole blocks of this many elements.
 BLOCK = 1024
 #: Granularity of `accumulate`'s checks: it reports the block where a bad value sits.
