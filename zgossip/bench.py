@@ -44,7 +44,7 @@ Two benchmarks, chosen by flag:
     (repeatable) sets environment variables in that second swarm -- on this code unless
     ``--vs-checkout`` is given too --, which pairs an optional path against its fallback:
     ``--vs-env ZGOSSIP_NATIVE=0``, ``ZGOSSIP_FAST_SEND=0``, ``ZGOSSIP_TUNE_MALLOC=0``,
-    ``ZGOSSIP_STREAM_STORES=1`` (opt-in), ``NUMPY_MADVISE_HUGEPAGE=0``. The paired ratios are given for
+    ``ZGOSSIP_STREAM_STORES=0`` or ``=1``, ``NUMPY_MADVISE_HUGEPAGE=0``. The paired ratios are given for
     the step time and for the CPU the peers spent.
 
     Every report starts with the machine line (CPU model, cores, kernel, transparent huge

@@ -58,7 +58,7 @@ def optional_paths() -> dict:
     from . import kernels
 
     out = {"native_kernels": kernels.NATIVE, "kernels_isa": kernels.ISA,
-           "stream_stores": kernels.NATIVE and kernels.STREAM_STORES}
+           "stream_stores": kernels.STREAM_STORES if kernels.NATIVE else "off", "llc_bytes": kernels.LLC_BYTES}
     try:
         from . import fast_send, process_tuning
     except ImportError:  # no pyzmq: no ZeroMQ transport either
@@ -69,5 +69,9 @@ def optional_paths() -> dict:
 def paths_line(p: dict) -> str:
     kern = f"C ({p.get('kernels_isa') or '?'})" if p.get("native_kernels") else "numpy"
     yes = {True: "on", False: "off", None: "?"}
-    return (f"optional paths: kernels {kern}; non-temporal copies {yes[p.get('stream_stores')]}; "
+    stream = p.get("stream_stores")
+    if stream == "auto":
+        llc = p.get("llc_bytes")
+        stream = f"auto (for tensors > the {llc / 2**20:g} MiB last-level cache)" if llc else "auto (cache size unknown: off)"
+    return (f"optional paths: kernels {kern}; non-temporal copies {stream}; "
             f"C sender/receiver {yes[p.get('fast_send')]}; malloc tuning {yes[p.get('malloc_tuned')]}")
