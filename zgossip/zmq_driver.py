@@ -46,7 +46,7 @@ from .fast_send import FAST_SEND
 from .local_ipc import LocalRoutes, enabled, local_name
 from .messages import StateChunk
 from .node import Node
-from .process_tuning import context, tune_malloc
+from .process_tuning import context, name_this_thread, tune_malloc
 from .state import chunk_digest
 from .transport import NodeFactory
 from .zerocopy import LentPayloads
@@ -219,6 +219,7 @@ class ZmqTransport:
 
     # ---------------------------------------------------------------- I/O thread
     def _run(self) -> None:
+        name_this_thread("zgossip-io")
         poller, now, node = self._poller, self.clock.now, self.node
         router, mon = self._router, self._router_monitor
         if router is not None:
