@@ -368,7 +368,8 @@ class ZmqTransport:
         if target is None:
             return False
         if self._hasher is None:
-            self._hasher = cf.ThreadPoolExecutor(_HASH_THREADS, thread_name_prefix="zgossip-hash")
+            self._hasher = cf.ThreadPoolExecutor(_HASH_THREADS, thread_name_prefix="zgossip-hash",
+                                                 initializer=name_this_thread, initargs=("zgossip-hash",))
         try:
             fut = self._hasher.submit(_hash_and_place, msg.data.view(np.uint8), *target)
         except RuntimeError:  # shut down
