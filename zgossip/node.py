@@ -526,8 +526,8 @@ class Node:
 
     def chunk_target(self, msg: StateChunk) -> tuple[np.ndarray, int, int, bytes] | None:
         """Where a chunk a running download waits for goes, and its digest (`StateDownload.target`):
-        a driver may hash and place it elsewhere, then hand it in with `on_hashed_chunk`. None: hand
-        it in through `on_message`."""
+        a driver may hash and place it elsewhere, then must hand it in with `on_hashed_chunk` (the
+        download waits for it). None: hand it in through `on_message`."""
         dl = self.downloads.get(msg.req)
         return None if dl is None else dl.target(msg)
 
@@ -540,7 +540,7 @@ class Node:
         if dl is None:
             self.stats["late"] += 1
         else:
-            dl.on_chunk(msg, now, digest, placed_in)
+            dl.on_placed(msg, now, digest, placed_in)
         self._drain_loopback(now)
 
     def owes_others(self) -> bool:

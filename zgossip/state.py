@@ -232,6 +232,7 @@ class StateDownload:
     _fresh: int = 0  # chunks from here on were never asked for
     _retry: list[int] = field(default_factory=list)  # chunks to ask again, sorted
     _received: int = 0
+    _placing: int = 0  # chunks handed out by `target` and not back through `on_placed` yet
     per_donor: dict[str, int] = field(default_factory=dict)  # chunks received from each donor
 
     def _move(self, phase: DownloadPhase) -> None:
@@ -384,7 +385,16 @@ class StateDownload:
         t, off, length = self._plan[i]
         if msg.tensor != t or msg.offset != off or msg.data.nbytes != length:
             return None
+        self._placing += 1  # the download completes only when every chunk handed out came back
         return self._bufs[t], off, length, self._hashes[i * DIGEST_BYTES: (i + 1) * DIGEST_BYTES]
+
+    def on_placed(self, msg: StateChunk, now: float, digest: bytes | None, placed_in: np.ndarray | None) -> None:
+        """`on_chunk` for a chunk `target` handed out; every one must come back here (with
+        `digest` None if it could not be hashed), so that no late write lands in a buffer already
+        given to the user (a chunk fetched again elsewhere may be placed twice)."""
+        self._placing -= 1
+        self.on_chunk(msg, now, digest, placed_in)
+        self._maybe_complete(now)
 
     def on_chunk(self, msg: StateChunk, now: float, digest: bytes | None = None,
                  placed_in: np.ndarray | None = None) -> None:
@@ -421,7 +431,7 @@ class StateDownload:
         self._maybe_complete(now)
 
     def _maybe_complete(self, now: float) -> None:
-        if self.phase is not DownloadPhase.STREAMING or self._received < len(self._plan):
+        if self.phase is not DownloadPhase.STREAMING or self._received < len(self._plan) or self._placing:
             return
         arrays = [b.view(DTYPES[code]).reshape(shape) for b, (code, shape) in zip(self._bufs, self._specs)]
         # every chunk matched its digest and the digests match the root: the state is verified

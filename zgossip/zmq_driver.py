@@ -372,8 +372,9 @@ class ZmqTransport:
                                                  initializer=name_this_thread, initargs=("zgossip-hash",))
         try:
             fut = self._hasher.submit(_hash_and_place, msg.data.view(np.uint8), *target)
-        except RuntimeError:  # shut down
-            return False
+        except RuntimeError:  # shut down: hashed here (the download waits for every chunk handed out)
+            self._guard(self.node.on_hashed_chunk, msg, None, None, self.clock.now())
+            return True
         self._hashing += 1
 
         def hashed(now: float) -> None:
