@@ -25,6 +25,7 @@ import numpy as np
 
 from . import wire
 from .actions import DownloadDone, DownloadFailed, ServeState, StepDone, StepFailed
+from .codecs import NONE
 from .endpoints import check_endpoint
 from .identity import AllowList, load_key, peer_id_of, split_peer
 from .errors import AveragerClosed, RoundTimeout, StateUnavailable, StepInProgress, ZGossipError
@@ -184,6 +185,8 @@ class Averager:
         auxiliary: bool = False,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
+        compression: Any = None,
+        error_feedback: bool = False,
     ) -> None:
         if not 0.0 < averaging_alpha <= 1.0:
             raise ValueError("averaging_alpha must be in (0, 1]")
@@ -220,10 +223,15 @@ class Averager:
                 check_endpoint(ep, "initial peer address")
         self._tensors = list(tensors)
         self._arrays = [as_array(t) for t in self._tensors]
-        self.layout = FlatLayout.of(self._tensors)
+        self.layout = FlatLayout.of(self._tensors, compression)
         self.averaging_alpha = float(averaging_alpha)
+        # error feedback: what the codecs lost of our data last step is added to this step's (a step
+        # averages its snapshot, so the user's tensors never hold the carried error)
+        self._residual = np.zeros(self.layout.numel, self.layout.dtype) if error_feedback and any(
+            c != NONE for c in self.layout.codecs) else None
+        self._codec = self.layout.codec_map(self._residual)
         self._in_place = (bool(in_place) and len(self._arrays) == 1 and self.averaging_alpha == 1.0
-                          and self._arrays[0].dtype == self.layout.dtype)
+                          and self._arrays[0].dtype == self.layout.dtype and self._residual is None)
         if config is None and prefix is None:
             raise TypeError("Averager needs a prefix (or a whole NodeConfig as config=)")
         if client_mode:
@@ -382,13 +390,15 @@ class Averager:
                         # a buffer still referenced by an unsent zero-copy frame must not be overwritten
                         self._buffer = self.layout.new_buffer()
                     buf = self.layout.snapshot(self._arrays, self._buffer)
+                    if self._residual is not None:
+                        buf += self._residual
             step_id = f"{self.peer_id[:8]}-{next(self._seq)}"
             fut: cf.Future = StepFuture(self, step_id)
             self._futures[step_id] = (fut, None if in_place else buf, entered)
             # the node times the step from when it gets it: what the snapshot took is already spent
             left = max(0.0, float(timeout) - (clock.now() - entered))
             req = StepRequest(step_id, buf, weight, gather, left, self.layout.fingerprint,
-                              None if round is None else int(round), self.layout.description)
+                              None if round is None else int(round), self.layout.description, self._codec)
             self._transport.call(lambda now: self._transport.node.submit_step(req, now))
         except BaseException:
             self._busy.release()

@@ -19,6 +19,7 @@ import numpy as np
 
 from .actions import Disconnect, DownloadDone, DownloadFailed, Send, ServeState, StepDone, StepFailed
 from .allreduce import AllReduceRound, RoundOutcome, SpanOutcome
+from .codecs import CodecMap
 from .endpoints import listens
 from .errors import IllegalTransition, PeerLost, RoundTimeout, StepInProgress
 from .grid import MoshpitGrid
@@ -82,6 +83,7 @@ class StepRequest:
     layout: str  # fingerprint of numel/dtype/shapes: only equal layouts are grouped
     round: int | None = None  # the swarm-wide round number (picks the grid axis); None = follow the swarm
     layout_desc: str = ""  # count, shapes and dtypes as text (zgossip.layouts): to say what differs
+    codec: CodecMap | None = None  # wire compression of the buffer's ranges (in the layout, so agreed by the group)
 
 
 @dataclass(frozen=True)
@@ -478,7 +480,7 @@ class Node:
         st.round = AllReduceRound(
             spec, st.req.buffer, st.req.weight, st.req.gather, self._send, now,
             part_elems=max(1, cfg.part_size_bytes // itemsize), part_timeout=cfg.part_timeout,
-            deadline=self.step_deadline(st, now), on_done=self._on_round_done,
+            deadline=self.step_deadline(st, now), on_done=self._on_round_done, codec=st.req.codec,
         )
         st.round.start(now)
         for msg in self._early.pop(spec.group_id, []):
