@@ -119,6 +119,19 @@ def encode(codec: int, x: np.ndarray, out: np.ndarray) -> None:
         raise ValueError(f"unknown codec id {codec}")
 
 
+def _largest_scale() -> np.float32:
+    """The largest float32 scale whose 127 steps are still finite: a block near float32's maximum
+    gets this scale instead (so it never decodes as inf; the clipped error stays under the bound)."""
+    s = np.float32(np.finfo(np.float32).max / 127)
+    with np.errstate(over="ignore"):
+        while not np.isfinite(np.float32(127) * s):
+            s = np.nextafter(s, np.float32(0))
+    return s
+
+
+_MAX_SCALE = _largest_scale()
+
+
 def _int8_blocks(x: np.ndarray, scales: np.ndarray, q: np.ndarray) -> None:
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         hi = x.max(axis=1)
@@ -126,6 +139,7 @@ def _int8_blocks(x: np.ndarray, scales: np.ndarray, q: np.ndarray) -> None:
         absmax = np.maximum(hi, -lo).astype(np.float32)  # NaN propagates through max/min
         scale = absmax / np.float32(127)
         bad = ~np.isfinite(scale)
+        np.minimum(scale, _MAX_SCALE, out=scale)
         inv = np.where(scale > 0, np.float32(1) / scale, np.float32(0)).astype(np.float32)
         inv[bad] = 0
         scale[bad] = np.nan  # decodes the whole block as NaN: the reducer's NaN/inf policy applies
