@@ -27,7 +27,8 @@ A `CodecMap` assigns a codec to each range of the flat buffer (one range per ten
 that crosses ranges is the concatenation of its pieces, each encoded on its own (int8 blocks
 start at the piece's first element). Its header carries the part's codec id (`MIXED` when the
 pieces differ); the receiver checks id and byte count against its own map. Pure numpy; no
-peers, no messages.
+peers, no messages. The C extension (`zgossip.kernels.codec_encode`) does the same work, with
+the same bytes, when it is built; ``ZGOSSIP_NATIVE=0`` keeps to numpy.
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
+
+from . import kernels
 
 __all__ = ["CODECS", "CODEC_IDS", "NONE", "FP16", "BF16", "INT8", "MIXED", "INT8_BLOCK", "error_bound",
            "encoded_nbytes", "encode", "decode", "CodecMap", "by_size", "resolve", "check_name"]
@@ -99,6 +102,8 @@ def encode(codec: int, x: np.ndarray, out: np.ndarray) -> None:
     n = x.size
     if codec == NONE:
         out[...] = x.view(np.uint8)
+    elif kernels.codec_encode(codec, x, out):
+        pass
     elif codec == FP16:
         with np.errstate(over="ignore"):
             out.view(np.float16)[...] = x
@@ -136,7 +141,7 @@ def _int8_blocks(x: np.ndarray, scales: np.ndarray, q: np.ndarray) -> None:
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         hi = x.max(axis=1)
         lo = x.min(axis=1)
-        absmax = np.maximum(hi, -lo).astype(np.float32)  # NaN propagates through max/min
+        absmax = np.abs(np.maximum(hi, -lo)).astype(np.float32)  # NaN propagates; abs: +0 for a zero block
         scale = absmax / np.float32(127)
         bad = ~np.isfinite(scale)
         np.minimum(scale, _MAX_SCALE, out=scale)
@@ -146,6 +151,7 @@ def _int8_blocks(x: np.ndarray, scales: np.ndarray, q: np.ndarray) -> None:
         tmp = x * inv[:, None] if x.dtype == np.float32 else (x * inv[:, None]).astype(np.float32)
         np.rint(tmp, out=tmp)
         np.clip(tmp, -127, 127, out=tmp)
+        tmp[bad] = 0  # (NaN * 0): a bad block's values are 0, its scale NaN
         q[...] = tmp
         scales[...] = scale
 
@@ -155,6 +161,8 @@ def decode(codec: int, data: np.ndarray, out: np.ndarray) -> None:
     n = out.size
     if codec == NONE:
         out[...] = data.view(out.dtype)
+    elif kernels.codec_decode(codec, data, out):
+        pass
     elif codec == FP16:
         out[...] = data.view(np.float16)
     elif codec == BF16:

@@ -117,3 +117,25 @@ def test_resolve_per_tensor_choices():
     for bad in ("zip", {5: "int8"}, ["int8"], {0: "nope"}):
         with pytest.raises(ValueError):
             C.resolve(bad, shapes, dtypes)
+
+
+@pytest.mark.skipif(not __import__("zgossip.kernels").kernels.NATIVE, reason="C extension not built")
+@pytest.mark.parametrize("codec", LOSSY)
+def test_c_and_numpy_paths_give_the_same_bytes(codec, monkeypatch):
+    from zgossip import kernels
+
+    x = np.random.default_rng(4).standard_normal(5000).astype(np.float32) * 100
+    x[[3, 2100, 4999]] = [np.inf, -0.0, 1e-42]
+    x[1024:2048] = -0.0
+    x[3000] = 7e4
+    n = C.encoded_nbytes(codec, x.size)
+    a, b = np.empty(n, np.uint8), np.empty(n, np.uint8)
+    C.encode(codec, x, a)
+    ya = np.empty_like(x)
+    C.decode(codec, a, ya)
+    monkeypatch.setattr(kernels, "_native", None)
+    C.encode(codec, x, b)
+    yb = np.empty_like(x)
+    C.decode(codec, a, yb)
+    assert np.array_equal(a, b)
+    assert np.array_equal(ya.view(np.uint32), yb.view(np.uint32))
