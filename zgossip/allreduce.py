@@ -444,6 +444,8 @@ class AllReduceRound:
             if cid != NONE:
                 decoded = self._decoded(lo, hi, cid, wire_a)
                 assert not isinstance(decoded, str)
+                if self.rank in contrib and self.weight > 0:
+                    self.codec.carry_result(lo, hi, a, decoded, r.wsum[p] / self.weight)
                 a = decoded
                 in_buf = False
         if contrib:

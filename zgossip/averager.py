@@ -25,6 +25,7 @@ import numpy as np
 
 from . import wire
 from .actions import DownloadDone, DownloadFailed, ServeState, StepDone, StepFailed
+from . import codecs
 from .codecs import NONE
 from .endpoints import check_endpoint
 from .identity import AllowList, load_key, peer_id_of, split_peer
@@ -187,6 +188,7 @@ class Averager:
         metrics_host: str = "127.0.0.1",
         compression: Any = None,
         error_feedback: bool = False,
+        state_compression: Any = None,
     ) -> None:
         if not 0.0 < averaging_alpha <= 1.0:
             raise ValueError("averaging_alpha must be in (0, 1]")
@@ -230,6 +232,9 @@ class Averager:
         self._residual = np.zeros(self.layout.numel, self.layout.dtype) if error_feedback and any(
             c != NONE for c in self.layout.codecs) else None
         self._codec = self.layout.codec_map(self._residual)
+        if state_compression is not None:
+            codecs.resolve(state_compression, [(1,)], [np.float32])  # a bad name fails here, not when serving
+        self._state_compression = state_compression
         self._in_place = (bool(in_place) and len(self._arrays) == 1 and self.averaging_alpha == 1.0
                           and self._arrays[0].dtype == self.layout.dtype and self._residual is None)
         if config is None and prefix is None:
@@ -684,7 +689,8 @@ class Averager:
             log.exception("get_current_state failed")
             meta, arrays, err = None, None, f"donor could not produce its state: {type(e).__name__}"
         try:
-            self._transport.call(lambda now: self._transport.node.serve_state(act.req, act.endpoint, meta, arrays, now, err))
+            self._transport.call(lambda now: self._transport.node.serve_state(act.req, act.endpoint, meta, arrays, now, err,
+                                                                              self._state_compression))
         except RuntimeError:
             pass  # shutting down
 

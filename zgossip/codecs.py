@@ -307,6 +307,15 @@ class CodecMap:
             decode(c, data[off:off + encoded_nbytes(c, e - s, self.itemsize)], out[s - lo:e - lo])
         return None
 
+    def carry_result(self, lo: int, hi: int, exact: np.ndarray, decoded: np.ndarray, scale: float) -> None:
+        """Error feedback for a result we reduced: what its encoding lost, times `scale` (the weight sum
+        over our weight), joins our residual there, so the next step's mean makes up for it."""
+        if self.residual is not None:
+            with np.errstate(invalid="ignore", over="ignore"):
+                lost = (exact - decoded) * exact.dtype.type(scale)
+            lost[~np.isfinite(lost)] = 0  # a value the codec could not carry (inf) is not owed
+            self.residual[lo:hi] += lost
+
     def zero_residual(self, lo: int, hi: int) -> None:
         """Range [lo, hi) went out exactly (our own span): nothing is owed to the next step there."""
         if self.residual is not None:

@@ -532,11 +532,20 @@ class StateMeta(Message):
     meta: Any
     specs: tuple  # (dtype code, shape) per tensor
     chunk_bytes: int
-    digest: str
+    digest: str  # of the bytes as they travel (encoded, for a compressed tensor)
+    codecs: tuple = ()  # wire codec per tensor (zgossip.codecs); () = every tensor raw
     type: ClassVar[MsgType] = MsgType.STATE_META
     FIELDS = _fields(("req", "req", _ID, _PLAIN), ("ok", "ok", _FLAG, _BOOL), ("reason", "reason", _REASON, _PLAIN),
                      ("meta", "meta", _any, _PLAIN), ("specs", "specs", _list(_SPEC, 1 << 16), _SPECS),
-                     ("chunk_bytes", "chunk_bytes", _int(1, 1 << 40), _PLAIN), ("digest", "digest", _str(64), _PLAIN))
+                     ("chunk_bytes", "chunk_bytes", _int(1, 1 << 40), _PLAIN), ("digest", "digest", _str(64), _PLAIN),
+                     ("codecs", "codecs", _list(_CODEC, 1 << 16), _SEQ))
+    OPTIONAL = {"codecs": ()}
+
+    def body(self) -> dict[str, Any]:
+        b = Message.body(self)
+        if not self.codecs:
+            del b["codecs"]  # an uncompressed state's header is as it always was
+        return b
 
 
 @dataclass(frozen=True, slots=True, eq=False)

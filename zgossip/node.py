@@ -324,11 +324,11 @@ class Node:
         return out
 
     def serve_state(self, req: str, endpoint: str, meta: Any, arrays: list | None, now: float,
-                    error: str = "") -> None:
+                    error: str = "", compression: Any = None) -> None:
         if arrays is None:
             self.donor.refuse(req, endpoint, error or "state unavailable")
         else:
-            self.donor.serve(req, endpoint, meta, arrays)
+            self.donor.serve(req, endpoint, meta, arrays, compression)
         self._drain_loopback(now)
 
     def begin_download(self, req: str, now: float, timeout: float, chunk_timeout: float) -> None:

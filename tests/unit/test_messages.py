@@ -136,7 +136,8 @@ def test_fields_added_later_may_be_left_out_by_older_senders():
     del head[4]["odd"]
     assert wire.decode([msgpack.packb(head)]).left_out == ()
     assert wire.OPTIONAL == {wire.MsgType.JOIN: {"ld": ""}, wire.MsgType.GROUP: {"odd": ()},
-                             wire.MsgType.PART: {"codec": 0}, wire.MsgType.RESULT: {"codec": 0}}
+                             wire.MsgType.PART: {"codec": 0}, wire.MsgType.RESULT: {"codec": 0},
+                             wire.MsgType.STATE_META: {"codecs": ()}}
 
 
 def test_lanes():
