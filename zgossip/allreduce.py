@@ -351,6 +351,8 @@ class AllReduceRound:
                     k += 1
                 elif (k, p) in r.pending:
                     data, w = r.pending[(k, p)]
+                    if data.dtype != self.buf.dtype:  # an encoded term (`_on_part` checked it against the map)
+                        data = self._decoded(lo, hi, self.codec.layout(lo, hi)[0], data)
                     run.append((k, data, w))
                     k += 1
                 else:
@@ -633,9 +635,11 @@ class AllReduceRound:
             return  # late or duplicate: that member's share of this part is already settled
         self.bytes_received += arr.nbytes
         if msg.codec != NONE or self.codec is not None:
-            arr = self._decoded(*rng, msg.codec, arr)
-            if isinstance(arr, str):
-                return self._bad(j, msg, arr)
+            # checked now, decoded only when its pass comes (`_sum_part`): a few terms at a time in memory
+            why = "codec where the group agreed on raw values" if self.codec is None else \
+                self.codec.check(*rng, msg.codec, arr, self.buf.dtype)
+            if why is not None:
+                return self._bad(j, msg, why)
         self.weights.setdefault(j, msg.weight)
         r.pending[(j, p)] = (arr, msg.weight)
         self._advance(r, p, now)

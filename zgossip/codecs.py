@@ -291,19 +291,27 @@ class CodecMap:
                 np.subtract(xs, r, out=r)
         return cid, out
 
-    def decode(self, lo: int, hi: int, cid: int, data: np.ndarray, out: np.ndarray) -> str | None:
-        """Decode a part's payload into `out`; returns why it does not fit the map (then `out` is untouched)."""
-        want, pieces, nbytes = self.layout(lo, hi)
+    def check(self, lo: int, hi: int, cid: int, data: np.ndarray, dtype: np.dtype) -> str | None:
+        """Why a payload for [lo, hi) with header codec `cid` does not fit the map, or None."""
+        want, _, nbytes = self.layout(lo, hi)
         if cid != want:
             return f"codec {CODEC_IDS.get(cid, cid)} where {CODEC_IDS.get(want, 'mixed')} was agreed"
         if cid == NONE:
-            if data.dtype != out.dtype or data.size != out.size:
+            if data.dtype != dtype or data.size != hi - lo:
                 return "length or dtype does not match the group's plan"
+        elif data.dtype != np.uint8 or data.size != nbytes:
+            return f"{data.nbytes} bytes where the codec makes {nbytes}"
+        return None
+
+    def decode(self, lo: int, hi: int, cid: int, data: np.ndarray, out: np.ndarray) -> str | None:
+        """Decode a part's payload into `out`; returns why it does not fit the map (then `out` is untouched)."""
+        why = self.check(lo, hi, cid, data, out.dtype)
+        if why is not None:
+            return why
+        if cid == NONE:
             out[...] = data
             return None
-        if data.dtype != np.uint8 or data.size != nbytes:
-            return f"{data.nbytes} bytes where the codec makes {nbytes}"
-        for c, s, e, off in pieces:
+        for c, s, e, off in self.layout(lo, hi)[1]:
             decode(c, data[off:off + encoded_nbytes(c, e - s, self.itemsize)], out[s - lo:e - lo])
         return None
 
