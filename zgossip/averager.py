@@ -108,6 +108,20 @@ class Averager:
     in-place step returns, parts still queued for a slow or dead peer are dropped, so bytes
     of the tensor never leave after the caller changed them.
 
+    ``compression``: how the tensors travel during a step (`zgossip.codecs`: ``"none"``, ``"fp16"``,
+    ``"bf16"``, ``"int8"``, 8 bits per value with one float32 scale per 1,024 values). One name for
+    every tensor, a list (one name per tensor), a dict ``{tensor index: name}``, or a rule
+    ``(index, shape, dtype) -> name`` such as ``codecs.by_size(65536, "int8")``. The default, None,
+    sends fp16 tensors as fp16 and the rest raw. Owners decode every term and reduce in the buffer's
+    float32/float64 in the fixed member order, then encode the mean once; every member (the owner
+    too) applies the decoded bytes, so results stay bit-identical. The per-element error bounds are
+    in `zgossip.codecs`. Peers only group with peers that compress every tensor the same way (the
+    codecs are part of the layout). ``error_feedback``: what the codecs lost of this peer's data
+    (and of the means it reduced) is added to its next step's data, so over many steps the losses
+    cancel out (meant for gradients and parameters that change a little per step).
+    ``state_compression``: the same choices, for the float tensors this peer serves to
+    `load_state_from_peers` downloaders (default: raw).
+
     ``shutdown_timeout``: how long `shutdown` keeps serving what this peer still owes groupmates
     of a recent round (results they have not confirmed, sends libzmq still holds) before it stops.
 
