@@ -60,17 +60,25 @@ def test_an_fp16_tensor_travels_as_fp16():
     assert np.array_equal(h16.tensors(0)[0], h32.tensors(0)[0].astype(np.float16))
 
 
-def test_nan_in_a_compressed_part_excludes_its_sender_from_that_span():
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_nan_in_a_compressed_part_excludes_its_sender_from_that_span(transport):
     rng = np.random.default_rng(5)
     data = [rng.standard_normal(8192).astype(np.float32) for _ in range(3)]
     bad = data[2].copy()
     bad[10] = np.nan  # span 0; int8 makes its whole 1,024-block NaN, which the owner refuses
-    h = make("sim", [[data[0].copy()], [data[1].copy()], [bad.copy()]], target_group_size=3, min_group_size=3,
+    h = make(transport, [[data[0].copy()], [data[1].copy()], [bad.copy()]], target_group_size=3, min_group_size=3,
              compression="int8")
+    try:
+        _check_nan_exclusion(h, data, bad)
+    finally:
+        h.close()
+
+
+def _check_nan_exclusion(h, data, bad):
     results = h.step_all(timeout=3.0)
-    members = results[0].members
-    owner0 = results[0].spans[0]
-    assert members[2] not in owner0.contributors and set(owner0.contributors) == set(members[:2])
+    ids = [(h.avgs[i] if hasattr(h, "avgs") else h.peers[i].averager).peer_id for i in range(3)]
+    owner0 = results[0].spans[0]  # the first span (element 10 is in it), whoever owns it
+    assert ids[2] not in owner0.contributors and set(owner0.contributors) == set(ids[:2])
     lo, hi = 0, 8192 // 3  # about span 0 (bandwidths are equal)
     for i in range(2):
         t = h.tensors(i)[0]
@@ -131,3 +139,27 @@ def test_state_download_with_state_compression(codec):
         assert (err <= C.error_bound(C.CODECS[codec], want.reshape(-1)).reshape(want.shape) + 1e-300).all() \
             if codec == "fp16" else float(err.max()) <= float(np.abs(want).max()) / 250
         assert err.max() > 0  # it did travel compressed
+
+
+def test_a_scheduled_step_travels_compressed_and_carries_the_residual():
+    """Held steps (step(scheduled_time=...)) snapshot at their trigger: the codec and error feedback apply too."""
+    cl = SimCluster(seed=3, network=NetworkModel(latency=0.002, bandwidth=1e8))
+    rng = np.random.default_rng(3)
+    data = [rng.standard_normal(3000).astype(np.float32) for _ in range(3)]
+    cfg = NodeConfig(prefix="held", target_group_size=3, min_group_size=3, matchmaking_time=0.3,
+                     part_size_bytes=4096, gossip_interval=0.1, peer_timeout=3.0)
+    peers: list = []
+    for d in data:
+        peers.append(cl.add_peer(cfg, tensors=[d.copy()], known=list(peers), compression="int8",
+                                 error_feedback=True))
+    cl.run(until=0.5)
+    at = cl.env.now + 1.0
+    ctls = [p.averager.step(scheduled_time=at, wait=False) for p in peers]
+    while not all(c.done() for c in ctls) and cl.env.now < 10:
+        cl.run(until=cl.env.now + 0.05)
+    assert all(c.result().complete for c in ctls)
+    mean = np.mean(np.stack(data).astype(np.float64), axis=0)
+    got = [p.tensors[0] for p in peers]
+    assert all(np.array_equal(g, got[0]) for g in got[1:])
+    assert 0 < float(np.max(np.abs(got[0] - mean))) <= _tolerance("int8", data)
+    assert all(np.any(p.averager._residual != 0) for p in peers)  # what int8 lost waits for the next step
