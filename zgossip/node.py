@@ -396,7 +396,7 @@ class Node:
         if arrays is None:
             self.donor.refuse(req, endpoint, error or "state unavailable")
         else:
-            self.donor.serve(req, endpoint, meta, arrays, compression)
+            self.donor.serve(req, endpoint, meta, arrays, compression=compression)
         self._drain_loopback(now)
 
     def begin_download(self, req: str, now: float, timeout: float, chunk_timeout: float) -> None:
