@@ -28,6 +28,12 @@ digest is wrong is dropped: its outstanding chunks go back to the pool and are f
 the others (counted in `refetched`, bad digests in `bad_chunks`), and the next candidate is
 asked. Bytes are only written into buffers this module owns: a partial download never
 reaches the user's tensors.
+
+A snapshot taken for a request may carry its float tensors compressed (``state_compression=``,
+`zgossip.codecs`): its chunks are then of the encoded bytes (their digests and the root are of
+those bytes, and the root covers the codec of every tensor), and the downloader decodes once
+every chunk checked out. Published (versioned) snapshots stay raw: their root names the exact
+state the repair vote compares.
 """
 from __future__ import annotations
 
@@ -40,6 +46,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from . import codecs as _codecs
+from . import codecs as _codecs
 from .errors import IllegalTransition, StateUnavailable
 from .messages import CODE_OF, DTYPES, Message, StateChunk, StateMeta, StateReq
 from .view import MembershipView
@@ -58,19 +66,24 @@ def chunk_digest(data: Any) -> bytes:
     return hashlib.sha256(data).digest()[:DIGEST_BYTES]
 
 
-def plan_chunks(specs: Sequence[tuple[str, tuple]], chunk_bytes: int) -> tuple[list[tuple[int, int, int]], list[int]]:
-    """(tensor, offset, length) of every chunk, and the byte size of every tensor."""
+def plan_chunks(specs: Sequence[tuple[str, tuple]], chunk_bytes: int,
+                codecs: Sequence[int] = ()) -> tuple[list[tuple[int, int, int]], list[int]]:
+    """(tensor, offset, length) of every chunk, and the byte size of every tensor as it travels."""
     plan, sizes = [], []
     for t, (code, shape) in enumerate(specs):
-        nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[code].itemsize
+        nbytes = _codecs.encoded_nbytes(codecs[t] if codecs else _codecs.NONE, int(np.prod(shape, dtype=np.int64)),
+                                        DTYPES[code].itemsize)
         sizes.append(nbytes)
         plan += [(t, off, min(chunk_bytes, nbytes - off)) for off in range(0, nbytes, chunk_bytes)]
     return plan, sizes
 
 
-def state_root(specs: Sequence[tuple[str, tuple]], chunk_bytes: int, hashes: bytes) -> str:
-    """The name of a state: a digest over its layout and the digest of every chunk."""
-    h = hashlib.sha256(repr((tuple((c, tuple(s)) for c, s in specs), int(chunk_bytes))).encode())
+def state_root(specs: Sequence[tuple[str, tuple]], chunk_bytes: int, hashes: bytes, codecs: Sequence[int] = ()) -> str:
+    """The name of a state: a digest over its layout (and codecs, if any) and the digest of every chunk."""
+    layout: tuple = (tuple((c, tuple(s)) for c, s in specs), int(chunk_bytes))
+    if codecs:
+        layout += (tuple(int(c) for c in codecs),)
+    h = hashlib.sha256(repr(layout).encode())
     h.update(hashes)
     return h.hexdigest()[:32]
 
@@ -91,24 +104,42 @@ class StateSnapshot:
     plan: tuple[tuple[int, int, int], ...]
     hashes: bytes  # DIGEST_BYTES per chunk
     root: str
+    codecs: tuple[int, ...] = ()  # wire codec per tensor (`arrays` then hold the encoded bytes); () = all raw
 
     @classmethod
     def build(cls, meta: Any, arrays: Sequence[np.ndarray], chunk_bytes: int,
-              hashes: bytes | None = None) -> "StateSnapshot":
+              hashes: bytes | None = None, compression: Any = None) -> "StateSnapshot":
         """Raises TypeError for a dtype the stream cannot carry. `arrays` must not change afterwards
-        (pass copies); `hashes`, when known (a verified download), skips the hashing."""
+        (pass copies); `hashes`, when known (a verified download), skips the hashing. `compression`
+        (as `zgossip.codecs.resolve` takes it) encodes the float tensors; the rest stay raw."""
         specs = []
         for a in arrays:
             if a.dtype not in CODE_OF:
                 raise TypeError(f"state holds dtype {a.dtype}, which cannot be sent")
             specs.append((CODE_OF[a.dtype], tuple(int(n) for n in a.shape)))
         arrays = tuple(np.ascontiguousarray(a) for a in arrays)
-        plan, _ = plan_chunks(specs, chunk_bytes)
+        codecs: tuple = ()
+        if compression is not None:
+            chosen = _codecs.resolve(compression, [a.shape for a in arrays], [a.dtype for a in arrays])
+            codecs = tuple(int(c) if a.dtype.kind == "f" else _codecs.NONE for c, a in zip(chosen, arrays))
+            if not any(codecs):
+                codecs = ()
+        if codecs:
+            wire = []
+            for a, c in zip(arrays, codecs):
+                if c == _codecs.NONE:
+                    wire.append(a)
+                else:
+                    enc = np.empty(_codecs.encoded_nbytes(c, a.size, a.itemsize), np.uint8)
+                    _codecs.encode(c, a.reshape(-1), enc)
+                    wire.append(enc)
+            arrays = tuple(wire)
+        plan, _ = plan_chunks(specs, chunk_bytes, codecs)
         if hashes is None:
             raws = [a.reshape(-1).view(np.uint8) for a in arrays]
             hashes = b"".join(chunk_digest(raws[t][off: off + n]) for t, off, n in plan)
         return cls(meta, arrays, tuple(specs), chunk_bytes, tuple(plan), hashes,
-                   state_root(specs, chunk_bytes, hashes))
+                   state_root(specs, chunk_bytes, hashes, codecs), codecs)
 
     @property
     def nbytes(self) -> int:
@@ -136,7 +167,7 @@ class StateDonor:
             return StateMeta(self.peer_id, self.endpoint, req=req, ok=ok, reason=reason, meta=None, specs=(),
                              chunk_bytes=self.chunk_bytes, digest="")
         return StateMeta(self.peer_id, self.endpoint, req=req, ok=ok, reason=reason, meta=snap.meta, specs=snap.specs,
-                         chunk_bytes=snap.chunk_bytes, digest=snap.root, hashes=snap.hashes)
+                         chunk_bytes=snap.chunk_bytes, digest=snap.root, hashes=snap.hashes, codecs=snap.codecs)
 
     def _keep(self, snap: StateSnapshot) -> None:
         self._cache[snap.root] = snap
@@ -232,6 +263,7 @@ class StateDownload:
     _fresh: int = 0  # chunks from here on were never asked for
     _retry: list[int] = field(default_factory=list)  # chunks to ask again, sorted
     _received: int = 0
+    _codecs: tuple = ()  # of the adopted state: () = raw
     _placing: int = 0  # chunks handed out by `target` and not back through `on_placed` yet
     per_donor: dict[str, int] = field(default_factory=dict)  # chunks received from each donor
 
@@ -343,26 +375,33 @@ class StateDownload:
             return "offers another state than the one wanted"
         if self.root and msg.digest != self.root and not restart:
             return "holds another state than the other donors"
+        codecs = tuple(msg.codecs)
+        if codecs and len(codecs) != len(msg.specs):
+            return "codecs do not match the tensors announced"
         total = chunks = 0
         for t, (code, shape) in enumerate(msg.specs):
             if code not in DTYPES:
                 return f"tensor {t} has disallowed dtype {code!r}"
+            c = codecs[t] if codecs else _codecs.NONE
+            if c not in _codecs.CODEC_IDS or (c != _codecs.NONE and DTYPES[code].kind != "f"):
+                return f"tensor {t}: codec {c} cannot carry dtype {code!r}"
             if any(n > self.max_bytes for n in shape):  # also keeps the product below overflow
                 return f"state larger than the {self.max_bytes}-byte limit"
-            nbytes = int(np.prod(shape, dtype=object)) * DTYPES[code].itemsize
-            total += nbytes
-            chunks += -(-nbytes // msg.chunk_bytes)
+            numel = int(np.prod(shape, dtype=object))
+            total += numel * DTYPES[code].itemsize  # what the decoded state takes (a codec only shrinks it)
             if total > self.max_bytes:
                 return f"state larger than the {self.max_bytes}-byte limit"
+            chunks += -(-_codecs.encoded_nbytes(c, numel, DTYPES[code].itemsize) // msg.chunk_bytes)
         # counted before any plan is built: a tiny chunk size must not make us list billions of chunks
         if len(msg.hashes) != DIGEST_BYTES * chunks:
             return "chunk digests do not match the announced layout"
-        if state_root(msg.specs, msg.chunk_bytes, msg.hashes) != msg.digest:
+        if state_root(msg.specs, msg.chunk_bytes, msg.hashes, codecs) != msg.digest:
             return "root digest does not match its chunk digests"
         return ""
 
     def _adopt(self, msg: StateMeta) -> None:
-        plan, sizes = plan_chunks(msg.specs, msg.chunk_bytes)
+        self._codecs = tuple(msg.codecs)
+        plan, sizes = plan_chunks(msg.specs, msg.chunk_bytes, self._codecs)
         self.root, self._meta, self._specs = msg.digest, msg.meta, tuple(msg.specs)
         self._chunk_bytes, self._hashes, self._plan = msg.chunk_bytes, msg.hashes, plan
         self._bufs = [np.empty(n, dtype=np.uint8) for n in sizes]
@@ -433,10 +472,20 @@ class StateDownload:
     def _maybe_complete(self, now: float) -> None:
         if self.phase is not DownloadPhase.STREAMING or self._received < len(self._plan) or self._placing:
             return
-        arrays = [b.view(DTYPES[code]).reshape(shape) for b, (code, shape) in zip(self._bufs, self._specs)]
         # every chunk matched its digest and the digests match the root: the state is verified
-        self.snapshot = StateSnapshot(self._meta, tuple(arrays), self._specs, self._chunk_bytes, tuple(self._plan),
-                                      self._hashes, self.root)
+        if not self._codecs:
+            arrays = [b.view(DTYPES[code]).reshape(shape) for b, (code, shape) in zip(self._bufs, self._specs)]
+            self.snapshot = StateSnapshot(self._meta, tuple(arrays), self._specs, self._chunk_bytes,
+                                          tuple(self._plan), self._hashes, self.root)
+        else:  # decoded: not the bytes the root names, so no snapshot to serve again
+            arrays = []
+            for b, (code, shape), c in zip(self._bufs, self._specs, self._codecs):
+                if c == _codecs.NONE:
+                    arrays.append(b.view(DTYPES[code]).reshape(shape))
+                else:
+                    out = np.empty(int(np.prod(shape, dtype=np.int64)), DTYPES[code])
+                    _codecs.decode(c, b, out)
+                    arrays.append(out.reshape(shape))
         self._finish(self._meta, arrays, None)
 
     def peer_down(self, endpoint: str, now: float) -> None:

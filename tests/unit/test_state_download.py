@@ -276,3 +276,28 @@ def test_a_driver_may_hash_and_place_wanted_chunks_elsewhere_and_a_wrong_digest_
     check_state(arrays)
     assert s.dl.bad_chunks == 1 and pid(2) not in s.dl._active
     assert sorted(placed) == list(range(len(s.snap.plan)))  # every chunk came in through the caller's copy
+
+
+def test_a_compressed_snapshot_downloads_from_several_donors_and_a_forged_codec_is_refused():
+    from zgossip import codecs as C
+
+    state = [np.linspace(-3, 3, 400, dtype=np.float32).reshape(40, 10), np.arange(30, dtype=np.int64)]
+    s = Swarm({2: 1.0, 3: 1.0}, state=state)
+    snap = StateSnapshot.build({"epoch": 7}, state, CHUNK, compression="fp16")
+    assert snap.codecs == (C.FP16, C.NONE) and snap.root != s.snap.root  # the codecs are part of the name
+    for d, _ in s.donors.values():
+        d.publish(snap)
+    s.dl.start(0.0)
+    s.pump(0.1)
+    [(_, arrays, err)] = s.done
+    assert err is None and len(s.dl.per_donor) == 2
+    assert arrays[0].dtype == np.float32 and np.allclose(arrays[0], state[0], atol=2e-3) and arrays[1].tolist() == list(range(30))
+    assert s.dl.snapshot is None  # decoded bytes are not the ones the root names: nothing to serve again
+
+    s2 = Swarm({2: 1.0}, state=state)
+    s2.donors[ep(2)][0].publish(snap)
+    forged = lambda e, msg: dataclasses.replace(msg, codecs=(C.FP16, C.FP16)) if isinstance(msg, M.StateMeta) else msg
+    s2.dl.start(0.0)
+    s2.pump(0.1, mutate=forged)  # an int64 tensor cannot travel as fp16
+    [(_, _, err)] = s2.done
+    assert isinstance(err, StateUnavailable) and "cannot carry" in str(err)
