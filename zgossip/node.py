@@ -28,6 +28,7 @@ from .messages import (
     Abort, Bye, Done, Gather, Gossip, GossipReply, Group, Join, JoinAck, Leave, Message, NoGroup, Part, Redirect, Rescue,
     RescueCall, Result, StateChunk, StateMeta, StateReq, check_info,
 )
+from .ratelimit import SourceLimits
 from .state import StateDonor, StateDownload
 from .view import MembershipView
 
@@ -60,6 +61,11 @@ class NodeConfig:
     grid_coords: tuple[int, ...] | None = None
     early_buffer_messages: int = 512  # round messages kept while our GROUP is still on its way
     max_state_bytes: int = 1 << 36  # largest state a download accepts
+    # control messages (gossip, joins, state requests, goodbyes) taken per second from one source,
+    # and at once; more are dropped and counted (`zgossip.ratelimit`). The rate is at least
+    # 4 / gossip_interval: an honest source sends about one gossip and one reply per interval.
+    control_rate: float = 50.0
+    control_burst: int = 100
 
     def __post_init__(self) -> None:
         if self.part_size_bytes < 16:
@@ -121,6 +127,8 @@ _STEP_MOVES = {
 
 #: messages of a running all-reduce round (routed by group id)
 _ROUND_MESSAGES = (Gather, Part, Result, Abort, RescueCall, Rescue)
+#: control messages rate-limited per source (`zgossip.ratelimit`); round data is checked by the round
+_LIMITED = frozenset((Gossip, GossipReply, Join, Leave, StateReq, Bye))
 
 
 @dataclass
@@ -177,7 +185,9 @@ class Node:
         self._done_from: dict[str, set[tuple[str, str]]] = {}  # gid -> (peer id, endpoint) that said DONE
         self.donor = StateDonor(peer_id, endpoint, self._send, config.part_size_bytes)
         self.downloads: dict[str, StateDownload] = {}
-        self.stats = {"messages": 0, "dropped": 0, "late": 0}
+        self.stats = {"messages": 0, "dropped": 0, "late": 0, "rate_limited": 0}
+        self._limits = SourceLimits(max(config.control_rate, 4.0 / config.gossip_interval), config.control_burst)
+        self._limited_logged: set[str] = set()
         self._warned_layouts: set[tuple[str, str]] = set()
         mm, ms = self.matchmaker, self.membership
         #: which part of the node handles each message class
@@ -431,6 +441,14 @@ class Node:
     # ------------------------------------------------------------------ dispatch
     def _dispatch(self, msg: Message, now: float) -> None:
         if msg.sender != self.peer_id:
+            if type(msg) in _LIMITED and not self._limits.allow(msg.sender, now):
+                self.stats["rate_limited"] += 1
+                if msg.sender not in self._limited_logged and len(self._limited_logged) < 4096:
+                    self._limited_logged.add(msg.sender)
+                    log.warning("zgossip node %s: %s from %s (%s) floods control messages: dropping what exceeds "
+                                "%.0f/s (later drops are only counted in stats['rate_limited'])", self.endpoint,
+                                msg.type.name, msg.sender[:16], msg.endpoint, self._limits.rate)
+                return
             self.membership.observe(msg.sender, msg.endpoint, now)
         self._handlers[type(msg)](msg, now)
 

@@ -226,7 +226,7 @@ RAW_CASES = ["wrong_version", "truncated", "oversize", "garbage", "impersonation
 
 
 @pytest.mark.parametrize("case", RAW_CASES)
-def test_hostile_raw_messages_change_nothing(case):
+def test_hostile_raw_messages_change_nothing(case, caplog):
     keys = [KeyPair.generate() for _ in range(4)]  # the fourth is an allowed but hostile peer
     allow = [k.public for k in keys]
     with _swarm(3, keys=keys, allow=allow, max_message_bytes=1 << 20) as avs:
@@ -234,6 +234,7 @@ def test_hostile_raw_messages_change_nothing(case):
         evil = _raw_dealer(victim.endpoint, keys[3], keys[0].public)
         me, ep = keys[3].peer_id, "tcp://127.0.0.1:9"
         before = dict(victim.stats)
+        caplog.set_level(logging.WARNING, logger="zgossip.node")
         gossip = {"hb": 1, "peers": []}
         if case == "wrong_version":
             evil.send_multipart([_header(wire.MsgType.GOSSIP, me, ep, gossip, version=99)])
@@ -267,6 +268,15 @@ def test_hostile_raw_messages_change_nothing(case):
         if case in ("impersonation", "replay"):
             assert after["unauthenticated"] > before["unauthenticated"]
             assert victim.transport.node.membership.peers[avs[1].peer_id].endpoint == avs[1].endpoint
+        if case in ("gossip_flood", "join_flood"):
+            # rate-limited per source: most of the 3000 dropped and counted, one log line for the source,
+            # and no honest peer's control message was dropped
+            assert after["rate_limited"] - before["rate_limited"] >= 2000
+            lines = [r for r in caplog.records if "floods control messages" in r.getMessage()]
+            assert len(lines) == 1 and me[:16] in lines[0].getMessage()
+            assert all(a.stats["rate_limited"] == 0 for a in avs[1:])
+        else:
+            assert after["rate_limited"] == before["rate_limited"]
         evil.close(0)
 
 
