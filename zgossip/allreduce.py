@@ -243,6 +243,7 @@ class AllReduceRound:
         self.late_results = 0
         self.partial: list[tuple[int, int, int, tuple[int, ...]]] = []  # (owner, lo, hi, contrib) of results taken in part
         self.dropped = 0  # messages refused by validation against the group's plan (logged too)
+        self.late = 0  # late or duplicate messages ignored: what they carry was settled already
 
     # ------------------------------------------------------------------ helpers
     def _part(self, owner: int, p: int, rescue: bool) -> Part:
@@ -568,7 +569,10 @@ class AllReduceRound:
     def _on_gather(self, j: int, msg: Gather, now: float) -> None:
         if not self.members[j].sends_gather:
             return self._bad(j, msg, "GATHER from a member that announced it sends none")
-        self.gathered.setdefault(j, msg.data)
+        if j in self.gathered:
+            self.late += 1  # a duplicate: the first GATHER stands
+            return
+        self.gathered[j] = msg.data
         self.weights[j] = msg.weight
 
     def _bad(self, j: int, msg: Message, why: str) -> None:
@@ -596,7 +600,8 @@ class AllReduceRound:
                 return self._bad(j, msg, "part of a span this member does not own")
             r = self.own
         if j in r.excluded or r.state[p] is not ReduceState.COLLECTING or r.pos[p] > j or (j, p) in r.pending:
-            return  # late or duplicate: that member's share of this part is already settled
+            self.late += 1  # late or duplicate: that member's share of this part is already settled
+            return
         self.bytes_received += arr.nbytes
         self.weights.setdefault(j, msg.weight)
         r.pending[(j, p)] = (arr, msg.weight)
@@ -615,11 +620,15 @@ class AllReduceRound:
             # the substitute (and may still be on its way, zero-copy from our buffer), so only the
             # substitute's result may write it
             self.late_results += 1
+            self.late += 1
             return
         expected = self.rescue_target.get(owner) if msg.rescue else owner
         if j != expected:
             return self._bad(j, msg, "result from a member that does not reduce that span")
         self.bytes_received += arr.nbytes
+        if self.status[owner][p] is not PartState.WAITING:
+            self.late += 1  # settled already (by a rescue, or unchanged at a timeout): this news is late
+            return
         if self.rank in contrib:
             self._resolve(owner, p, contrib, arr, rescued=msg.rescue)
         else:
@@ -632,7 +641,7 @@ class AllReduceRound:
     def _on_rescue_call(self, j: int, msg: RescueCall, now: float) -> None:
         owner = msg.owner
         if owner >= self.n or owner == self.rank:
-            return
+            return self._bad(j, msg, "rescue call for a span that is not another member's")
         if owner not in self.rescue_target:
             self._member_lost(owner, now, substitute=j)
             if owner not in self.rescue_target:  # nothing to rescue here: still answer, so j need not wait
@@ -641,7 +650,7 @@ class AllReduceRound:
     def _on_rescue(self, j: int, msg: Rescue, now: float) -> None:
         owner = msg.owner
         if owner >= self.n or owner == self.rank or self.plan.num_parts(owner) == 0:
-            return
+            return self._bad(j, msg, "rescue of a span that is not another member's or is empty")
         need = frozenset(p for p in msg.need if p < self.plan.num_parts(owner))
         if owner not in self.rescue_target:
             self._member_lost(owner, now, substitute=self.rank)  # declares my own needs too

@@ -365,14 +365,21 @@ class Node:
         if dl is None:
             self.stats["late"] += 1
         else:
-            dl.on_meta(msg, now)
+            self._feed_download(dl, dl.on_meta, msg, now)
 
     def _on_state_chunk(self, msg: StateChunk, now: float) -> None:
         dl = self.downloads.get(msg.req)
         if dl is None:
             self.stats["late"] += 1
         else:
-            dl.on_chunk(msg, now)
+            self._feed_download(dl, dl.on_chunk, msg, now)
+
+    def _feed_download(self, dl: StateDownload, handler: Any, msg: Message, now: float) -> None:
+        """Hand `msg` to a download; the donor data it refused (dropped) or ignored (late) is counted."""
+        dropped, late = dl.dropped, dl.late
+        handler(msg, now)
+        self.stats["dropped"] += dl.dropped - dropped
+        self.stats["late"] += dl.late - late
 
     def owes_others(self) -> bool:
         """Whether members of a recent round of ours may still wait for something we sent them (they
@@ -450,15 +457,17 @@ class Node:
                                 msg.type.name, msg.sender[:16], msg.endpoint, self._limits.rate)
                 return
             self.membership.observe(msg.sender, msg.endpoint, now)
+        mm = self.matchmaker
+        dropped, late = mm.dropped, mm.late
         self._handlers[type(msg)](msg, now)
+        self.stats["dropped"] += mm.dropped - dropped
+        self.stats["late"] += mm.late - late
 
     def _round_message(self, msg: Gather | Part | Result | Abort | RescueCall | Rescue, now: float) -> None:
         gid = msg.group_id
         st = self.step
         if st is not None and st.round is not None and st.round.spec.group_id == gid:
-            before = st.round.dropped
-            st.round.on_message(msg, now)
-            self.stats["dropped"] += st.round.dropped - before
+            self._feed_round(st.round, msg, now)
             return
         done = self._finished.get(gid)
         if done is not None:
@@ -477,6 +486,13 @@ class Node:
                 return
         self.stats["dropped"] += 1
         log.debug("%s: dropped %s for unknown round %s", self.peer_id[:8], msg.type.name, gid[:8])
+
+    def _feed_round(self, rnd: AllReduceRound, msg: Message, now: float) -> None:
+        """Hand `msg` to the running round; what it refused (dropped) or ignored (late) is counted."""
+        dropped, late = rnd.dropped, rnd.late
+        rnd.on_message(msg, now)
+        self.stats["dropped"] += rnd.dropped - dropped
+        self.stats["late"] += rnd.late - late
 
     # ------------------------------------------------------------------ step lifecycle
     def _on_group(self, spec: GroupSpec, now: float) -> None:
@@ -501,9 +517,7 @@ class Node:
         st.round.start(now)
         for msg in self._early.pop(spec.group_id, []):
             if st.round is not None and st.round.spec.group_id == spec.group_id:
-                before = st.round.dropped
-                st.round.on_message(msg, now)
-                self.stats["dropped"] += st.round.dropped - before
+                self._feed_round(st.round, msg, now)
         self._early.clear()
 
     def step_deadline(self, st: _Step, grouped: float) -> float:

@@ -105,6 +105,8 @@ class StateDownload:
     tried: list[str] = field(default_factory=list)
     history: list[str] = field(default_factory=list)
     wait_until: float = 0.0
+    dropped: int = 0  # the donor's data refused (bad layout, dtype, size, checksum)
+    late: int = 0  # messages not for this request's current donor and phase, ignored
     _meta: Any = None
     _bufs: list[np.ndarray] = field(default_factory=list)
     _plan: list[tuple[int, int, int]] = field(default_factory=list)  # (tensor, offset, length) per chunk
@@ -141,7 +143,8 @@ class StateDownload:
         self.wait_until = now + self.chunk_timeout
         self.send(pick.endpoint, StateReq(self.membership.peer_id, self.membership.endpoint, req=self.req))
 
-    def _give_up_on_donor(self, now: float, why: str) -> None:
+    def _give_up_on_donor(self, now: float, why: str, bad: bool = False) -> None:
+        self.dropped += int(bad)
         self.history.append(f"{self.donor[0][:8]}: {why}")
         log.info("state download %s: donor %s failed: %s", self.req, self.donor[0][:8], why)
         self._bufs, self._plan, self._next = [], [], 0
@@ -154,6 +157,7 @@ class StateDownload:
     # ------------------------------------------------------------------ messages
     def on_meta(self, msg: StateMeta, now: float) -> None:
         if self.phase is not DownloadPhase.ASKING or msg.sender != self.donor[0] or msg.req != self.req:
+            self.late += 1
             return
         if not msg.ok:
             return self._give_up_on_donor(now, f"refused: {msg.reason}")
@@ -161,11 +165,11 @@ class StateDownload:
         bufs, plan, total = [], [], 0
         for t, (code, shape) in enumerate(specs):
             if code not in DTYPES:
-                return self._give_up_on_donor(now, f"tensor {t} has disallowed dtype {code!r}")
+                return self._give_up_on_donor(now, f"tensor {t} has disallowed dtype {code!r}", bad=True)
             nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[code].itemsize
             total += nbytes
             if total > self.max_bytes:
-                return self._give_up_on_donor(now, f"state larger than the {self.max_bytes}-byte limit")
+                return self._give_up_on_donor(now, f"state larger than the {self.max_bytes}-byte limit", bad=True)
             bufs.append(np.empty(nbytes, dtype=np.uint8))
             plan += [(t, off, min(chunk, nbytes - off)) for off in range(0, nbytes, chunk)]
         self._meta, self._specs, self._bufs, self._plan, self._next = msg.meta, specs, bufs, plan, 0
@@ -176,13 +180,14 @@ class StateDownload:
 
     def on_chunk(self, msg: StateChunk, now: float) -> None:
         if self.phase is not DownloadPhase.STREAMING or msg.sender != self.donor[0] or msg.req != self.req:
+            self.late += 1
             return
         if self._next >= len(self._plan):
-            return self._give_up_on_donor(now, "sent more chunks than announced")
+            return self._give_up_on_donor(now, "sent more chunks than announced", bad=True)
         t, off, length = self._plan[self._next]
         arr = msg.data
         if msg.index != self._next or msg.tensor != t or msg.offset != off or arr.nbytes != length:
-            return self._give_up_on_donor(now, f"chunk {msg.index} does not match the announced layout")
+            return self._give_up_on_donor(now, f"chunk {msg.index} does not match the announced layout", bad=True)
         self._bufs[t][off: off + length] = arr.view(np.uint8)
         self._next += 1
         self.wait_until = now + self.chunk_timeout
@@ -193,7 +198,7 @@ class StateDownload:
             return
         arrays = [b.view(DTYPES[code]).reshape(shape) for b, (code, shape) in zip(self._bufs, self._specs)]
         if state_digest(arrays) != self._digest:
-            return self._give_up_on_donor(now, "checksum mismatch")
+            return self._give_up_on_donor(now, "checksum mismatch", bad=True)
         self._finish(self._meta, arrays, None)
 
     def peer_down(self, endpoint: str, now: float) -> None:
