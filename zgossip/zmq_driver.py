@@ -48,7 +48,7 @@ from .identity import AllowList, KeyPair
 from .fast_send import FAST_SEND
 from .local_ipc import LocalRoutes, enabled, local_name
 from .node import Node
-from .process_tuning import context, tune_malloc
+from .process_tuning import context, name_this_thread, tune_malloc
 from .transport import NodeFactory
 from .zerocopy import LentPayloads
 
@@ -227,6 +227,7 @@ class ZmqTransport:
 
     # ---------------------------------------------------------------- I/O thread
     def _run(self) -> None:
+        name_this_thread("zgossip-io")
         poller, now, node = self._poller, self.clock.now, self.node
         router, mon = self._router, self._router_monitor
         local, local_mon = self._local, self._local_monitor
