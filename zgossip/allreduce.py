@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .droplog import DropLog
 from .endpoints import listens
 from .errors import IllegalTransition, ProtocolError
 from .matchmaking import GroupSpec
@@ -184,6 +185,7 @@ class AllReduceRound:
         part_timeout: float,
         deadline: float,
         on_done: Callable[["AllReduceRound", float], None],
+        drops: DropLog | None = None,
     ) -> None:
         if buffer.ndim != 1:
             raise ProtocolError("the all-reduce buffer must be flat")
@@ -196,6 +198,8 @@ class AllReduceRound:
         self.weight = float(weight)
         self._send_raw = send
         self._on_done = on_done
+        #: refusals are logged once per source and kind (shared with the node, so across rounds too)
+        self.drops = drops if drops is not None else DropLog(self.me.peer_id[:8])
         self.part_timeout = part_timeout
         self.deadline = deadline
         self.started = now
@@ -380,8 +384,8 @@ class AllReduceRound:
                     # one NaN would poison every member's average: the sender is excluded from this
                     # reduction (its own copy of these elements stays unchanged), the others go on
                     self.dropped += 1
-                    log.warning("%s: part %d of span %d from %s holds NaN or inf: sender excluded from this span",
-                                self.me.peer_id[:8], p, r.owner, self.members[j].peer_id[:8])
+                    self.drops.note(log, self.members[j].peer_id, "a PART holding NaN or inf",
+                                    f"part {p} of span {r.owner}: sender excluded from this span")
                     r.excluded.add(j)
                     for key in [key for key in r.pending if key[0] == j]:
                         del r.pending[key]
@@ -469,9 +473,9 @@ class AllReduceRound:
                 self._settle(owner, p, contrib, rescued)
                 return
             self.dropped += 1
-            log.warning("%s: result for span %d part %d from its reducer holds NaN or inf: %d of %d elements taken "
-                        "(those before the first bad block), the rest left unchanged",
-                        self.me.peer_id[:8], owner, p, done, hi - lo)
+            self.drops.note(log, self.members[owner].peer_id, "a RESULT holding NaN or inf",
+                            f"span {owner} part {p}: {done} of {hi - lo} elements taken (those before the first bad "
+                            "block), the rest left unchanged")
             if done:
                 self.partial.append((owner, lo, lo + done, contrib))
                 partial = True
@@ -559,7 +563,8 @@ class AllReduceRound:
         j = self.index.get(msg.sender)
         if j is None or j == self.rank or self.members[j].endpoint != msg.endpoint:
             self.dropped += 1
-            log.warning("%s: dropped %s from non-member %s", self.me.peer_id[:8], msg.type.name, msg.sender[:8])
+            self.drops.note(log, f"{msg.sender[:16]} at {msg.endpoint}", f"{msg.type.name} from a non-member",
+                            f"group {self._gid[:8]}")
             return
         self._now = now
         self.last_heard[j] = now
@@ -577,7 +582,7 @@ class AllReduceRound:
 
     def _bad(self, j: int, msg: Message, why: str) -> None:
         self.dropped += 1
-        log.warning("%s: dropped %s from %s: %s", self.me.peer_id[:8], msg.type.name, self.members[j].peer_id[:8], why)
+        self.drops.note(log, self.members[j].peer_id, f"{msg.type.name}: {why}", f"group {self._gid[:8]}")
 
     def _part_range(self, owner: int, p: int, payload: np.ndarray) -> tuple[int, int] | None:
         if owner >= self.n or p >= self.plan.num_parts(owner):

@@ -19,6 +19,7 @@ import numpy as np
 
 from .actions import Disconnect, DownloadDone, DownloadFailed, Send, ServeState, StepDone, StepFailed, StepProgress
 from .allreduce import AllReduceRound, RoundOutcome, SpanOutcome
+from .droplog import DropLog
 from .endpoints import listens
 from .errors import IllegalTransition, PeerLost, ProtocolError, RoundTimeout, StepInProgress
 from .grid import MoshpitGrid
@@ -214,6 +215,8 @@ class Node:
         self.stats = {"messages": 0, "dropped": 0, "late": 0, "rate_limited": 0}
         self._limits = SourceLimits(max(config.control_rate, 4.0 / config.gossip_interval), config.control_burst)
         self._limited_logged: set[str] = set()
+        #: refused input is logged once per source and kind (rounds and downloads share it)
+        self.drops = DropLog(f"zgossip node {endpoint}")
         self._warned_layouts: set[tuple[str, str]] = set()
         mm, ms = self.matchmaker, self.membership
         #: which part of the node handles each message class
@@ -409,7 +412,7 @@ class Node:
 
     def begin_download(self, req: str, now: float, timeout: float, chunk_timeout: float) -> None:
         dl = StateDownload(req, self.membership, self._send, self._rng, now, now + timeout, chunk_timeout,
-                           self.config.max_state_bytes, self._on_download_done)
+                           self.config.max_state_bytes, self._on_download_done, drops=self.drops)
         self.downloads[req] = dl
         dl.start(now)
         self._drain_loopback(now)
@@ -565,7 +568,9 @@ class Node:
                 early.append(msg)
                 return
         self.stats["dropped"] += 1
-        log.debug("%s: dropped %s for unknown round %s", self.peer_id[:8], msg.type.name, gid[:8])
+        # usually benign (a groupmate's late message after we gave the round up): INFO, once per source
+        self.drops.note(log, f"{msg.sender[:16]} at {msg.endpoint}", f"{msg.type.name} for a round this node is "
+                        "not in", f"group {gid[:8]}", level=logging.INFO)
 
     def _feed_round(self, rnd: AllReduceRound, msg: Message, now: float) -> None:
         """Hand `msg` to the running round; what it refused (dropped) or ignored (late) is counted."""
@@ -606,7 +611,7 @@ class Node:
         st.round = AllReduceRound(
             spec, st.buffer, st.weight, st.gather, self._send, now,
             part_elems=max(1, cfg.part_size_bytes // itemsize), part_timeout=cfg.part_timeout,
-            deadline=self.step_deadline(st, now), on_done=self._on_round_done,
+            deadline=self.step_deadline(st, now), on_done=self._on_round_done, drops=self.drops,
         )
         st.round.start(now)
         for msg in self._early.pop(spec.group_id, []):

@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .droplog import DropLog
 from .errors import IllegalTransition, StateUnavailable
 from .messages import CODE_OF, DTYPES, Message, StateChunk, StateMeta, StateReq
 from .view import MembershipView
@@ -107,6 +108,7 @@ class StateDownload:
     wait_until: float = 0.0
     dropped: int = 0  # the donor's data refused (bad layout, dtype, size, checksum)
     late: int = 0  # messages not for this request's current donor and phase, ignored
+    drops: DropLog | None = None  # the node's: refused donor data is logged once per donor
     _meta: Any = None
     _bufs: list[np.ndarray] = field(default_factory=list)
     _plan: list[tuple[int, int, int]] = field(default_factory=list)  # (tensor, offset, length) per chunk
@@ -146,7 +148,13 @@ class StateDownload:
     def _give_up_on_donor(self, now: float, why: str, bad: bool = False) -> None:
         self.dropped += int(bad)
         self.history.append(f"{self.donor[0][:8]}: {why}")
-        log.info("state download %s: donor %s failed: %s", self.req, self.donor[0][:8], why)
+        if bad:
+            if self.drops is None:
+                self.drops = DropLog(self.membership.peer_id[:8])
+            self.drops.note(log, self.donor[0], "state data failing its checks (layout, size or checksum)",
+                            f"download {self.req}: {why}; trying another donor")
+        else:
+            log.info("state download %s: donor %s failed: %s", self.req, self.donor[0][:8], why)
         self._bufs, self._plan, self._next = [], [], 0
         self._ask_next(now)
 

@@ -353,7 +353,13 @@ class ZmqTransport:
                 msg = wire.decode(frames, self.limits)
             except wire.InvalidMessage as e:
                 self.stats["invalid"] += 1
-                log.warning("zgossip node %s: dropped invalid message: %s", self.endpoint, e)
+                if user is not None:
+                    source = f"peer {user}"
+                elif dealer is not None:
+                    source = f"{dealer[0]} (answering on our connection)"
+                else:  # a connection without keys does not say who is at its other end
+                    source = "a sender without keys"
+                self.node.drops.note(log, source, "an invalid message", str(e)[:200], counter="invalid")
                 continue
             if self.curve is not None:
                 source = dealer[0] if dealer is not None else f"{msg.endpoint} (claimed)"
