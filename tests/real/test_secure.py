@@ -135,6 +135,8 @@ def test_disallowed_peer_learns_and_changes_nothing(caplog):
                 with pytest.raises(zgossip.GroupNotFound):
                     fut.result(20)
                 assert intruder.peers() == []  # it learned nothing about the swarm
+                with pytest.raises(zgossip.StateUnavailable):  # the honest peers share state; not with it
+                    intruder.load_state_from_peers(timeout=1.5, chunk_timeout=0.5)
                 assert np.array_equal(_tensor(intruder), np.full(NUMEL, 1000.0, np.float32))
                 assert sum(a.stats["refused"] for a in avs) > 0
             finally:
@@ -472,3 +474,48 @@ def test_hostile_allowed_peer_protocol_data(case, caplog):
             _step_all(avs)
             assert all(np.all(np.isfinite(_tensor(a))) for a in honest)
         refusals_logged_once(2)
+
+
+# ------------------------------------------------------------------ the command line
+def test_keygen_and_peer_command_with_keys(tmp_path, capsys):
+    """`zgossip keygen` writes private key files; two `zgossip peer --key --allow` processes average,
+    the second joining with the `ADDRESS#KEY` line the first prints."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from zgossip import cli
+
+    for name in ("a", "b"):
+        assert cli.main(["keygen", str(tmp_path / name)]) == 0
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o600
+    assert cli.main(["keygen", str(tmp_path / "a")]) == 2  # never overwrites a key silently
+    assert "exists" in capsys.readouterr().err
+    allow = tmp_path / "allow"
+    allow.write_text((tmp_path / "a.pub").read_text() + (tmp_path / "b.pub").read_text())
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+
+    def peer(key, *args):
+        return subprocess.Popen([sys.executable, "-m", "zgossip.cli", "peer", "--listen", "tcp://127.0.0.1:0",
+                                 "--numel", "1000", "--interval", "0.3", "--log-level", "WARNING", "--plain",
+                                 "--key", str(tmp_path / key), "--allow", str(allow), *args],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+    a = peer("a", "--rounds", "20")
+    procs = [a]
+    try:
+        first = a.stdout.readline() + a.stdout.readline()
+        join = first.split("--initial-peers ")[1].split()[0].strip("'")
+        assert "#" in join  # the address names the key
+        b = peer("b", "--rounds", "2", "--initial-peers", join)
+        procs.append(b)
+        out, err = b.communicate(timeout=60)
+        assert b.returncode == 0, err
+        assert any(ln.startswith("step ") and "group of 2" in ln for ln in out.splitlines()), out
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            p.communicate(timeout=30)
