@@ -78,12 +78,6 @@ class Progress(pl.Callback):
         opt = self.strategy.zgossip_optimizer
         if batch_idx == 0:
             self.write(trainer)  # the address others join, as soon as it is known
-        if self.min_peers > 1:
-            deadline = time.monotonic() + 60
-            while opt.num_peers < self.min_peers:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"fewer than {self.min_peers} peers for 60 s")
-                time.sleep(0.02)
         if opt.pending_update is None and opt.local_epoch not in self.digests:
             # the model holds the parameters of this global step: in-sync peers hold the same
             self.digests[opt.local_epoch] = params_digest(list(module.parameters()), opt.local_epoch)
@@ -91,6 +85,13 @@ class Progress(pl.Callback):
             self.write(trainer)
         if opt.local_epoch >= self.epochs:
             trainer.should_stop = True
+            return  # (before the hold: the peers that reached the end with us may be gone already)
+        if self.min_peers > 1:
+            deadline = time.monotonic() + 60
+            while opt.num_peers < self.min_peers:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"fewer than {self.min_peers} peers for 60 s")
+                time.sleep(0.02)
 
 
 def main(argv: list[str] | None = None) -> int:
