@@ -94,15 +94,19 @@ def _peer(rank: int, conn: Any, cfg: dict) -> None:
             _, mode, epochs = cmd
             opt, model = opts[mode], models[mode]
             target = opt.local_epoch + epochs
-            batches, compute, rounds = 0, 0.0, []
+            batches, compute, stepping, rounds = 0, 0.0, [], []
             t0 = time.perf_counter()
-            while opt.local_epoch < target:
+            # stop once the round of the last global step was launched: a further step() would launch one more,
+            # which the other peers (stopped) would never join
+            while opt.local_epoch < target and not (opt.pending_update and opt.pending_update.epoch >= target - 1):
                 c0 = time.perf_counter()
                 torch.nn.functional.cross_entropy(model(x), y).backward()
                 if cfg["accel_ms"]:
                     time.sleep(cfg["accel_ms"] / 1000)  # an accelerator's compute: this CPU is free meanwhile
                 compute += time.perf_counter() - c0
+                s0 = time.perf_counter()
                 opt.step()
+                stepping.append(time.perf_counter() - s0)
                 opt.zero_grad()
                 batches += 1
                 if not rounds or opt.last_round is not rounds[-1]:
@@ -114,8 +118,11 @@ def _peer(rank: int, conn: Any, cfg: dict) -> None:
             dt = time.perf_counter() - t0
             ok = all(r.get("ok") and r.get("group_size") == cfg["peers"] for r in rounds) and opt.in_sync
             conn.send({"time": dt, "batches": batches, "epochs": epochs, "compute": compute / batches,
+                       "step": statistics.median(stepping),
                        "average": statistics.median(r["phases"]["average"] for r in rounds) if rounds else None,
                        "matchmaking": [round(r.get("timings", {}).get("matchmaking", -1), 4) for r in rounds],
+                       "timings": {k: statistics.median(r["timings"][k] for r in rounds if k in r.get("timings", {}))
+                                   for k in sorted({k for r in rounds for k in r.get("timings", {})})},
                        "ok": ok, "error": next((r.get("error") for r in rounds if r.get("error")), None),
                        "staleness": [r["staleness"]["batches"] for r in rounds if "staleness" in r]})
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
@@ -194,7 +201,8 @@ def bench_overlap(peers: int = 2, reps: int = 5, epochs: int = 20, hidden: int =
                            "machine": machine_line()}
     for mode in res:
         out[mode] = {"steps_per_s": rate(mode, "epochs"), "batches_per_s": rate(mode, "batches"),
-                     "compute_s": statistics.median(a["compute"] for rep in res[mode] for a in rep)}
+                     "compute_s": statistics.median(a["compute"] for rep in res[mode] for a in rep),
+                     "step_s": statistics.median(a["step"] for rep in res[mode] for a in rep)}
     out["sync"]["average_s"] = statistics.median(a["average"] for rep in res["sync"] for a in rep)
     out["overlap"]["stale_batches_last"] = [a["staleness"] for a in res["overlap"][-1]]
     out["raw"] = res
@@ -228,6 +236,8 @@ def run(args: argparse.Namespace) -> int:
           "alternating sync / overlap; slowest process per rep")
     print(f"  a synchronous step: compute (forward+backward) {s['compute_s'] * 1000:.1f} ms, "
           f"round (average) {s['average_s'] * 1000:.1f} ms (median)")
+    print(f"  time inside opt.step() per batch (median): sync {s['step_s'] * 1000:.1f} ms, overlap "
+          f"{o['step_s'] * 1000:.1f} ms; compute per batch with overlap {o['compute_s'] * 1000:.1f} ms")
     print("  global steps/s  sync    " + " ".join(f"{v:6.2f}" for v in s["steps_per_s"]))
     print("  global steps/s  overlap " + " ".join(f"{v:6.2f}" for v in o["steps_per_s"]))
     print("  batches/s       sync    " + " ".join(f"{v:6.2f}" for v in s["batches_per_s"]))

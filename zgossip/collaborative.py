@@ -249,11 +249,18 @@ class CollaborativeOptimizer(TrainerPeer):
                 return loss  # this batch belongs to the model being replaced
             self._finish_download()
             return loss
+        accumulated = False
         if self._pending is not None:  # a delayed update: apply it at this boundary if it is ready
-            self._pending.stale_batches += 1  # this batch, too, was computed on the parameters it replaces
-            if not self._pending.done():
+            pending = self._pending
+            pending.stale_batches += 1  # this batch, too, was computed on the parameters it replaces
+            if not pending.done():
                 self._accumulate(int(bs))  # toward the next epoch
-                return loss
+                accumulated = True
+                if self.samples < max(pending.samples, 1):
+                    return loss
+                # this peer's share of the next global batch is ready (as many samples as it gave the one in
+                # flight): more batches would only swell that batch on older parameters, so wait (bounded)
+                # for the update in flight; at most one global step of staleness, never two
             self._commit_pending()
         t0 = self.clock.now()
         infos = self.averager.peer_infos()
@@ -262,7 +269,8 @@ class CollaborativeOptimizer(TrainerPeer):
         if self._resync_if_needed(view):
             return loss  # this batch's gradients belonged to a model we no longer have
         t1 = self.clock.now()
-        self._accumulate(int(bs))
+        if not accumulated:
+            self._accumulate(int(bs))
         self._phases = {"read_progress": t1 - t0, "accumulate": self.clock.now() - t1}
         view = self._view(infos)
         # records lag by the gossip delay: extrapolate them with each peer's throughput, and follow
