@@ -24,7 +24,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import platform
 import statistics
 import time
 from typing import Any
@@ -37,16 +36,11 @@ WARMUP = 1
 
 
 def machine_line() -> str:
-    """CPU model, cores, kernel, load: printed with every figure (a figure is only valid on its machine)."""
-    model = platform.processor() or "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
-    except OSError:
-        pass
-    u = os.uname()
-    load = "/".join(f"{x:.1f}" for x in os.getloadavg())
-    return f"machine: {model}, {os.cpu_count()} cores, {u.sysname} {u.release}, load {load}"
+    """The machine line (`zgossip.machine`) and the load: a figure is only valid on its machine, and
+    suspect under load."""
+    from .machine import machine_line as line
+
+    return line() + ", load " + "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def _model(cfg: dict) -> Any:
