@@ -118,7 +118,9 @@ def _peer(rank: int, conn: Any, cfg: dict) -> None:
                        "timings": {k: statistics.median(r["timings"][k] for r in rounds if k in r.get("timings", {}))
                                    for k in sorted({k for r in rounds for k in r.get("timings", {})})},
                        "ok": ok, "error": next((r.get("error") for r in rounds if r.get("error")), None),
-                       "staleness": [r["staleness"]["batches"] for r in rounds if "staleness" in r]})
+                       "staleness": [r["staleness"]["batches"] for r in rounds if "staleness" in r],
+                       "waited": statistics.median([r["staleness"]["waited"] for r in rounds if "staleness" in r]
+                                                   or [0.0])})
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         pass
     finally:
@@ -198,6 +200,7 @@ def bench_overlap(peers: int = 2, reps: int = 5, epochs: int = 20, hidden: int =
                      "compute_s": statistics.median(a["compute"] for rep in res[mode] for a in rep),
                      "step_s": statistics.median(a["step"] for rep in res[mode] for a in rep)}
     out["sync"]["average_s"] = statistics.median(a["average"] for rep in res["sync"] for a in rep)
+    out["overlap"]["waited_s"] = statistics.median(a["waited"] for rep in res["overlap"] for a in rep)
     out["overlap"]["stale_batches_last"] = [a["staleness"] for a in res["overlap"][-1]]
     out["raw"] = res
     # side by side: each repetition's overlap run against the sync run just before it
@@ -231,7 +234,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"  a synchronous step: compute (forward+backward) {s['compute_s'] * 1000:.1f} ms, "
           f"round (average) {s['average_s'] * 1000:.1f} ms (median)")
     print(f"  time inside opt.step() per batch (median): sync {s['step_s'] * 1000:.1f} ms, overlap "
-          f"{o['step_s'] * 1000:.1f} ms; compute per batch with overlap {o['compute_s'] * 1000:.1f} ms")
+          f"{o['step_s'] * 1000:.1f} ms (waiting for the update in flight: {o['waited_s'] * 1000:.1f} ms); "
+          f"compute per batch with overlap {o['compute_s'] * 1000:.1f} ms")
     print("  global steps/s  sync    " + " ".join(f"{v:6.2f}" for v in s["steps_per_s"]))
     print("  global steps/s  overlap " + " ".join(f"{v:6.2f}" for v in o["steps_per_s"]))
     print("  batches/s       sync    " + " ".join(f"{v:6.2f}" for v in s["batches_per_s"]))

@@ -101,7 +101,10 @@ class CollaborativeOptimizer(TrainerPeer):
     gradient round there too, so averaging overlaps the next batches' compute. Those batches are
     computed on parameters one global step old; at most one update is ever in flight, so the
     staleness is at most one global step, and ``last_round["staleness"]`` reports it (batches,
-    seconds). `apply_pending` waits for the update in flight and applies it (e.g. before a
+    seconds, and how long the step that applied it ``waited`` for it). When this peer has
+    accumulated its share of the next global batch (as many samples as it gave the update in
+    flight) before that update finished, `step` waits for it rather than compute on older
+    parameters. `apply_pending` waits for the update in flight and applies it (e.g. before a
     checkpoint). ``delay_state_averaging``: when this peer must resynchronise (behind, out of
     sync), it downloads the swarm's state in the background and adopts it at a later `step`
     (batches computed meanwhile are dropped: they belong to the old model), instead of blocking.
@@ -631,6 +634,7 @@ class CollaborativeOptimizer(TrainerPeer):
         assert pending is not None
         if timeout is None:
             timeout = self.matchmaking_timeout + self.averager.config.allreduce_timeout + 30.0
+        t0 = self.clock.now()
         try:
             rnd = self.clock.result(pending.future, timeout) if pending.future is not None else {}
         except cf.TimeoutError:
@@ -639,11 +643,13 @@ class CollaborativeOptimizer(TrainerPeer):
             if pending.future is None or pending.future.done():
                 self._pending = None
                 self._averaging = False
+        waited = self.clock.now() - t0
         with self._lock:
             if self._offload is not None:
                 self._offload.copy_to_model()
+        # waited: how long training stood still at this boundary for the update (0 when it overlapped fully)
         rnd["staleness"] = {"global_steps": 1 if pending.stale_batches else 0, "batches": pending.stale_batches,
-                            "seconds": self.clock.now() - pending.started}
+                            "seconds": self.clock.now() - pending.started, "waited": waited}
         self.last_round = rnd
         self._update_sharing()
         self._publish()
