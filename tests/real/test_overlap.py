@@ -196,3 +196,51 @@ def test_decentralized_synchronous_rounds_and_bounded_staleness():
         finally:
             for o in opts:
                 o.shutdown()
+
+
+def test_delay_state_averaging_downloads_in_the_background_and_adopts_at_a_later_step():
+    """A peer that is behind (epoch 0 against the swarm's 3) with delay_state_averaging starts the download
+    and returns from step() at once; a later step() adopts the state: the swarm's epoch and parameters."""
+    models = [make_model(0), make_model(1)]
+    opts: list = []
+    try:
+        opts.append(CollaborativeOptimizer(torch.optim.SGD(models[0].parameters(), lr=0.1), prefix="bg",
+                                           model=models[0], target_batch_size=BS, batch_size=BS,
+                                           averager_opts=dict(FAST)))
+        task = Task()
+        gen = task.stream(5, 0)
+        for _ in range(3):  # alone: one local step per epoch
+            x, y = task.sample(gen, BS)
+            torch.nn.functional.cross_entropy(models[0](x), y).backward()
+            opts[0].step()
+            opts[0].zero_grad()
+        assert opts[0].local_epoch == 3
+        opts.append(CollaborativeOptimizer(torch.optim.SGD(models[1].parameters(), lr=0.1), prefix="bg",
+                                           model=models[1], target_batch_size=BS, batch_size=BS,
+                                           initial_peers=[opts[0].endpoint], load_state_on_start=False,
+                                           delay_state_averaging=True, averager_opts=dict(FAST)))
+        b = opts[1]
+        deadline = time.monotonic() + 10
+        while b._view().max_epoch < 3:
+            assert time.monotonic() < deadline, "B never heard of A's epoch"
+            time.sleep(0.02)
+        before = _params([models[1]])[0]
+        gen = task.stream(5, 1)
+        steps = 0
+        while b.local_epoch < 3:
+            assert time.monotonic() < deadline, "the background download never landed"
+            x, y = task.sample(gen, BS)
+            torch.nn.functional.cross_entropy(models[1](x), y).backward()
+            b.step()
+            b.zero_grad()
+            steps += 1
+            if steps == 1:  # the first step only started the download
+                assert b._download is not None and b.local_epoch == 0
+                assert all(torch.equal(p, q) for p, q in zip(before, models[1].parameters()))
+            time.sleep(0.01)
+        assert b.local_epoch == 3 and b._download is None
+        for p, q in zip(models[0].parameters(), models[1].parameters()):
+            assert torch.equal(p, q)
+    finally:
+        for o in opts:
+            o.shutdown()
