@@ -9,7 +9,8 @@ This module owns the glue between Lightning's training loop and
 ``batch_size``, the ``delay_*`` options, ``offload_optimizer``, ``reuse_grad_buffers``,
 ``scheduler_fn``, ``matchmaking_time``, ``averaging_timeout``, ``verbose``,
 ``averager_opts``, ``initial_peers`` or the ``PL_INITIAL_PEERS`` environment variable) and
-``listen`` for ``host_maddrs``, plus zgossip's ``secret_key`` / ``allowed_keys``. On the first
+``listen`` for ``host_maddrs``, plus zgossip's ``secret_key`` / ``allowed_keys`` and
+``compression`` / ``error_feedback`` / ``state_compression``. On the first
 training batch it wraps the LightningModule's optimizer, joins the swarm (downloading its
 state if the run is ahead) and prints the address other machines should pass as their
 initial peer. Every ``optimizer.step`` of Lightning's loop then accumulates; the swarm takes
@@ -89,7 +90,9 @@ def strategy_for(package: str | None = None) -> type:
 
         ``listen`` is where this peer accepts connections (hivemind's ``host_maddrs``; the default takes
         every interface and advertises this host's address). ``secret_key`` / ``allowed_keys``: CURVE keys
-        (`zgossip.Averager`). ``optimizer_kwargs`` go to `CollaborativeOptimizer` (e.g.
+        (`zgossip.Averager`). ``compression`` (e.g. ``"fp16"``, ``"int8"``), ``error_feedback`` and
+        ``state_compression``: how the gradients travel in a round and the state to newcomers
+        (`zgossip.codecs`; every peer of a run must use the same). ``optimizer_kwargs`` go to `CollaborativeOptimizer` (e.g.
         ``target_group_size``, ``min_group_size``, ``load_state_timeout``)."""
 
         INITIAL_PEERS_ENV = INITIAL_PEERS_ENV
@@ -113,6 +116,9 @@ def strategy_for(package: str | None = None) -> type:
             listen: str = "tcp://0.0.0.0:0",
             secret_key: Any = None,
             allowed_keys: Any = None,
+            compression: Any = None,
+            error_feedback: bool = False,
+            state_compression: Any = None,
             **optimizer_kwargs: Any,
         ) -> None:
             super().__init__(device=torch.device("cpu"))
@@ -140,6 +146,12 @@ def strategy_for(package: str | None = None) -> type:
                 opts["secret_key"] = secret_key
             if allowed_keys is not None:
                 opts["allowed_keys"] = allowed_keys
+            if compression is not None:
+                opts["compression"] = compression
+            if error_feedback:
+                opts["error_feedback"] = True
+            if state_compression is not None:
+                opts["state_compression"] = state_compression
             self._optimizer_kwargs = dict(
                 matchmaking_time=matchmaking_time, allreduce_timeout=averaging_timeout,
                 delay_optimizer_step=delay_optimizer_step, delay_grad_averaging=delay_grad_averaging,

@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--matchmaking-time", type=float, default=1.0)
     p.add_argument("--target-group-size", type=int, default=16)
     p.add_argument("--delay", action="store_true", help="delay_optimizer_step + delay_grad_averaging")
+    p.add_argument("--compression", default=None, help="how gradients travel: fp16, bf16, int8 (default: raw)")
     p.add_argument("--fast", action="store_true", help="gossip often (a loopback test)")
     p.add_argument("--min-peers", type=int, default=1, help="hold training while fewer peers than this train")
     p.add_argument("--out", default=None, help="write a JSON summary here (updated at every global step)")
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         target_batch_size=args.target_batch_size, run_id="lightning-example", batch_size=args.batch_size,
         initial_peers=args.initial_peers, listen=args.listen, matchmaking_time=args.matchmaking_time,
         averaging_timeout=30.0, target_group_size=args.target_group_size,
-        delay_optimizer_step=args.delay or None, delay_grad_averaging=args.delay,
+        delay_optimizer_step=args.delay or None, delay_grad_averaging=args.delay, compression=args.compression,
         averager_opts=dict(gossip_interval=0.05, peer_timeout=3.0, request_timeout=0.3) if args.fast else None)
     progress = Progress(strategy, args.epochs, args.out, args.min_peers)
     data = torch.utils.data.DataLoader(synthetic_data(args.seed, 100_000), batch_size=args.batch_size)
