@@ -19,6 +19,7 @@ import numpy as np
 
 from .actions import Disconnect, DownloadDone, DownloadFailed, Send, ServeState, StepDone, StepFailed, StepProgress
 from .allreduce import AllReduceRound, RoundOutcome, SpanOutcome
+from .codecs import CodecMap
 from .droplog import DropLog
 from .endpoints import listens
 from .errors import IllegalTransition, PeerLost, ProtocolError, RoundTimeout, StepInProgress
@@ -96,6 +97,7 @@ class StepRequest:
     layout: str  # fingerprint of numel/dtype/shapes: only equal layouts are grouped
     round: int | None = None  # the swarm-wide round number (picks the grid axis); None = follow the swarm
     layout_desc: str = ""  # count, shapes and dtypes as text (zgossip.layouts): to say what differs
+    codec: CodecMap | None = None  # wire compression of the buffer's ranges (in the layout, so agreed by the group)
     held: bool = False  # the all-reduce waits for trigger_step (see above)
     begin_at: float | None = None  # held: start matchmaking no earlier than this (None: at once)
     due_at: float | None = None  # held: report the step due (StepProgress(due=True)) at this time
@@ -403,11 +405,11 @@ class Node:
         return out
 
     def serve_state(self, req: str, endpoint: str, meta: Any, arrays: list | None, now: float,
-                    error: str = "") -> None:
+                    error: str = "", compression: Any = None) -> None:
         if arrays is None:
             self.donor.refuse(req, endpoint, error or "state unavailable")
         else:
-            self.donor.serve(req, endpoint, meta, arrays)
+            self.donor.serve(req, endpoint, meta, arrays, compression=compression)
         self._drain_loopback(now)
 
     def begin_download(self, req: str, now: float, timeout: float, chunk_timeout: float) -> None:
@@ -611,7 +613,8 @@ class Node:
         st.round = AllReduceRound(
             spec, st.buffer, st.weight, st.gather, self._send, now,
             part_elems=max(1, cfg.part_size_bytes // itemsize), part_timeout=cfg.part_timeout,
-            deadline=self.step_deadline(st, now), on_done=self._on_round_done, drops=self.drops,
+            deadline=self.step_deadline(st, now), on_done=self._on_round_done, codec=st.req.codec,
+            drops=self.drops,
         )
         st.round.start(now)
         for msg in self._early.pop(spec.group_id, []):
