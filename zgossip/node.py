@@ -20,6 +20,7 @@ import numpy as np
 from .actions import Disconnect, DownloadDone, DownloadFailed, Send, ServeState, StepDone, StepFailed, StepProgress
 from .allreduce import AllReduceRound, RoundOutcome, SpanOutcome
 from .codecs import CodecMap
+from .droplog import DropLog
 from .endpoints import listens
 from .errors import IllegalTransition, PeerLost, ProtocolError, RoundTimeout, StepInProgress
 from .grid import MoshpitGrid
@@ -29,6 +30,7 @@ from .messages import (
     Abort, Bye, Done, Gather, Gossip, GossipReply, Group, Join, JoinAck, Leave, Message, NoGroup, Part, Redirect, Rescue,
     RescueCall, Result, StateChunk, StateMeta, StateReq, check_info,
 )
+from .ratelimit import SourceLimits
 from .repair import HASH_KEY, VERSION_KEY, Verdict, read_mark, vote
 from .state import StateDonor, StateDownload, StateSnapshot
 from .view import MembershipView
@@ -68,6 +70,11 @@ class NodeConfig:
     state_donors: int = 4  # a download fetches chunks from up to this many donors at once
     self_repair: bool = True  # a peer outvoted on its published state hash downloads the majority's
     repair_timeout: float = 120.0
+    # control messages (gossip, joins, state requests, goodbyes) taken per second from one source,
+    # and at once; more are dropped and counted (`zgossip.ratelimit`). The rate is at least
+    # 4 / gossip_interval: an honest source sends about one gossip and one reply per interval.
+    control_rate: float = 50.0
+    control_burst: int = 100
 
     def __post_init__(self) -> None:
         if self.part_size_bytes < 16:
@@ -150,6 +157,8 @@ _STEP_MOVES = {
 
 #: messages of a running all-reduce round (routed by group id)
 _ROUND_MESSAGES = (Gather, Part, Result, Abort, RescueCall, Rescue)
+#: control messages rate-limited per source (`zgossip.ratelimit`); round data is checked by the round
+_LIMITED = frozenset((Gossip, GossipReply, Join, Leave, StateReq, Bye))
 
 
 @dataclass
@@ -215,8 +224,12 @@ class Node:
         self._done_from: dict[str, set[tuple[str, str]]] = {}  # gid -> (peer id, endpoint) that said DONE
         self.donor = StateDonor(peer_id, endpoint, self._send, config.state_chunk_bytes)
         self.downloads: dict[str, StateDownload] = {}
-        self.stats = {"messages": 0, "dropped": 0, "late": 0, "repairs": 0, "repair_failures": 0,
+        self.stats = {"messages": 0, "dropped": 0, "late": 0, "rate_limited": 0, "repairs": 0, "repair_failures": 0,
                       "state_bad_chunks": 0, "state_refetched": 0}
+        self._limits = SourceLimits(max(config.control_rate, 4.0 / config.gossip_interval), config.control_burst)
+        self._limited_logged: set[str] = set()
+        #: refused input is logged once per source and kind (rounds and downloads share it)
+        self.drops = DropLog(f"zgossip node {endpoint}")
         # self-repair (zgossip.repair): the last verdict, the repair under way
         self.last_verdict: Verdict | None = None
         self._repair: tuple[str, int, str, str] | None = None  # (download req, version, root, our root)
@@ -434,7 +447,7 @@ class Node:
                        target_root: str = "", only: tuple[str, ...] = (), max_donors: int | None = None) -> None:
         dl = StateDownload(req, self.membership, self._send, self._rng, now, now + timeout, chunk_timeout,
                            self.config.max_state_bytes, self._on_download_done, target_root=target_root,
-                           only=only, max_donors=max(1, max_donors or self.config.state_donors))
+                           only=only, max_donors=max(1, max_donors or self.config.state_donors), drops=self.drops)
         self.downloads[req] = dl
         dl.start(now)
         self._drain_loopback(now)
@@ -517,14 +530,21 @@ class Node:
         if dl is None:
             self.stats["late"] += 1
         else:
-            dl.on_meta(msg, now)
+            self._feed_download(dl, dl.on_meta, msg, now)
 
     def _on_state_chunk(self, msg: StateChunk, now: float) -> None:
         dl = self.downloads.get(msg.req)
         if dl is None:
             self.stats["late"] += 1
         else:
-            dl.on_chunk(msg, now)
+            self._feed_download(dl, dl.on_chunk, msg, now)
+
+    def _feed_download(self, dl: StateDownload, handler: Any, msg: Message, now: float) -> None:
+        """Hand `msg` to a download; the donor data it refused (dropped) or ignored (late) is counted."""
+        dropped, late = dl.dropped, dl.late
+        handler(msg, now)
+        self.stats["dropped"] += dl.dropped - dropped
+        self.stats["late"] += dl.late - late
 
     def chunk_target(self, msg: StateChunk) -> tuple[np.ndarray, int, int, bytes] | None:
         """Where a chunk a running download waits for goes, and its digest (`StateDownload.target`):
@@ -542,7 +562,7 @@ class Node:
         if dl is None:
             self.stats["late"] += 1
         else:
-            dl.on_placed(msg, now, digest, placed_in)
+            self._feed_download(dl, lambda m, t: dl.on_placed(m, t, digest, placed_in), msg, now)
         self._drain_loopback(now)
 
     def owes_others(self) -> bool:
@@ -617,16 +637,26 @@ class Node:
     # ------------------------------------------------------------------ dispatch
     def _dispatch(self, msg: Message, now: float) -> None:
         if msg.sender != self.peer_id:
+            if type(msg) in _LIMITED and not self._limits.allow(msg.sender, now):
+                self.stats["rate_limited"] += 1
+                if msg.sender not in self._limited_logged and len(self._limited_logged) < 4096:
+                    self._limited_logged.add(msg.sender)
+                    log.warning("zgossip node %s: %s from %s (%s) floods control messages: dropping what exceeds "
+                                "%.0f/s (later drops are only counted in stats['rate_limited'])", self.endpoint,
+                                msg.type.name, msg.sender[:16], msg.endpoint, self._limits.rate)
+                return
             self.membership.observe(msg.sender, msg.endpoint, now)
+        mm = self.matchmaker
+        dropped, late = mm.dropped, mm.late
         self._handlers[type(msg)](msg, now)
+        self.stats["dropped"] += mm.dropped - dropped
+        self.stats["late"] += mm.late - late
 
     def _round_message(self, msg: Gather | Part | Result | Abort | RescueCall | Rescue, now: float) -> None:
         gid = msg.group_id
         st = self.step
         if st is not None and st.round is not None and st.round.spec.group_id == gid:
-            before = st.round.dropped
-            st.round.on_message(msg, now)
-            self.stats["dropped"] += st.round.dropped - before
+            self._feed_round(st.round, msg, now)
             return
         done = self._finished.get(gid)
         if done is not None:
@@ -652,7 +682,16 @@ class Node:
                 early.append(msg)
                 return
         self.stats["dropped"] += 1
-        log.debug("%s: dropped %s for unknown round %s", self.peer_id[:8], msg.type.name, gid[:8])
+        # usually benign (a groupmate's late message after we gave the round up): INFO, once per source
+        self.drops.note(log, f"{msg.sender[:16]} at {msg.endpoint}", f"{msg.type.name} for a round this node is "
+                        "not in", f"group {gid[:8]}", level=logging.INFO)
+
+    def _feed_round(self, rnd: AllReduceRound, msg: Message, now: float) -> None:
+        """Hand `msg` to the running round; what it refused (dropped) or ignored (late) is counted."""
+        dropped, late = rnd.dropped, rnd.late
+        rnd.on_message(msg, now)
+        self.stats["dropped"] += rnd.dropped - dropped
+        self.stats["late"] += rnd.late - late
 
     # ------------------------------------------------------------------ step lifecycle
     def _on_group(self, spec: GroupSpec, now: float) -> None:
@@ -687,13 +726,12 @@ class Node:
             spec, st.buffer, st.weight, st.gather, self._send, now,
             part_elems=max(1, cfg.part_size_bytes // itemsize), part_timeout=cfg.part_timeout,
             deadline=self.step_deadline(st, now), on_done=self._on_round_done, codec=st.req.codec,
+            drops=self.drops,
         )
         st.round.start(now)
         for msg in self._early.pop(spec.group_id, []):
             if st.round is not None and st.round.spec.group_id == spec.group_id:
-                before = st.round.dropped
-                st.round.on_message(msg, now)
-                self.stats["dropped"] += st.round.dropped - before
+                self._feed_round(st.round, msg, now)
         self._early.clear()
         for ep in st.downs:  # connections that dropped while we waited for the trigger
             if st.round is not None:

@@ -48,6 +48,7 @@ import numpy as np
 
 from . import codecs as _codecs
 from . import codecs as _codecs
+from .droplog import DropLog
 from .errors import IllegalTransition, StateUnavailable
 from .messages import CODE_OF, DTYPES, Message, StateChunk, StateMeta, StateReq
 from .view import MembershipView
@@ -254,6 +255,9 @@ class StateDownload:
     snapshot: StateSnapshot | None = None  # the verified result (hashes reused by a repair)
     _asked: dict[str, tuple[str, float]] = field(default_factory=dict)  # peer -> (endpoint, answer by)
     _active: dict[str, _Donor] = field(default_factory=dict)
+    dropped: int = 0  # donor data refused (bad layout, dtype, size, codec, digest)
+    late: int = 0  # messages not for a donor or phase this download waits on, ignored
+    drops: DropLog | None = None  # the node's: refused donor data is logged once per donor
     _meta: Any = None
     _specs: tuple = ()
     _chunk_bytes: int = 0
@@ -301,10 +305,18 @@ class StateDownload:
                 f"{len(self.tried)} tried. What happened: {what}. Start a peer with allow_state_sharing=True "
                 "or retry once more peers are up."))
 
-    def _drop(self, peer: str, now: float, why: str) -> None:
-        """Give up on `peer`: its outstanding chunks go back to the pool; ask another donor."""
+    def _drop(self, peer: str, now: float, why: str, bad: bool = False) -> None:
+        """Give up on `peer`: its outstanding chunks go back to the pool; ask another donor. `bad`:
+        it sent data failing our checks (counted in `dropped`, logged once per donor)."""
         self.history.append(f"{peer[:8]}: {why}")
-        log.info("state download %s: donor %s dropped: %s", self.req, peer[:8], why)
+        if bad:
+            self.dropped += 1
+            if self.drops is None:
+                self.drops = DropLog(self.membership.peer_id[:8])
+            self.drops.note(log, peer, "state data failing its checks (layout, size, codec or digest)",
+                            f"download {self.req}: {why}; its chunks are fetched from the others")
+        else:
+            log.info("state download %s: donor %s dropped: %s", self.req, peer[:8], why)
         self._asked.pop(peer, None)
         d = self._active.pop(peer, None)
         if d is not None and d.inflight:
@@ -346,12 +358,14 @@ class StateDownload:
     def on_meta(self, msg: StateMeta, now: float) -> None:
         peer = msg.sender
         if self.phase is DownloadPhase.DONE or msg.req != self.req:
+            self.late += 1
             return
         if peer in self._active:  # a refusal of a chunk request (e.g. the donor moved on)
             if not msg.ok:
                 self._drop(peer, now, f"refused chunks: {msg.reason}")
             return
         if peer not in self._asked:
+            self.late += 1
             return
         endpoint = self._asked[peer][0]
         if not msg.ok:
@@ -359,8 +373,8 @@ class StateDownload:
         # every holder of the adopted state is gone: without a wanted root, start over with this one
         restart = bool(self.root) and msg.digest != self.root and not self._active and not self.target_root
         why = self._check_meta(msg, restart)
-        if why:
-            return self._drop(peer, now, why)
+        if why:  # another state than ours is honest; anything else is bad data
+            return self._drop(peer, now, why, bad=not why.startswith(("offers another", "holds another")))
         if not self.root or restart:
             if restart:
                 self.history.append(f"{peer[:8]}: holds another state; starting over with it")
@@ -440,25 +454,25 @@ class StateDownload:
         """`digest`: `chunk_digest` of the chunk's bytes, when the caller computed it; `placed_in`:
         the buffer (from `target`) the caller already wrote the verified bytes into."""
         if self.phase is not DownloadPhase.STREAMING or msg.req != self.req:
+            self.late += 1
             return
         peer = msg.sender
         d = self._active.get(peer)
         if d is None:
+            self.late += 1
             return  # from a donor already dropped: its chunks were asked again elsewhere
         i = msg.index
         if i not in d.inflight:
-            return self._drop(peer, now, f"sent chunk {i}, which it was not asked for")
+            return self._drop(peer, now, f"sent chunk {i}, which it was not asked for", bad=True)
         t, off, length = self._plan[i]
         raw = msg.data.view(np.uint8)
         if msg.tensor != t or msg.offset != off or raw.nbytes != length:
-            return self._drop(peer, now, f"chunk {i} does not match the announced layout")
+            return self._drop(peer, now, f"chunk {i} does not match the announced layout", bad=True)
         if digest is None:
             digest = chunk_digest(raw)
         if digest != self._hashes[i * DIGEST_BYTES: (i + 1) * DIGEST_BYTES]:
             self.bad_chunks += 1
-            log.warning("state download %s: chunk %d from %s fails its digest: fetching it elsewhere",
-                        self.req, i, peer[:8])
-            return self._drop(peer, now, f"chunk {i} failed its checksum")
+            return self._drop(peer, now, f"chunk {i} failed its checksum", bad=True)
         if placed_in is None or placed_in is not self._bufs[t]:  # not written by the caller (or a state since replaced)
             self._bufs[t][off: off + length] = raw
         d.inflight.discard(i)
