@@ -42,11 +42,15 @@ Two benchmarks, chosen by flag:
     repetitions of this step time / that one's right next to it, which cancels most
     of the drift of a shared machine that separate runs suffer from.
 
-``zgossip bench --matchmaking [--peers 8] [--numel 1024] [--reps 10]``
+``zgossip bench --matchmaking [--peers 8] [--numel 1024] [--reps 10] [--target-group-size T]``
     Matchmaking latency: 8 local peers that already know each other (membership is
     awaited first), a small tensor, target group size 8, at least 10 timed steps
     after warm-up; reports the median over steps of the max over peers of
     ``result.timings['matchmaking']`` (time from ``step()`` until the group is known).
+    With ``--target-group-size T`` larger than ``--peers`` (a swarm smaller than its target:
+    ``--peers 3 --target-group-size 16``), the peers run the Averager's defaults
+    (``min_group_size`` 2, ``matchmaking_time`` 1 s): the group forms once every live peer
+    joined, or, before issue 13, when the window closed. The output names the machine.
 
 ``--json`` prints one JSON object with every figure instead of the table. Every
 process started is stopped (killed if it does not stop in time), every wait has a
@@ -90,6 +94,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="zgossip peers talk over TCP loopback, like gloo, instead of finding each other's "
                         "Unix sockets (the default between peers on one host)")
     p.add_argument("--matchmaking", action="store_true", help="benchmark matchmaking latency instead of the all-reduce")
+    p.add_argument("--target-group-size", type=int, default=None, metavar="T",
+                   help="with --matchmaking: the peers' target_group_size (default: --peers); larger than --peers "
+                        "times a swarm smaller than its target")
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
     p.add_argument("--curve", action="store_true",
                    help="peers with CURVE keys (authenticated, encrypted); the all-reduce bench also runs the same "
@@ -457,9 +464,26 @@ def curve_kwargs(peers: int) -> list[dict]:
     return [{"secret_key": k, "allowed_keys": [x.public for x in keys]} for k in keys]
 
 
+def machine() -> dict:
+    """What ran a benchmark: CPU model, cores, kernel, load average."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    u = os.uname()
+    return {"cpu": model, "cores": os.cpu_count(), "kernel": f"{u.sysname} {u.release}",
+            "loadavg": [round(x, 2) for x in os.getloadavg()]}
+
+
 def bench_matchmaking(peers: int = 8, numel: int = 1024, steps: int = MIN_MATCHMAKING_STEPS, seed: int = 0,
-                      timeout: float = 60.0, curve: bool = False) -> dict:
+                      timeout: float = 60.0, curve: bool = False, target_group_size: int | None = None) -> dict:
     kw = _swarm_kwargs(peers, None, timeout)
+    if target_group_size is not None and target_group_size != peers:
+        # a swarm smaller (or larger) than its target, on the Averager's defaults otherwise
+        kw.update(target_group_size=target_group_size, min_group_size=min(2, target_group_size))
+        kw.pop("matchmaking_time")
     with LocalSwarm(peers, numel, seed=seed, averager_kwargs=kw, start_timeout=timeout,
                     per_peer_kwargs=curve_kwargs(peers) if curve else None) as swarm:
         swarm.wait_membership(timeout=min(timeout, 30.0))
@@ -475,8 +499,10 @@ def bench_matchmaking(peers: int = 8, numel: int = 1024, steps: int = MIN_MATCHM
         "numel": numel,
         "steps": steps,
         "other_load_cores": foreign,
+        "target_group_size": kw["target_group_size"],
         "matchmaking": _summary(times["matchmaking"]),
         "step": _summary(times["wall"]),
+        "machine": machine(),
     }
 
 
@@ -497,12 +523,14 @@ def run(args: argparse.Namespace) -> int:
         peers = args.peers or 8
         numel = 1024 if args.numel is None else args.numel
         res = bench_matchmaking(peers, numel, max(args.reps, MIN_MATCHMAKING_STEPS), args.seed, args.timeout,
-                                args.curve)
+                                args.curve, args.target_group_size)
         if args.json:
             print(json.dumps(res))
         else:
             print(f"zgossip bench --matchmaking{' --curve' if args.curve else ''}: {peers} peers that know each other, {numel} floats, "
-                  f"{res['steps']} steps (max over peers per step)")
+                  f"target group size {res['target_group_size']}, {res['steps']} steps (max over peers per step)")
+            m = res["machine"]
+            print(f"  machine: {m['cpu'] or 'unknown CPU'}, {m['cores']} cores, {m['kernel']}, load {m['loadavg'][0]:.2f}")
             print(_line("matchmaking", res["matchmaking"]))
             print(_line("whole step", res["step"]))
             print(f"  other processes kept {res['other_load_cores']:.2f} cores busy meanwhile")
