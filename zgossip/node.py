@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from . import announce
+from . import announce, autogrid
 from .actions import Disconnect, DownloadDone, DownloadFailed, Send, ServeState, StepDone, StepFailed
 from .allreduce import AllReduceRound, RoundOutcome, SpanOutcome
 from .endpoints import listens
@@ -58,6 +58,7 @@ class NodeConfig:
     bandwidth: float = 1.0  # relative share of the reduction this peer takes; 0 = client
     grid: tuple[int, ...] = ()
     grid_coords: tuple[int, ...] | None = None
+    grid_auto: bool = False  # the grid's shape follows the swarm's gossiped size (zgossip.autogrid)
     early_buffer_messages: int = 512  # round messages kept while our GROUP is still on its way
     max_state_bytes: int = 1 << 36  # largest state a download accepts
 
@@ -70,6 +71,8 @@ class NodeConfig:
             raise ValueError("timeouts must be positive")
         if not self.prefix or len(self.prefix) > 200:
             raise ValueError("prefix must be 1..200 characters")
+        if self.grid_auto and (self.grid or self.grid_coords is not None):
+            raise ValueError('grid="auto" derives the shape and coordinates itself: give no grid_coords')
 
 
 @dataclass(frozen=True)
@@ -165,6 +168,7 @@ class Node:
         self.coords = self.grid.check(config.grid_coords) if config.grid_coords is not None else self.grid.random_coords(rng)
         self.round_index = 0  # the next round this node expects; see `swarm_round`
         self._prefix_tag = announce.tag(config.prefix)
+        self._size = 0  # grid="auto": this node's quantised estimate of the swarm's size (0 = none yet)
         self._user_info: dict = {}
         self._publish_round()
         self.phase = StepPhase.IDLE
@@ -233,8 +237,47 @@ class Node:
                 best = a.round
         return best
 
+    def _estimate(self) -> int:
+        """grid="auto": the swarm's size as far as this node can tell (`zgossip.autogrid`): its own
+        quantised count of the live peers of its prefix (kept in `_size`, announced), or the largest
+        size another live peer announced."""
+        mine, sizes = 1, []
+        for rec in self.membership.peers.values():
+            a = announce.Announcement.read(rec.info)
+            if a is not None and a.prefix == self._prefix_tag:
+                mine += 1
+                if a.size:
+                    sizes.append(a.size)
+        self._size = autogrid.quantise(mine, self._size)
+        return autogrid.swarm_size(self._size, sizes)
+
+    def _refresh_estimate(self) -> None:
+        """grid="auto", once per gossip tick: keep the announced estimate current between rounds (the
+        others' maximum follows it), and between steps take a new shape at once."""
+        before = (self._size, self.grid.shape)
+        if self.phase is StepPhase.IDLE:
+            self._resize_grid()
+        else:
+            self._estimate()  # inside a step the shape stays; only the announced size moves
+        if (self._size, self.grid.shape) != before:
+            self._publish_round()
+
+    def _resize_grid(self) -> bool:
+        """grid="auto", at a round boundary: re-derive the grid's shape from the swarm's size
+        (`zgossip.autogrid`); on a change, new random coordinates on the new grid. True if it changed."""
+        if not self.config.grid_auto:
+            return False
+        size = self._estimate()
+        shape = autogrid.shape_for(size, self.config.target_group_size)
+        if shape == self.grid.shape:
+            return False
+        log.info("%s: grid %s -> %s (swarm size estimate %d)", self.peer_id[:8], self.grid.shape, shape, size)
+        self.grid = MoshpitGrid(shape)
+        self.coords = self.grid.random_coords(self._rng)
+        return True
+
     def _publish_round(self) -> None:
-        a = announce.Announcement(self._prefix_tag, self.round_index, announce.tag(self.current_key(), 4))
+        a = announce.Announcement(self._prefix_tag, self.round_index, announce.tag(self.current_key(), 4), self._size)
         self.membership.info = {**self._user_info, **a.record()}
 
     def _may_join(self, key: str, rnd: int, now: float) -> set[str] | None:
@@ -270,6 +313,7 @@ class Node:
 
     def _advance_round(self, to: int) -> None:
         self.round_index = to
+        self._resize_grid()  # a round boundary: the announced key is then the one of the next round's grid
         self._publish_round()
         self.membership.heartbeat += 1  # fresher than what others hold, so they adopt it at once
 
@@ -284,7 +328,8 @@ class Node:
             return
         self._move(StepPhase.MATCHMAKING)
         rnd = req.round if req.round is not None else self.swarm_round()
-        if rnd != self.round_index:
+        resized = self._resize_grid()  # a step begins at a round boundary (grid="auto")
+        if rnd != self.round_index or resized:
             self.round_index = rnd
             self._publish_round()  # goes out with the next heartbeat
         key = self.current_key()
@@ -449,8 +494,10 @@ class Node:
         return told
 
     def on_timer(self, now: float) -> None:
-        version = self.membership.version
+        version, beat = self.membership.version, self.membership.heartbeat
         self.membership.on_timer(now)
+        if self.config.grid_auto and self.membership.heartbeat != beat:
+            self._refresh_estimate()
         if self.matchmaker.pools and self.membership.version != version:
             self.matchmaker.recheck(now)  # a peer expired: it will not come
         self.matchmaker.on_timer(now)
