@@ -237,7 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fixed", action="store_true", help="also run the first phase's grid kept through every phase")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     a = p.parse_args(argv)
-    sizes = tuple(int(x) for x in a.sizes.split(","))
+    try:
+        sizes = tuple(int(x) for x in a.sizes.split(","))
+    except ValueError:
+        p.error(f"--sizes takes swarm sizes separated by commas, such as 16,512,64, not {a.sizes!r}")
+    if min(sizes) < 1 or a.target < 2 or a.rounds < 1 or a.seeds < 1 or a.settle < 0 or a.interval < 0:
+        p.error("sizes and seeds must be >= 1, --target >= 2, --rounds >= 1, --settle and --interval >= 0")
     t0 = time.perf_counter()
     runs = [run_autogrid(sizes, a.target, a.rounds, a.settle, seed, a.membership, a.fixed, interval=a.interval)
             for seed in range(a.seeds)]
