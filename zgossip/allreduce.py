@@ -37,6 +37,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .codecs import NONE, CodecMap
+from .droplog import DropLog
 from .endpoints import listens
 from .errors import IllegalTransition, ProtocolError
 from .matchmaking import GroupSpec
@@ -184,6 +186,8 @@ class AllReduceRound:
         part_timeout: float,
         deadline: float,
         on_done: Callable[["AllReduceRound", float], None],
+        drops: DropLog | None = None,
+        codec: CodecMap | None = None,
     ) -> None:
         if buffer.ndim != 1:
             raise ProtocolError("the all-reduce buffer must be flat")
@@ -196,6 +200,8 @@ class AllReduceRound:
         self.weight = float(weight)
         self._send_raw = send
         self._on_done = on_done
+        #: refusals are logged once per source and kind (shared with the node, so across rounds too)
+        self.drops = drops if drops is not None else DropLog(self.me.peer_id[:8])
         self.part_timeout = part_timeout
         self.deadline = deadline
         self.started = now
@@ -243,15 +249,30 @@ class AllReduceRound:
         self.late_results = 0
         self.partial: list[tuple[int, int, int, tuple[int, ...]]] = []  # (owner, lo, hi, contrib) of results taken in part
         self.dropped = 0  # messages refused by validation against the group's plan (logged too)
+        self.late = 0  # late or duplicate messages ignored: what they carry was settled already
+        # wire compression (`zgossip.codecs`): parts and results travel encoded as the group agreed (the
+        # map is part of the layout peers are grouped by); terms are decoded before they are reduced
+        self.codec = codec if codec is not None and not codec.lossless else None
 
     # ------------------------------------------------------------------ helpers
     def _part(self, owner: int, p: int, rescue: bool) -> Part:
         lo, hi = self.plan.part(owner, p)
-        return Part.trusted(self.me.peer_id, self.me.endpoint, self._gid, owner, p, self.weight, rescue,
-                            self.buf[lo:hi])
+        cid, data = (NONE, self.buf[lo:hi]) if self.codec is None else self.codec.encode(lo, hi, self.buf[lo:hi])
+        return Part.trusted(self.me.peer_id, self.me.endpoint, self._gid, owner, p, self.weight, rescue, cid, data)
 
-    def _result(self, owner: int, p: int, contrib: tuple[int, ...], rescue: bool, data: np.ndarray) -> Result:
-        return Result.trusted(self.me.peer_id, self.me.endpoint, self._gid, owner, p, contrib, rescue, data)
+    def _result(self, owner: int, p: int, contrib: tuple[int, ...], rescue: bool, data: np.ndarray,
+                cid: int = NONE) -> Result:
+        return Result.trusted(self.me.peer_id, self.me.endpoint, self._gid, owner, p, contrib, rescue, cid, data)
+
+    def _decoded(self, lo: int, hi: int, cid: int, data: np.ndarray) -> np.ndarray | str:
+        """A received payload as values (what the codec map says range [lo, hi) travels as), or why not."""
+        if self.codec is None:
+            if cid != NONE:
+                return f"codec {cid} where the group agreed on raw values"
+            return data
+        out = np.empty(hi - lo, dtype=self.buf.dtype)
+        why = self.codec.decode(lo, hi, cid, data, out)
+        return out if why is None else why
 
     def _send(self, member: int, msg: Message) -> None:
         for arr in msg.payload:
@@ -277,6 +298,8 @@ class AllReduceRound:
             for o in order:
                 if p < self.plan.num_parts(o):
                     self._send(o, self._part(o, p, rescue=False))
+        if self.codec is not None and self.rank not in self.aux:
+            self.codec.zero_residual(*self.plan.span(self.rank))  # our own term is reduced exactly
         for p in range(self.own.nparts):
             self._advance(self.own, p, now)
         self._check_done(now)
@@ -333,6 +356,8 @@ class AllReduceRound:
                     k += 1
                 elif (k, p) in r.pending:
                     data, w = r.pending[(k, p)]
+                    if data.dtype != self.buf.dtype:  # an encoded term (`_on_part` checked it against the map)
+                        data = self._decoded(lo, hi, self.codec.layout(lo, hi)[0], data)
                     run.append((k, data, w))
                     k += 1
                 else:
@@ -379,8 +404,8 @@ class AllReduceRound:
                     # one NaN would poison every member's average: the sender is excluded from this
                     # reduction (its own copy of these elements stays unchanged), the others go on
                     self.dropped += 1
-                    log.warning("%s: part %d of span %d from %s holds NaN or inf: sender excluded from this span",
-                                self.me.peer_id[:8], p, r.owner, self.members[j].peer_id[:8])
+                    self.drops.note(log, self.members[j].peer_id, "a PART holding NaN or inf",
+                                    f"part {p} of span {r.owner}: sender excluded from this span")
                     r.excluded.add(j)
                     for key in [key for key in r.pending if key[0] == j]:
                         del r.pending[key]
@@ -419,8 +444,19 @@ class AllReduceRound:
         lo, hi = self.plan.part(r.owner, p)
         if in_buf:
             a = self.buf[lo:hi]  # sent zero-copy from there; nothing writes a settled part again
+        cid, wire_a = NONE, a
+        if contrib and self.codec is not None:
+            # the mean is encoded once; we keep its *decoded* form, as every other member does
+            cid, wire_a = self.codec.encode(lo, hi, a, feedback=False)
+            if cid != NONE:
+                decoded = self._decoded(lo, hi, cid, wire_a)
+                assert not isinstance(decoded, str)
+                if self.rank in contrib and self.weight > 0:
+                    self.codec.carry_result(lo, hi, a, decoded, r.wsum[p] / self.weight)
+                a = decoded
+                in_buf = False
         if contrib:
-            msg = self._result(r.owner, p, contrib, r.rescue, a)
+            msg = self._result(r.owner, p, contrib, r.rescue, wire_a, cid)
             for j in contrib:
                 if j != self.rank:
                     self._send(j, msg)
@@ -436,7 +472,9 @@ class AllReduceRound:
                 self._send(j, notice)
         if contrib and not r.rescue and self.rank in self.aux:
             self.part_contrib[self.rank][p] = contrib  # what we reduced for the others, for the outcome
-        if self.rank in contrib:
+        if self.rank in contrib and cid != NONE:
+            self._resolve(r.owner, p, contrib, a, rescued=r.rescue)  # as the others take it (up to a NaN/inf)
+        elif self.rank in contrib:
             if not in_buf:
                 self.buf[lo:hi] = a  # checked finite by the reduction
             self._settle(r.owner, p, contrib, rescued=r.rescue)
@@ -468,9 +506,9 @@ class AllReduceRound:
                 self._settle(owner, p, contrib, rescued)
                 return
             self.dropped += 1
-            log.warning("%s: result for span %d part %d from its reducer holds NaN or inf: %d of %d elements taken "
-                        "(those before the first bad block), the rest left unchanged",
-                        self.me.peer_id[:8], owner, p, done, hi - lo)
+            self.drops.note(log, self.members[owner].peer_id, "a RESULT holding NaN or inf",
+                            f"span {owner} part {p}: {done} of {hi - lo} elements taken (those before the first bad "
+                            "block), the rest left unchanged")
             if done:
                 self.partial.append((owner, lo, lo + done, contrib))
                 partial = True
@@ -558,7 +596,8 @@ class AllReduceRound:
         j = self.index.get(msg.sender)
         if j is None or j == self.rank or self.members[j].endpoint != msg.endpoint:
             self.dropped += 1
-            log.warning("%s: dropped %s from non-member %s", self.me.peer_id[:8], msg.type.name, msg.sender[:8])
+            self.drops.note(log, f"{msg.sender[:16]} at {msg.endpoint}", f"{msg.type.name} from a non-member",
+                            f"group {self._gid[:8]}")
             return
         self._now = now
         self.last_heard[j] = now
@@ -568,24 +607,30 @@ class AllReduceRound:
     def _on_gather(self, j: int, msg: Gather, now: float) -> None:
         if not self.members[j].sends_gather:
             return self._bad(j, msg, "GATHER from a member that announced it sends none")
-        self.gathered.setdefault(j, msg.data)
+        if j in self.gathered:
+            self.late += 1  # a duplicate: the first GATHER stands
+            return
+        self.gathered[j] = msg.data
         self.weights[j] = msg.weight
 
     def _bad(self, j: int, msg: Message, why: str) -> None:
         self.dropped += 1
-        log.warning("%s: dropped %s from %s: %s", self.me.peer_id[:8], msg.type.name, self.members[j].peer_id[:8], why)
+        self.drops.note(log, self.members[j].peer_id, f"{msg.type.name}: {why}", f"group {self._gid[:8]}")
 
-    def _part_range(self, owner: int, p: int, payload: np.ndarray) -> tuple[int, int] | None:
+    def _part_range(self, owner: int, p: int, payload: np.ndarray, cid: int = NONE) -> tuple[int, int] | None:
         if owner >= self.n or p >= self.plan.num_parts(owner):
             return None
         lo, hi = self.plan.part(owner, p)
+        if self.codec is not None:  # length and codec are the map's to check (`_decoded`)
+            return lo, hi
         if payload.size != hi - lo or payload.dtype != self.buf.dtype:
             return None
         return lo, hi
 
     def _on_part(self, j: int, msg: Part, now: float) -> None:
         owner, p, arr = msg.owner, msg.part, msg.data
-        if self._part_range(owner, p, arr) is None:
+        rng = self._part_range(owner, p, arr)
+        if rng is None:
             return self._bad(j, msg, "part index, length or dtype does not match the group's plan")
         if msg.rescue:
             r = self.rescues.get(owner)
@@ -596,8 +641,15 @@ class AllReduceRound:
                 return self._bad(j, msg, "part of a span this member does not own")
             r = self.own
         if j in r.excluded or r.state[p] is not ReduceState.COLLECTING or r.pos[p] > j or (j, p) in r.pending:
-            return  # late or duplicate: that member's share of this part is already settled
+            self.late += 1  # late or duplicate: that member's share of this part is already settled
+            return
         self.bytes_received += arr.nbytes
+        if msg.codec != NONE or self.codec is not None:
+            # checked now, decoded only when its pass comes (`_sum_part`): a few terms at a time in memory
+            why = "codec where the group agreed on raw values" if self.codec is None else \
+                self.codec.check(*rng, msg.codec, arr, self.buf.dtype)
+            if why is not None:
+                return self._bad(j, msg, why)
         self.weights.setdefault(j, msg.weight)
         r.pending[(j, p)] = (arr, msg.weight)
         self._advance(r, p, now)
@@ -615,11 +667,19 @@ class AllReduceRound:
             # the substitute (and may still be on its way, zero-copy from our buffer), so only the
             # substitute's result may write it
             self.late_results += 1
+            self.late += 1
             return
         expected = self.rescue_target.get(owner) if msg.rescue else owner
         if j != expected:
             return self._bad(j, msg, "result from a member that does not reduce that span")
         self.bytes_received += arr.nbytes
+        if self.status[owner][p] is not PartState.WAITING:
+            self.late += 1  # settled already (by a rescue, or unchanged at a timeout): this news is late
+            return
+        if self.rank in contrib and (msg.codec != NONE or self.codec is not None):
+            arr = self._decoded(*self.plan.part(owner, p), msg.codec, arr)
+            if isinstance(arr, str):
+                return self._bad(j, msg, arr)
         if self.rank in contrib:
             self._resolve(owner, p, contrib, arr, rescued=msg.rescue)
         else:
@@ -632,7 +692,7 @@ class AllReduceRound:
     def _on_rescue_call(self, j: int, msg: RescueCall, now: float) -> None:
         owner = msg.owner
         if owner >= self.n or owner == self.rank:
-            return
+            return self._bad(j, msg, "rescue call for a span that is not another member's")
         if owner not in self.rescue_target:
             self._member_lost(owner, now, substitute=j)
             if owner not in self.rescue_target:  # nothing to rescue here: still answer, so j need not wait
@@ -641,7 +701,7 @@ class AllReduceRound:
     def _on_rescue(self, j: int, msg: Rescue, now: float) -> None:
         owner = msg.owner
         if owner >= self.n or owner == self.rank or self.plan.num_parts(owner) == 0:
-            return
+            return self._bad(j, msg, "rescue of a span that is not another member's or is empty")
         need = frozenset(p for p in msg.need if p < self.plan.num_parts(owner))
         if owner not in self.rescue_target:
             self._member_lost(owner, now, substitute=self.rank)  # declares my own needs too
