@@ -10,6 +10,7 @@
     python -m sim bench [--json]                # speed vs a bare SimPy model, memory at 16,384 peers
     python -m sim compare RUN.json [--skip K]   # a testbed run replayed in the simulator, side by side
     python -m sim fidelity [--quick] [--cases a,b] [--out F]  # testbed vs simulator over a case matrix
+    python -m sim autogrid [--sizes 16,512,64] [--seeds N] # grid="auto" as a swarm grows and shrinks (sim.autogrid)
     python -m sim calibrate [--out PROFILE.json] # CPU costs and TCP sysctls of this machine (sim.cpu)
     python -m sim testbed scenario.toml [--out run.json] [--csv rounds.csv] [--compare]   # real peers, root
     python -m sim testbed --selftest scenario.toml | --cleanup
@@ -356,6 +357,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .cpu import main as calibrate_main
 
         return calibrate_main(argv[1:])
+    if argv[:1] == ["autogrid"]:
+        from .autogrid import main as autogrid_main
+
+        return autogrid_main(argv[1:])
     if argv[:1] == ["bench"]:
         from .bench import main as bench_main
 
@@ -422,6 +427,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     pl.add_argument("--eps", type=float, help="threshold of the rounds-to-eps heatmap (default: [plot] eps, else 1e-9)")
     pl.add_argument("--heatmap", nargs=2, metavar=("X", "Y"), help="the heatmap's two axes")
     pl.set_defaults(fn=lambda a: __import__("sim.plot", fromlist=["main"]).cmd_plot(a))
+    ag = sub.add_parser("autogrid", help='grid="auto" in a swarm that grows and shrinks, against hand-sized grids')
+    ag.add_argument("rest", nargs=argparse.REMAINDER, help="options of python -m sim autogrid (see its --help)")
+    ag.set_defaults(fn=lambda a: __import__("sim.autogrid", fromlist=["main"]).main(a.rest))
     b = sub.add_parser("bench", help="speed and memory of the simulator against a bare SimPy model")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="options of python -m sim bench (see its --help)")
     b.set_defaults(fn=lambda a: __import__("sim.bench", fromlist=["main"]).main(a.rest))

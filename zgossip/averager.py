@@ -52,6 +52,17 @@ def _to_numpy(a: Any) -> np.ndarray:
     return np.asarray(a)
 
 
+def _is_auto(grid: Any) -> bool:
+    return isinstance(grid, str) and grid == "auto"
+
+
+def _grid_shape(grid: Any) -> tuple[int, ...]:
+    """The `grid` argument as a shape: a sequence of positive ints (``"auto"`` is handled apart)."""
+    if isinstance(grid, str) or not all(isinstance(m, (int, np.integer)) and not isinstance(m, bool) for m in grid):
+        raise ValueError(f'grid must be a sequence of positive ints or "auto", not {grid!r}')
+    return tuple(int(m) for m in grid)
+
+
 def _settle_future(fut: cf.Future, result: Any = None, error: BaseException | None = None) -> None:
     """Set a step's outcome unless the caller cancelled the future (then nothing may be set)."""
     if fut.cancelled():
@@ -75,7 +86,8 @@ class Averager:
     waited for before it is excluded (an owner gets twice that); ``allreduce_timeout``
     bounds a round; ``bandwidth`` is this peer's relative share of the reduction (0 makes
     it a client that reduces nothing); ``averaging_alpha`` moves tensors only part way
-    to the mean; ``grid`` / ``grid_coords`` place the peer on a Moshpit grid.
+    to the mean; ``grid`` / ``grid_coords`` place the peer on a Moshpit grid (``grid="auto"``:
+    the shape follows the swarm's gossiped size, `zgossip.autogrid`).
 
     Torch tensors on a device (CUDA, ...) are staged through reusable host mirrors (pinned on
     CUDA) with asynchronous copies ordered against the training stream (`zgossip.staging`);
@@ -170,7 +182,7 @@ class Averager:
         allreduce_timeout: float = 60.0,
         bandwidth: float = 1.0,
         averaging_alpha: float = 1.0,
-        grid: Sequence[int] = (),
+        grid: Sequence[int] | str = (),
         grid_coords: Sequence[int] | None = None,
         gossip_interval: float = 0.5,
         peer_timeout: float = 5.0,
@@ -257,7 +269,8 @@ class Averager:
             matchmaking_time=matchmaking_time, request_timeout=request_timeout,
             part_size_bytes=part_size_bytes, part_timeout=part_timeout, allreduce_timeout=allreduce_timeout,
             gossip_interval=gossip_interval, peer_timeout=peer_timeout, bandwidth=bandwidth,
-            grid=tuple(grid), grid_coords=tuple(grid_coords) if grid_coords is not None else None,
+            grid=() if _is_auto(grid) else _grid_shape(grid), grid_auto=_is_auto(grid),
+            grid_coords=tuple(grid_coords) if grid_coords is not None else None,
             state_chunk_bytes=state_chunk_bytes, state_donors=state_donors,
         )
         if client_mode and self.config.bandwidth:

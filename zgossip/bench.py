@@ -59,11 +59,15 @@ Two benchmarks, chosen by flag:
     it gives the ratio of CPU per step beside the ratio of time: both sides are CPU-bound on a
     small machine, and CPU is the figure that carries across machines.
 
-``zgossip bench --matchmaking [--peers 8] [--numel 1024] [--reps 10]``
+``zgossip bench --matchmaking [--peers 8] [--numel 1024] [--reps 10] [--target-group-size T]``
     Matchmaking latency: 8 local peers that already know each other (membership is
     awaited first), a small tensor, target group size 8, at least 10 timed steps
     after warm-up; reports the median over steps of the max over peers of
     ``result.timings['matchmaking']`` (time from ``step()`` until the group is known).
+    With ``--target-group-size T`` larger than ``--peers`` (a swarm smaller than its target:
+    ``--peers 3 --target-group-size 16``), the peers run the Averager's defaults
+    (``min_group_size`` 2, ``matchmaking_time`` 1 s): the group forms once every live peer
+    joined, or, before issue 13, when the window closed. The output names the machine.
 
 ``--json`` prints one JSON object with every figure instead of the table. Every
 process started is stopped (killed if it does not stop in time), every wait has a
@@ -115,6 +119,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="wire codec of the averaged tensor (zgossip.codecs); other than none, an uncompressed "
                         "swarm steps side by side and the paired ratios compressed/uncompressed are reported")
     p.add_argument("--matchmaking", action="store_true", help="benchmark matchmaking latency instead of the all-reduce")
+    p.add_argument("--target-group-size", type=int, default=None, metavar="T",
+                   help="with --matchmaking: the peers' target_group_size (default: --peers); larger than --peers "
+                        "times a swarm smaller than its target")
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
     p.add_argument("--curve", action="store_true",
                    help="peers with CURVE keys (authenticated, encrypted); the all-reduce bench also runs the same "
@@ -614,8 +621,12 @@ def curve_kwargs(peers: int) -> list[dict]:
 
 
 def bench_matchmaking(peers: int = 8, numel: int = 1024, steps: int = MIN_MATCHMAKING_STEPS, seed: int = 0,
-                      timeout: float = 60.0, curve: bool = False) -> dict:
+                      timeout: float = 60.0, curve: bool = False, target_group_size: int | None = None) -> dict:
     kw = _swarm_kwargs(peers, None, timeout)
+    if target_group_size is not None and target_group_size != peers:
+        # a swarm smaller (or larger) than its target, on the Averager's defaults otherwise
+        kw.update(target_group_size=target_group_size, min_group_size=min(2, target_group_size))
+        kw.pop("matchmaking_time")
     with LocalSwarm(peers, numel, seed=seed, averager_kwargs=kw, start_timeout=timeout,
                     per_peer_kwargs=curve_kwargs(peers) if curve else None) as swarm:
         swarm.wait_membership(timeout=min(timeout, 30.0))
@@ -631,8 +642,11 @@ def bench_matchmaking(peers: int = 8, numel: int = 1024, steps: int = MIN_MATCHM
         "numel": numel,
         "steps": steps,
         "other_load_cores": foreign,
+        "target_group_size": kw["target_group_size"],
         "matchmaking": _summary(times["matchmaking"]),
         "step": _summary(times["wall"]),
+        "machine": machine(),
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
     }
 
 
@@ -658,13 +672,13 @@ def run(args: argparse.Namespace) -> int:
         peers = args.peers or 8
         numel = 1024 if args.numel is None else args.numel
         res = bench_matchmaking(peers, numel, max(args.reps, MIN_MATCHMAKING_STEPS), args.seed, args.timeout,
-                                args.curve)
+                                args.curve, args.target_group_size)
         if args.json:
             print(json.dumps(res))
         else:
             print(f"zgossip bench --matchmaking{' --curve' if args.curve else ''}: {peers} peers that know each other, {numel} floats, "
-                  f"{res['steps']} steps (max over peers per step)")
-            print(f"  {machine_line()}")
+                  f"target group size {res['target_group_size']}, {res['steps']} steps (max over peers per step)")
+            print(f"  {machine_line(res['machine'])}, load {res['loadavg'][0]:.2f}")
             print(_line("matchmaking", res["matchmaking"]))
             print(_line("whole step", res["step"]))
             print(f"  other processes kept {res['other_load_cores']:.2f} cores busy meanwhile")

@@ -94,6 +94,7 @@ class _Join:
     since: float = 0.0  # when the current wait (for a JOIN_ACK, or for the group) began
     seen: int = 0
     desc: str = ""  # layout description (zgossip.layouts)
+    round: int = -1  # the swarm round this step is in (-1: not known), told to the rendezvous peer
 
     def move(self, phase: JoinPhase) -> None:
         if phase not in _PHASE_MOVES[self.phase]:
@@ -111,6 +112,7 @@ class _Entry:
     want: int
     gathers: int
     desc: str = ""
+    round: int = -1
 
 
 @dataclass
@@ -118,6 +120,7 @@ class _Pool:
     closes: float
     opened: float
     entries: list = field(default_factory=list)
+    coming: set | None = None  # peers that may still join (`expected`), None = not asked yet
 
 
 class Matchmaker:
@@ -134,7 +137,10 @@ class Matchmaker:
         matchmaking_time: float,
         request_timeout: float,
         straggler_grace: float = 0.0,
+        expected: Callable[[str, int, float], set[str] | None] | None = None,
     ) -> None:
+        """`expected(key, round, now)` names the live peers that may still join `key` in `round`, or
+        None if it cannot tell; a pool closes as soon as all of them joined (see `_all_came`)."""
         if not 1 <= min_group_size <= target_group_size:
             raise ValueError("need 1 <= min_group_size <= target_group_size")
         if matchmaking_time <= 0 or request_timeout <= 0:
@@ -154,6 +160,7 @@ class Matchmaker:
         self.join: _Join | None = None
         self.pools: dict[str, _Pool] = {}
         self._formed: dict[str, float] = {}  # key -> when a full group last formed early for it
+        self._expected = expected
 
     @property
     def peer_id(self) -> str:
@@ -165,14 +172,14 @@ class Matchmaker:
 
     # ================================================================ joiner side
     def begin(self, step_id: str, key: str, bandwidth: float, layout: str, now: float, timeout: float,
-              want: int | None = None, gathers: bool = True, layout_desc: str = "") -> None:
+              want: int | None = None, gathers: bool = True, layout_desc: str = "", round: int = -1) -> None:
         """Start looking for a group. `want` is how many peers the key can hold at most (a
         full Moshpit line); the rendezvous peer closes the group as soon as that many came."""
         if self.join is not None:
             raise ProtocolError("a join is already running")
         want = self.target_group_size if want is None else max(1, min(want, self.target_group_size))
         self.join = _Join(step_id, key, bandwidth, layout, want, int(gathers), now, now + timeout,
-                          desc=layout_desc[:layouts.MAX_CHARS])
+                          desc=layout_desc[:layouts.MAX_CHARS], round=round)
         self._ask_next(now)
 
     def cancel(self, now: float, why: str) -> None:
@@ -217,7 +224,8 @@ class Matchmaker:
         j.wait_until = now + self.ack_wait(endpoint)
         log.debug("%s t=%.3f JOIN -> %s hops=%d", self.peer_id[:8], now, peer_id[:8], j.hops)
         self._send(endpoint, Join(self.peer_id, self.endpoint, key=j.key, step_id=j.step_id, bandwidth=j.bandwidth,
-                                  layout=j.layout, hops=j.hops, want=j.want, gathers=int(j.gathers), layout_desc=j.desc))
+                                  layout=j.layout, hops=j.hops, want=j.want, gathers=int(j.gathers), layout_desc=j.desc,
+                                  round=j.round))
 
     def _ask_next(self, now: float) -> None:
         j = self.join
@@ -374,15 +382,17 @@ class Matchmaker:
             pool = self.pools[key] = _Pool(closes=now + self.matchmaking_time, opened=now)
         pool.entries = [e for e in pool.entries if e.peer_id != msg.sender]
         pool.entries.append(_Entry(msg.sender, msg.endpoint, msg.step_id, msg.bandwidth, msg.layout, msg.want,
-                                   int(msg.gathers), msg.layout_desc))
+                                   int(msg.gathers), msg.layout_desc, msg.round))
         self._send(msg.endpoint, JoinAck(self.peer_id, self.endpoint, key=key, step_id=msg.step_id))
         same = [e for e in pool.entries if e.layout == msg.layout]
         enough = max(self.min_group_size, min([self.target_group_size] + [e.want for e in same]))
-        if len(same) >= enough:
+        if len(same) < enough and self._all_came(key, pool, now, refresh=False):
+            self._close_pool(key, self.pools.pop(key), now)  # a small swarm: nobody else can come
+        elif len(same) >= enough:
             # Full: close after a short grace for stragglers rather than at once, so that a line that
             # turns out overfull (33 peers for groups of 32, common after faults) is cut evenly
             # (17 + 16) at close instead of leaving one peer without a group.
-            if self.straggler_grace <= 0 or self._nobody_missing(pool):
+            if self.straggler_grace <= 0 or self._nobody_missing(pool) or self._all_came(key, pool, now, refresh=False):
                 self._close_pool(key, self.pools.pop(key), now)
             else:
                 pool.closes = min(pool.closes, now + self.straggler_grace)
@@ -395,6 +405,35 @@ class Matchmaker:
             return False
         joined = {e.peer_id for e in pool.entries}
         return self.peer_id in joined and joined.issuperset(live)
+
+    def _all_came(self, key: str, pool: _Pool, now: float, refresh: bool) -> bool:
+        """Whether every live peer that may use `key` this round has joined `pool`, so waiting out
+        the window could only delay the group (a swarm smaller than the target). Only when the
+        pool can form a group (else closing would just send everyone round for another window),
+        and only when every joiner said its round. `refresh` asks `expected` again (the view
+        changed); otherwise its answer from the pool's first check is reused, minus the peers
+        that have joined since, so that a pool costs one scan of the view, not one per join."""
+        if self._expected is None or not pool.entries or any(e.round < 0 for e in pool.entries):
+            return False
+        counts: dict[str, int] = {}
+        for e in pool.entries:
+            counts[e.layout] = counts.get(e.layout, 0) + 1
+        if max(counts.values()) < self.min_group_size:
+            return False
+        if pool.coming is None or refresh:
+            coming = self._expected(key, max(e.round for e in pool.entries), now)
+            if coming is None:
+                return False
+            pool.coming = set(coming)
+        pool.coming -= {e.peer_id for e in pool.entries}
+        return not pool.coming
+
+    def recheck(self, now: float) -> None:
+        """The membership view changed (gossip, a goodbye, an expiry): a pool whose last missing
+        peers turn out to be elsewhere or gone closes now."""
+        for key in [k for k, p in self.pools.items() if p.coming is not None]:
+            if self._all_came(key, self.pools[key], now, refresh=True):
+                self._close_pool(key, self.pools.pop(key), now)
 
     def on_leave(self, msg: Leave, now: float) -> None:
         pool = self.pools.get(msg.key)

@@ -364,12 +364,14 @@ class Join(Message):
     want: int
     gathers: int  # flags: 1 = it will send GATHER, 2 = auxiliary (weight 0: it brings no data)
     layout_desc: str = ""  # count, shapes and dtypes as text (zgossip.layouts), to say what differs
+    round: int = -1  # the swarm round the joiner steps in (-1: not said); see zgossip.announce
     type: ClassVar[MsgType] = MsgType.JOIN
     FIELDS = _fields(("key", "key", _KEY, _PLAIN), ("step_id", "step", _ID, _PLAIN),
                      ("bandwidth", "bw", _float(0.0, 1e18), _PLAIN), ("layout", "layout", _str(128), _PLAIN),
                      ("hops", "hops", _int(0, 16), _PLAIN), ("want", "want", _IDX, _PLAIN),
-                     ("gathers", "g", _join_flags, _PLAIN), ("layout_desc", "ld", _str(2048), _PLAIN))
-    OPTIONAL = {"ld": ""}
+                     ("gathers", "g", _join_flags, _PLAIN), ("layout_desc", "ld", _str(2048), _PLAIN),
+                     ("round", "rnd", _int(-1, 1 << 62), _PLAIN))
+    OPTIONAL = {"ld": "", "rnd": -1}
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,6 @@ its own rendezvous peer) are delivered inside the node without touching the driv
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from . import announce, autogrid
 from .actions import Disconnect, DownloadDone, DownloadFailed, Send, ServeState, StepDone, StepFailed, StepProgress
 from .allreduce import AllReduceRound, RoundOutcome, SpanOutcome
 from .codecs import CodecMap
@@ -62,6 +62,7 @@ class NodeConfig:
     bandwidth: float = 1.0  # relative share of the reduction this peer takes; 0 = client
     grid: tuple[int, ...] = ()
     grid_coords: tuple[int, ...] | None = None
+    grid_auto: bool = False  # the grid's shape follows the swarm's gossiped size (zgossip.autogrid)
     early_buffer_messages: int = 512  # round messages kept while our GROUP is still on its way
     max_state_bytes: int = 1 << 36  # largest state a download accepts
     # state chunks: the unit of transfer and of the digests; part of the state hash peers vote on
@@ -87,6 +88,8 @@ class NodeConfig:
             raise ValueError("timeouts must be positive")
         if not self.prefix or len(self.prefix) > 200:
             raise ValueError("prefix must be 1..200 characters")
+        if self.grid_auto and (self.grid or self.grid_coords is not None):
+            raise ValueError('grid="auto" derives the shape and coordinates itself: give no grid_coords')
 
 
 @dataclass(frozen=True)
@@ -205,12 +208,13 @@ class Node:
             self.membership, self._send, rng, self._on_group, self._on_match_fail,
             target_group_size=config.target_group_size, min_group_size=config.min_group_size,
             matchmaking_time=config.matchmaking_time, request_timeout=config.request_timeout,
-            straggler_grace=config.straggler_grace,
+            straggler_grace=config.straggler_grace, expected=self._may_join,
         )
         self.grid = MoshpitGrid(config.grid)
         self.coords = self.grid.check(config.grid_coords) if config.grid_coords is not None else self.grid.random_coords(rng)
         self.round_index = 0  # the next round this node expects; see `swarm_round`
-        self._prefix_tag = hashlib.blake2b(config.prefix.encode(), digest_size=6).hexdigest()
+        self._prefix_tag = announce.tag(config.prefix)
+        self._size = 0  # grid="auto": this node's quantised estimate of the swarm's size (0 = none yet)
         self._user_info: dict = {}
         self.state_mark: tuple[int, str] | None = None  # the (version, root) we published (zgossip.repair)
         self._publish_round()
@@ -237,10 +241,11 @@ class Node:
         self._next_vote = 0.0
         self._repair_seq = 0
         self._warned_layouts: set[tuple[str, str]] = set()
+        self._clients: dict[str, tuple[dict, float]] = {}  # client peer id -> (its announcement, last heard)
         mm, ms = self.matchmaker, self.membership
         #: which part of the node handles each message class
         self._handlers: dict[type[Message], Any] = {
-            Gossip: ms.on_gossip, GossipReply: ms.on_gossip,
+            Gossip: self._on_gossip, GossipReply: self._on_gossip,
             Join: mm.on_join, Leave: mm.on_leave, JoinAck: mm.on_join_ack, Redirect: mm.on_redirect,
             NoGroup: mm.on_no_group, Group: mm.on_group,
             Bye: self._on_bye,
@@ -277,28 +282,99 @@ class Node:
         return self.grid.key(self.config.prefix, self.coords, self.round_index)
 
     # Round numbers. The grid axis of a round is round mod d, so peers must agree on the round:
-    # each node gossips the next round it expects (with a tag of its prefix), and a step follows
-    # the highest round announced by live peers of its prefix. A peer that sat out a round (or
-    # joined late) thereby steps on the swarm's axis instead of drifting out of phase for good.
-    _ROUND, _PREFIX = "zg.round", "zg.prefix"
-
+    # each node gossips the next round it expects (with a tag of its prefix; `zgossip.announce`),
+    # and a step follows the highest round announced by live peers of its prefix. A peer that sat
+    # out a round (or joined late) thereby steps on the swarm's axis instead of drifting out of
+    # phase for good. The announcement also names the key of that round, so that a rendezvous
+    # peer knows who else may come (`_may_join`).
     def swarm_round(self) -> int:
         best = self.round_index
         for rec in self.membership.peers.values():
-            info = rec.info
-            r = info.get(self._ROUND)
-            if type(r) is int and info.get(self._PREFIX) == self._prefix_tag and r > best:
-                best = r
+            a = announce.Announcement.read(rec.info)
+            if a is not None and a.prefix == self._prefix_tag and a.round > best:
+                best = a.round
         return best
 
+    def _estimate(self) -> int:
+        """grid="auto": the swarm's size as far as this node can tell (`zgossip.autogrid`): its own
+        quantised count of the live peers of its prefix (kept in `_size`, announced), or the largest
+        size another live peer announced."""
+        mine, sizes = 1, []
+        for rec in self.membership.peers.values():
+            a = announce.Announcement.read(rec.info)
+            if a is not None and a.prefix == self._prefix_tag:
+                mine += 1
+                if a.size:
+                    sizes.append(a.size)
+        self._size = autogrid.quantise(mine, self._size)
+        return autogrid.swarm_size(self._size, sizes)
+
+    def _refresh_estimate(self) -> None:
+        """grid="auto", once per gossip tick: keep the announced estimate current between rounds (the
+        others' maximum follows it), and between steps take a new shape at once."""
+        before = (self._size, self.grid.shape)
+        if self.phase is StepPhase.IDLE:
+            self._resize_grid()
+        else:
+            self._estimate()  # inside a step the shape stays; only the announced size moves
+        if (self._size, self.grid.shape) != before:
+            self._publish_round()
+
+    def _resize_grid(self) -> bool:
+        """grid="auto", at a round boundary: re-derive the grid's shape from the swarm's size
+        (`zgossip.autogrid`); on a change, new random coordinates on the new grid. True if it changed."""
+        if not self.config.grid_auto:
+            return False
+        size = self._estimate()
+        shape = autogrid.shape_for(size, self.config.target_group_size)
+        if shape == self.grid.shape:
+            return False
+        log.info("%s: grid %s -> %s (swarm size estimate %d)", self.peer_id[:8], self.grid.shape, shape, size)
+        self.grid = MoshpitGrid(shape)
+        self.coords = self.grid.random_coords(self._rng)
+        return True
+
     def _publish_round(self) -> None:
-        info = {**self._user_info, self._ROUND: self.round_index, self._PREFIX: self._prefix_tag}
+        a = announce.Announcement(self._prefix_tag, self.round_index, announce.tag(self.current_key(), 4), self._size)
+        info = {**self._user_info, **a.record()}
         if self.state_mark is not None:
             info[VERSION_KEY], info[HASH_KEY] = self.state_mark
         self.membership.info = info
 
+    def _may_join(self, key: str, rnd: int, now: float) -> set[str] | None:
+        """Live peers (this one included) that may still join `key` in round `rnd`: the matchmaker
+        closes a pool early once all of them joined (`zgossip.announce.may_join`). A pinned round's
+        key carries the round as a suffix; the announcements name the key without it."""
+        pinned = f"/r{rnd}"
+        base = key[: -len(pinned)] if key.endswith(pinned) else key
+        ms = self.membership
+        records = [(pid, rec.info) for pid, rec in ms.peers.items()]
+        if listens(self.endpoint):
+            records.append((self.peer_id, ms.info))
+        horizon = now - self.config.peer_timeout
+        records += [(pid, info) for pid, (info, seen) in self._clients.items() if seen >= horizon]
+        return announce.may_join(records, self._prefix_tag, announce.tag(base, 4), rnd)
+
+    def _heard_client(self, msg: Message, now: float) -> None:
+        """A client-mode peer spoke to us. No membership table holds clients, so a rendezvous peer
+        keeps what a client announced (in its gossip) here, for `_may_join`: a small swarm with a
+        client then still waits for it. Forgotten after peer_timeout of silence; bounded."""
+        info = self._clients.get(msg.sender, ({}, 0.0))[0]
+        if type(msg) in (Gossip, GossipReply) and msg.peers and msg.peers[0][0] == msg.sender:
+            info = msg.peers[0][4]  # a digest starts with the sender's own record
+        self._clients.pop(msg.sender, None)
+        self._clients[msg.sender] = (info, now)
+        while len(self._clients) > 1024:
+            self._clients.pop(next(iter(self._clients)))
+
+    def _on_gossip(self, msg: Gossip | GossipReply, now: float) -> None:
+        self.membership.on_gossip(msg, now)
+        if self.matchmaker.pools:
+            self.matchmaker.recheck(now)  # fresher announcements may show the last missing peers elsewhere
+
     def _advance_round(self, to: int) -> None:
         self.round_index = to
+        self._resize_grid()  # a round boundary: the announced key is then the one of the next round's grid
         self._publish_round()
         self.membership.heartbeat += 1  # fresher than what others hold, so they adopt it at once
 
@@ -329,7 +405,11 @@ class Node:
         req = st.req
         self._move(StepPhase.MATCHMAKING)
         self._progress(StepPhase.MATCHMAKING)
-        self.round_index = req.round if req.round is not None else self.swarm_round()
+        rnd = req.round if req.round is not None else self.swarm_round()
+        resized = self._resize_grid()  # a step begins at a round boundary (grid="auto")
+        if rnd != self.round_index or resized:
+            self.round_index = rnd
+            self._publish_round()  # goes out with the next heartbeat
         key = self.current_key()
         if req.round is not None:
             key += f"/r{req.round}"  # a pinned round (e.g. an epoch) only ever meets the same round
@@ -338,7 +418,7 @@ class Node:
         want = self.grid.shape[axis] if axis is not None else None
         self.matchmaker.begin(req.step_id, key, self.config.bandwidth, req.layout, now, req.timeout, want,
                               gathers=int(req.gather is not None) | (2 if req.weight == 0 else 0),
-                              layout_desc=req.layout_desc)
+                              layout_desc=req.layout_desc, round=self.round_index)
         self._drain_loopback(now)
 
     def cancel_step(self, step_id: str, now: float, why: str) -> None:
@@ -513,6 +593,8 @@ class Node:
 
     def _on_bye(self, msg: Bye, now: float) -> None:
         self.membership.on_bye(msg, now)
+        if self.matchmaker.pools:
+            self.matchmaker.recheck(now)
         self.on_peer_down(msg.endpoint, now)  # gone: a join waiting on it asks the next candidate now
 
     def _on_state_req(self, msg: StateReq, now: float) -> None:
@@ -616,7 +698,12 @@ class Node:
         return told
 
     def on_timer(self, now: float) -> None:
+        version, beat = self.membership.version, self.membership.heartbeat
         self.membership.on_timer(now)
+        if self.config.grid_auto and self.membership.heartbeat != beat:
+            self._refresh_estimate()
+        if self.matchmaker.pools and self.membership.version != version:
+            self.matchmaker.recheck(now)  # a peer expired: it will not come
         self._held_timer(now)
         self.matchmaker.on_timer(now)
         if self.step is not None and self.step.round is not None:
@@ -646,6 +733,8 @@ class Node:
                                 msg.type.name, msg.sender[:16], msg.endpoint, self._limits.rate)
                 return
             self.membership.observe(msg.sender, msg.endpoint, now)
+            if not listens(msg.endpoint):
+                self._heard_client(msg, now)
         mm = self.matchmaker
         dropped, late = mm.dropped, mm.late
         self._handlers[type(msg)](msg, now)

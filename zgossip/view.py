@@ -24,6 +24,7 @@ class MembershipView(Protocol):
     forgotten: list  # endpoints forgotten since the node last drained them (-> `Disconnect` actions)
     share: float | None  # this peer's state-sharing priority (None: does not share)
     info: dict  # this peer's small public record
+    version: int  # grows whenever the set of live peers changes
 
     @property
     def peers(self) -> dict[str, "PeerRecord"]:

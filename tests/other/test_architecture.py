@@ -15,7 +15,7 @@ import pytest
 PKG = Path(__file__).resolve().parents[2] / "zgossip"
 PROTOCOL_MODULES = ["wire", "messages", "membership", "matchmaking", "grid", "partition", "allreduce", "numeric", "node",
                     "codecs",
-                    "tensors", "errors", "rendezvous", "state", "repair", "layouts",
+                    "tensors", "errors", "rendezvous", "state", "repair", "layouts", "announce", "autogrid",
                     "ratelimit", "droplog"]
 SEAM_MODULES = ["actions", "transport", "view"]  # the interfaces between protocol, transports and users
 USER_MODULES = ["averager", "training_state", "progress", "steplog", "step_control", "staging"]  # above the seam: time and waits from the Clock

@@ -114,3 +114,30 @@ def test_published_info_reaches_peers():
             time.sleep(0.02)
         assert b.peer_infos()[a.peer_id] == {"epoch": 3, "samples": 128, "rate": 17.5, "name": "a"}
         assert a.peer_infos()[a.peer_id]["name"] == "a"
+
+
+def test_grid_auto_on_sockets_takes_the_shape_of_the_swarm():
+    """grid="auto" (zgossip.autogrid): 4 peers with target 2 settle on a 2x2 grid by gossip and average
+    along it: after a round on each axis every peer holds the global mean (a 2x2 grid with one peer
+    per cell; random coordinates may double up a cell, then the next rounds even it out)."""
+    vals = [np.full(3, float(i), np.float32) for i in range(4)]
+    avgs = [zgossip.Averager([vals[0]], prefix="auto", target_group_size=2, grid="auto", seed=10, **FAST)]
+    avgs += [zgossip.Averager([v], prefix="auto", target_group_size=2, grid="auto", seed=10 + i,
+                              initial_peers=[avgs[0].endpoint], **FAST) for i, v in enumerate(vals[1:], 1)]
+    try:
+        def shapes():
+            return [a._transport.run_on_io(lambda node, now: node.grid.shape, 5.0) for a in avgs]
+        deadline = time.monotonic() + 10
+        while shapes() != [(2, 2)] * 4:
+            assert time.monotonic() < deadline, shapes()
+            time.sleep(0.05)
+        for _ in range(6):
+            futs = [a.step(wait=False, timeout=3.0) for a in avgs]
+            for f in futs:
+                f.exception(10)  # a lone peer in a cell of its own may find no group: that round leaves it unchanged
+            if all(np.allclose(v, 1.5, atol=1e-6) for v in vals):
+                break
+        assert all(np.allclose(v, 1.5, atol=1e-6) for v in vals), vals
+    finally:
+        for a in avgs:
+            a.shutdown()

@@ -106,9 +106,11 @@ def test_bench_rejects_a_malformed_vs_env(capsys: pytest.CaptureFixture) -> None
 
 
 def test_bench_matchmaking(capsys: pytest.CaptureFixture) -> None:
-    report = run_json(capsys, "--matchmaking", "--peers", "3", "--reps", "5")
+    # a swarm smaller than its target (issue 13, item 4: the README's small-swarm figure)
+    report = run_json(capsys, "--matchmaking", "--peers", "3", "--reps", "5", "--target-group-size", "16")
     assert report["benchmark"] == "matchmaking"
     assert report["peers"] == 3 and report["steps"] == 10  # at least 10 steps whatever --reps says
+    assert report["target_group_size"] == 16 and "cpu_model" in report["machine"] and len(report["loadavg"]) == 3
     check_stats(report["matchmaking"], 10)
 
 

@@ -234,7 +234,7 @@ def _collab_run(pre_schedule: bool, epochs: int = 3, n: int = 3) -> list:
         return CollaborativeOptimizer(torch.optim.SGD(models[i].parameters(), lr=0.05), prefix="pre",
                                       target_batch_size=1536, batch_size=32, matchmaking_time=0.5,
                                       target_group_size=n + 1, initial_peers=peers, averager_opts=averager_opts,
-                                      pre_schedule=pre_schedule)  # n + 1: groups close with the window
+                                      pre_schedule=pre_schedule)  # n + 1: a target the swarm never reaches
 
     def body(i, opt):
         clock = opt.clock
@@ -281,5 +281,7 @@ def test_collaborative_optimizer_pre_schedules_the_round_and_stays_in_sync():
     held = [r for r in pre_rounds if "awaiting_trigger" in r.get("timings", {})]
     assert len(held) >= 0.7 * len(pre_rounds), (len(held), len(pre_rounds))
     mean = lambda rs: sum(r["seconds"] for r in rs) / len(rs)  # noqa: E731
-    # virtual time: ~0.02 s of blocking per round against ~0.5 s (the matchmaking window) without
-    assert mean(pre_rounds) < 0.3 * mean(plain_rounds), (mean(pre_rounds), mean(plain_rounds))
+    # virtual time: ~0.02 s of blocking per round against ~0.03 s without. (Before small swarms stopped
+    # waiting -- issue 13, item 4 -- the plain rounds of these 3 peers with target 4 waited out the 0.5 s
+    # window; now their pool closes once all 3 joined, so what pre-scheduling hides is a few round trips.)
+    assert mean(pre_rounds) < mean(plain_rounds), (mean(pre_rounds), mean(plain_rounds))

@@ -93,7 +93,8 @@ def test_moolib_loop_in_virtual_time_trains_keeps_peers_identical_and_is_reprodu
 
 # ---------------------------------------------------------------------------- collaborative, late joiner
 def test_collaborative_global_batch_in_virtual_time_with_a_late_joiner():
-    """3 trainers start, a 4th joins at t = 6 s: it downloads the state and continues at the swarm's epoch;
+    """3 trainers start, a 4th joins at t = 1 s (mid-run: 3 peers with target 4 no longer wait out the
+    matchmaking window every epoch, so the run is over in a few seconds): it downloads the state and continues at the swarm's epoch;
     at the end all 4 hold bit-identical parameters at the same epoch."""
     epochs, n = 10, 4
     task = Task()
@@ -133,7 +134,7 @@ def test_collaborative_global_batch_in_virtual_time_with_a_late_joiner():
         peers_ref[i] = opt
         return opt
 
-    _, out = virtual_swarm(n, make_and_track, body, seed=1, start_at=[0.0, 0.0, 0.0, 6.0])
+    _, out = virtual_swarm(n, make_and_track, body, seed=1, start_at=[0.0, 0.0, 0.0, 1.0])
     assert joined_at[3] >= 2, joined_at  # the newcomer started at the swarm's epoch, not at 0
     assert all(e == epochs for e, _, _ in out), [e for e, _, _ in out]
     for _, _, flat in out[1:]:

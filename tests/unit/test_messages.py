@@ -130,13 +130,13 @@ def test_header_bytes_are_those_of_the_untyped_messages():
 
 def test_fields_added_later_may_be_left_out_by_older_senders():
     head = msgpack.unpackb(wire.encode(ONE_OF_EACH[2])[0])  # JOIN
-    del head[4]["ld"]
+    del head[4]["ld"], head[4]["rnd"]
     join = wire.decode([msgpack.packb(head)])
-    assert join.layout_desc == "" and join.key == "k"
+    assert join.layout_desc == "" and join.key == "k" and join.round == -1
     head = msgpack.unpackb(wire.encode(ONE_OF_EACH[5])[0])  # GROUP
     del head[4]["odd"]
     assert wire.decode([msgpack.packb(head)]).left_out == ()
-    assert wire.OPTIONAL == {wire.MsgType.JOIN: {"ld": ""}, wire.MsgType.GROUP: {"odd": ()},
+    assert wire.OPTIONAL == {wire.MsgType.JOIN: {"ld": "", "rnd": -1}, wire.MsgType.GROUP: {"odd": ()},
                              wire.MsgType.STATE_REQ: {"root": "", "first": 0, "n": 0},
                              wire.MsgType.PART: {"codec": 0}, wire.MsgType.RESULT: {"codec": 0},
                              wire.MsgType.STATE_META: {"hashes": b"", "codecs": ()}}
