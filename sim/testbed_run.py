@@ -60,7 +60,7 @@ def averager_settings(sc: Scenario, coords: tuple, index: int) -> dict:
     kw["grid"] = list(kw["grid"])
     hosts = sc.host_list()
     if index < len(hosts) and hosts[index].hint is not None:
-        kw["bandwidth"] = float(hosts[index].hint)
+        kw["bandwidth"] = hosts[index].hint if hosts[index].hint == "auto" else float(hosts[index].hint)
     bad = set(kw) - _AVERAGER_KEYS
     if bad:
         raise ValueError(f"protocol settings {sorted(bad)} are not Averager settings: the testbed cannot apply them")

@@ -42,7 +42,8 @@ from .errors import IllegalTransition, ProtocolError
 from .matchmaking import GroupSpec
 from .messages import Abort, Gather, Message, Part, Rescue, RescueCall, Result
 from .numeric import PassPlan, add_pass, divide, plan_pass, take_finite
-from .partition import PartPlan, make_plan, streamed_part_elems
+from .linkstats import LinkStats, silence_limit
+from .partition import PartPlan, make_plan, plan_bandwidths, streamed_part_elems
 
 __all__ = ["AllReduceRound", "RoundOutcome", "SpanOutcome", "RoundPhase", "PartState", "ReduceState", "MOVES", "transition"]
 
@@ -184,6 +185,10 @@ class AllReduceRound:
         part_timeout: float,
         deadline: float,
         on_done: Callable[["AllReduceRound", float], None],
+        linkstats: LinkStats | None = None,
+        part_timeout_floor: float | None = None,
+        deadline_slack: float = 3.0,
+        rtt: Callable[[str], float | None] | None = None,
     ) -> None:
         if buffer.ndim != 1:
             raise ProtocolError("the all-reduce buffer must be flat")
@@ -200,6 +205,16 @@ class AllReduceRound:
         self.deadline = deadline
         self.started = now
         self._now = now  # time of the event being handled
+        # Adaptive deadlines: with `linkstats` and a floor, each member's silence limit follows its
+        # measured pace (`linkstats.silence_limit`) instead of the fixed part_timeout.
+        self.stats = linkstats
+        self._floor = part_timeout_floor
+        self._slack = deadline_slack
+        self._rtt = rtt
+        self._limits_seen: list[float] = []  # data-silence limits used (min/max reported)
+        self._result_limits_seen: list[float] = []
+        if linkstats is not None:
+            linkstats.begin(now)
         self._watchdog = now + part_timeout / 4
         self.phase = RoundPhase.RUNNING
         # the round's own PARTs and RESULTs are built unchecked on the hot path (`Part.trusted`): what
@@ -207,7 +222,7 @@ class AllReduceRound:
         Part(self.me.peer_id, self.me.endpoint, group_id=spec.group_id, owner=0, part=0, weight=self.weight,
              rescue=False, data=buffer[:0])
         self._gid = spec.group_id
-        bws = [m.bandwidth for m in spec.members]
+        bws = plan_bandwidths([m.bandwidth for m in spec.members], [m.gathers for m in spec.members])
         self.plan = make_plan(buffer.size, bws, streamed_part_elems(buffer.size, bws, part_elems, buffer.dtype.itemsize))
         self.index = {m.peer_id: i for i, m in enumerate(spec.members)}
         self.last_heard = [now] * self.n  # when each member's last message came (only messages count)
@@ -598,6 +613,8 @@ class AllReduceRound:
         if j in r.excluded or r.state[p] is not ReduceState.COLLECTING or r.pos[p] > j or (j, p) in r.pending:
             return  # late or duplicate: that member's share of this part is already settled
         self.bytes_received += arr.nbytes
+        if self.stats is not None:
+            self.stats.on_payload(msg.sender, arr.nbytes, now)
         self.weights.setdefault(j, msg.weight)
         r.pending[(j, p)] = (arr, msg.weight)
         self._advance(r, p, now)
@@ -620,6 +637,8 @@ class AllReduceRound:
         if j != expected:
             return self._bad(j, msg, "result from a member that does not reduce that span")
         self.bytes_received += arr.nbytes
+        if self.stats is not None and arr.nbytes:
+            self.stats.on_payload(msg.sender, arr.nbytes, now)
         if self.rank in contrib:
             self._resolve(owner, p, contrib, arr, rescued=msg.rescue)
         else:
@@ -689,20 +708,51 @@ class AllReduceRound:
         if now < self._watchdog:
             return
         T = self.part_timeout
-        self._watchdog = now + T / 4
+        limits = self._limits(now)
+        # an owner's results wait on its slowest sender, so results get the largest limit, doubled
+        R = 2 * max(limits.values(), default=T)
+        tick = min([T, *limits.values()])
+        self._watchdog = now + tick / 4
+        self._limits_seen.append(min(limits.values(), default=T))
+        self._limits_seen.append(max(limits.values(), default=T))
+        self._result_limits_seen.append(R)
         for j in range(self.n):
             if j == self.rank or j in self.lost:
                 continue
-            # compare exactly as next_deadline computes (last + T), or float rounding spins the timer
+            Tj = limits.get(j, T)
             heard = self.last_heard[j]
             asked = max(heard, self.asked_at[j])
-            if now < heard + T:
+            if now < heard + min(Tj, T):
                 continue
             data, rescue_data, results, rescue_results = self._waiting_on(j)
-            if (data or (results and now >= heard + 2 * T)
+            if ((data and now >= heard + Tj) or (results and now >= heard + R)
                     or (rescue_data and now >= asked + T) or (rescue_results and now >= asked + 2 * T)):
                 self._member_lost(j, now)
         self._check_done(now)
+
+    def _limits(self, now: float) -> dict[int, float]:
+        """Each live groupmate's data-silence limit: `part_timeout`, or with adaptive deadlines the
+        limit its measured pace gives for one part (`linkstats.silence_limit`)."""
+        T = self.part_timeout
+        others = [j for j in range(self.n) if j != self.rank and j not in self.lost]
+        if self.stats is None or self._floor is None:
+            return {j: T for j in others}
+        part_bytes = self.plan.part_elems * self.buf.dtype.itemsize
+        out = {}
+        for j in others:
+            m = self.members[j]
+            rtt = self._rtt(m.endpoint) if self._rtt is not None else None
+            floor = min(T, max(self._floor, 4 * rtt if rtt else 0.0))
+            out[j] = silence_limit(self.stats.pace(m.peer_id), part_bytes, T, floor, self._slack,
+                                   self.deadline - self.started)
+        return out
+
+    def deadlines_used(self) -> dict[str, float]:
+        """The silence limits this round applied (see `StepResult.deadlines`)."""
+        parts = self._limits_seen or [self.part_timeout]
+        return {"part": max(parts), "part_min": min(parts),
+                "result": max(self._result_limits_seen or [2 * self.part_timeout]),
+                "allreduce": self.deadline - self.started}
 
     def _check_done(self, now: float, force: bool = False) -> None:
         if self.phase is RoundPhase.DONE:
@@ -712,6 +762,8 @@ class AllReduceRound:
         if not force and (self.unresolved or waiting_gather or busy_rescue or self.own.left):
             return
         self.phase = transition(self.phase, RoundPhase.DONE, f"round {self._gid}")
+        if self.stats is not None:
+            self.stats.end()
         self._on_done(self, now)
 
     # ------------------------------------------------------------------ result

@@ -91,7 +91,8 @@ class Averager:
     ``part_size_bytes`` the streaming unit; ``part_timeout`` how long a silent member is
     waited for before it is excluded (an owner gets twice that); ``allreduce_timeout``
     bounds a round; ``bandwidth`` is this peer's relative share of the reduction (0 makes
-    it a client that reduces nothing); ``averaging_alpha`` moves tensors only part way
+    it a client that reduces nothing; ``"auto"`` measures its download rate in Mbit/s from
+    the transfers of its rounds and gossips it, see `zgossip.linkstats`); ``averaging_alpha`` moves tensors only part way
     to the mean; ``grid`` / ``grid_coords`` place the peer on a Moshpit grid.
 
     ``in_place``: when the averager holds a single float32/float64 tensor and
@@ -162,7 +163,7 @@ class Averager:
         part_size_bytes: int = 4 << 20,
         part_timeout: float = 5.0,
         allreduce_timeout: float = 60.0,
-        bandwidth: float = 1.0,
+        bandwidth: float | str = 1.0,
         averaging_alpha: float = 1.0,
         grid: Sequence[int] = (),
         grid_coords: Sequence[int] | None = None,

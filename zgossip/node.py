@@ -22,7 +22,9 @@ from .allreduce import AllReduceRound, RoundOutcome, SpanOutcome
 from .endpoints import listens
 from .errors import IllegalTransition, PeerLost, RoundTimeout, StepInProgress
 from .grid import MoshpitGrid
+from .linkstats import LinkStats, valid_rate
 from .matchmaking import GroupSpec, Matchmaker
+from .partition import MEASURED, UNMEASURED
 from .membership import Membership
 from .messages import (
     Abort, Bye, Done, Gather, Gossip, GossipReply, Group, Join, JoinAck, Leave, Message, NoGroup, Part, Redirect, Rescue,
@@ -55,17 +57,28 @@ class NodeConfig:
     gossip_interval: float = 0.5
     peer_timeout: float = 5.0
     fanout: int = 2
-    bandwidth: float = 1.0  # relative share of the reduction this peer takes; 0 = client
+    bandwidth: float | str = 1.0  # link rate (any unit every peer shares; 0 = client) or "auto": measured, Mbit/s
     grid: tuple[int, ...] = ()
     grid_coords: tuple[int, ...] | None = None
     early_buffer_messages: int = 512  # round messages kept while our GROUP is still on its way
     max_state_bytes: int = 1 << 36  # largest state a download accepts
+    # adaptive deadlines (zgossip.linkstats.silence_limit): a member measured fast is given up after
+    # `deadline_slack` x its pace for one part, at least `part_timeout_floor`; None = fixed part_timeout
+    part_timeout_floor: float | None = 1.0
+    deadline_slack: float = 3.0
 
     def __post_init__(self) -> None:
         if self.part_size_bytes < 16:
             raise ValueError("part_size_bytes must be at least 16")
-        if self.bandwidth < 0:
-            raise ValueError("bandwidth must be >= 0 (0 = client)")
+        if isinstance(self.bandwidth, str):
+            if self.bandwidth != "auto":
+                raise ValueError(f"bandwidth must be a number >= 0 or 'auto', not {self.bandwidth!r}")
+        elif not self.bandwidth >= 0 or self.bandwidth == float("inf"):
+            raise ValueError("bandwidth must be finite and >= 0 (0 = client)")
+        if self.part_timeout_floor is not None and not 0 < self.part_timeout_floor:
+            raise ValueError("part_timeout_floor must be positive (or None: fixed part_timeout)")
+        if not self.deadline_slack >= 1:
+            raise ValueError("deadline_slack must be >= 1")
         if self.part_timeout <= 0 or self.allreduce_timeout <= 0:
             raise ValueError("timeouts must be positive")
         if not self.prefix or len(self.prefix) > 200:
@@ -105,6 +118,9 @@ class StepResult:
     # peers that stepped with the same key but could not join: their tensors differ (peer id -> what differs)
     left_out: dict[str, str] = field(default_factory=dict)
     auxiliary: tuple[str, ...] = ()  # members that only lent bandwidth (weight 0, contributed no data)
+    # the silence limits the round used (seconds): "part" / "part_min" the largest / smallest for a
+    # member owing data, "result" the largest for an owner owing results, "allreduce" the round's deadline
+    deadlines: dict[str, float] = field(default_factory=dict)
 
 
 class StepPhase(Enum):
@@ -161,6 +177,10 @@ class Node:
             matchmaking_time=config.matchmaking_time, request_timeout=config.request_timeout,
             straggler_grace=config.straggler_grace,
         )
+        # what completed transfers taught us: our download rate (bandwidth="auto") and groupmates' pace
+        self.linkstats = LinkStats()
+        if isinstance(self.membership, Membership):
+            self.membership.clean_info = self._clean_info
         self.grid = MoshpitGrid(config.grid)
         self.coords = self.grid.check(config.grid_coords) if config.grid_coords is not None else self.grid.random_coords(rng)
         self.round_index = 0  # the next round this node expects; see `swarm_round`
@@ -177,7 +197,7 @@ class Node:
         self._done_from: dict[str, set[tuple[str, str]]] = {}  # gid -> (peer id, endpoint) that said DONE
         self.donor = StateDonor(peer_id, endpoint, self._send, config.part_size_bytes)
         self.downloads: dict[str, StateDownload] = {}
-        self.stats = {"messages": 0, "dropped": 0, "late": 0}
+        self.stats = {"messages": 0, "dropped": 0, "late": 0, "bad_bandwidth": 0}
         self._warned_layouts: set[tuple[str, str]] = set()
         mm, ms = self.matchmaker, self.membership
         #: which part of the node handles each message class
@@ -222,7 +242,7 @@ class Node:
     # each node gossips the next round it expects (with a tag of its prefix), and a step follows
     # the highest round announced by live peers of its prefix. A peer that sat out a round (or
     # joined late) thereby steps on the swarm's axis instead of drifting out of phase for good.
-    _ROUND, _PREFIX = "zg.round", "zg.prefix"
+    _ROUND, _PREFIX, _BW = "zg.round", "zg.prefix", "zg.bw"
 
     def swarm_round(self) -> int:
         best = self.round_index
@@ -234,7 +254,40 @@ class Node:
         return best
 
     def _publish_round(self) -> None:
-        self.membership.info = {**self._user_info, self._ROUND: self.round_index, self._PREFIX: self._prefix_tag}
+        info = {**self._user_info, self._ROUND: self.round_index, self._PREFIX: self._prefix_tag}
+        est = self.linkstats.estimate_mbit() if self.config.bandwidth == "auto" else None
+        if est is not None:
+            info[self._BW] = float(f"{min(est, 1e7):.4g}")  # the gossiped estimate (Mbit/s), 4 digits
+        self.membership.info = info
+
+    def _clean_info(self, peer_id: str, info: dict) -> dict:
+        """A peer's gossiped bandwidth estimate that is not a sane rate is dropped (and counted)."""
+        if self._BW in info and not valid_rate(info[self._BW]):
+            self.stats["bad_bandwidth"] += 1
+            log.info("%s: dropped bandwidth estimate %r gossiped by %s", self.peer_id[:8], info[self._BW], peer_id[:8])
+            info = {k: v for k, v in info.items() if k != self._BW}
+        return info
+
+    def peer_bandwidths(self) -> dict[str, float]:
+        """The bandwidth estimates (Mbit/s) live peers gossiped (only peers with bandwidth="auto" that
+        measured one), with this peer's own."""
+        out = {pid: r.info[self._BW] for pid, r in self.membership.peers.items() if self._BW in r.info}
+        own = self.linkstats.estimate_mbit() if self.config.bandwidth == "auto" else None
+        if own is not None:
+            out[self.peer_id] = own
+        return out
+
+    def advertised_bandwidth(self) -> tuple[float, int]:
+        """The rate this peer announces in JOIN and its flags for it (`partition.plan_bandwidths`):
+        a declared number as it is; with "auto" the measured estimate (Mbit/s), or before there is
+        one a placeholder that the plan replaces (equal spans)."""
+        bw = self.config.bandwidth
+        if bw != "auto":
+            return float(bw), 0
+        est = self.linkstats.estimate_mbit()
+        if est is None:
+            return 1.0, UNMEASURED
+        return min(est, 1e7), MEASURED
 
     def _advance_round(self, to: int) -> None:
         self.round_index = to
@@ -258,8 +311,9 @@ class Node:
         self.step = _Step(req, now, key)
         axis = self.grid.axis(self.round_index)
         want = self.grid.shape[axis] if axis is not None else None
-        self.matchmaker.begin(req.step_id, key, self.config.bandwidth, req.layout, now, req.timeout, want,
-                              gathers=int(req.gather is not None) | (2 if req.weight == 0 else 0),
+        bw, bw_flags = self.advertised_bandwidth()
+        self.matchmaker.begin(req.step_id, key, bw, req.layout, now, req.timeout, want,
+                              gathers=int(req.gather is not None) | (2 if req.weight == 0 else 0) | bw_flags,
                               layout_desc=req.layout_desc)
         self._drain_loopback(now)
 
@@ -479,6 +533,8 @@ class Node:
             spec, st.req.buffer, st.req.weight, st.req.gather, self._send, now,
             part_elems=max(1, cfg.part_size_bytes // itemsize), part_timeout=cfg.part_timeout,
             deadline=self.step_deadline(st, now), on_done=self._on_round_done,
+            linkstats=self.linkstats, part_timeout_floor=cfg.part_timeout_floor, deadline_slack=cfg.deadline_slack,
+            rtt=self.membership.rtt if isinstance(self.membership, Membership) else None,
         )
         st.round.start(now)
         for msg in self._early.pop(spec.group_id, []):
@@ -532,7 +588,7 @@ class Node:
             spans=out.spans, updated=out.updated,
             timings={"matchmaking": st.grouped - st.started, "allreduce": now - st.grouped, "total": now - st.started},
             bytes_sent=out.bytes_sent, bytes_received=out.bytes_received, coords=coords_before,
-            left_out=dict(rnd.spec.left_out), auxiliary=out.auxiliary,
+            left_out=dict(rnd.spec.left_out), auxiliary=out.auxiliary, deadlines=rnd.deadlines_used(),
         )
         if len(out.members) > 1 and not set(out.contributors) - {self.peer_id} and self.peer_id not in out.auxiliary:
             self._end_step(StepFailed(st.req.step_id, PeerLost(
