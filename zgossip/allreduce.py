@@ -189,6 +189,7 @@ class AllReduceRound:
         part_timeout_floor: float | None = None,
         deadline_slack: float = 3.0,
         rtt: Callable[[str], float | None] | None = None,
+        rate_of: Callable[[str], float | None] | None = None,
     ) -> None:
         if buffer.ndim != 1:
             raise ProtocolError("the all-reduce buffer must be flat")
@@ -211,6 +212,7 @@ class AllReduceRound:
         self._floor = part_timeout_floor
         self._slack = deadline_slack
         self._rtt = rtt
+        self._rate_of = rate_of  # a member's gossiped rate (Mbit/s): its pace before we measured one
         self._limits_seen: list[float] = []  # data-silence limits used (min/max reported)
         self._result_limits_seen: list[float] = []
         if linkstats is not None:
@@ -743,8 +745,12 @@ class AllReduceRound:
             m = self.members[j]
             rtt = self._rtt(m.endpoint) if self._rtt is not None else None
             floor = min(T, max(self._floor, 4 * rtt if rtt else 0.0))
-            out[j] = silence_limit(self.stats.pace(m.peer_id), part_bytes, T, floor, self._slack,
-                                   self.deadline - self.started)
+            pace = self.stats.pace(m.peer_id)
+            if pace is None and self._rate_of is not None:
+                # not measured yet: the rate it gossiped, shared by the n - 1 streams it sends
+                rate = self._rate_of(m.peer_id)
+                pace = (self.n - 1) / (rate * 125_000.0) if rate else None
+            out[j] = silence_limit(pace, part_bytes, T, floor, self._slack, self.deadline - self.started)
         return out
 
     def deadlines_used(self) -> dict[str, float]:

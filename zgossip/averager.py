@@ -575,6 +575,11 @@ class Averager:
         """The latest record every live peer published (this peer's included), by peer id."""
         return self._ask_node(lambda node: node.peer_infos())
 
+    def bandwidth_estimates(self) -> dict[str, float]:
+        """Measured download rates (Mbit/s) by peer id: this peer's own and what live peers gossiped
+        (every peer that measured one, whatever its ``bandwidth``; see `zgossip.linkstats`)."""
+        return self._ask_node(lambda node: node.peer_bandwidths())
+
     def peers(self) -> list[str]:
         """Peer ids this averager currently believes alive (a snapshot, for monitoring)."""
         return self._ask_node(lambda node: list(node.membership.live_ids()))

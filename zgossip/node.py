@@ -255,8 +255,9 @@ class Node:
 
     def _publish_round(self) -> None:
         info = {**self._user_info, self._ROUND: self.round_index, self._PREFIX: self._prefix_tag}
-        est = self.linkstats.estimate_mbit() if self.config.bandwidth == "auto" else None
+        est = self.linkstats.estimate_mbit()
         if est is not None:
+            # gossiped whatever `bandwidth` says: groupmates time their deadlines by it (allreduce)
             info[self._BW] = float(f"{min(est, 1e7):.4g}")  # the gossiped estimate (Mbit/s), 4 digits
         self.membership.info = info
 
@@ -269,13 +270,17 @@ class Node:
         return info
 
     def peer_bandwidths(self) -> dict[str, float]:
-        """The bandwidth estimates (Mbit/s) live peers gossiped (only peers with bandwidth="auto" that
-        measured one), with this peer's own."""
+        """The download-rate estimates (Mbit/s) live peers gossiped (those that measured one), with
+        this peer's own."""
         out = {pid: r.info[self._BW] for pid, r in self.membership.peers.items() if self._BW in r.info}
-        own = self.linkstats.estimate_mbit() if self.config.bandwidth == "auto" else None
+        own = self.linkstats.estimate_mbit()
         if own is not None:
             out[self.peer_id] = own
         return out
+
+    def _gossiped_rate(self, peer_id: str) -> float | None:
+        rec = self.membership.peers.get(peer_id)
+        return rec.info.get(self._BW) if rec is not None else None
 
     def advertised_bandwidth(self) -> tuple[float, int]:
         """The rate this peer announces in JOIN and its flags for it (`partition.plan_bandwidths`):
@@ -535,6 +540,7 @@ class Node:
             deadline=self.step_deadline(st, now), on_done=self._on_round_done,
             linkstats=self.linkstats, part_timeout_floor=cfg.part_timeout_floor, deadline_slack=cfg.deadline_slack,
             rtt=self.membership.rtt if isinstance(self.membership, Membership) else None,
+            rate_of=self._gossiped_rate,
         )
         st.round.start(now)
         for msg in self._early.pop(spec.group_id, []):

@@ -14,7 +14,7 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[2] / "zgossip"
 PROTOCOL_MODULES = ["wire", "messages", "membership", "matchmaking", "grid", "partition", "allreduce", "numeric", "node",
-                    "tensors", "errors", "rendezvous", "state", "layouts"]
+                    "tensors", "errors", "rendezvous", "state", "layouts", "linkstats"]
 SEAM_MODULES = ["actions", "transport", "view"]  # the interfaces between protocol, transports and users
 USER_MODULES = ["averager", "training_state", "progress", "steplog"]  # above the seam: time and waits from the Clock
 # the training layer: also above the seam, on the averager's clock (so `python -m sim train` runs it)
