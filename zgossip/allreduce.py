@@ -604,6 +604,8 @@ class AllReduceRound:
         owner, p, arr = msg.owner, msg.part, msg.data
         if self._part_range(owner, p, arr) is None:
             return self._bad(j, msg, "part index, length or dtype does not match the group's plan")
+        if self.stats is not None:  # a transfer that completed, even one too late to be used: it measures the link
+            self.stats.on_payload(msg.sender, arr.nbytes, now)
         if msg.rescue:
             r = self.rescues.get(owner)
             if r is None or p not in r.declared.get(j, ()):
@@ -615,8 +617,6 @@ class AllReduceRound:
         if j in r.excluded or r.state[p] is not ReduceState.COLLECTING or r.pos[p] > j or (j, p) in r.pending:
             return  # late or duplicate: that member's share of this part is already settled
         self.bytes_received += arr.nbytes
-        if self.stats is not None:
-            self.stats.on_payload(msg.sender, arr.nbytes, now)
         self.weights.setdefault(j, msg.weight)
         r.pending[(j, p)] = (arr, msg.weight)
         self._advance(r, p, now)
@@ -629,6 +629,8 @@ class AllReduceRound:
             self._part_range(owner, p, arr)
         if rng is None or any(c >= self.n for c in contrib):
             return self._bad(j, msg, "result does not match the group's plan")
+        if self.stats is not None and arr.nbytes:
+            self.stats.on_payload(msg.sender, arr.nbytes, now)
         if not msg.rescue and owner in self.rescue_target:
             # a late result from an owner we already declared lost: our part of its span was handed to
             # the substitute (and may still be on its way, zero-copy from our buffer), so only the
@@ -639,8 +641,6 @@ class AllReduceRound:
         if j != expected:
             return self._bad(j, msg, "result from a member that does not reduce that span")
         self.bytes_received += arr.nbytes
-        if self.stats is not None and arr.nbytes:
-            self.stats.on_payload(msg.sender, arr.nbytes, now)
         if self.rank in contrib:
             self._resolve(owner, p, contrib, arr, rescued=msg.rescue)
         else:
@@ -746,11 +746,17 @@ class AllReduceRound:
             rtt = self._rtt(m.endpoint) if self._rtt is not None else None
             floor = min(T, max(self._floor, 4 * rtt if rtt else 0.0))
             pace = self.stats.pace(m.peer_id)
+            ceiling = self.deadline - self.started
             if pace is None and self._rate_of is not None:
-                # not measured yet: the rate it gossiped, shared by the n - 1 streams it sends
-                rate = self._rate_of(m.peer_id)
-                pace = (self.n - 1) / (rate * 125_000.0) if rate else None
-            out[j] = silence_limit(pace, part_bytes, T, floor, self._slack, self.deadline - self.started)
+                # not measured yet: the slower of its gossiped rate and ours, shared by the n - 1
+                # streams each link carries. Without our own rate it may only lengthen the wait.
+                theirs, ours = self._rate_of(m.peer_id), self.stats.estimate_mbit()
+                rate = min(r for r in (theirs, ours) if r) if theirs or ours else None
+                if rate:
+                    limit = silence_limit((self.n - 1) / (rate * 125_000.0), part_bytes, T, floor, self._slack, ceiling)
+                    out[j] = limit if theirs and ours else max(T, limit)
+                    continue
+            out[j] = silence_limit(pace, part_bytes, T, floor, self._slack, ceiling)
         return out
 
     def deadlines_used(self) -> dict[str, float]:
@@ -768,8 +774,6 @@ class AllReduceRound:
         if not force and (self.unresolved or waiting_gather or busy_rescue or self.own.left):
             return
         self.phase = transition(self.phase, RoundPhase.DONE, f"round {self._gid}")
-        if self.stats is not None:
-            self.stats.end()
         self._on_done(self, now)
 
     # ------------------------------------------------------------------ result

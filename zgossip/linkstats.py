@@ -15,7 +15,9 @@ all-reduce rounds, with the times the driver passes in (no clock here):
   so the protocol never sees when its uploads leave. The testbed's and the simulator's links are
   symmetric; on an asymmetric link declare `bandwidth=` by hand.
 * **each groupmate's pace** (`LinkStats.pace`): seconds per byte between successive payloads
-  from that peer (bounded history, the largest recent sample). The all-reduce scales it by the
+  from that peer, its first one of a round timed from the round's start (bounded history, the
+  largest recent sample). Payloads that came too late to be used count too: they still
+  measure the link. The all-reduce scales it by the
   bytes of the next part it expects to give every member its own silence limit (adaptive
   deadlines, `silence_limit`).
 
@@ -71,20 +73,20 @@ class LinkStats:
         self._start: float | None = None  # when this round began here
         self._bytes = 0  # payload bytes that arrived since
         self._best = 0.0  # this round's largest running rate
+        self._arrivals: deque[tuple[float, int]] = deque(maxlen=128)  # (time, bytes so far) this round
+        self._largest = 0  # largest payload this round
         self._last: dict[str, float] = {}  # peer -> arrival of its previous payload (this round)
         self._pace: dict[str, deque[float]] = {}  # peer -> recent seconds per byte
 
     def begin(self, now: float) -> None:
-        """A round starts: rates and gaps never span the idle time between rounds."""
-        self.end()
-        self._start, self._bytes, self._best = now, 0, 0.0
-        self._last.clear()
-
-    def end(self) -> None:
-        """The round is over: its sample joins the history (`begin` ends a round left open)."""
-        if self._start is not None and self._best > 0:
+        """A round starts: the last one's sample joins the history. Payloads of a round still count
+        after it ended here, until the next begins (a member that gave a slow sender up still sees
+        its transfers complete, and they measure this link all the same)."""
+        if self._best > 0:
             self._rates.append(self._best)
-        self._start = None
+        self._start, self._bytes, self._best, self._largest = now, 0, 0.0, 0
+        self._arrivals.clear()
+        self._last.clear()
 
     def on_payload(self, peer: str, nbytes: int, now: float) -> None:
         """`nbytes` of payload from `peer` arrived at `now` (after `begin` of this round)."""
@@ -95,9 +97,12 @@ class LinkStats:
             self._bytes += nbytes
             if span >= self.min_window_s and self._bytes >= self.min_window_bytes:
                 self._best = max(self._best, self._bytes / span)
-        prev = self._last.get(peer)
+            self._windows(now, nbytes, peer)
+        # a peer's first payload of the round is timed from the round's start: the wait for it
+        # (latency, its other streams, its queue) is what a silence limit has to cover
+        prev = self._last.get(peer, self._start)
         self._last[peer] = now
-        if prev is not None and nbytes >= MIN_PACE_BYTES and now > prev:
+        if nbytes >= MIN_PACE_BYTES and now > prev:
             q = self._pace.get(peer)
             if q is None:
                 if len(self._pace) >= self.max_peers:
@@ -105,11 +110,29 @@ class LinkStats:
                 q = self._pace[peer] = deque(maxlen=self.pace_samples)
             q.append((now - prev) / nbytes)
 
+    def _windows(self, now: float, nbytes: int, peer: str) -> None:
+        """Busy stretches inside the round: bytes that completed between an earlier arrival and now,
+        less what may have been in flight at that arrival (one partly sent payload per connection:
+        two lanes from each sender), over the time between -- again a rate the link surely carried,
+        but one a lull earlier in the round does not dilute."""
+        self._largest = max(self._largest, nbytes)
+        self._arrivals.append((now, self._bytes))
+        inflight = 2 * (len(self._last) + (peer not in self._last)) * self._largest
+        k = len(self._arrivals)
+        for back in (16, 32, 64, 127):
+            if back >= k:
+                break
+            t0, b0 = self._arrivals[k - 1 - back]
+            moved = self._bytes - b0 - inflight
+            if now - t0 >= self.min_window_s and moved >= self.min_window_bytes:
+                self._best = max(self._best, moved / (now - t0))
+
     def estimate_mbit(self) -> float | None:
         """This peer's download rate in Mbit/s (see the module docstring), None before a first sample."""
-        if not self._rates:
+        rates = list(self._rates) + ([self._best] if self._best > 0 else [])
+        if not rates:
             return None
-        return _percentile(list(self._rates), PERCENTILE) * 8e-6
+        return _percentile(rates, PERCENTILE) * 8e-6
 
     def pace(self, peer: str) -> float | None:
         """Seconds per byte between `peer`'s payloads: the largest of its recent samples (None: none yet)."""

@@ -502,6 +502,9 @@ class Node:
             self.stats["dropped"] += st.round.dropped - before
             return
         done = self._finished.get(gid)
+        if done is not None and type(msg) in (Part, Result):
+            for arr in msg.payload:  # a transfer of a round we finished still measures our link
+                self.linkstats.on_payload(msg.sender, arr.nbytes, now)
         if done is not None:
             if type(msg) is RescueCall:
                 # we finished already, so we need nothing: say so, so the substitute need not wait

@@ -24,8 +24,9 @@ MIN_PART_BYTES = 64 << 10
 #: member flags (`messages.MemberInfo.gathers`) of `bandwidth="auto"`: the number is a measured
 #: estimate in Mbit/s, or the member has none yet (the number is a placeholder)
 MEASURED, UNMEASURED = 4, 8
-#: measured rates closer than this ratio count as one rate (see `plan_bandwidths`)
-SAME_RATE = 1.5
+#: measured rates closer than this ratio count as one rate (the 1 MiB steps of
+#: the fidelity matrix read 17-39 Mbit/s on links of 20-100: latency-bound transfers say little) (see `plan_bandwidths`)
+SAME_RATE = 1.25
 
 
 def plan_bandwidths(rates: Sequence[float], flags: Sequence[int]) -> list[float]:
@@ -151,7 +152,7 @@ class PartPlan:
 def streamed_part_elems(numel: int, bandwidths: Sequence[float], part_elems: int, itemsize: int) -> int:
     """The part size a group uses: the configured `part_elems`, capped so that a span of the mean
     size (over members that own a span) holds `MIN_PARTS` parts -- `MIN_PARTS_UNEVEN` when the
-    declared rates differ by 2x or more -- but never below `MIN_PART_BYTES` (nor above
+    rates or the spans differ by 2x or more -- but never below `MIN_PART_BYTES` (nor above
     `part_elems`). A pure function of what every member knows, so all agree.
 
     Why more parts on uneven links: a slow member uploads its data to every owner in turn and
@@ -163,8 +164,11 @@ def streamed_part_elems(numel: int, bandwidths: Sequence[float], part_elems: int
     E.g. 4 members, 4 MiB parts configured: a 64 MiB tensor keeps 4 MiB parts; a 4 MiB tensor
     streams each 1 MiB span in 4 parts of 256 KiB (in 16 of 64 KiB on uneven links)."""
     rates = [b for b in bandwidths if b > 0]
-    owners = sum(1 for f in span_fractions(bandwidths) if f > 0) if rates else 1
-    uneven = bool(rates) and max(rates) >= 2 * min(rates)
+    fracs = [f for b, f in zip(bandwidths, span_fractions(bandwidths)) if b > 0] if rates else []
+    owners = sum(1 for f in fracs if f > 0) if rates else 1
+    # uneven: the rates differ by 2x, or the split does (measured rates of uneven links read closer
+    # together than the links are -- `linkstats` -- while the split still leaves a member out)
+    uneven = bool(rates) and (max(rates) >= 2 * min(rates) or max(fracs) >= 2 * min(fracs))
     cap = -(-numel // (owners * (MIN_PARTS_UNEVEN if uneven else MIN_PARTS)))
     floor = max(1, MIN_PART_BYTES // max(1, itemsize))
     return max(1, min(part_elems, max(cap, floor)))
