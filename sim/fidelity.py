@@ -79,6 +79,7 @@ MIB = 1 << 18  # float32 values in one MiB
 #: name -> (hosts, MiB of float32 per peer)
 CASES: dict[str, tuple[list[dict], int]] = {
     "fast4-1g-4m": (_FAST4, 4),
+    "fast4-auto-1g-4m": (_auto(_FAST4), 4),
     "fast8-1g-16m": ([_h(1000, 1, count=8)], 16),
     "slow1-4m": (_SLOW1, 4),
     "slow1-hints-4m": (_hints(_SLOW1), 4),
@@ -105,6 +106,7 @@ PAIRS: list[tuple[str, str, str]] = [
     ("auto", "home4-4m", "home4-auto-4m"),
     ("auto", "issue4-4m", "issue4-auto-4m"),
     ("auto", "slow1-4m", "slow1-auto-4m"),
+    ("auto", "fast4-1g-4m", "fast4-auto-1g-4m"),
     ("loss", "home4-1m", "home4-loss-1m"),
     ("loss", "lat150-1m", "lat150-loss-1m"),
     ("slow host", "fast4-1g-4m", "slow1-4m"),

@@ -74,7 +74,7 @@ def test_valid_rate(x, ok):
 
 def test_plan_bandwidths_declared_measured_and_unmeasured():
     assert plan_bandwidths([1000, 100, 20, 50], [0, 1, 0, 3]) == [1000, 100, 20, 50]  # declared: as is
-    # measured rates within 1.5x form one class at its lowest rate: equal links, equal spans
+    # measured rates within SAME_RATE (1.25x) of their neighbour form one class at its lowest rate: equal links, equal spans
     eq = plan_bandwidths([950, 1000, 900, 1010], [MEASURED | 1] * 4)
     assert eq == [900.0] * 4 and span_fractions(eq) == [0.25] * 4
     assert plan_bandwidths([90, 100, 18, 30], [MEASURED] * 4) == [90, 90, 18, 30]
