@@ -29,6 +29,7 @@ from anywhere.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import threading
 from collections import deque
 from typing import Any, Callable
@@ -146,11 +147,11 @@ class _Executor:
         self._busy = False
         self._closed = False
 
-    def submit(self, fn: Callable, *args: Any) -> cf.Future:
+    def submit(self, fn: Callable, /, *args: Any, **kwargs: Any) -> cf.Future:
         if self._closed:
             raise RuntimeError("cannot schedule new futures after shutdown")
         fut: cf.Future = cf.Future()
-        self._queue.append((fut, fn, args))
+        self._queue.append((fut, functools.partial(fn, **kwargs) if kwargs else fn, args))
         if not self._busy:
             self._busy = True
             self._clock._run_now(self._drain, self._name)

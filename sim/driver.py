@@ -148,6 +148,9 @@ class SimTransport:
     def step_finished(self, act: Any) -> None:
         self._report(self.owner.step_finished, act)
 
+    def step_progress(self, act: Any) -> None:
+        self._report(self.owner.step_progress, act)
+
     def serve_state(self, act: Any) -> None:
         self._report(self.owner.serve_state, act)
 

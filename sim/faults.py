@@ -23,6 +23,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from zgossip.grid import seed_from
+
 from .network import Partition, SlowLink
 
 __all__ = ["Fault", "Crash", "CrashRejoin", "Pause", "PartitionFault", "Slow", "Churn", "fault_from_dict"]
@@ -155,3 +157,26 @@ class FaultContext:
     def arrive(self) -> None: ...
     def schedule_departure(self, index: int, now: float) -> None: ...
     def rng(self, purpose: str) -> np.random.Generator: ...
+
+
+class SimFaultContext(FaultContext):
+    """What the two simulator runs (`sim.scenario.ScenarioRun`, `sim.train.TrainRun`) share: generators
+    seeded by (scenario seed, purpose), a SimPy timeline, ``sim://peerN`` endpoints, peers in ``slots``.
+    Subclasses set ``sc`` (with a ``seed``), ``env`` and ``slots``."""
+
+    sc: Any
+    env: Any
+    slots: list
+
+    def rng(self, purpose: str) -> np.random.Generator:
+        return np.random.default_rng([self.sc.seed, seed_from(purpose)])
+
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        ev = self.env.timeout(max(0.0, t - self.env.now))
+        ev.callbacks.append(lambda _e: fn())
+
+    def peer(self, index: int) -> Any:
+        return self.slots[index]
+
+    def endpoint(self, index: int) -> str:
+        return f"sim://peer{index}"

@@ -57,11 +57,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from zgossip.grid import MoshpitGrid, seed_from
+from zgossip.grid import MoshpitGrid
 from zgossip.node import NodeConfig, StepDone, StepFailed
 
 from .driver import SimCluster, SimPeer
-from .faults import Churn, FaultContext, fault_from_dict
+from .faults import Churn, SimFaultContext, fault_from_dict
 from .network import PROFILES, NetworkModel, Profile
 
 __all__ = ["Scenario", "ScenarioRun", "ScenarioResult", "HostSpec", "run_scenario", "load_scenario", "round_metrics"]
@@ -243,7 +243,22 @@ class ScenarioResult:
         return out.getvalue()
 
 
-class ScenarioRun(FaultContext):
+def place_peers(grid: MoshpitGrid, count: int, placement: str, rng: np.random.Generator) -> list[tuple]:
+    """Grid coordinates of the first `count` peers: ``full`` fills cells in order, ``distinct`` takes
+    distinct random cells, anything else draws each peer's cell independently (cells may repeat).
+    Shared by the simulator and the testbed, so one scenario places its peers alike in both."""
+    if not grid.ndim:
+        return [()] * count
+    cells = list(np.ndindex(*grid.shape))
+    if placement == "full":
+        return [tuple(int(x) for x in c) for c in cells[:count]]
+    if placement == "distinct":
+        pick = rng.permutation(len(cells))[:count]
+        return [tuple(int(x) for x in cells[i]) for i in pick]
+    return [grid.random_coords(rng) for _ in range(count)]
+
+
+class ScenarioRun(SimFaultContext):
     def __init__(self, sc: Scenario) -> None:
         self.sc = sc
         # emulated hosts are real TCP links: that is what they predict; abstract peers keep FIFO links
@@ -274,20 +289,7 @@ class ScenarioRun(FaultContext):
         if sc.churn:
             Churn(**sc.churn).install(self)
 
-    # ---------------------------------------------------------------- FaultContext
-    def rng(self, purpose: str) -> np.random.Generator:
-        return np.random.default_rng([self.sc.seed, seed_from(purpose)])
-
-    def at(self, t: float, fn: Callable[[], None]) -> None:
-        ev = self.env.timeout(max(0.0, t - self.env.now))
-        ev.callbacks.append(lambda _e: fn())
-
-    def peer(self, index: int) -> SimPeer:
-        return self.slots[index]
-
-    def endpoint(self, index: int) -> str:
-        return f"sim://peer{index}"
-
+    # ---------------------------------------------------------------- FaultContext (rng, at, peer, endpoint: SimFaultContext)
     def crash(self, index: int) -> None:
         self.slots[index].crash()
 
@@ -311,16 +313,7 @@ class ScenarioRun(FaultContext):
 
     # ---------------------------------------------------------------- setup
     def _placement(self) -> list[tuple]:
-        sc, g = self.sc, self.grid
-        if not g.ndim:
-            return [()] * sc.peers
-        cells = list(np.ndindex(*g.shape))
-        if sc.placement == "full":
-            return [tuple(int(x) for x in c) for c in cells[: sc.peers]]
-        if sc.placement == "distinct":
-            pick = self._place_rng.permutation(len(cells))[: sc.peers]
-            return [tuple(int(x) for x in cells[i]) for i in pick]
-        return [g.random_coords(self._place_rng) for _ in range(sc.peers)]
+        return place_peers(self.grid, self.sc.peers, self.sc.placement, self._place_rng)
 
     def _config(self, coords: tuple, index: int | None = None) -> NodeConfig:
         sc = self.sc

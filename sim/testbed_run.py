@@ -31,7 +31,6 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import fields
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,7 +39,7 @@ import numpy as np
 from zgossip.grid import MoshpitGrid, seed_from
 
 from .faults import FaultContext, fault_from_dict
-from .scenario import _FAST_PROTOCOL, Scenario, round_metrics
+from .scenario import _FAST_PROTOCOL, Scenario, place_peers, round_metrics
 from .testbed import Testbed, machine_info
 
 __all__ = ["run_testbed", "PeerProcess", "averager_settings", "PORT"]
@@ -201,17 +200,7 @@ class _Controller(FaultContext):
 
     # ---------------------------------------------------------------- setup
     def _placement(self) -> list[tuple]:
-        sc, g = self.sc, self.grid
-        rng = self.rng("placement")
-        if not g.ndim:
-            return [()] * sc.peers
-        cells = list(np.ndindex(*g.shape))
-        if sc.placement == "full":
-            return [tuple(int(x) for x in c) for c in cells[: sc.peers]]
-        if sc.placement == "distinct":
-            pick = rng.permutation(len(cells))[: sc.peers]
-            return [tuple(int(x) for x in cells[i]) for i in pick]
-        return [g.random_coords(rng) for _ in range(sc.peers)]
+        return place_peers(self.grid, self.sc.peers, self.sc.placement, self.rng("placement"))
 
     def _start(self, index: int) -> PeerProcess:
         live = [i for i, p in enumerate(self.slots) if p is not None and p.alive and i != index]

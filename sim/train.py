@@ -71,7 +71,7 @@ import numpy as np
 from zgossip.grid import MoshpitGrid, seed_from
 
 from .driver import SimCluster, SimPeer
-from .faults import Churn, FaultContext, fault_from_dict
+from .faults import Churn, SimFaultContext, fault_from_dict
 from .network import PROFILES, NetworkModel
 from .scenario import HostSpec
 
@@ -276,7 +276,7 @@ class TrainResult:
         return json.dumps(data, sort_keys=True, indent=1)
 
 
-class TrainRun(FaultContext):
+class TrainRun(SimFaultContext):
     """One simulated training run (see the module docstring)."""
 
     def __init__(self, sc: TrainScenario) -> None:
@@ -321,20 +321,7 @@ class TrainRun(FaultContext):
         if sc.churn:
             Churn(**sc.churn).install(self)
 
-    # ---------------------------------------------------------------- FaultContext
-    def rng(self, purpose: str) -> np.random.Generator:
-        return np.random.default_rng([self.sc.seed, seed_from(purpose)])
-
-    def at(self, t: float, fn: Callable[[], None]) -> None:
-        ev = self.env.timeout(max(0.0, t - self.env.now))
-        ev.callbacks.append(lambda _e: fn())
-
-    def peer(self, index: int) -> SimPeer:
-        return self.slots[index]
-
-    def endpoint(self, index: int) -> str:
-        return f"sim://peer{index}"
-
+    # ---------------------------------------------------------------- FaultContext (rng, at, peer, endpoint: SimFaultContext)
     def crash(self, index: int) -> None:
         if index < len(self.slots) and self.slots[index].alive:
             self.slots[index].crash()

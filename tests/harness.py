@@ -91,3 +91,34 @@ class ZmqHarness:
 
 def make(transport: str, tensors, per_peer=None, seed: int = 0, **cfg):
     return (SimHarness if transport == "sim" else ZmqHarness)(tensors, per_peer, seed, **cfg)
+
+
+def virtual_swarm(n: int, make: Any, body: Any, seed: int = 0, latency: float = 0.005,
+                  start_at: Sequence[float] | None = None, fast: dict | None = None) -> tuple[list, list]:
+    """`n` training peers on the simulator's transport, each built by ``make(i, initial_peers, averager_opts)``
+    and driven by ``body(i, peer)`` in its own simulated thread, peer ``i`` starting at virtual time
+    ``start_at[i]`` (a late joiner). Waits and sleeps cost no wall time and one seed gives one run; the
+    simulated threads end when their bodies return. Returns (peers, what each body returned)."""
+    from sim import NetworkModel, SimPeer
+
+    cl = SimCluster(seed=seed, network=NetworkModel(latency=latency))
+    peers: list = [None] * n
+    out: list = [None] * n
+    opts = dict(FAST if fast is None else fast)
+    opts.pop("matchmaking_time", None)  # the training classes set their own window
+
+    def life(i: int) -> None:
+        if start_at is not None and start_at[i] > 0:
+            cl.clock.sleep(start_at[i])
+        ep = f"sim://peer{i}"
+        peer = SimPeer(cl, ep)
+        cl.peers[ep] = peer
+        peers[i] = make(i, [] if i == 0 else ["sim://peer0"], {**opts, "transport": peer, "seed": [seed, i]})
+        # the cluster reaches a peer's averager through its SimPeer (the Accumulator keeps it private)
+        peer.averager = getattr(peers[i], "averager", None) or peers[i]._averager
+        out[i] = body(i, peers[i])
+
+    threads = [cl.spawn(life, i, name=f"trainer{i}") for i in range(n)]
+    cl.run(until=cl.env.all_of([t.done for t in threads]))
+    cl.clock.close()
+    return peers, out

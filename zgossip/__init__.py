@@ -17,6 +17,7 @@ from .errors import (
     ZGossipError,
 )
 from .node import NodeConfig, StepResult
+from .step_control import StepControl, StepStage
 
 __version__ = "0.1.0"
 
@@ -41,6 +42,8 @@ __all__ = [
     "Averager",
     "NodeConfig",
     "StepResult",
+    "StepControl",
+    "StepStage",
     "ZGossipError",
     "ProtocolError",
     "IllegalTransition",

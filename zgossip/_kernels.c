@@ -202,7 +202,8 @@ done:
 /* Copies n bytes with non-temporal stores where the CPU has them (SSE2): a received result is
  * written into the tensor and not read again this round, so there is no point reading the
  * destination's cache lines first (which an ordinary store does) or keeping them in cache.
- * The caller issues the store fence (`_mm_sfence`) after its last call. */
+ * The caller issues the store fence (`_mm_sfence`) after its last call. Opt-in (kernels.STREAM_STORES):
+ * whether it pays depends on the CPU, and paired runs showed no gain on the machine we measure on. */
 static void stream_copy(char *dst, const char *src, size_t n) {
 #if defined(__SSE2__)
     size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
@@ -229,13 +230,14 @@ static void stream_copy(char *dst, const char *src, size_t n) {
 #endif
 }
 
-/* copy_finite(dst, src, itemsize) -> elements copied: blocks are checked and copied (streamed) in order, and
- * copying stops before the first block holding a NaN or inf (so the return value is a multiple of
- * the block size, or the full length when everything was finite). */
+/* copy_finite(dst, src, itemsize[, stream]) -> elements copied: blocks are checked and copied in order
+ * (with non-temporal stores when `stream`, the default; plain memcpy otherwise), and copying stops
+ * before the first block holding a NaN or inf (so the return value is a multiple of the block size,
+ * or the full length when everything was finite). */
 static PyObject *py_copy_finite(PyObject *self, PyObject *args) {
     PyObject *dst_obj, *src_obj;
-    int itemsize;
-    if (!PyArg_ParseTuple(args, "OOi", &dst_obj, &src_obj, &itemsize)) return NULL;
+    int itemsize, stream = 1;
+    if (!PyArg_ParseTuple(args, "OOi|p", &dst_obj, &src_obj, &itemsize, &stream)) return NULL;
     if (itemsize != 4 && itemsize != 8) {
         PyErr_SetString(PyExc_ValueError, "itemsize must be 4 or 8");
         return NULL;
@@ -258,10 +260,13 @@ static PyObject *py_copy_finite(PyObject *self, PyObject *args) {
         Py_ssize_t m = n - s < COPY_BLOCK ? n - s : COPY_BLOCK;
         const char *from = (const char *)src.buf + s * itemsize;
         if (itemsize == 4 ? !finite_f32((const float *)from, m) : !finite_f64((const double *)from, m)) break;
-        stream_copy((char *)dst.buf + s * itemsize, from, (size_t)(m * itemsize));
+        if (stream)
+            stream_copy((char *)dst.buf + s * itemsize, from, (size_t)(m * itemsize));
+        else
+            memcpy((char *)dst.buf + s * itemsize, from, (size_t)(m * itemsize));
     }
 #if defined(__SSE2__)
-    _mm_sfence();
+    if (stream) _mm_sfence();
 #endif
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&dst);
@@ -289,7 +294,21 @@ static PyObject *py_all_finite(PyObject *self, PyObject *args) {
     return PyBool_FromLong(ok);
 }
 
+/* isa() -> the instruction set the loader picked for the kernels' loops ("avx512f", "avx2", "default"
+ * where they are compiled for several; "baseline" where they are not) */
+static PyObject *py_isa(PyObject *self, PyObject *noargs) {
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) return PyUnicode_FromString("avx512f");
+    if (__builtin_cpu_supports("avx2")) return PyUnicode_FromString("avx2");
+    return PyUnicode_FromString("default");
+#else
+    return PyUnicode_FromString("baseline");
+#endif
+}
+
 static PyMethodDef methods[] = {
+    {"isa", py_isa, METH_NOARGS, "the instruction set the kernels' loops run with"},
     {"accumulate", py_accumulate, METH_VARARGS, "out (+)= sum of w_i*x_i, optionally / divisor, with NaN/inf checks"},
     {"copy_finite", py_copy_finite, METH_VARARGS, "copy block by block up to the first non-finite block"},
     {"all_finite", py_all_finite, METH_VARARGS, "no NaN or inf in the buffer"},

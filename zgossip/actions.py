@@ -3,7 +3,7 @@ executor every driver carries them out with.
 
 `Node.take_actions()` returns a list of these frozen values. Two are for the transport
 (`Send`, `Disconnect`), the others for the node's owner, the `Averager` (`StepDone`,
-`StepFailed`, `ServeState`, `DownloadDone`, `DownloadFailed`). `execute` is the only place
+`StepFailed`, `StepProgress`, `ServeState`, `DownloadDone`, `DownloadFailed`). `execute` is the only place
 that tells them apart, so the ZeroMQ driver and the simulator cannot drift apart in what
 an action means (they once did: the simulator ignored `Disconnect` and served state inline).
 """
@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .wire import Message
 
 __all__ = [
-    "Send", "Disconnect", "StepDone", "StepFailed", "ServeState", "DownloadDone", "DownloadFailed",
+    "Send", "Disconnect", "StepDone", "StepFailed", "StepProgress", "ServeState", "DownloadDone", "DownloadFailed",
     "Action", "OwnerAction", "Carrier", "Owner", "execute",
 ]
 
@@ -50,6 +50,16 @@ class StepFailed:
 
 
 @dataclass(frozen=True, slots=True)
+class StepProgress:
+    """The current step entered `phase` (a `zgossip.node.StepPhase` value); ``due``: a held step
+    reached its ``due_at`` untriggered, so the owner should trigger it now (`Node.trigger_step`)."""
+
+    step_id: str
+    phase: str
+    due: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class ServeState:
     """A peer asked for our state: the owner obtains a snapshot and calls `Node.serve_state`."""
 
@@ -70,7 +80,7 @@ class DownloadFailed:
     error: Exception
 
 
-OwnerAction = Union[StepDone, StepFailed, ServeState, DownloadDone, DownloadFailed]
+OwnerAction = Union[StepDone, StepFailed, StepProgress, ServeState, DownloadDone, DownloadFailed]
 Action = Union[Send, Disconnect, OwnerAction]
 
 
@@ -88,6 +98,8 @@ class Owner(Protocol):
     """The owner's half of `execute` (the `Averager`). Called on the driver's thread, in order."""
 
     def step_finished(self, act: StepDone | StepFailed) -> None: ...
+
+    def step_progress(self, act: StepProgress) -> None: ...
 
     def serve_state(self, act: ServeState) -> None: ...
 
@@ -110,6 +122,8 @@ def execute(actions: Iterable[Action], carrier: Carrier, owner: Owner | None,
             try:
                 if kind is StepDone or kind is StepFailed:
                     owner.step_finished(act)
+                elif kind is StepProgress:
+                    owner.step_progress(act)
                 elif kind is ServeState:
                     owner.serve_state(act)
                 elif kind is DownloadDone or kind is DownloadFailed:

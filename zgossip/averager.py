@@ -23,42 +23,23 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from . import wire
-from .actions import DownloadDone, DownloadFailed, ServeState, StepDone, StepFailed
+from . import staging, wire
+from .actions import DownloadDone, DownloadFailed, ServeState, StepDone, StepFailed, StepProgress
 from .endpoints import check_endpoint
 from .identity import AllowList, load_key, peer_id_of, split_peer
 from .errors import AveragerClosed, RoundTimeout, StateUnavailable, StepInProgress, ZGossipError
 from .node import Node, NodeConfig, StepRequest, StepResult
+from .step_control import StepControl, StepFuture, StepStage
 from .steplog import StepLog
 from .tensors import FlatLayout, as_array
 from .transport import Transport
 
-__all__ = ["Averager", "StepFuture"]
+__all__ = ["Averager", "StepFuture", "StepControl", "StepStage"]
 
 _GOODBYE_WAIT = 0.02  # seconds given to the BYE messages to leave before the sockets close
 _SLACK = 0.5  # seconds: the safety net's margin past the node's deadline, and the most spent dropping unsent data
 
 log = logging.getLogger(__name__)
-
-
-class StepFuture(cf.Future):
-    """The Future of ``step(wait=False)``. ``cancel()`` really cancels: while the step is still
-    matchmaking it is dropped (the node leaves matchmaking, the tensors stay untouched, the
-    averager is free for the next step) and ``cancel()`` returns True; once the all-reduce
-    started -- groupmates count on this peer's data -- or the step finished, it returns False
-    and the step runs to its end as usual."""
-
-    def __init__(self, averager: "Averager", step_id: str) -> None:
-        super().__init__()
-        self._averager = averager
-        self.step_id = step_id
-
-    def cancel(self) -> bool:
-        if self.done():
-            return super().cancel()  # False unless already cancelled
-        if not self._averager._drop_matchmaking(self.step_id):
-            return False
-        return super().cancel()
 
 
 def _to_numpy(a: Any) -> np.ndarray:
@@ -83,7 +64,7 @@ def _settle_future(fut: cf.Future, result: Any = None, error: BaseException | No
 
 
 class Averager:
-    """Decentralized group averaging of `tensors` (numpy arrays and/or CPU torch tensors), in place.
+    """Decentralized group averaging of `tensors` (numpy arrays and/or torch tensors on any device), in place.
 
     Parameters mirror hivemind's DecentralizedAverager where they mean the same thing:
     ``target_group_size`` / ``min_group_size`` bound group sizes; ``matchmaking_time`` is
@@ -94,6 +75,10 @@ class Averager:
     it a client that reduces nothing; ``"auto"`` measures its download rate in Mbit/s from
     the transfers of its rounds and gossips it, see `zgossip.linkstats`); ``averaging_alpha`` moves tensors only part way
     to the mean; ``grid`` / ``grid_coords`` place the peer on a Moshpit grid.
+
+    Torch tensors on a device (CUDA, ...) are staged through reusable host mirrors (pinned on
+    CUDA) with asynchronous copies ordered against the training stream (`zgossip.staging`);
+    `get_tensors` yields the device tensors themselves.
 
     ``in_place``: when the averager holds a single float32/float64 tensor and
     ``averaging_alpha`` is 1, a blocking ``step()`` averages that tensor where it lies,
@@ -220,11 +205,15 @@ class Averager:
             for ep in initial_peers:
                 check_endpoint(ep, "initial peer address")
         self._tensors = list(tensors)
-        self._arrays = [as_array(t) for t in self._tensors]
-        self.layout = FlatLayout.of(self._tensors)
+        # tensors on a device (CUDA, ...) are averaged through host mirrors (zgossip.staging)
+        self._staging = (staging.DeviceStaging(self._tensors) if any(staging.on_device(t) for t in self._tensors)
+                         else None)
+        host = self._staging.host_tensors(self._tensors) if self._staging is not None else self._tensors
+        self._arrays = [as_array(t) for t in host]
+        self.layout = FlatLayout.of(host)
         self.averaging_alpha = float(averaging_alpha)
         self._in_place = (bool(in_place) and len(self._arrays) == 1 and self.averaging_alpha == 1.0
-                          and self._arrays[0].dtype == self.layout.dtype)
+                          and self._arrays[0].dtype == self.layout.dtype and self._staging is None)
         if config is None and prefix is None:
             raise TypeError("Averager needs a prefix (or a whole NodeConfig as config=)")
         if client_mode:
@@ -344,7 +333,8 @@ class Averager:
                 self._inside.active -= 1
 
     def step(self, weight: float = 1.0, gather: Any = None, timeout: float | None = None,
-             wait: bool = True, round: int | None = None) -> StepResult | cf.Future:
+             wait: bool = True, round: int | None = None, scheduled_time: float | None = None,
+             require_trigger: bool = False) -> StepResult | StepFuture:
         """Find a group and average with it once.
 
         ``timeout`` bounds matchmaking (default ``max(5, 3*matchmaking_time)`` seconds); the
@@ -354,6 +344,15 @@ class Averager:
         ``wait=False`` returns a `concurrent.futures.Future` that carries the same.
         ``round`` pins the swarm-wide round number (which picks the Moshpit grid axis), e.g.
         a training epoch; by default the averager follows the highest round its peers announce.
+
+        Scheduled steps (``scheduled_time`` and/or ``require_trigger``; see README, "Step control"):
+        ``scheduled_time`` is on this averager's ``clock.now()`` scale (for ZeroMQ
+        ``time.monotonic()``, not ``time.time()``). Matchmaking begins ``matchmaking_time`` before
+        it (at once if that is past); the tensors are snapshotted and the all-reduce begins when the
+        returned control is `trigger`-ed, or at ``scheduled_time`` unless ``require_trigger`` (then
+        only on trigger), and never before a group formed. ``timeout`` then bounds matchmaking plus
+        the wait for the trigger, from when matchmaking begins. With ``wait=True`` this returns
+        the result; otherwise the `StepControl`.
         """
         clock = self._clock
         entered = clock.now()
@@ -367,6 +366,9 @@ class Averager:
             raise ValueError("weight must be a finite number > 0")
         if timeout is None:
             timeout = max(5.0, 3 * self.config.matchmaking_time)
+        if scheduled_time is not None or require_trigger:
+            return self._step_held(weight, gather, float(timeout), wait, round, scheduled_time, bool(require_trigger),
+                                   entered)
         if not self._busy.acquire(blocking=False):
             raise StepInProgress("the previous step of this averager is still running; wait for it first")
         in_place = wait and self._in_place
@@ -382,6 +384,7 @@ class Averager:
                     if self._buffer is None or self._transport.sends_pending():
                         # a buffer still referenced by an unsent zero-copy frame must not be overwritten
                         self._buffer = self.layout.new_buffer()
+                    self._pull()
                     buf = self.layout.snapshot(self._arrays, self._buffer)
             step_id = f"{self.peer_id[:8]}-{next(self._seq)}"
             fut: cf.Future = StepFuture(self, step_id)
@@ -430,6 +433,81 @@ class Averager:
                     self._lock.release()
                 if result is not None:
                     self.step_log.record_result(step_id, result, clock.now())
+
+    def _step_held(self, weight: float, gather: Any, timeout: float, wait: bool, round: int | None,
+                   scheduled_time: float | None, require_trigger: bool, entered: float) -> Any:
+        """A scheduled / triggered step (see `step`): the node holds it, this side snapshots at trigger."""
+        clock = self._clock
+        begin_at = None
+        if scheduled_time is not None:
+            scheduled_time = float(scheduled_time)
+            if not scheduled_time - entered < 3600.0:
+                raise ValueError(f"scheduled_time is {scheduled_time - entered:.0f}s from now: it is read on this "
+                                 "averager's clock.now() scale (monotonic), not time.time(); pass "
+                                 "averager.clock.now() + delay")
+            begin_at = scheduled_time - self.config.matchmaking_time
+        if not self._busy.acquire(blocking=False):
+            raise StepInProgress("the previous step of this averager is still running; wait for it first")
+        try:
+            with self._lock:
+                self.layout.check(self._arrays)
+            step_id = f"{self.peer_id[:8]}-{next(self._seq)}"
+            fut = StepFuture(self, step_id, held=True, weight=weight, gather=gather, scheduled_time=scheduled_time)
+            self._futures[step_id] = (fut, None, entered)
+            req = StepRequest(step_id, None, weight, gather, timeout, self.layout.fingerprint,
+                              None if round is None else int(round), self.layout.description, held=True,
+                              begin_at=begin_at, due_at=None if require_trigger else scheduled_time)
+            self._transport.call(lambda now: self._transport.node.submit_step(req, now))
+        except BaseException:
+            self._futures.pop(locals().get("step_id", ""), None)
+            self._busy.release()
+            raise
+        if not wait:
+            return fut
+        begins = max(entered, begin_at if begin_at is not None else entered)
+        end = begins + timeout + self.config.allreduce_timeout + _SLACK
+        try:
+            return clock.result(fut, max(0.0, end - clock.now()))
+        except cf.TimeoutError:
+            self._cancel(step_id, settle=False)
+            err = RoundTimeout(f"step did not finish within {end - entered:.1f}s")
+            self.step_log.record_failure(step_id, err, clock.now())
+            raise err from None
+
+    def _trigger(self, ctl: StepFuture) -> None:
+        """For `StepFuture.trigger` (under its lock): snapshot the tensors and hand them to the node."""
+        step_id = ctl.step_id
+        if self._closed or step_id not in self._futures:
+            return
+        with self._lock:
+            try:
+                self.layout.check(self._arrays)
+            except ValueError as e:
+                self._cancel(step_id, settle=False)
+                _settle_future(ctl, error=ZGossipError(f"could not snapshot the tensors: {e}"))
+                return
+            if self._buffer is None or self._transport.sends_pending():
+                self._buffer = self.layout.new_buffer()  # never overwrite bytes a zero-copy frame still lends
+            self._pull()
+            buf = self.layout.snapshot(self._arrays, self._buffer)
+        weight = 0.0 if self.auxiliary else ctl.weight
+
+        def hand_over(now: float) -> None:
+            entry = self._futures.get(step_id)
+            if entry is None:  # it ended (failed, cancelled) meanwhile: nothing to start
+                return
+            self._futures[step_id] = (entry[0], buf, entry[2])
+            self._transport.node.trigger_step(step_id, buf, weight, ctl.gather, now)
+
+        try:
+            self._transport.call(hand_over)
+        except RuntimeError:  # shut down meanwhile: the step fails with AveragerClosed
+            pass
+
+    def _fire_due(self, step_id: str) -> None:
+        entry = self._futures.get(step_id)
+        if entry is not None and isinstance(entry[0], StepFuture):
+            entry[0].trigger()
 
     def _drop_matchmaking(self, step_id: str) -> bool:
         """For `StepFuture.cancel`: drop the step if it is still matchmaking; True if it was dropped
@@ -497,6 +575,7 @@ class Averager:
         """What a peer downloading from us receives: ``(metadata, tensors)``. Override to add
         optimizer state or metadata (any msgpack-able object). Called on a worker thread."""
         with self._lock:
+            self._pull()
             return None, [np.array(a) for a in self._arrays]
 
     def load_state_from_peers(self, timeout: float = 60.0, chunk_timeout: float = 5.0,
@@ -557,6 +636,8 @@ class Averager:
         with self._lock:
             for src, dst in zip(arrays, self._arrays):
                 np.copyto(dst, src, casting="same_kind")
+            if self._staging is not None:
+                self._staging.push_all(self.layout.offsets)
 
     def publish(self, **info: Any) -> None:
         """Gossip a small public record about this peer (at most 14 scalar entries; keys starting
@@ -697,6 +778,16 @@ class Averager:
         else:
             dfut.set_result((act.meta, act.arrays))
 
+    def step_progress(self, act: StepProgress) -> None:
+        entry = self._futures.get(act.step_id)
+        if entry is None:
+            return
+        fut = entry[0]
+        if isinstance(fut, StepFuture):
+            fut._set_phase(act.phase)
+        if act.due:  # scheduled time reached untriggered: snapshot (under the tensor lock) off the I/O thread
+            self._applier.submit(self._fire_due, act.step_id)
+
     def step_finished(self, act: StepDone | StepFailed) -> None:
         entry = self._futures.pop(act.step_id, None)
         if entry is None:
@@ -718,7 +809,11 @@ class Averager:
         t0 = self._clock.now()
         try:
             with self._lock:
+                if self.averaging_alpha != 1.0:
+                    self._pull()  # moving part way starts from the tensors' current values
                 self.layout.apply(self._arrays, buf, result.updated, self.averaging_alpha)
+                if self._staging is not None:
+                    self._staging.push(result.updated, self.layout.offsets)
         except Exception as e:  # pragma: no cover - defensive
             self._release()
             _settle_future(fut, error=ZGossipError(f"could not write the averaged tensors: {e}"))
@@ -729,6 +824,11 @@ class Averager:
         self.step_log.record_result(step_id, result, now)
         self._release()
         _settle_future(fut, result=result)
+
+    def _pull(self) -> None:
+        """Device tensors -> their host mirrors (under the tensor lock); nothing for host tensors."""
+        if self._staging is not None:
+            self._staging.pull()
 
     def _release(self) -> None:
         try:

@@ -40,7 +40,17 @@ Two benchmarks, chosen by flag:
     DIR (another checkout, its C extension built in place) on the same data, under
     another prefix, and the two step in turn; the figure is the median over
     repetitions of this step time / that one's right next to it, which cancels most
-    of the drift of a shared machine that separate runs suffer from.
+    of the drift of a shared machine that separate runs suffer from. ``--vs-env VAR=VALUE``
+    (repeatable) sets environment variables in that second swarm -- on this code unless
+    ``--vs-checkout`` is given too --, which pairs an optional path against its fallback:
+    ``--vs-env ZGOSSIP_NATIVE=0``, ``ZGOSSIP_FAST_SEND=0``, ``ZGOSSIP_TUNE_MALLOC=0``,
+    ``ZGOSSIP_STREAM_STORES=0`` or ``=1``, ``NUMPY_MADVISE_HUGEPAGE=0``. The paired ratios are given for
+    the step time and for the CPU the peers spent.
+
+    Every report starts with the machine line (CPU model, cores, kernel, transparent huge
+    pages, libc) and the optional paths the peers ran (`zgossip.machine`); with ``--vs gloo``
+    it gives the ratio of CPU per step beside the ratio of time: both sides are CPU-bound on a
+    small machine, and CPU is the figure that carries across machines.
 
 ``zgossip bench --matchmaking [--peers 8] [--numel 1024] [--reps 10]``
     Matchmaking latency: 8 local peers that already know each other (membership is
@@ -66,6 +76,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .machine import machine, machine_line, paths_line
 from .swarm import LocalSwarm, peer_data
 
 __all__ = ["add_arguments", "run", "main", "bench_allreduce", "bench_matchmaking", "GlooGroup"]
@@ -86,6 +97,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vs-checkout", default=None, metavar="DIR",
                    help="also time the zgossip found in DIR (another checkout, C kernels built in place) on the "
                         "same data, stepping in turn with this one, and report the paired ratio")
+    p.add_argument("--vs-env", action="append", default=None, metavar="VAR=VALUE",
+                   help="also time a second swarm with this environment variable set (repeatable; with "
+                        "--vs-checkout, on that code), stepping in turn with this one, and report the paired ratios "
+                        "of time and CPU: e.g. --vs-env ZGOSSIP_NATIVE=0 checks an optional path against its fallback")
     p.add_argument("--tcp-only", action="store_true",
                    help="zgossip peers talk over TCP loopback, like gloo, instead of finding each other's "
                         "Unix sockets (the default between peers on one host)")
@@ -128,6 +143,51 @@ def _machine_busy_seconds() -> float:
         return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return 0.0
+
+
+def _thread_counters(pids: Sequence[int]) -> dict[tuple[int, int], tuple[str, int, int, int]]:
+    """(pid, tid) -> (thread name, utime ticks, stime ticks, minor faults) of every thread of `pids`."""
+    out = {}
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    text = f.read()
+            except OSError:
+                continue
+            name = text[text.index("(") + 1:text.rindex(")")]
+            fields = text.rsplit(")", 1)[1].split()
+            out[(pid, int(tid))] = (name, int(fields[11]), int(fields[12]), int(fields[7]))
+    return out
+
+
+def _thread_kind(name: str) -> str:
+    if name.startswith("ZMQbg/IO"):
+        return "libzmq I/O"  # libzmq's own thread: the socket system calls (kernel TCP/Unix copies)
+    if name.startswith("ZMQbg"):
+        return "libzmq other"
+    if name == "zgossip-io":
+        return "zgossip I/O"  # zgossip's protocol thread: Python per message, the C kernels
+    return name
+
+
+def _cpu_by_thread(before: dict, after: dict, steps: int) -> dict[str, dict[str, float]]:
+    """User and system CPU milliseconds and minor page faults per step, summed over processes by
+    kind of thread."""
+    tick = 1000.0 / os.sysconf("SC_CLK_TCK")
+    out: dict[str, dict[str, float]] = {}
+    for key, (name, u, st, flt) in after.items():
+        _, u0, s0, f0 = before.get(key, (name, 0, 0, 0))
+        row = out.setdefault(_thread_kind(name), {"user_ms": 0.0, "sys_ms": 0.0, "minor_faults": 0.0})
+        row["user_ms"] += (u - u0) * tick / steps
+        row["sys_ms"] += (st - s0) * tick / steps
+        row["minor_faults"] += (flt - f0) / steps
+    return {k: v for k, v in sorted(out.items(), key=lambda kv: -(kv[1]["user_ms"] + kv[1]["sys_ms"]))
+            if v["user_ms"] + v["sys_ms"] + v["minor_faults"] > 0}
 
 
 class _ForeignLoad:
@@ -321,9 +381,28 @@ class GlooGroup:
 
 
 # ---------------------------------------------------------------------------- all-reduce
+def _paths(info: list[dict]) -> dict | None:
+    """The optional paths the peers of a swarm ran (see `zgossip.machine.optional_paths`); a path
+    counts as on only where every peer ran it. None from older code that does not say."""
+    got = [i.get("paths") for i in info]
+    if not got or None in got:
+        return None
+    return {k: (all(g.get(k) for g in got) if isinstance(got[0].get(k), bool) else got[0].get(k)) for k in got[0]}
+
+
+def _parse_env(pairs: Sequence[str] | None) -> dict[str, str]:
+    out = {}
+    for pair in pairs or ():
+        name, eq, value = pair.partition("=")
+        if not eq or not name:
+            raise ValueError(f"--vs-env {pair!r}: expected VAR=VALUE")
+        out[name] = value
+    return out
+
+
 def bench_allreduce(peers: int, numel: int, reps: int, part_size: int | None = None, seed: int = 0,
                     timeout: float = 120.0, vs_gloo: bool = False, vs_checkout: str | None = None,
-                    tcp_only: bool = False, curve: bool = False) -> dict:
+                    tcp_only: bool = False, curve: bool = False, vs_env: dict[str, str] | None = None) -> dict:
     truth = _mean_of_peers(seed, peers, numel)
     per_peer = curve_kwargs(peers) if curve else None
     gloo = GlooGroup(peers, numel, seed, timeout) if vs_gloo else None
@@ -333,12 +412,14 @@ def bench_allreduce(peers: int, numel: int, reps: int, part_size: int | None = N
     aligned = True  # a common start for every step (older --vs-checkout code starts on receipt: then nobody does)
     try:
         kw = _swarm_kwargs(peers, part_size, timeout)
-        if vs_checkout is not None:
-            # a second swarm on the other checkout's code, under its own prefix (the two never meet)
+        if vs_checkout is not None or vs_env:
+            # a second swarm on the other checkout's code (or this code with other settings), under its
+            # own prefix (the two never meet)
             other = LocalSwarm(peers, numel, seed=seed, averager_kwargs={**kw, "prefix": "bench-other"},
-                               start_timeout=timeout, import_path=vs_checkout, env=env)
+                               start_timeout=timeout, import_path=vs_checkout, env={**(env or {}), **(vs_env or {})})
             here = os.path.dirname(os.path.abspath(__file__))
-            if any(i.get("module") and os.path.samefile(i["module"], here) for i in other.info):
+            if vs_checkout is not None and any(i.get("module") and os.path.samefile(i["module"], here)
+                                               for i in other.info):
                 raise RuntimeError(f"--vs-checkout {vs_checkout}: its peers imported this zgossip ({here}), "
                                    "not the one in that directory")
             aligned = all(i.get("start_at") for i in other.info)
@@ -349,13 +430,16 @@ def bench_allreduce(peers: int, numel: int, reps: int, part_size: int | None = N
                         per_peer_kwargs=per_peer) as swarm:
             swarm.wait_membership(timeout=min(timeout, 30.0))
             build = {"native_kernels": all(i.get("native", False) for i in swarm.info),
-                     "fast_send": all(i.get("fast_send", False) for i in swarm.info)}
+                     "fast_send": all(i.get("fast_send", False) for i in swarm.info),
+                     "paths": _paths(swarm.info)}
             before = _checked([swarm.call(i, "rss", timeout=timeout, reset=True) for i in range(peers)], "rss")
             for _ in range(WARMUP):
                 _step_once(swarm, timeout, aligned)
             load = _ForeignLoad([i["pid"] for i in swarm.info] + (gloo.pids if gloo else [])
                                 + ([i["pid"] for i in other.info] if other else []))
             zg_rows, gl_rows, ot_rows = [], [], []
+            zg_pids, gl_pids = [i["pid"] for i in swarm.info], (gloo.pids if gloo else [])
+            zg_t0, gl_t0 = _thread_counters(zg_pids), _thread_counters(gl_pids)
             for k in range(reps):
                 # alternate the order so that neither side always runs right after the other
                 if gloo is not None and k % 2:
@@ -368,6 +452,8 @@ def bench_allreduce(peers: int, numel: int, reps: int, part_size: int | None = N
                 if other is not None and not k % 2:
                     ot_rows.append(_step_once(other, timeout, aligned))
             foreign = load.cores()
+            zg_threads = _cpu_by_thread(zg_t0, _thread_counters(zg_pids), reps)
+            gl_threads = _cpu_by_thread(gl_t0, _thread_counters(gl_pids), reps)
             stats = _checked([swarm.call(i, "stats", timeout=timeout) for i in range(peers)], "stats")
             local = [a["stats"].get("local_connections", 0) for a in stats]
             build["transport"] = "unix sockets" if all(local) else "tcp" if not any(local) else "mixed"
@@ -392,6 +478,7 @@ def bench_allreduce(peers: int, numel: int, reps: int, part_size: int | None = N
         "parent_round_trip": _summary(times["parent"]),
         "start_skew": _summary(times["start_skew"]),
         "cpu_seconds_all_peers": _summary(times["cpu"]),
+        "cpu_by_thread": zg_threads,
         "correct": correct,
         "max_abs_error": err,
         **build,
@@ -409,6 +496,7 @@ def bench_allreduce(peers: int, numel: int, reps: int, part_size: int | None = N
         "warmup": WARMUP,
         "part_size_bytes": part_size,
         "other_load_cores": foreign,
+        "machine": machine(),
         "zgossip": zg,
     }
     if gloo is not None and gl_tensor is not None:
@@ -417,17 +505,22 @@ def bench_allreduce(peers: int, numel: int, reps: int, part_size: int | None = N
         out["gloo"] = {
             "all_reduce": _summary(g["time"]),
             "cpu_seconds_all_peers": _summary(g["cpu"]),
+            "cpu_by_thread": gl_threads,
             "correct": g_correct,
             "max_abs_error": g_err,
         }
         out["ratio"] = zg["step"]["median"] / out["gloo"]["all_reduce"]["median"]
+        # CPU is what carries across machines (both sides are CPU-bound on a small one)
+        out["cpu_ratio"] = zg["cpu_seconds_all_peers"]["median"] / out["gloo"]["cpu_seconds_all_peers"]["median"]
         # the all-reduce phase alone (without matchmaking, which gloo's fixed group does not need)
         out["ratio_allreduce_phase"] = zg["allreduce"]["median"] / out["gloo"]["all_reduce"]["median"]
     if other is not None and ot_tensor is not None:
         o = _collect(ot_rows)
         o_correct, o_err = _accuracy(ot_tensor, truth)
         out["checkout"] = {
-            "path": os.path.abspath(vs_checkout),
+            "path": os.path.abspath(vs_checkout) if vs_checkout is not None else None,
+            "env": dict(vs_env or {}),
+            "paths": _paths(other.info),
             "native_kernels": all(i.get("native", True) for i in other.info),  # older versions do not say
             "fast_send": all(i.get("fast_send", False) for i in other.info),
             "step": _summary(o["wall"]),
@@ -438,6 +531,7 @@ def bench_allreduce(peers: int, numel: int, reps: int, part_size: int | None = N
         }
         # each repetition of this code against the other code's repetition next to it in time
         out["paired_ratio_vs_checkout"] = statistics.median(a["wall"] / b["wall"] for a, b in zip(zg_rows, ot_rows))
+        out["paired_cpu_ratio_vs_checkout"] = statistics.median(a["cpu"] / b["cpu"] for a, b in zip(zg_rows, ot_rows))
     return out
 
 
@@ -485,6 +579,11 @@ def _ms(s: float) -> str:
     return f"{s * 1000:8.1f} ms"
 
 
+def _thread_lines(rows: dict[str, dict[str, float]]) -> list[str]:
+    return [f"      {kind:<22}user {r['user_ms']:6.1f} ms  sys {r['sys_ms']:6.1f} ms  minor faults {r['minor_faults']:7.0f}"
+            for kind, r in rows.items()]
+
+
 def _line(name: str, s: dict) -> str:
     return f"  {name:<24}median {_ms(s['median'])}   min {_ms(s['min'])}   max {_ms(s['max'])}"
 
@@ -503,6 +602,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"zgossip bench --matchmaking{' --curve' if args.curve else ''}: {peers} peers that know each other, {numel} floats, "
                   f"{res['steps']} steps (max over peers per step)")
+            print(f"  {machine_line()}")
             print(_line("matchmaking", res["matchmaking"]))
             print(_line("whole step", res["step"]))
             print(f"  other processes kept {res['other_load_cores']:.2f} cores busy meanwhile")
@@ -515,8 +615,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.curve:
         return _run_curve(args, peers, numel)
+    try:
+        vs_env = _parse_env(args.vs_env)
+    except ValueError as e:
+        print(f"zgossip bench: {e}", file=sys.stderr)
+        return 2
     out = bench_allreduce(peers, numel, args.reps, args.part_size, args.seed, args.timeout, args.vs == "gloo",
-                          args.vs_checkout, args.tcp_only)
+                          args.vs_checkout, args.tcp_only, vs_env=vs_env)
     zg = out["zgossip"]
     if args.json:
         print(json.dumps(out))
@@ -524,12 +629,18 @@ def run(args: argparse.Namespace) -> int:
     part = "default" if args.part_size is None else f"{args.part_size / 2**20:g} MiB"
     print(f"zgossip bench: {peers} peers x {numel} float32 ({numel * 4 / 2**20:.1f} MiB), {args.reps} reps "
           f"after {WARMUP} warm-up, part size {part}; max over peers per rep")
+    print(f"  {machine_line(out['machine'])}")
     print(f"  between peers: {zg['transport']}; C kernels: {'yes' if zg['native_kernels'] else 'no (numpy)'}; "
           f"zero-copy sends: {'zgossip._zsend' if zg['fast_send'] else 'pyzmq'}")
+    if zg["paths"] is not None:
+        print(f"  {paths_line(zg['paths'])}")
     print(_line("zgossip step()", zg["step"]))
     print(_line("  of which all-reduce", zg["allreduce"]))
     print(_line("  of which matchmaking", zg["matchmaking"]))
     print(_line("  CPU, all peers", zg["cpu_seconds_all_peers"]))
+    if zg["cpu_by_thread"]:
+        print("    by thread, per step (/proc counters, all peers):")
+        print("\n".join(_thread_lines(zg["cpu_by_thread"])))
     print(f"  correct: {'yes' if zg['correct'] else 'NO'} (max |error| vs float64 mean {zg['max_abs_error']:.2e})")
     ratio = zg["memory"]["extra_peak_ratio"]
     if ratio is not None:
@@ -539,17 +650,24 @@ def run(args: argparse.Namespace) -> int:
         gl = out["gloo"]
         print(_line("gloo all_reduce", gl["all_reduce"]))
         print(_line("  CPU, all ranks", gl["cpu_seconds_all_peers"]))
+        if gl["cpu_by_thread"]:
+            print("    by thread, per step (/proc counters, all ranks):")
+            print("\n".join(_thread_lines(gl["cpu_by_thread"])))
         print(f"  gloo correct: {'yes' if gl['correct'] else 'NO'}")
-        print(f"  ratio zgossip/gloo (medians): {out['ratio']:.2f}x (lower is better for zgossip)")
+        print(f"  ratio zgossip/gloo (medians): time {out['ratio']:.2f}x, CPU {out['cpu_ratio']:.2f}x "
+              "(lower is better for zgossip)")
         print(f"    all-reduce phase alone (no matchmaking): {out['ratio_allreduce_phase']:.2f}x")
     if "checkout" in out:
         ck = out["checkout"]
-        print(_line("checkout step()", ck["step"]) + f"   ({ck['path']}"
-              + ("" if ck["native_kernels"] else ", numpy kernels: build its C extension in place") + ")")
+        what = " ".join([*([ck["path"]] if ck["path"] else ["this code"]), *(f"{k}={v}" for k, v in ck["env"].items())])
+        print(_line("other step()", ck["step"]) + f"   ({what}"
+              + ("" if ck["native_kernels"] else ", numpy kernels") + ")")
+        if ck["paths"] is not None:
+            print(f"    {paths_line(ck['paths'])}")
         print(_line("  CPU, all peers", ck["cpu_seconds_all_peers"]))
-        print(f"  checkout correct: {'yes' if ck['correct'] else 'NO'}")
-        print(f"  paired ratio this/checkout (median over repetitions side by side): "
-              f"{out['paired_ratio_vs_checkout']:.3f}x")
+        print(f"  other correct: {'yes' if ck['correct'] else 'NO'}")
+        print(f"  paired ratio this/other (median over repetitions side by side): time "
+              f"{out['paired_ratio_vs_checkout']:.3f}x, CPU {out['paired_cpu_ratio_vs_checkout']:.3f}x")
     print(f"  other processes kept {out['other_load_cores']:.2f} cores busy meanwhile")
     return 0 if zg["correct"] else 1
 
@@ -569,6 +687,7 @@ def _run_curve(args: argparse.Namespace, peers: int, numel: int) -> int:
         return 0 if ok else 1
     print(f"zgossip bench --curve: {peers} peers x {numel} float32 ({numel * 4 / 2**20:.1f} MiB), {args.reps} reps; "
           f"between peers: {cur['zgossip']['transport']}")
+    print(f"  {machine_line(plain['machine'])}")
     for name, r in (("plain", plain), ("CURVE", cur)):
         print(_line(f"{name} step()", r["zgossip"]["step"]))
         print(_line(f"  {name} CPU, all peers", r["zgossip"]["cpu_seconds_all_peers"]))

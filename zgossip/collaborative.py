@@ -49,13 +49,14 @@ single matchmaking window and members compare the epochs they gathered, logging 
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
-from .errors import ZGossipError
+from .errors import RoundTimeout, ZGossipError
 from .progress import SwarmView
 from .trainer import SchedulerLike, TrainerPeer, first_nonfinite, params_digest
 
@@ -91,6 +92,12 @@ class CollaborativeOptimizer(TrainerPeer):
     when the window closes. More peers than that would average in separate groups and
     drift apart (then resynchronise), so keep it at least the swarm size. Other
     `Averager` settings go in ``averager_opts``.
+
+    ``pre_schedule``: when the swarm is about one matchmaking window from the global batch
+    (by its gossiped throughput), start matchmaking for the round already (a triggered step,
+    `zgossip.StepControl`) and trigger it when the target is reached, so the all-reduce begins
+    then instead of a matchmaking window later. If the pre-scheduled step fails before its
+    trigger (no group in time), the round falls back to a plain step.
     """
 
     kind = "collaborative"
@@ -116,6 +123,7 @@ class CollaborativeOptimizer(TrainerPeer):
         state_chunk_timeout: float = 5.0,
         startup_timeout: float | None = None,
         averager_opts: dict | None = None,
+        pre_schedule: bool = False,
     ) -> None:
         if target_batch_size < 1:
             raise ValueError("target_batch_size must be >= 1")
@@ -129,6 +137,8 @@ class CollaborativeOptimizer(TrainerPeer):
         self._last_step_time: float | None = None
         self._grads: list[torch.Tensor] = []
         self._acc_stale = True  # the accumulators hold nothing of this epoch yet (whatever their contents)
+        self.pre_schedule = bool(pre_schedule)
+        self._scheduled: Any = None  # the pre-scheduled round's StepControl (pre_schedule)
         opts = dict(averager_opts or {})
         opts.setdefault("matchmaking_time", matchmaking_time)
         opts.setdefault("target_group_size", target_group_size)
@@ -155,6 +165,7 @@ class CollaborativeOptimizer(TrainerPeer):
         return self._rate
 
     def _after_state_loaded(self) -> None:
+        self._drop_scheduled()  # a round pre-scheduled for the epoch we left
         self._param_digest = params_digest(self.params, self.local_epoch)
         self.samples = 0
         self._epoch_nonfinite = 0
@@ -209,9 +220,56 @@ class CollaborativeOptimizer(TrainerPeer):
             self._finish_epoch(view)
         else:
             self._publish()
+            if self.pre_schedule:
+                self._maybe_pre_schedule(view)
         return loss
 
     # ------------------------------------------------------------------ internals
+    def _maybe_pre_schedule(self, view: SwarmView) -> None:
+        """About one matchmaking window before the target: start matchmaking for the round now."""
+        if self._scheduled is not None or view.num_peers < 2:
+            return
+        have = view.estimate_at(self.local_epoch, self.clock.wall_time(), 4 * self._gossip_interval)
+        rate = view.rate_at(self.local_epoch)
+        eta = (self.target_batch_size - have) / rate if rate > 0 else float("inf")
+        mm = self.averager.config.matchmaking_time
+        if eta > mm:
+            return
+        n = self.samples
+        self._scheduled = self.averager.step(
+            weight=n if n > 0 else _NOTHING, gather={"ep": self.local_epoch, "n": n, "bad": 0},
+            require_trigger=True, timeout=self.matchmaking_timeout + 2 * eta + mm, wait=False)
+
+    def _drop_scheduled(self) -> None:
+        ctl, self._scheduled = self._scheduled, None
+        if ctl is not None and not ctl.cancel() and not ctl.done():
+            ctl.trigger()  # its all-reduce began: let it end (its result is not used)
+            self.clock.wait(ctl, self.averager.config.allreduce_timeout + 1.0)
+
+    def _run_round(self, n: float, gather: dict) -> Any:
+        """The averaging step of `_finish_epoch`: trigger the pre-scheduled round if there is one
+        that can still run, else (or if it failed before its trigger) a plain step."""
+        ctl, self._scheduled = self._scheduled, None
+        if ctl is not None:
+            try:
+                ctl.weight = n if n > 0 else _NOTHING
+                ctl.gather = gather
+                ctl.trigger()
+            except RuntimeError:  # it ended (no group in time) before we got here
+                pass
+            if ctl.triggered:
+                bound = self.averager.config.allreduce_timeout + self.matchmaking_timeout + 1.0
+                try:
+                    return self.clock.result(ctl, bound)
+                except cf.TimeoutError:
+                    raise RoundTimeout(f"the pre-scheduled round did not finish within {bound:.0f}s") from None
+                except ZGossipError:
+                    if ctl.reached_allreduce:
+                        raise
+            log.info("%s: the pre-scheduled round failed before its all-reduce (%s); averaging with a plain step",
+                     self.peer_id[:8], ctl.exception() if ctl.done() and not ctl.cancelled() else "cancelled")
+        return self.averager.step(weight=n if n > 0 else _NOTHING, gather=gather, timeout=self.matchmaking_timeout)
+
     def _accumulate(self, bs: int) -> None:
         now = self.clock.now()
         if self._last_step_time is not None and now > self._last_step_time:
@@ -304,8 +362,7 @@ class CollaborativeOptimizer(TrainerPeer):
             self._averaging = True
             self._publish()
             try:
-                result = self.averager.step(weight=n if n > 0 else _NOTHING, gather=gather,
-                                            timeout=self.matchmaking_timeout)
+                result = self._run_round(n, gather)
             except ZGossipError as e:
                 error = e
             finally:

@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from .actions import Disconnect, DownloadDone, DownloadFailed, Send, ServeState, StepDone, StepFailed
+from .actions import Disconnect, DownloadDone, DownloadFailed, Send, ServeState, StepDone, StepFailed, StepProgress
 from .allreduce import AllReduceRound, RoundOutcome, SpanOutcome
 from .endpoints import listens
-from .errors import IllegalTransition, PeerLost, RoundTimeout, StepInProgress
+from .errors import IllegalTransition, PeerLost, ProtocolError, RoundTimeout, StepInProgress
 from .grid import MoshpitGrid
 from .linkstats import LinkStats, valid_rate
 from .matchmaking import GroupSpec, Matchmaker
@@ -35,7 +35,7 @@ from .view import MembershipView
 
 __all__ = [
     "NodeConfig", "StepRequest", "StepResult", "Node", "Send", "StepDone", "StepFailed", "Disconnect", "StepPhase",
-    "ServeState", "DownloadDone", "DownloadFailed",
+    "ServeState", "DownloadDone", "DownloadFailed", "StepProgress",
 ]
 
 log = logging.getLogger(__name__)
@@ -87,14 +87,28 @@ class NodeConfig:
 
 @dataclass(frozen=True)
 class StepRequest:
+    """One step. A *held* step (``held=True``, from ``Averager.step(scheduled_time=...)`` or
+    ``require_trigger=True``) has no buffer yet: it may wait until ``begin_at`` before it starts
+    matchmaking, and its all-reduce waits, once grouped, until `Node.trigger_step` hands it the
+    snapshot (the owner does so when the user triggers, or when the node reports the step due at
+    ``due_at`` with `StepProgress`). ``timeout`` then bounds matchmaking *and* the wait for the
+    trigger, counted from when matchmaking begins."""
+
     step_id: str
-    buffer: np.ndarray  # flat snapshot; the round writes averages into it
+    buffer: np.ndarray | None  # flat snapshot; the round writes averages into it (None: held, until triggered)
     weight: float
     gather: Any
     timeout: float  # seconds allowed for matchmaking
     layout: str  # fingerprint of numel/dtype/shapes: only equal layouts are grouped
     round: int | None = None  # the swarm-wide round number (picks the grid axis); None = follow the swarm
     layout_desc: str = ""  # count, shapes and dtypes as text (zgossip.layouts): to say what differs
+    held: bool = False  # the all-reduce waits for trigger_step (see above)
+    begin_at: float | None = None  # held: start matchmaking no earlier than this (None: at once)
+    due_at: float | None = None  # held: report the step due (StepProgress(due=True)) at this time
+
+    def __post_init__(self) -> None:
+        if (self.buffer is None) != self.held:
+            raise ProtocolError("a held step has no buffer yet; any other step needs one")
 
 
 @dataclass(frozen=True)
@@ -125,13 +139,17 @@ class StepResult:
 
 class StepPhase(Enum):
     IDLE = "idle"
+    SCHEDULED = "scheduled"  # a held step waiting for its begin_at
     MATCHMAKING = "matchmaking"
+    GROUPED = "grouped"  # a held step with a group, waiting for its trigger
     AVERAGING = "averaging"
 
 
 _STEP_MOVES = {
-    StepPhase.IDLE: {StepPhase.MATCHMAKING},
-    StepPhase.MATCHMAKING: {StepPhase.AVERAGING, StepPhase.IDLE},
+    StepPhase.IDLE: {StepPhase.MATCHMAKING, StepPhase.SCHEDULED},
+    StepPhase.SCHEDULED: {StepPhase.MATCHMAKING, StepPhase.IDLE},
+    StepPhase.MATCHMAKING: {StepPhase.AVERAGING, StepPhase.GROUPED, StepPhase.IDLE},
+    StepPhase.GROUPED: {StepPhase.AVERAGING, StepPhase.IDLE},
     StepPhase.AVERAGING: {StepPhase.IDLE},
 }
 
@@ -142,10 +160,18 @@ _ROUND_MESSAGES = (Gather, Part, Result, Abort, RescueCall, Rescue)
 @dataclass
 class _Step:
     req: StepRequest
-    started: float
+    started: float  # when matchmaking began (for a SCHEDULED step: when it was submitted)
     key: str
     grouped: float = 0.0
     round: AllReduceRound | None = None
+    buffer: np.ndarray | None = None  # the snapshot (a held step gets it from trigger_step)
+    weight: float = 0.0
+    gather: Any = None
+    spec: GroupSpec | None = None  # a GROUPED step's group
+    due_said: bool = False  # StepProgress(due=True) went out
+    gone: set = field(default_factory=set)  # GROUPED: members that aborted or whose connection dropped
+    downs: list = field(default_factory=list)  # GROUPED: endpoints reported down, replayed into the round
+    released: float = 0.0  # when the all-reduce began
 
 
 class Node:
@@ -308,12 +334,29 @@ class Node:
         if self.phase is not StepPhase.IDLE:
             self._actions.append(StepFailed(req.step_id, StepInProgress("the previous step is still running")))
             return
+        self.step = _Step(req, now, "", buffer=req.buffer, weight=req.weight, gather=req.gather)
+        if req.held and req.begin_at is not None and req.begin_at > now:
+            self._move(StepPhase.SCHEDULED)
+            self._progress(StepPhase.SCHEDULED)
+            return
+        self._begin_matchmaking(now)
+
+    def _progress(self, phase: StepPhase, due: bool = False) -> None:
+        st = self.step
+        if st is not None:
+            self._actions.append(StepProgress(st.req.step_id, phase.value, due))
+
+    def _begin_matchmaking(self, now: float) -> None:
+        st = self.step
+        assert st is not None
+        req = st.req
         self._move(StepPhase.MATCHMAKING)
+        self._progress(StepPhase.MATCHMAKING)
         self.round_index = req.round if req.round is not None else self.swarm_round()
         key = self.current_key()
         if req.round is not None:
             key += f"/r{req.round}"  # a pinned round (e.g. an epoch) only ever meets the same round
-        self.step = _Step(req, now, key)
+        st.started, st.key = now, key
         axis = self.grid.axis(self.round_index)
         want = self.grid.shape[axis] if axis is not None else None
         bw, bw_flags = self.advertised_bandwidth()
@@ -326,17 +369,42 @@ class Node:
         st = self.step
         if st is None or st.req.step_id != step_id:
             return
-        if st.round is not None:
-            rnd = st.round
-            abort = Abort(self.peer_id, self.endpoint, group_id=rnd.spec.group_id, reason=why)
-            for i, m in enumerate(rnd.members):
-                if i != rnd.rank:
+        self._drop_step(st, now, why, RoundTimeout(why))
+
+    def _drop_step(self, st: _Step, now: float, why: str, error: Exception) -> None:
+        spec = st.round.spec if st.round is not None else st.spec
+        if spec is not None:
+            # groupmates count on us: tell them at once, so they reduce without us instead of timing us out
+            abort = Abort(self.peer_id, self.endpoint, group_id=spec.group_id, reason=why)
+            for i, m in enumerate(spec.members):
+                if i != spec.rank:
                     self._send(m.endpoint, abort)
-        else:
+        elif self.phase is StepPhase.MATCHMAKING:
             self.matchmaker.cancel(now, why)
-        self._advance_round(self.round_index + 1)
-        self._end_step(StepFailed(step_id, RoundTimeout(why)))
+        if self.phase is not StepPhase.SCHEDULED:  # it met the swarm's round: the swarm moves on without it
+            self._advance_round(self.round_index + 1)
+        self._end_step(StepFailed(st.req.step_id, error))
         self._drain_loopback(now)
+
+    def trigger_step(self, step_id: str, buffer: np.ndarray, weight: float, gather: Any, now: float) -> bool:
+        """Hand a held step its snapshot: its all-reduce begins as soon as it has a group (at once
+        if it has one; a step still SCHEDULED starts matchmaking now). False if `step_id` is not the
+        current held step or was triggered already."""
+        st = self.step
+        if st is None or st.req.step_id != step_id or not st.req.held or st.buffer is not None:
+            return False
+        if (weight == 0) != (st.req.weight == 0) or (gather is None) != (st.req.gather is None):
+            # what matchmaking announced (auxiliary, sends GATHER) must hold: refuse here, not in the round
+            raise ProtocolError("a triggered step must keep weight 0 / non-zero and gather None / not None "
+                                "as announced when it was scheduled")
+        st.buffer, st.weight, st.gather = buffer, float(weight), gather
+        if self.phase is StepPhase.SCHEDULED:
+            self._begin_matchmaking(now)
+        elif self.phase is StepPhase.GROUPED:
+            assert st.spec is not None
+            self._start_round(st.spec, now)
+        self._drain_loopback(now)
+        return True
 
     def cancel_matchmaking(self, step_id: str, now: float, why: str) -> bool:
         """Drop step `step_id` if it is still matchmaking (nobody counts on its data yet) and
@@ -344,7 +412,7 @@ class Node:
         st = self.step
         if st is None or st.req.step_id != step_id or st.round is not None:
             return False
-        self.cancel_step(step_id, now, why)
+        self._drop_step(st, now, why, RoundTimeout(why))
         return True
 
     def on_message(self, msg: Message, now: float) -> None:
@@ -456,6 +524,9 @@ class Node:
         st = self.step
         if st is not None and st.round is not None:
             st.round.peer_down(endpoint, now)
+        elif st is not None and st.spec is not None:
+            st.downs.append(endpoint)  # replayed into the round when it starts
+            self._note_gone(st, [m.peer_id for m in st.spec.members if m.endpoint == endpoint], now)
         self._forget_owed(endpoint)
         self.matchmaker.peer_down(endpoint, now)
         for dl in list(self.downloads.values()):
@@ -472,6 +543,7 @@ class Node:
 
     def on_timer(self, now: float) -> None:
         self.membership.on_timer(now)
+        self._held_timer(now)
         self.matchmaker.on_timer(now)
         if self.step is not None and self.step.round is not None:
             self.step.round.on_timer(now)
@@ -480,7 +552,7 @@ class Node:
         self._drain_loopback(now)
 
     def next_deadline(self) -> float | None:
-        times = [self.membership.deadline(), self.matchmaker.deadline()]
+        times = [self.membership.deadline(), self.matchmaker.deadline(), self._held_deadline()]
         if self.step is not None and self.step.round is not None:
             times.append(self.step.round.next_deadline())
         times += [dl.next_deadline() for dl in self.downloads.values()]
@@ -513,6 +585,14 @@ class Node:
             else:
                 self.stats["late"] += 1
             return
+        if self.phase is StepPhase.GROUPED and st is not None and st.spec is not None and st.spec.group_id == gid:
+            # our group, whose all-reduce waits for our trigger: keep its messages (aborts too) for then
+            early = self._early.setdefault(gid, [])
+            if len(early) < self.config.early_buffer_messages:
+                early.append(msg)
+                if type(msg) is Abort:
+                    self._note_gone(st, [msg.sender], now)
+                return
         if self.phase is StepPhase.MATCHMAKING and type(msg) is not Abort:
             # a groupmate may start before our GROUP message arrives: keep its messages briefly
             early = self._early.setdefault(gid, [])
@@ -526,7 +606,6 @@ class Node:
     def _on_group(self, spec: GroupSpec, now: float) -> None:
         st = self.step
         assert st is not None
-        self._move(StepPhase.AVERAGING)
         st.grouped = now
         for pid, what in spec.left_out:
             if (pid, what) not in self._warned_layouts:  # once per peer and difference, not every step
@@ -535,10 +614,25 @@ class Node:
                 self._warned_layouts.add((pid, what))
                 log.warning("%s: peer %s steps with the same key (%s) but cannot average with this one, its "
                             "tensors differ: %s", self.peer_id[:8], pid[:8], spec.key, what)
+        if st.buffer is None:  # held, not triggered yet: keep the group, and its early messages, until then
+            self._move(StepPhase.GROUPED)
+            st.spec = spec
+            for gid in [g for g in self._early if g != spec.group_id]:
+                del self._early[gid]
+            self._progress(StepPhase.GROUPED)
+            return
+        self._start_round(spec, now)
+
+    def _start_round(self, spec: GroupSpec, now: float) -> None:
+        st = self.step
+        assert st is not None and st.buffer is not None
+        self._move(StepPhase.AVERAGING)
+        self._progress(StepPhase.AVERAGING)
+        st.released = now
         cfg = self.config
-        itemsize = st.req.buffer.dtype.itemsize
+        itemsize = st.buffer.dtype.itemsize
         st.round = AllReduceRound(
-            spec, st.req.buffer, st.req.weight, st.req.gather, self._send, now,
+            spec, st.buffer, st.weight, st.gather, self._send, now,
             part_elems=max(1, cfg.part_size_bytes // itemsize), part_timeout=cfg.part_timeout,
             deadline=self.step_deadline(st, now), on_done=self._on_round_done,
             linkstats=self.linkstats, part_timeout_floor=cfg.part_timeout_floor, deadline_slack=cfg.deadline_slack,
@@ -552,6 +646,49 @@ class Node:
                 st.round.on_message(msg, now)
                 self.stats["dropped"] += st.round.dropped - before
         self._early.clear()
+        for ep in st.downs:  # connections that dropped while we waited for the trigger
+            if st.round is not None:
+                st.round.peer_down(ep, now)
+
+    # ------------------------------------------------------------------ held steps (scheduled / triggered)
+    def _held_deadline(self) -> float | None:
+        st = self.step
+        if st is None or not st.req.held or st.round is not None:
+            return None
+        times = []
+        if self.phase is StepPhase.SCHEDULED:
+            times.append(st.req.begin_at)
+        if self.phase is StepPhase.GROUPED:
+            times.append(st.started + st.req.timeout)  # the trigger is late: give up
+        if st.req.due_at is not None and not st.due_said and st.buffer is None:
+            times.append(st.req.due_at)
+        return min(times) if times else None
+
+    def _held_timer(self, now: float) -> None:
+        st = self.step
+        if st is None or not st.req.held or st.round is not None:
+            return
+        if self.phase is StepPhase.SCHEDULED and now >= st.req.begin_at:
+            self._begin_matchmaking(now)
+        if (st.req.due_at is not None and not st.due_said and st.buffer is None and now >= st.req.due_at
+                and self.step is st):
+            st.due_said = True
+            self._progress(self.phase, due=True)
+        if self.phase is StepPhase.GROUPED and self.step is st and now >= st.started + st.req.timeout:
+            self._drop_step(st, now, "not triggered in time", RoundTimeout(
+                f"the step had a group but was not triggered within its timeout ({st.req.timeout:.1f}s from the "
+                "start of matchmaking); its groupmates were told to go on without it"))
+
+    def _note_gone(self, st: _Step, peer_ids: list, now: float) -> None:
+        """A member of our group (still waiting for our trigger) aborted or dropped. When none is left
+        to average with, fail now rather than at the trigger."""
+        assert st.spec is not None
+        st.gone.update(peer_ids)
+        others = {m.peer_id for i, m in enumerate(st.spec.members) if i != st.spec.rank}
+        if others and others <= st.gone and self.step is st:
+            self._drop_step(st, now, "every groupmate left", PeerLost(
+                f"group {st.spec.group_id[:8]} of {len(st.spec.members)} formed, but every other member left before "
+                "this step was triggered; tensors left unchanged"))
 
     def step_deadline(self, st: _Step, grouped: float) -> float:
         """When the all-reduce of step `st`, grouped at `grouped`, is over whatever happens:
@@ -595,7 +732,10 @@ class Node:
             group_id=out.group_id, key=out.key, members=out.members, gathered=out.gathered,
             weights=out.weights, contributors=out.contributors, lost=out.lost, complete=out.complete,
             spans=out.spans, updated=out.updated,
-            timings={"matchmaking": st.grouped - st.started, "allreduce": now - st.grouped, "total": now - st.started},
+            timings=({"matchmaking": st.grouped - st.started, "allreduce": now - st.grouped, "total": now - st.started}
+                     if not st.req.held else
+                     {"matchmaking": st.grouped - st.started, "awaiting_trigger": st.released - st.grouped,
+                      "allreduce": now - st.released, "total": now - st.started}),
             bytes_sent=out.bytes_sent, bytes_received=out.bytes_received, coords=coords_before,
             left_out=dict(rnd.spec.left_out), auxiliary=out.auxiliary, deadlines=rnd.deadlines_used(),
         )

@@ -1,7 +1,9 @@
 """Process-wide settings a ZeroMQ node needs: the shared ZeroMQ context and malloc tuning.
 
 Both act on the whole process, not on one node, so they live here rather than in the
-transport; both are applied once, when the first ZeroMQ transport starts.
+transport; both are applied once, when the first ZeroMQ transport starts. Also the OS name of
+the transport's I/O thread (`name_this_thread`), so that per-thread CPU counters, perf and
+``top -H`` tell it from the user's threads.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import threading
 
 import zmq
 
-__all__ = ["context", "tune_malloc"]
+__all__ = ["context", "tune_malloc", "malloc_tuned", "name_this_thread"]
 
 _malloc_tuned = False
 _ctx_lock = threading.Lock()
@@ -61,3 +63,20 @@ def tune_malloc() -> bool:
     m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
     _malloc_tuned = bool(mallopt(m_mmap_threshold, 64 << 20)) and bool(mallopt(m_trim_threshold, 256 << 20))
     return _malloc_tuned
+
+
+def malloc_tuned() -> bool:
+    """Whether `tune_malloc` changed this process's malloc settings."""
+    return _malloc_tuned
+
+
+def name_this_thread(name: str) -> bool:
+    """Give the calling thread an OS-level name (Linux: at most 15 bytes, shown by /proc/PID/task/
+    TID/comm, perf and top). Python's thread names stay inside the interpreter; without this the
+    I/O thread reads "python" like the user's. Returns whether the name was set."""
+    try:
+        libc = ctypes.CDLL(None)
+        pr_set_name = 15  # from linux/prctl.h
+        return libc.prctl(pr_set_name, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0) == 0
+    except (OSError, AttributeError):  # not Linux, or no prctl: the counters just say "python"
+        return False

@@ -103,12 +103,13 @@ def _child(index: int, conn: Any, numel: int, seed: int, dtype: str, kwargs: dic
 
     data = peer_data(seed, index, numel, dtype)
     avg = Averager([data], initial_peers=list(initial), seed=seed * 1000 + index, **kwargs)
-    from . import kernels, zmq_driver
+    from . import kernels, machine, zmq_driver
 
-    # which zgossip this process runs (a bench may start a swarm from another checkout)
+    # which zgossip this process runs (a bench may start a swarm from another checkout), on which paths
     conn.send({"endpoint": avg.endpoint, "peer_id": avg.peer_id, "pid": os.getpid(),
                "module": os.path.dirname(os.path.abspath(__file__)), "native": kernels.NATIVE,
-               "fast_send": getattr(zmq_driver, "FAST_SEND", False), "start_at": True})
+               "fast_send": getattr(zmq_driver, "FAST_SEND", False), "start_at": True,
+               "paths": machine.optional_paths()})
     try:
         while True:
             cmd, args = conn.recv()

@@ -43,7 +43,7 @@ from .identity import AllowList, KeyPair
 from .fast_send import FAST_SEND
 from .local_ipc import LocalRoutes, enabled, local_name
 from .node import Node
-from .process_tuning import context, tune_malloc
+from .process_tuning import context, name_this_thread, tune_malloc
 from .transport import NodeFactory
 from .zerocopy import LentPayloads
 
@@ -201,6 +201,7 @@ class ZmqTransport:
 
     # ---------------------------------------------------------------- I/O thread
     def _run(self) -> None:
+        name_this_thread("zgossip-io")
         poller, now, node = self._poller, self.clock.now, self.node
         router, mon = self._router, self._router_monitor
         if router is not None:

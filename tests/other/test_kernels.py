@@ -208,3 +208,38 @@ def test_native_all_finite():
     assert kernels.all_finite(a)
     a[100_000] = -np.inf
     assert not kernels.all_finite(a)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_native_copy_finite_with_and_without_non_temporal_stores(stream):
+    """Non-temporal stores are a switch (`ZGOSSIP_STREAM_STORES`): either way the same bytes land,
+    up to the same first bad block, at any alignment of the destination."""
+    if not kernels.NATIVE:
+        pytest.skip("C kernels not built")
+    rng = np.random.default_rng(5)
+    src = rng.standard_normal(70_001).astype(np.float32)
+    src[50_000] = np.nan
+    for shift in (0, 1, 3):
+        dst = np.zeros(70_001 + shift, np.float32)[shift:]
+        done = kernels._native.copy_finite(dst, src, 4, stream)
+        assert done == 50_000 - 50_000 % kernels.BLOCK
+        assert dst[:done].tobytes() == src[:done].tobytes() and not dst[done:].any()
+
+
+def test_isa_names_what_the_loader_picked():
+    assert kernels.ISA in (None, "avx512f", "avx2", "default", "baseline")
+    assert (kernels.ISA is None) == (not kernels.NATIVE)
+
+
+def test_stream_stores_auto_follows_the_size_of_the_buffer_a_destination_lies_in(monkeypatch):
+    """"auto": non-temporal stores for destinations inside a buffer larger than the last-level
+    cache (cold lines), plain stores otherwise and where the cache size is unknown."""
+    monkeypatch.setattr(kernels, "STREAM_STORES", "auto")
+    monkeypatch.setattr(kernels, "LLC_BYTES", 1 << 20)
+    big = np.zeros(1 << 19, np.float32)  # 2 MiB
+    assert kernels._stream(big[:1024]) and kernels._stream(big)
+    assert not kernels._stream(np.zeros(1024, np.float32)[:10])
+    monkeypatch.setattr(kernels, "LLC_BYTES", None)
+    assert not kernels._stream(big)
+    monkeypatch.setattr(kernels, "STREAM_STORES", "on")
+    assert kernels._stream(np.zeros(4, np.float32))

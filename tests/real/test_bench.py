@@ -72,6 +72,37 @@ def test_bench_vs_gloo(capsys: pytest.CaptureFixture) -> None:
     assert report["ratio"] == pytest.approx(report["zgossip"]["step"]["median"] / gloo["all_reduce"]["median"])
     assert report["ratio_allreduce_phase"] == pytest.approx(
         report["zgossip"]["allreduce"]["median"] / gloo["all_reduce"]["median"])
+    assert report["cpu_ratio"] == pytest.approx(
+        report["zgossip"]["cpu_seconds_all_peers"]["median"] / gloo["cpu_seconds_all_peers"]["median"])
+    # the machine line and the optional paths come with every figure
+    assert {"cpu_model", "cores", "kernel", "thp"} <= set(report["machine"])
+    assert {"native_kernels", "kernels_isa", "stream_stores", "fast_send", "malloc_tuned"} <= set(
+        report["zgossip"]["paths"])
+    # per-thread CPU: the peers' protocol thread carries its OS name
+    assert "zgossip I/O" in report["zgossip"]["cpu_by_thread"] or not sys.platform.startswith("linux")
+
+
+def test_bench_vs_env_runs_the_fallbacks_side_by_side(capsys: pytest.CaptureFixture) -> None:
+    """--vs-env: a second swarm of this code with the optional C paths switched off steps in turn
+    with the first; both average correctly and the report says which paths each ran."""
+    report = run_json(capsys, "--peers", "2", "--numel", "4096", "--reps", "5", "--vs-env", "ZGOSSIP_NATIVE=0",
+                      "--vs-env", "ZGOSSIP_FAST_SEND=0", "--vs-env", "ZGOSSIP_TUNE_MALLOC=0")
+    check_zgossip(report, 2, 4096, 5)
+    ck = report["checkout"]
+    assert ck["path"] is None and ck["correct"] is True
+    assert ck["env"] == {"ZGOSSIP_NATIVE": "0", "ZGOSSIP_FAST_SEND": "0", "ZGOSSIP_TUNE_MALLOC": "0"}
+    other = ck["paths"]
+    assert not other["native_kernels"] and not other["fast_send"] and not other["malloc_tuned"]
+    assert other["kernels_isa"] is None and other["stream_stores"] == "off"
+    from zgossip import kernels
+    assert report["zgossip"]["paths"]["native_kernels"] == kernels.NATIVE  # ours kept the environment
+    cpus = [a / b for a, b in zip(report["zgossip"]["cpu_seconds_all_peers"]["all"], ck["cpu_seconds_all_peers"]["all"])]
+    assert report["paired_cpu_ratio_vs_checkout"] == pytest.approx(sorted(cpus)[2])
+
+
+def test_bench_rejects_a_malformed_vs_env(capsys: pytest.CaptureFixture) -> None:
+    assert bench.main(["--reps", "5", "--vs-env", "NOEQUALS"]) == 2
+    assert "VAR=VALUE" in capsys.readouterr().err
 
 
 def test_bench_matchmaking(capsys: pytest.CaptureFixture) -> None:

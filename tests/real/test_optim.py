@@ -129,36 +129,6 @@ def test_a_round_is_applied_between_steps_with_the_delta_rule():
             o.shutdown()
 
 
-def test_background_averaging_every_k_steps_keeps_peers_together():
-    models = [_model(i) for i in range(3)]  # different starting points
-    opts = _swarm(3, lambda i, peers: DecentralizedSGD(
-        models[i].parameters(), lr=0.05, prefix="bg", average_every=3, matchmaking_time=0.3, target_group_size=3,
-        initial_peers=peers, averager_opts=FAST))
-    try:
-        def spread() -> float:
-            flat = [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in models]
-            return max(float((a - b).abs().max()) for a in flat for b in flat)
-
-        initial = spread()
-
-        def train(i: int) -> None:
-            g = torch.Generator().manual_seed(100 + i)
-            for _ in range(60):
-                x, y = torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)
-                ((models[i](x) - y) ** 2).mean().backward()
-                opts[i].step()
-                opts[i].zero_grad()
-                time.sleep(0.01)
-            opts[i].apply_pending(wait=True, timeout=10)
-
-        _in_threads([lambda i=i: train(i) for i in range(3)])
-        assert all(o.rounds["done"] >= 3 for o in opts), [o.rounds for o in opts]
-        assert spread() < 0.25 * initial, (spread(), initial)
-    finally:
-        for o in opts:
-            o.shutdown()
-
-
 def _virtual_swarm(n: int, make: Any, body: Any, seed: int = 0) -> tuple[list, list]:
     """`n` optimizers on the simulator's transport, each built and trained by ``body(i, opt)`` in its own
     simulated thread (virtual time: waits and sleeps cost no wall time, and one seed gives one run)."""

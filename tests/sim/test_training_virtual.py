@@ -1,0 +1,170 @@
+"""The training classes in virtual time: moolib's Accumulator loop, the collaborative optimizer with a late
+joiner, and background averaging of DecentralizedSGD — the real classes on the simulator's transport.
+
+These are the training tests whose real-ZeroMQ versions (tests/real/) have to pace themselves with the
+wall clock; here every wait and sleep goes through the averager's clock, so a run costs no idle wall
+time and one seed gives one run (asserted: the same seed twice gives bit-identical parameters).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tests.harness import virtual_swarm
+from zgossip.accumulator import Accumulator, Group
+from zgossip.collaborative import CollaborativeOptimizer
+from zgossip.optim import DecentralizedSGD
+from zgossip.train_demo import Task, evaluate, make_model
+
+
+def _flat(model: torch.nn.Module) -> np.ndarray:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy()
+
+
+# ---------------------------------------------------------------------------- moolib's loop
+def _moolib_run(seed: int) -> tuple[list, list, float]:
+    """moolib's documented Accumulator loop on 3 peers (peer 2 joins 2 s late), with its
+    ``time.sleep(0.25)`` taken from the clock; each peer stops at model version 12 and stays up serving
+    state until the others finish."""
+    versions, batch_size, n = 12, 32, 3
+    task = Task()
+    models = [make_model(i) for i in range(n)]  # different initialisations: the state sync must fix that
+    opts = [torch.optim.Adam(m.parameters(), lr=0.01) for m in models]
+    finished = [False] * n
+
+    def make(i, peers, averager_opts):
+        group = Group("foo_group", initial_peers=peers, **averager_opts)
+        acc = Accumulator("bar", models[i].parameters(), models[i].buffers(), group=group, virtual_batch_size=96,
+                          target_group_size=n)
+        acc.start()
+        return acc
+
+    def body(i, acc):
+        clock, group, opt = acc.clock, acc.group, opts[i]
+        gen = task.stream(n, i)
+        deadline = clock.now() + 120
+        while acc.model_version() < versions and clock.now() < deadline:
+            group.update()
+            acc.update()
+            if not acc.connected():
+                clock.sleep(0.25)
+                continue
+            if acc.wants_state():
+                acc.set_state({"optimizer": opt.state_dict()})
+            if acc.has_new_state():
+                opt.load_state_dict(acc.state()["optimizer"])
+            if acc.wants_gradients():
+                x, y = task.sample(gen, batch_size)
+                torch.nn.functional.cross_entropy(models[i](x), y).backward()
+                acc.reduce_gradients(batch_size)
+            if acc.has_gradients():
+                opt.step()
+                acc.zero_gradients()
+            clock.sleep(0.01)  # the compute of one batch
+        finished[i] = True
+        while not all(finished) and clock.now() < deadline:  # stay up for peers still catching up
+            acc.update()
+            if acc.wants_state():
+                acc.set_state({"optimizer": opt.state_dict()})
+            clock.sleep(0.005)
+        out = (acc.model_version(), _flat(models[i]), clock.now())
+        acc.shutdown()
+        return out
+
+    _, out = virtual_swarm(n, make, body, seed=seed, start_at=[0.0, 0.0, 2.0])
+    hx, hy = task.heldout()
+    return out, models, evaluate(make_model(0), hx, hy)[0]
+
+
+def test_moolib_loop_in_virtual_time_trains_keeps_peers_identical_and_is_reproducible():
+    out, models, untrained = _moolib_run(seed=3)
+    assert all(v >= 12 for v, _, _ in out), [v for v, _, _ in out]
+    # every version is one all-reduce of the same gradients: the peers hold the same bits
+    for _, flat, _ in out[1:]:
+        np.testing.assert_array_equal(flat, out[0][1])
+    hx, hy = Task().heldout()
+    assert evaluate(models[0], hx, hy)[0] < 0.9 * untrained
+    assert all(t < 120 for _, _, t in out)  # finished in virtual time, far within the deadline
+    again, _, _ = _moolib_run(seed=3)
+    for (v1, f1, t1), (v2, f2, t2) in zip(out, again):
+        assert v1 == v2 and t1 == t2
+        np.testing.assert_array_equal(f1, f2)
+
+
+# ---------------------------------------------------------------------------- collaborative, late joiner
+def test_collaborative_global_batch_in_virtual_time_with_a_late_joiner():
+    """3 trainers start, a 4th joins at t = 6 s: it downloads the state and continues at the swarm's epoch;
+    at the end all 4 hold bit-identical parameters at the same epoch."""
+    epochs, n = 10, 4
+    task = Task()
+    models = [make_model(i) for i in range(n)]
+    joined_at: dict[int, int] = {}
+
+    def make(i, peers, averager_opts):
+        opt = torch.optim.SGD(models[i].parameters(), lr=0.05)
+        return CollaborativeOptimizer(opt, prefix="collab", target_batch_size=192, batch_size=32,
+                                      matchmaking_time=0.5, target_group_size=n, initial_peers=peers,
+                                      averager_opts=averager_opts)
+
+    def body(i, opt):
+        clock = opt.clock
+        joined_at[i] = opt.local_epoch
+        gen = task.stream(n, i)
+        deadline = clock.now() + 200
+        while opt.local_epoch < epochs and clock.now() < deadline:
+            x, y = task.sample(gen, 32)
+            torch.nn.functional.cross_entropy(models[i](x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            clock.sleep(0.05)  # the compute of one batch
+        # stay up for peers still finishing (they may need this one in a group, or as a donor)
+        while clock.now() < deadline and any(o is not None and o.local_epoch < epochs for o in peers_ref):
+            clock.sleep(0.05)
+        out = (opt.local_epoch, opt.in_sync, _flat(models[i]))
+        opt.shutdown()  # inside the simulated thread: a shutdown may wait (virtually) for owed results
+        return out
+
+    peers_ref: list = []
+
+    def make_and_track(i, peers, averager_opts):
+        opt = make(i, peers, averager_opts)
+        while len(peers_ref) <= i:
+            peers_ref.append(None)
+        peers_ref[i] = opt
+        return opt
+
+    _, out = virtual_swarm(n, make_and_track, body, seed=1, start_at=[0.0, 0.0, 0.0, 6.0])
+    assert joined_at[3] >= 2, joined_at  # the newcomer started at the swarm's epoch, not at 0
+    assert all(e == epochs for e, _, _ in out), [e for e, _, _ in out]
+    for _, _, flat in out[1:]:
+        np.testing.assert_array_equal(flat, out[0][2])
+
+
+# ---------------------------------------------------------------------------- background averaging
+def test_background_averaging_every_k_steps_keeps_peers_together_in_virtual_time():
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+              for _ in range(3)]  # different starting points
+    initial = max(float(np.abs(_flat(a) - _flat(b)).max()) for a in models for b in models)
+
+    def make(i, peers, averager_opts):
+        return DecentralizedSGD(models[i].parameters(), lr=0.05, prefix="bg", average_every=3, matchmaking_time=0.3,
+                                target_group_size=3, initial_peers=peers, averager_opts=averager_opts)
+
+    def body(i, opt):
+        g = torch.Generator().manual_seed(100 + i)
+        for _ in range(60):
+            x, y = torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)
+            ((models[i](x) - y) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            opt.clock.sleep(0.01)
+        opt.apply_pending(wait=True, timeout=10)
+        rounds = dict(opt.rounds)
+        opt.shutdown()
+        return rounds
+
+    _, rounds = virtual_swarm(3, make, body, seed=2)
+    assert all(r["done"] >= 3 for r in rounds), rounds
+    spread = max(float(np.abs(_flat(a) - _flat(b)).max()) for a in models for b in models)
+    assert spread < 0.25 * initial, (spread, initial)

@@ -1,0 +1,77 @@
+"""What a benchmark figure was measured on: the machine line and the optional fast paths that ran.
+
+A speed figure from one machine can halve on another of the same kind (docs/performance.md), so
+every benchmark prints the CPU model, the core count, the kernel and the transparent-huge-page
+mode beside its figures, and which of zgossip's optional, machine-dependent paths a peer process
+actually used: the C kernels (and the instruction set their loops were picked for), non-temporal
+stores in `kernels.copy_finite`, the C sender/receiver (`fast_send`), the malloc tuning
+(`process_tuning`). Reading only: nothing here changes a setting.
+"""
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+__all__ = ["machine", "machine_line", "optional_paths", "paths_line"]
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _thp() -> str | None:
+    """The transparent-huge-page mode in force ("always", "madvise", "never"), None where unknown."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    for word in text.split():
+        if word.startswith("["):
+            return word.strip("[]")
+    return None
+
+
+def machine() -> dict:
+    """CPU model, cores, kernel, THP mode and libc of this machine."""
+    libc = platform.libc_ver()
+    return {"cpu_model": _cpu_model(), "cores": os.cpu_count(), "system": platform.system(),
+            "kernel": platform.release(), "thp": _thp(), "libc": " ".join(x for x in libc if x) or None,
+            "python": platform.python_version()}
+
+
+def machine_line(m: dict | None = None) -> str:
+    m = machine() if m is None else m
+    return (f"machine: {m['cpu_model']}, {m['cores']} cores, {m['system']} {m['kernel']}, "
+            f"THP {m['thp'] or 'unknown'}, {m['libc'] or 'libc unknown'}, Python {m['python']}")
+
+
+def optional_paths() -> dict:
+    """Which optional paths this process runs (call after a ZeroMQ transport started, so that the
+    once-per-process settings are in place)."""
+    from . import kernels
+
+    out = {"native_kernels": kernels.NATIVE, "kernels_isa": kernels.ISA,
+           "stream_stores": kernels.STREAM_STORES if kernels.NATIVE else "off", "llc_bytes": kernels.LLC_BYTES}
+    try:
+        from . import fast_send, process_tuning
+    except ImportError:  # no pyzmq: no ZeroMQ transport either
+        return {**out, "fast_send": False, "malloc_tuned": False}
+    return {**out, "fast_send": fast_send.FAST_SEND, "malloc_tuned": process_tuning.malloc_tuned()}
+
+
+def paths_line(p: dict) -> str:
+    kern = f"C ({p.get('kernels_isa') or '?'})" if p.get("native_kernels") else "numpy"
+    yes = {True: "on", False: "off", None: "?"}
+    stream = p.get("stream_stores")
+    if stream == "auto":
+        llc = p.get("llc_bytes")
+        stream = f"auto (for tensors > the {llc / 2**20:g} MiB last-level cache)" if llc else "auto (cache size unknown: off)"
+    return (f"optional paths: kernels {kern}; non-temporal copies {stream}; "
+            f"C sender/receiver {yes[p.get('fast_send')]}; malloc tuning {yes[p.get('malloc_tuned')]}")
