@@ -47,7 +47,7 @@ __all__ = ["run_testbed", "PeerProcess", "averager_settings", "PORT"]
 PORT = 41000
 _AVERAGER_KEYS = {"prefix", "target_group_size", "min_group_size", "matchmaking_time", "request_timeout",
                   "part_size_bytes", "part_timeout", "allreduce_timeout", "gossip_interval", "peer_timeout",
-                  "bandwidth", "grid", "grid_coords"}
+                  "bandwidth", "part_timeout_floor", "deadline_slack", "grid", "grid_coords"}
 
 
 def averager_settings(sc: Scenario, coords: tuple, index: int) -> dict:

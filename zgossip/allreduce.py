@@ -296,6 +296,8 @@ class AllReduceRound:
                     self._send(o, self._part(o, p, rescue=False))
         for p in range(self.own.nparts):
             self._advance(self.own, p, now)
+        # the first watchdog tick follows the limits known now (measured paces, gossiped rates)
+        self._refresh_limits(now)
         self._check_done(now)
 
     # ------------------------------------------------------------------ reduction
@@ -629,8 +631,8 @@ class AllReduceRound:
             self._part_range(owner, p, arr)
         if rng is None or any(c >= self.n for c in contrib):
             return self._bad(j, msg, "result does not match the group's plan")
-        if self.stats is not None and arr.nbytes:
-            self.stats.on_payload(msg.sender, arr.nbytes, now)
+        if self.stats is not None and arr.nbytes:  # counts for our download rate, not for the owner's pace
+            self.stats.on_payload(msg.sender, arr.nbytes, now, pace=False)
         if not msg.rescue and owner in self.rescue_target:
             # a late result from an owner we already declared lost: our part of its span was handed to
             # the substitute (and may still be on its way, zero-copy from our buffer), so only the
@@ -710,14 +712,7 @@ class AllReduceRound:
         if now < self._watchdog:
             return
         T = self.part_timeout
-        limits = self._limits(now)
-        # an owner's results wait on its slowest sender, so results get the largest limit, doubled
-        R = 2 * max(limits.values(), default=T)
-        tick = min([T, *limits.values()])
-        self._watchdog = now + tick / 4
-        self._limits_seen.append(min(limits.values(), default=T))
-        self._limits_seen.append(max(limits.values(), default=T))
-        self._result_limits_seen.append(R)
+        limits, R = self._refresh_limits(now)
         for j in range(self.n):
             if j == self.rank or j in self.lost:
                 continue
@@ -731,6 +726,20 @@ class AllReduceRound:
                     or (rescue_data and now >= asked + T) or (rescue_results and now >= asked + 2 * T)):
                 self._member_lost(j, now)
         self._check_done(now)
+
+    def _refresh_limits(self, now: float) -> tuple[dict[int, float], float]:
+        """The silence limits for this tick (`_limits`) and for results (an owner's results wait on
+        its slowest sender, so they get the largest limit, doubled); records them for
+        `deadlines_used` and sets the next watchdog tick to a quarter of the shortest."""
+        T = self.part_timeout
+        limits = self._limits(now)
+        R = 2 * max(limits.values(), default=T)
+        self._watchdog = now + min([T, *limits.values()]) / 4
+        if limits:
+            self._limits_seen.append(min(limits.values()))
+            self._limits_seen.append(max(limits.values()))
+            self._result_limits_seen.append(R)
+        return limits, R
 
     def _limits(self, now: float) -> dict[int, float]:
         """Each live groupmate's data-silence limit: `part_timeout`, or with adaptive deadlines the

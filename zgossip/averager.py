@@ -73,7 +73,12 @@ class Averager:
     waited for before it is excluded (an owner gets twice that); ``allreduce_timeout``
     bounds a round; ``bandwidth`` is this peer's relative share of the reduction (0 makes
     it a client that reduces nothing; ``"auto"`` measures its download rate in Mbit/s from
-    the transfers of its rounds and gossips it, see `zgossip.linkstats`); ``averaging_alpha`` moves tensors only part way
+    the transfers of its rounds and gossips it, see `zgossip.linkstats`); ``part_timeout_floor`` /
+    ``deadline_slack`` turn ``part_timeout`` into a cap on adaptive deadlines: a groupmate whose
+    pace was measured is given up after ``deadline_slack`` x the time its next part takes at that
+    pace, at least ``part_timeout_floor`` seconds, and past ``part_timeout`` only when it was
+    measured that slow (never past the round's ``allreduce_timeout``); ``part_timeout_floor=None``
+    keeps the fixed ``part_timeout``; ``averaging_alpha`` moves tensors only part way
     to the mean; ``grid`` / ``grid_coords`` place the peer on a Moshpit grid.
 
     Torch tensors on a device (CUDA, ...) are staged through reusable host mirrors (pinned on
@@ -149,6 +154,8 @@ class Averager:
         part_timeout: float = 5.0,
         allreduce_timeout: float = 60.0,
         bandwidth: float | str = 1.0,
+        part_timeout_floor: float | None = 1.0,
+        deadline_slack: float = 3.0,
         averaging_alpha: float = 1.0,
         grid: Sequence[int] = (),
         grid_coords: Sequence[int] | None = None,
@@ -223,7 +230,7 @@ class Averager:
             matchmaking_time=matchmaking_time, request_timeout=request_timeout,
             part_size_bytes=part_size_bytes, part_timeout=part_timeout, allreduce_timeout=allreduce_timeout,
             gossip_interval=gossip_interval, peer_timeout=peer_timeout, bandwidth=bandwidth,
-            grid=tuple(grid), grid_coords=tuple(grid_coords) if grid_coords is not None else None,
+            part_timeout_floor=part_timeout_floor, deadline_slack=deadline_slack, grid=tuple(grid), grid_coords=tuple(grid_coords) if grid_coords is not None else None,
         )
         if client_mode and self.config.bandwidth:
             self.config = dataclasses.replace(self.config, bandwidth=0.0)

@@ -14,10 +14,11 @@ all-reduce rounds, with the times the driver passes in (no clock here):
   `window` rounds' samples. Only download is measured: a ZeroMQ send completes into a queue,
   so the protocol never sees when its uploads leave. The testbed's and the simulator's links are
   symmetric; on an asymmetric link declare `bandwidth=` by hand.
-* **each groupmate's pace** (`LinkStats.pace`): seconds per byte between successive payloads
+* **each groupmate's pace** (`LinkStats.pace`): seconds per byte between successive PART payloads
   from that peer, its first one of a round timed from the round's start (bounded history, the
-  largest recent sample). Payloads that came too late to be used count too: they still
-  measure the link. The all-reduce scales it by the
+  largest recent sample). RESULT data counts for the rate only: an owner's results wait on its
+  slowest sender, so their spacing says little about the owner's link. Parts that came too late
+  to be used count too: they still measure the link. The all-reduce scales the pace by the
   bytes of the next part it expects to give every member its own silence limit (adaptive
   deadlines, `silence_limit`).
 
@@ -88,8 +89,10 @@ class LinkStats:
         self._arrivals.clear()
         self._last.clear()
 
-    def on_payload(self, peer: str, nbytes: int, now: float) -> None:
-        """`nbytes` of payload from `peer` arrived at `now` (after `begin` of this round)."""
+    def on_payload(self, peer: str, nbytes: int, now: float, pace: bool = True) -> None:
+        """`nbytes` of payload from `peer` arrived at `now` (after `begin` of this round). `pace=False`
+        (RESULT data): it counts for the download rate only -- an owner's results wait on its
+        slowest sender, so their spacing says little about the owner's own link."""
         if self._start is None:
             return
         span = now - self._start
@@ -98,6 +101,8 @@ class LinkStats:
             if span >= self.min_window_s and self._bytes >= self.min_window_bytes:
                 self._best = max(self._best, self._bytes / span)
             self._windows(now, nbytes, peer)
+        if not pace:
+            return
         # a peer's first payload of the round is timed from the round's start: the wait for it
         # (latency, its other streams, its queue) is what a silence limit has to cover
         prev = self._last.get(peer, self._start)

@@ -576,7 +576,7 @@ class Node:
         done = self._finished.get(gid)
         if done is not None and type(msg) in (Part, Result):
             for arr in msg.payload:  # a transfer of a round we finished still measures our link
-                self.linkstats.on_payload(msg.sender, arr.nbytes, now)
+                self.linkstats.on_payload(msg.sender, arr.nbytes, now, pace=type(msg) is Part)
         if done is not None:
             if type(msg) is RescueCall:
                 # we finished already, so we need nothing: say so, so the substitute need not wait

@@ -113,3 +113,12 @@ def test_auto_advertises_placeholder_then_estimate():
 def test_bad_bandwidth_setting_raises(bad):
     with pytest.raises(ValueError, match="bandwidth"):
         NodeConfig(bandwidth=bad)
+
+
+def test_result_data_counts_for_the_rate_but_not_for_pace():
+    ls = LinkStats()
+    ls.begin(0.0)
+    ls.on_payload("owner", 1 << 20, 0.5, pace=False)  # a result that waited on a slow sender
+    ls.on_payload("owner", 1 << 20, 5.0, pace=False)
+    assert ls.pace("owner") is None
+    assert ls.estimate_mbit() == pytest.approx(8.0 * (1 << 20) / 0.5 / 1e6)
