@@ -139,6 +139,18 @@ class LinkStats:
             return None
         return _percentile(rates, PERCENTILE) * 8e-6
 
+    @property
+    def fresh(self) -> bool:
+        """Whether the latest round (the one begun last) gave a sample. Why it matters: a rate
+        measured passively is what the link carried, a lower bound, and under any split of the
+        vector every member's measured rate is about its load over the round's length -- so every
+        split reproduces itself, and only a link that ran full tells its real rate. A member
+        left with samples of older rounds only (its last round was too short to give one, or it
+        sat out) would plan next to groupmates measured in a later round (after a faster one,
+        or under another split) and lock that split in; it announces no estimate instead
+        (`partition.UNMEASURED`: equal spans for the group's auto members)."""
+        return self._best > 0
+
     def pace(self, peer: str) -> float | None:
         """Seconds per byte between `peer`'s payloads: the largest of its recent samples (None: none yet)."""
         q = self._pace.get(peer)

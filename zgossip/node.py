@@ -310,13 +310,13 @@ class Node:
 
     def advertised_bandwidth(self) -> tuple[float, int]:
         """The rate this peer announces in JOIN and its flags for it (`partition.plan_bandwidths`):
-        a declared number as it is; with "auto" the measured estimate (Mbit/s), or before there is
-        one a placeholder that the plan replaces (equal spans)."""
+        a declared number as it is; with "auto" the measured estimate (Mbit/s) when its last round
+        gave a sample (`LinkStats.fresh`), else a placeholder that the plan replaces (equal spans)."""
         bw = self.config.bandwidth
         if bw != "auto":
             return float(bw), 0
         est = self.linkstats.estimate_mbit()
-        if est is None:
+        if est is None or not self.linkstats.fresh:  # see LinkStats.fresh
             return 1.0, UNMEASURED
         return min(est, 1e7), MEASURED
 

@@ -122,3 +122,16 @@ def test_result_data_counts_for_the_rate_but_not_for_pace():
     ls.on_payload("owner", 1 << 20, 5.0, pace=False)
     assert ls.pace("owner") is None
     assert ls.estimate_mbit() == pytest.approx(8.0 * (1 << 20) / 0.5 / 1e6)
+
+
+def test_a_peer_whose_last_round_gave_no_sample_announces_no_estimate():
+    # every split reproduces itself in passive measurements (LinkStats.fresh): a stale estimate
+    # next to fresh ones would lock a split in, so it is announced as unmeasured (equal spans)
+    node = _node(bandwidth="auto")
+    node.linkstats.begin(0.0)
+    node.linkstats.on_payload("a", 4 << 20, 1.0)
+    assert node.advertised_bandwidth()[1] == MEASURED
+    node.linkstats.begin(10.0)  # a round too short to give a sample
+    node.linkstats.on_payload("a", 1000, 10.001)
+    assert node.linkstats.estimate_mbit() is not None  # still known (gossiped, a deadline prior)
+    assert node.advertised_bandwidth() == (1.0, UNMEASURED)
