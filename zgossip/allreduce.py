@@ -187,7 +187,7 @@ class AllReduceRound:
         on_done: Callable[["AllReduceRound", float], None],
         linkstats: LinkStats | None = None,
         part_timeout_floor: float | None = None,
-        deadline_slack: float = 3.0,
+        deadline_slack: float = 4.0,
         rtt: Callable[[str], float | None] | None = None,
         rate_of: Callable[[str], float | None] | None = None,
     ) -> None:

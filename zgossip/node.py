@@ -64,8 +64,8 @@ class NodeConfig:
     max_state_bytes: int = 1 << 36  # largest state a download accepts
     # adaptive deadlines (zgossip.linkstats.silence_limit): a member measured fast is given up after
     # `deadline_slack` x its pace for one part, at least `part_timeout_floor`; None = fixed part_timeout
-    part_timeout_floor: float | None = 1.0
-    deadline_slack: float = 3.0
+    part_timeout_floor: float | None = 2.0
+    deadline_slack: float = 4.0
 
     def __post_init__(self) -> None:
         if self.part_size_bytes < 16:

@@ -106,7 +106,7 @@ def _stall_case(adaptive: bool):
     # 4 hosts on 100 Mbit/s, 4 MiB each: a member is frozen (SIGSTOP-like, no disconnect) 0.2 s into
     # the third step; part_timeout is 5 s
     hosts = [(100, 2, None)] * 4
-    d = _scenario(hosts, 4 * MIB, part_timeout_floor=1.0 if adaptive else None)
+    d = _scenario(hosts, 4 * MIB, **({} if adaptive else {"part_timeout_floor": None}))  # adaptive: the defaults
 
     def between(run, r):
         if r == 2:
