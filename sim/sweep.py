@@ -68,6 +68,7 @@ import os
 import signal
 import sys
 import time
+import threading
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -364,13 +365,26 @@ def _run_one(kind_name: str, spec: dict) -> tuple[str, str, str]:
         return "error", f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}", ""
 
 
-def _run_chunk(kind_name: str, code: str, items: list[tuple[str, dict]]) -> list[tuple[str, str, str, str]]:
-    """Run a chunk of (key, spec) in a worker: [(key, status, text, csv lines)]."""
+def _run_chunk(kind_name: str, code: str, items: list[tuple[str, dict]],
+               store: str | None = None) -> list[tuple[str, str, str, str]]:
+    """Run a chunk of (key, spec) in a worker: [(key, status, text, csv lines)].
+
+    With ``store`` (a folder this worker can write: local processes), the worker stores each run's
+    file itself and returns ``""`` as its text, so the parent neither receives nor writes it; a
+    Dask worker, maybe on another machine, returns the text for the parent to store.
+    """
     if code != code_version():
         msg = (f"RuntimeError: this worker's code version is {code_version()}, the sweep's is {code}: "
                f"it runs different sim/ or zgossip/ sources, so its results would not match their keys")
         return [(key, "error", msg, "") for key, _ in items]
-    return [(key, *_run_one(kind_name, spec)) for key, spec in items]
+    out = []
+    for key, spec in items:
+        status, text, lines = _run_one(kind_name, spec)
+        if store is not None and status == "ok":
+            _write_atomic(Path(store) / f"{key}.json", text.encode())
+            text = ""
+        out.append((key, status, text, lines))
+    return out
 
 
 def _worker_init() -> None:
@@ -400,10 +414,24 @@ def _execute_serial(kind: str, runs: list[Run], done: Done, tick: Callable[[], N
         tick()
 
 
-def _execute_processes(kind: str, runs: list[Run], workers: int, done: Done, tick: Callable[[], None]) -> None:
+def _preload_parquet() -> None:
+    # results.parquet is written after the last run; importing pyarrow (~0.3 s) while the workers
+    # compute takes it off the serial tail of a parallel sweep
+    import importlib
+
+    for name in ("pyarrow.csv", "pyarrow.parquet"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            return
+
+
+def _execute_processes(kind: str, runs: list[Run], workers: int, done: Done, tick: Callable[[], None],
+                       store: Path) -> None:
     import concurrent.futures as cf
 
     ctx = _mp_context()
+    preload: threading.Thread | None = None
     code = code_version()
     pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init)
     try:
@@ -414,7 +442,10 @@ def _execute_processes(kind: str, runs: list[Run], workers: int, done: Done, tic
                 chunk = next(queue, None)
                 if chunk is None:
                     break
-                pending.add(pool.submit(_run_chunk, kind, code, _payload(chunk)))
+                pending.add(pool.submit(_run_chunk, kind, code, _payload(chunk), str(store)))
+                if preload is None:  # after the first submit: the workers are forked by then
+                    preload = threading.Thread(target=_preload_parquet, name="preload-pyarrow", daemon=True)
+                    preload.start()
             if not pending:
                 break
             finished, pending = cf.wait(pending, timeout=1.0, return_when=cf.FIRST_COMPLETED)
@@ -433,7 +464,6 @@ def _mp_context():
     (a Jupyter kernel, a Dask client) gets forkserver, which forks from a clean single-threaded
     server that imported the simulator once."""
     import multiprocessing as mp
-    import threading
 
     if "fork" in mp.get_all_start_methods() and threading.active_count() == 1:
         return mp.get_context("fork")
@@ -666,7 +696,8 @@ def run_sweep(sweep: Sweep, out: str | Path, *, workers: int | None = None, clus
         for key, status, text, table_lines in batch:
             r = by_key[key]
             if status == "ok":
-                _write_atomic(store / f"{key}.json", text.encode())
+                if text:  # else the worker stored it
+                    _write_atomic(store / f"{key}.json", text.encode())
                 lines[key] = table_lines
                 computed += 1
                 ok += 1
@@ -687,7 +718,7 @@ def run_sweep(sweep: Sweep, out: str | Path, *, workers: int | None = None, clus
             _execute_serial(sweep.kind, todo, done, prog.show)
         else:
             n = workers or os.cpu_count() or 1
-            _execute_processes(sweep.kind, todo, min(n, len(todo)), done, prog.show)
+            _execute_processes(sweep.kind, todo, min(n, len(todo)), done, prog.show, store)
     prog.show(final=True)
 
     for r in runs:

@@ -3,7 +3,6 @@
 The protocol (membership, matchmaking, butterfly all-reduce) is written once as sans-IO
 state machines and driven either by ZeroMQ (`Averager`) or by SimPy (the `sim` package).
 """
-from .averager import Averager
 from .errors import (
     AveragerClosed,
     GroupNotFound,
@@ -16,19 +15,28 @@ from .errors import (
     StepInProgress,
     ZGossipError,
 )
-from .node import NodeConfig, StepResult
-from .step_control import StepControl, StepStage
 
 __version__ = "0.1.0"
 
-# The training integrations import torch; load them on first use so `import zgossip` stays light.
+# Loaded on first use (PEP 562), so `import zgossip` stays light: the training integrations import
+# torch, and the averager pulls in the whole protocol stack (~0.25 s) that a round-level sweep
+# importing `zgossip.grid` does not need.
 _LAZY = {
+    "Averager": "averager",
+    "NodeConfig": "node",
+    "StepResult": "node",
+    "StepControl": "step_control",
+    "StepStage": "step_control",
     "CollaborativeOptimizer": "collaborative",
     "DecentralizedOptimizer": "optim",
     "DecentralizedSGD": "optim",
     "DecentralizedAdam": "optim",
     "Accumulator": "accumulator",
 }
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def __getattr__(name: str):

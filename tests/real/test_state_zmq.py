@@ -1,0 +1,44 @@
+"""State download through the real `Averager` on ZeroMQ loopback (the protocol cases run in
+virtual time in tests/sim/test_state.py)."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import zgossip
+from harness import FAST
+
+
+def _wait_for_donor(downloader: zgossip.Averager, donor: zgossip.Averager, timeout: float = 10.0) -> None:
+    """Until ``downloader`` has heard ``donor`` declare that it shares state (bounded)."""
+    deadline = time.monotonic() + timeout
+    while donor.peer_id not in downloader._ask_node(lambda n: [r.peer_id for r in n.membership.donors()]):
+        assert time.monotonic() < deadline, "the donor's sharing never reached the downloader"
+        time.sleep(0.02)
+
+
+def test_averager_load_state_from_peers_over_zmq():
+    src = [np.arange(12, dtype=np.float32).reshape(3, 4), np.ones(5)]
+    dst = [np.zeros((3, 4), np.float32), np.zeros(5)]
+    with zgossip.Averager(src, prefix="st", **FAST) as a, \
+            zgossip.Averager(dst, prefix="st", initial_peers=[a.endpoint], allow_state_sharing=False, **FAST) as b:
+        _wait_for_donor(b, a)
+        meta, arrays = b.load_state_from_peers(timeout=10)
+        assert meta is None
+        assert np.array_equal(dst[0], src[0]) and np.array_equal(dst[1], src[1])
+        # b does not share: a download from b's side fails with a clear reason
+        with pytest.raises(zgossip.StateUnavailable, match="share"):
+            a.load_state_from_peers(timeout=3)
+
+
+def test_shape_mismatch_names_the_tensor_and_writes_nothing():
+    src = [np.ones(4, np.float32), np.ones((2, 2))]
+    dst = [np.zeros(4, np.float32), np.zeros((2, 3))]
+    with zgossip.Averager(src, prefix="st", **FAST) as a, \
+            zgossip.Averager(dst, prefix="st", initial_peers=[a.endpoint], allow_state_sharing=False, **FAST) as b:
+        _wait_for_donor(b, a)
+        with pytest.raises(zgossip.ZGossipError, match=r"tensor 1: peer state has shape \(2, 2\)"):
+            b.load_state_from_peers(timeout=10)
+        assert not dst[0].any()  # nothing written, not even the tensor that matched
