@@ -10,9 +10,10 @@ Failure semantics (see README, "What a step guarantees"):
 
 * every element of a member's buffer ends either as a weighted mean over a set of
   contributors that includes that member, or unchanged — never a partial sum;
-* a member silent for ``part_timeout`` while it owes an owner data is excluded from
-  that owner's remaining parts; an owner silent for ``2*part_timeout`` while others
-  wait for results is declared lost, and its unresolved parts are *re-reduced* by a
+* a member silent for its silence limit (``part_timeout``, or with adaptive deadlines
+  the limit its measured pace gives, `linkstats.silence_limit`) while it owes an owner
+  data is excluded from that owner's remaining parts; an owner silent for twice the
+  largest limit while others wait for results is declared lost, and its unresolved parts are *re-reduced* by a
   substitute (the next live member in ring order) among the survivors that still
   need them. If the substitute fails too, or ``deadline`` passes, what is left stays
   unchanged;
@@ -692,9 +693,9 @@ class AllReduceRound:
         return data, rescue_data, results, rescue_results
 
     def next_deadline(self) -> float | None:
-        # Silence is checked on a watchdog tick of part_timeout/4 rather than per member per
-        # event (which costs O(n^2) per message in large groups): a silent member is noticed
-        # between T and 1.25 T after its last message.
+        # Silence is checked on a watchdog tick of a quarter of the shortest silence limit
+        # (`_refresh_limits`) rather than per member per event (which costs O(n^2) per message
+        # in large groups): a silent member is noticed between T and 1.25 T after its last message.
         if self.phase is RoundPhase.DONE:
             return None
         return min(self.deadline, self._watchdog)
