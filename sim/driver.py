@@ -418,9 +418,11 @@ class SimCluster:
 
     def add_peer(self, config: NodeConfig, *, initial_peers: Sequence[str] = (), tensors: Sequence[Any] | None = None,
                  known: Sequence["SimPeer"] = (), endpoint: str | None = None, client: bool = False,
-                 auxiliary: bool = False) -> SimPeer:
+                 auxiliary: bool = False, compression: Any = None, error_feedback: bool = False,
+                 state_compression: Any = None) -> SimPeer:
         """Start a peer. Reusing the endpoint of a crashed peer models a restarted process (a new identity).
-        `client`: it accepts no connection (client mode; it reduces nothing)."""
+        `client`: it accepts no connection (client mode; it reduces nothing). `compression`,
+        `error_feedback`: the Averager's wire codecs (`zgossip.codecs`)."""
         idx = self._created
         self._created += 1
         endpoint = endpoint or (f"client://peer{idx}" if client else f"sim://peer{idx}")
@@ -438,7 +440,8 @@ class SimCluster:
         # a peer without tensors (it only downloads state) gets an empty placeholder
         peer.averager = Averager(list(tensors) if tensors is not None else [np.zeros(0)], config=config,
                                  initial_peers=tuple(initial_peers), seed=[self.seed, idx], transport=peer,
-                                 allow_state_sharing=False, auxiliary=auxiliary)
+                                 allow_state_sharing=False, auxiliary=auxiliary, compression=compression,
+                                 error_feedback=error_feedback, state_compression=state_compression)
         return peer
 
     def spawn(self, fn: Any, *args: Any, name: str = "sim-thread") -> Any:

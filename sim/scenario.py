@@ -20,6 +20,8 @@ never inside them). Keys, with defaults:
     bootstrap_time = 1.0        # virtual seconds of gossip before round 0
     membership = "gossip"       # "gossip" (bootstrap from peer 0) or "static" (pre-seeded, converged)
     encode = true               # pass every message through the wire codec, as ZeroMQ does
+    compression = "none"        # wire codec of the tensor: none, fp16, bf16, int8 (zgossip.codecs)
+    error_feedback = false      # carry each peer's quantization residual to its next step
     [protocol]                  # zgossip.NodeConfig fields, e.g. target_group_size, part_timeout
     [network]                   # latency (number or {dist=...}), bandwidth, loss, jitter,
                                 # transfer = "tcp" | "fifo" (sim.tcp / sim.network; default: "tcp"
@@ -57,6 +59,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from zgossip.codecs import check_name
 from zgossip.grid import MoshpitGrid
 from zgossip.node import NodeConfig, StepDone, StepFailed
 
@@ -136,6 +139,8 @@ class Scenario:
     bootstrap_time: float = 1.0
     membership: str = "gossip"
     encode: bool = True
+    compression: str = "none"
+    error_feedback: bool = False
     protocol: dict = field(default_factory=dict)
     network: dict = field(default_factory=dict)
     faults: list = field(default_factory=list)
@@ -179,6 +184,7 @@ class Scenario:
             raise ValueError("membership must be gossip or static")
         if self.dtype not in ("float32", "float64"):
             raise ValueError(f"dtype must be float32 or float64, not {self.dtype!r}")
+        check_name(self.compression)
         if self.hosts and self.profiles:
             raise ValueError("give either [[hosts]] or profiles, not both")
         cells = int(np.prod(self.grid)) if self.grid else 1
@@ -340,11 +346,12 @@ class ScenarioRun(SimFaultContext):
             self.network.profiles[ep] = PROFILES[name]
         live = [p for p in self.slots if p.alive]
         if sc.membership == "static":
-            peer = self.cluster.add_peer(self._config(coords, index), tensors=tensors, endpoint=ep)
+            peer = self.cluster.add_peer(self._config(coords, index), tensors=tensors, endpoint=ep,
+                                         compression=sc.compression, error_feedback=sc.error_feedback)
         else:
             boot = [live[0].endpoint] if live else []
             peer = self.cluster.add_peer(self._config(coords, index), tensors=tensors, initial_peers=boot,
-                                         endpoint=ep)
+                                         endpoint=ep, compression=sc.compression, error_feedback=sc.error_feedback)
         if replace:
             self.slots[index] = peer
         else:

@@ -13,6 +13,9 @@ from zgossip.node import NodeConfig, StepDone, StepFailed
 
 TRANSPORTS = ["sim", "zmq"]
 
+#: Averager arguments that are not NodeConfig's (the sim harness passes them to `add_peer`)
+AVERAGER_ONLY = ("compression", "error_feedback")
+
 FAST = dict(gossip_interval=0.05, peer_timeout=2.0, matchmaking_time=0.5, request_timeout=0.3, part_timeout=2.0)
 
 
@@ -24,7 +27,8 @@ class SimHarness:
             kw = {**FAST, **cfg, **(per_peer[i] if per_peer else {})}
             kw.setdefault("prefix", "test")
             initial = [self.peers[0].endpoint] if self.peers else []
-            self.peers.append(self.cluster.add_peer(NodeConfig(**kw), initial_peers=initial, tensors=ts))
+            extra = {k: kw.pop(k) for k in AVERAGER_ONLY if k in kw}
+            self.peers.append(self.cluster.add_peer(NodeConfig(**kw), initial_peers=initial, tensors=ts, **extra))
         self.cluster.run(until=self.cluster.env.now + 1.0)  # gossip converges
         for p in self.peers:
             assert len(p.node.membership.live_ids()) == len(self.peers) - 1

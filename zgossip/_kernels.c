@@ -15,6 +15,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <math.h>
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
@@ -294,6 +295,198 @@ static PyObject *py_all_finite(PyObject *self, PyObject *args) {
     return PyBool_FromLong(ok);
 }
 
+/* ------------------------------------------------------------------------------------------------
+ * Wire codecs (zgossip/codecs.py holds the numpy versions and the documentation). Float32 only.
+ * Each gives exactly the bytes and values of the numpy path (same IEEE operations, same rounding);
+ * only the payload bits of a NaN may differ, and a NaN is refused by every reducer anyway.
+ * Payload pointers may be unaligned (a part's pieces are packed back to back): memcpy for them. */
+#define CODEC_FP16 1
+#define CODEC_BF16 2
+#define CODEC_INT8 3
+#define INT8_BLOCK 1024 /* codecs.INT8_BLOCK must match */
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#include <immintrin.h>
+#define HAVE_F16C_PATH 1
+__attribute__((target("avx,f16c"))) static void f32_to_f16(const float *x, unsigned char *out, Py_ssize_t n) {
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_storeu_si128((__m128i *)(out + 2 * i), h);
+    }
+    if (i < n) {
+        float tmp[8] = {0};
+        unsigned char h8[16];
+        memcpy(tmp, x + i, (size_t)(n - i) * 4);
+        _mm_storeu_si128((__m128i *)h8, _mm256_cvtps_ph(_mm256_loadu_ps(tmp), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        memcpy(out + 2 * i, h8, (size_t)(n - i) * 2);
+    }
+}
+__attribute__((target("avx,f16c"))) static void f16_to_f32(const unsigned char *in, float *out, Py_ssize_t n) {
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(in + 2 * i))));
+    if (i < n) {
+        unsigned char h8[16] = {0};
+        float tmp[8];
+        memcpy(h8, in + 2 * i, (size_t)(n - i) * 2);
+        _mm256_storeu_ps(tmp, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h8)));
+        memcpy(out + i, tmp, (size_t)(n - i) * 4);
+    }
+}
+static int have_f16c(void) { return __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx"); }
+#else
+#define HAVE_F16C_PATH 0
+#endif
+
+MULTIARCH static void bf16_encode(const float *x, unsigned char *out, Py_ssize_t n) {
+    const uint32_t *u = (const uint32_t *)x;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t b = u[i];
+        uint16_t r = (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+        if ((b & 0x7fffffffu) > 0x7f800000u) r = 0x7FC0; /* NaN stays NaN (rounding could carry it to inf) */
+        memcpy(out + 2 * i, &r, 2);
+    }
+}
+
+MULTIARCH static void bf16_decode(const unsigned char *in, float *out, Py_ssize_t n) {
+    uint32_t *o = (uint32_t *)out;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint16_t h;
+        memcpy(&h, in + 2 * i, 2);
+        o[i] = (uint32_t)h << 16;
+    }
+}
+
+static float max_scale(void) {
+    /* the largest float32 scale whose 127 steps stay finite (codecs._largest_scale) */
+    volatile float s = 3.4028234663852886e38f / 127.0f;
+    while (!(127.0f * s <= 3.4028234663852886e38f)) s = nextafterf(s, 0.0f);
+    return s;
+}
+
+MULTIARCH static void int8_block(const float *x, Py_ssize_t m, float maxs, unsigned char *scale_out, int8_t *q) {
+    const uint32_t *u = (const uint32_t *)x;
+    uint32_t hi = 0;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        uint32_t a = u[i] & 0x7fffffffu; /* |x| as bits: ordered like the floats, NaN/inf on top */
+        hi = a > hi ? a : hi;
+    }
+    float scale;
+    if (hi >= 0x7f800000u) { /* NaN or inf in the block: the whole block decodes as NaN */
+        uint32_t nan = 0x7fc00000u;
+        memcpy(&scale, &nan, 4);
+        memset(q, 0, (size_t)m);
+        memcpy(scale_out, &scale, 4);
+        return;
+    }
+    float absmax;
+    memcpy(&absmax, &hi, 4);
+    scale = absmax / 127.0f;
+    if (scale > maxs) scale = maxs;
+    float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        float t = rintf(x[i] * inv);
+        t = t < -127.0f ? -127.0f : (t > 127.0f ? 127.0f : t);
+        q[i] = (int8_t)t;
+    }
+    memcpy(scale_out, &scale, 4);
+}
+
+MULTIARCH static void int8_unblock(const int8_t *q, Py_ssize_t m, float scale, float *out) {
+    for (Py_ssize_t i = 0; i < m; i++) out[i] = (float)q[i] * scale;
+}
+
+/* codec_encode(codec, x, out) -> bool: encode float32 x into the bytes out; False when this build
+ * cannot (e.g. fp16 on a CPU without F16C): the caller uses numpy. */
+static PyObject *py_codec_encode(PyObject *self, PyObject *args) {
+    int codec;
+    PyObject *x_obj, *out_obj;
+    if (!PyArg_ParseTuple(args, "iOO", &codec, &x_obj, &out_obj)) return NULL;
+    Py_buffer x, out;
+    if (get_buffer(x_obj, &x, 0, "x") < 0) return NULL;
+    if (get_buffer(out_obj, &out, 1, "out") < 0) {
+        PyBuffer_Release(&x);
+        return NULL;
+    }
+    Py_ssize_t n = x.len / 4, nb = (n + INT8_BLOCK - 1) / INT8_BLOCK;
+    Py_ssize_t want = codec == CODEC_INT8 ? n + 4 * nb : 2 * n;
+    int done = 1;
+    if (x.len % 4 || out.len != want || codec < CODEC_FP16 || codec > CODEC_INT8) {
+        PyBuffer_Release(&x);
+        PyBuffer_Release(&out);
+        PyErr_SetString(PyExc_ValueError, "codec_encode: bad codec or buffer sizes");
+        return NULL;
+    }
+    const float *xs = (const float *)x.buf;
+    unsigned char *o = (unsigned char *)out.buf;
+    Py_BEGIN_ALLOW_THREADS
+    if (codec == CODEC_FP16) {
+#if HAVE_F16C_PATH
+        if (have_f16c()) f32_to_f16(xs, o, n); else done = 0;
+#else
+        done = 0;
+#endif
+    } else if (codec == CODEC_BF16) {
+        bf16_encode(xs, o, n);
+    } else {
+        float maxs = max_scale();
+        for (Py_ssize_t b = 0; b < nb; b++) {
+            Py_ssize_t s = b * INT8_BLOCK, m = n - s < INT8_BLOCK ? n - s : INT8_BLOCK;
+            int8_block(xs + s, m, maxs, o + 4 * b, (int8_t *)(o + 4 * nb + s));
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&out);
+    return PyBool_FromLong(done);
+}
+
+/* codec_decode(codec, data, out) -> bool: decode the bytes data into float32 out (see codec_encode). */
+static PyObject *py_codec_decode(PyObject *self, PyObject *args) {
+    int codec;
+    PyObject *d_obj, *out_obj;
+    if (!PyArg_ParseTuple(args, "iOO", &codec, &d_obj, &out_obj)) return NULL;
+    Py_buffer d, out;
+    if (get_buffer(d_obj, &d, 0, "data") < 0) return NULL;
+    if (get_buffer(out_obj, &out, 1, "out") < 0) {
+        PyBuffer_Release(&d);
+        return NULL;
+    }
+    Py_ssize_t n = out.len / 4, nb = (n + INT8_BLOCK - 1) / INT8_BLOCK;
+    Py_ssize_t want = codec == CODEC_INT8 ? n + 4 * nb : 2 * n;
+    int done = 1;
+    if (out.len % 4 || d.len != want || codec < CODEC_FP16 || codec > CODEC_INT8) {
+        PyBuffer_Release(&d);
+        PyBuffer_Release(&out);
+        PyErr_SetString(PyExc_ValueError, "codec_decode: bad codec or buffer sizes");
+        return NULL;
+    }
+    const unsigned char *in = (const unsigned char *)d.buf;
+    float *o = (float *)out.buf;
+    Py_BEGIN_ALLOW_THREADS
+    if (codec == CODEC_FP16) {
+#if HAVE_F16C_PATH
+        if (have_f16c()) f16_to_f32(in, o, n); else done = 0;
+#else
+        done = 0;
+#endif
+    } else if (codec == CODEC_BF16) {
+        bf16_decode(in, o, n);
+    } else {
+        for (Py_ssize_t b = 0; b < nb; b++) {
+            Py_ssize_t s = b * INT8_BLOCK, m = n - s < INT8_BLOCK ? n - s : INT8_BLOCK;
+            float scale;
+            memcpy(&scale, in + 4 * b, 4);
+            int8_unblock((const int8_t *)(in + 4 * nb + s), m, scale, o + s);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&d);
+    PyBuffer_Release(&out);
+    return PyBool_FromLong(done);
+}
+
 /* isa() -> the instruction set the loader picked for the kernels' loops ("avx512f", "avx2", "default"
  * where they are compiled for several; "baseline" where they are not) */
 static PyObject *py_isa(PyObject *self, PyObject *noargs) {
@@ -312,6 +505,8 @@ static PyMethodDef methods[] = {
     {"accumulate", py_accumulate, METH_VARARGS, "out (+)= sum of w_i*x_i, optionally / divisor, with NaN/inf checks"},
     {"copy_finite", py_copy_finite, METH_VARARGS, "copy block by block up to the first non-finite block"},
     {"all_finite", py_all_finite, METH_VARARGS, "no NaN or inf in the buffer"},
+    {"codec_encode", py_codec_encode, METH_VARARGS, "encode float32 values with a wire codec (zgossip.codecs)"},
+    {"codec_decode", py_codec_decode, METH_VARARGS, "decode a wire codec's bytes into float32 values"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .codecs import NONE, CodecMap
 from .endpoints import listens
 from .errors import IllegalTransition, ProtocolError
 from .matchmaking import GroupSpec
@@ -191,6 +192,7 @@ class AllReduceRound:
         deadline_slack: float = 4.0,
         rtt: Callable[[str], float | None] | None = None,
         rate_of: Callable[[str], float | None] | None = None,
+        codec: CodecMap | None = None,
     ) -> None:
         if buffer.ndim != 1:
             raise ProtocolError("the all-reduce buffer must be flat")
@@ -261,15 +263,29 @@ class AllReduceRound:
         self.late_results = 0
         self.partial: list[tuple[int, int, int, tuple[int, ...]]] = []  # (owner, lo, hi, contrib) of results taken in part
         self.dropped = 0  # messages refused by validation against the group's plan (logged too)
+        # wire compression (`zgossip.codecs`): parts and results travel encoded as the group agreed (the
+        # map is part of the layout peers are grouped by); terms are decoded before they are reduced
+        self.codec = codec if codec is not None and not codec.lossless else None
 
     # ------------------------------------------------------------------ helpers
     def _part(self, owner: int, p: int, rescue: bool) -> Part:
         lo, hi = self.plan.part(owner, p)
-        return Part.trusted(self.me.peer_id, self.me.endpoint, self._gid, owner, p, self.weight, rescue,
-                            self.buf[lo:hi])
+        cid, data = (NONE, self.buf[lo:hi]) if self.codec is None else self.codec.encode(lo, hi, self.buf[lo:hi])
+        return Part.trusted(self.me.peer_id, self.me.endpoint, self._gid, owner, p, self.weight, rescue, cid, data)
 
-    def _result(self, owner: int, p: int, contrib: tuple[int, ...], rescue: bool, data: np.ndarray) -> Result:
-        return Result.trusted(self.me.peer_id, self.me.endpoint, self._gid, owner, p, contrib, rescue, data)
+    def _result(self, owner: int, p: int, contrib: tuple[int, ...], rescue: bool, data: np.ndarray,
+                cid: int = NONE) -> Result:
+        return Result.trusted(self.me.peer_id, self.me.endpoint, self._gid, owner, p, contrib, rescue, cid, data)
+
+    def _decoded(self, lo: int, hi: int, cid: int, data: np.ndarray) -> np.ndarray | str:
+        """A received payload as values (what the codec map says range [lo, hi) travels as), or why not."""
+        if self.codec is None:
+            if cid != NONE:
+                return f"codec {cid} where the group agreed on raw values"
+            return data
+        out = np.empty(hi - lo, dtype=self.buf.dtype)
+        why = self.codec.decode(lo, hi, cid, data, out)
+        return out if why is None else why
 
     def _send(self, member: int, msg: Message) -> None:
         for arr in msg.payload:
@@ -295,6 +311,8 @@ class AllReduceRound:
             for o in order:
                 if p < self.plan.num_parts(o):
                     self._send(o, self._part(o, p, rescue=False))
+        if self.codec is not None and self.rank not in self.aux:
+            self.codec.zero_residual(*self.plan.span(self.rank))  # our own term is reduced exactly
         for p in range(self.own.nparts):
             self._advance(self.own, p, now)
         # the first watchdog tick follows the limits known now (measured paces, gossiped rates)
@@ -353,6 +371,8 @@ class AllReduceRound:
                     k += 1
                 elif (k, p) in r.pending:
                     data, w = r.pending[(k, p)]
+                    if data.dtype != self.buf.dtype:  # an encoded term (`_on_part` checked it against the map)
+                        data = self._decoded(lo, hi, self.codec.layout(lo, hi)[0], data)
                     run.append((k, data, w))
                     k += 1
                 else:
@@ -439,8 +459,19 @@ class AllReduceRound:
         lo, hi = self.plan.part(r.owner, p)
         if in_buf:
             a = self.buf[lo:hi]  # sent zero-copy from there; nothing writes a settled part again
+        cid, wire_a = NONE, a
+        if contrib and self.codec is not None:
+            # the mean is encoded once; we keep its *decoded* form, as every other member does
+            cid, wire_a = self.codec.encode(lo, hi, a, feedback=False)
+            if cid != NONE:
+                decoded = self._decoded(lo, hi, cid, wire_a)
+                assert not isinstance(decoded, str)
+                if self.rank in contrib and self.weight > 0:
+                    self.codec.carry_result(lo, hi, a, decoded, r.wsum[p] / self.weight)
+                a = decoded
+                in_buf = False
         if contrib:
-            msg = self._result(r.owner, p, contrib, r.rescue, a)
+            msg = self._result(r.owner, p, contrib, r.rescue, wire_a, cid)
             for j in contrib:
                 if j != self.rank:
                     self._send(j, msg)
@@ -456,7 +487,9 @@ class AllReduceRound:
                 self._send(j, notice)
         if contrib and not r.rescue and self.rank in self.aux:
             self.part_contrib[self.rank][p] = contrib  # what we reduced for the others, for the outcome
-        if self.rank in contrib:
+        if self.rank in contrib and cid != NONE:
+            self._resolve(r.owner, p, contrib, a, rescued=r.rescue)  # as the others take it (up to a NaN/inf)
+        elif self.rank in contrib:
             if not in_buf:
                 self.buf[lo:hi] = a  # checked finite by the reduction
             self._settle(r.owner, p, contrib, rescued=r.rescue)
@@ -595,17 +628,20 @@ class AllReduceRound:
         self.dropped += 1
         log.warning("%s: dropped %s from %s: %s", self.me.peer_id[:8], msg.type.name, self.members[j].peer_id[:8], why)
 
-    def _part_range(self, owner: int, p: int, payload: np.ndarray) -> tuple[int, int] | None:
+    def _part_range(self, owner: int, p: int, payload: np.ndarray, cid: int = NONE) -> tuple[int, int] | None:
         if owner >= self.n or p >= self.plan.num_parts(owner):
             return None
         lo, hi = self.plan.part(owner, p)
+        if self.codec is not None:  # length and codec are the map's to check (`_decoded`)
+            return lo, hi
         if payload.size != hi - lo or payload.dtype != self.buf.dtype:
             return None
         return lo, hi
 
     def _on_part(self, j: int, msg: Part, now: float) -> None:
         owner, p, arr = msg.owner, msg.part, msg.data
-        if self._part_range(owner, p, arr) is None:
+        rng = self._part_range(owner, p, arr)
+        if rng is None:
             return self._bad(j, msg, "part index, length or dtype does not match the group's plan")
         if self.stats is not None:  # a transfer that completed, even one too late to be used: it measures the link
             self.stats.on_payload(msg.sender, arr.nbytes, now)
@@ -620,6 +656,12 @@ class AllReduceRound:
         if j in r.excluded or r.state[p] is not ReduceState.COLLECTING or r.pos[p] > j or (j, p) in r.pending:
             return  # late or duplicate: that member's share of this part is already settled
         self.bytes_received += arr.nbytes
+        if msg.codec != NONE or self.codec is not None:
+            # checked now, decoded only when its pass comes (`_sum_part`): a few terms at a time in memory
+            why = "codec where the group agreed on raw values" if self.codec is None else \
+                self.codec.check(*rng, msg.codec, arr, self.buf.dtype)
+            if why is not None:
+                return self._bad(j, msg, why)
         self.weights.setdefault(j, msg.weight)
         r.pending[(j, p)] = (arr, msg.weight)
         self._advance(r, p, now)
@@ -644,6 +686,10 @@ class AllReduceRound:
         if j != expected:
             return self._bad(j, msg, "result from a member that does not reduce that span")
         self.bytes_received += arr.nbytes
+        if self.rank in contrib and (msg.codec != NONE or self.codec is not None):
+            arr = self._decoded(*self.plan.part(owner, p), msg.codec, arr)
+            if isinstance(arr, str):
+                return self._bad(j, msg, arr)
         if self.rank in contrib:
             self._resolve(owner, p, contrib, arr, rescued=msg.rescue)
         else:
@@ -749,6 +795,8 @@ class AllReduceRound:
         others = [j for j in range(self.n) if j != self.rank and j not in self.lost]
         if self.stats is None or self._floor is None:
             return {j: T for j in others}
+        # a part's raw bytes: with a codec its wire bytes are fewer, so the limit errs long (paces
+        # are measured in wire bytes), never short
         part_bytes = self.plan.part_elems * self.buf.dtype.itemsize
         out = {}
         for j in others:

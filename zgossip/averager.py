@@ -23,8 +23,9 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from . import staging, wire
+from . import codecs, staging, wire
 from .actions import DownloadDone, DownloadFailed, ServeState, StepDone, StepFailed, StepProgress
+from .codecs import NONE
 from .endpoints import check_endpoint
 from .identity import AllowList, load_key, peer_id_of, split_peer
 from .errors import AveragerClosed, RoundTimeout, StateUnavailable, StepInProgress, ZGossipError
@@ -96,6 +97,20 @@ class Averager:
     and writes the result back at the end, so a failed step changes nothing. Before an
     in-place step returns, parts still queued for a slow or dead peer are dropped, so bytes
     of the tensor never leave after the caller changed them.
+
+    ``compression``: how the tensors travel during a step (`zgossip.codecs`: ``"none"``, ``"fp16"``,
+    ``"bf16"``, ``"int8"``, 8 bits per value with one float32 scale per 1,024 values). One name for
+    every tensor, a list (one name per tensor), a dict ``{tensor index: name}``, or a rule
+    ``(index, shape, dtype) -> name`` such as ``codecs.by_size(65536, "int8")``. The default, None,
+    sends fp16 tensors as fp16 and the rest raw. Owners decode every term and reduce in the buffer's
+    float32/float64 in the fixed member order, then encode the mean once; every member (the owner
+    too) applies the decoded bytes, so results stay bit-identical. The per-element error bounds are
+    in `zgossip.codecs`. Peers only group with peers that compress every tensor the same way (the
+    codecs are part of the layout). ``error_feedback``: what the codecs lost of this peer's data
+    (and of the means it reduced) is added to its next step's data, so over many steps the losses
+    cancel out (meant for gradients and parameters that change a little per step).
+    ``state_compression``: the same choices, for the float tensors this peer serves to
+    `load_state_from_peers` downloaders (default: raw).
 
     ``shutdown_timeout``: how long `shutdown` keeps serving what this peer still owes groupmates
     of a recent round (results they have not confirmed, sends libzmq still holds) before it stops.
@@ -177,6 +192,9 @@ class Averager:
         auxiliary: bool = False,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
+        compression: Any = None,
+        error_feedback: bool = False,
+        state_compression: Any = None,
     ) -> None:
         if not 0.0 < averaging_alpha <= 1.0:
             raise ValueError("averaging_alpha must be in (0, 1]")
@@ -217,10 +235,19 @@ class Averager:
                          else None)
         host = self._staging.host_tensors(self._tensors) if self._staging is not None else self._tensors
         self._arrays = [as_array(t) for t in host]
-        self.layout = FlatLayout.of(host)
+        self.layout = FlatLayout.of(host, compression)
         self.averaging_alpha = float(averaging_alpha)
+        # error feedback: what the codecs lost of our data last step is added to this step's (a step
+        # averages its snapshot, so the user's tensors never hold the carried error)
+        self._residual = np.zeros(self.layout.numel, self.layout.dtype) if error_feedback and any(
+            c != NONE for c in self.layout.codecs) else None
+        self._codec = self.layout.codec_map(self._residual)
+        if state_compression is not None:
+            codecs.resolve(state_compression, [(1,)], [np.float32])  # a bad name fails here, not when serving
+        self._state_compression = state_compression
         self._in_place = (bool(in_place) and len(self._arrays) == 1 and self.averaging_alpha == 1.0
-                          and self._arrays[0].dtype == self.layout.dtype and self._staging is None)
+                          and self._arrays[0].dtype == self.layout.dtype and self._residual is None
+                          and self._staging is None)
         if config is None and prefix is None:
             raise TypeError("Averager needs a prefix (or a whole NodeConfig as config=)")
         if client_mode:
@@ -393,13 +420,15 @@ class Averager:
                         self._buffer = self.layout.new_buffer()
                     self._pull()
                     buf = self.layout.snapshot(self._arrays, self._buffer)
+                    if self._residual is not None:
+                        buf += self._residual
             step_id = f"{self.peer_id[:8]}-{next(self._seq)}"
             fut: cf.Future = StepFuture(self, step_id)
             self._futures[step_id] = (fut, None if in_place else buf, entered)
             # the node times the step from when it gets it: what the snapshot took is already spent
             left = max(0.0, float(timeout) - (clock.now() - entered))
             req = StepRequest(step_id, buf, weight, gather, left, self.layout.fingerprint,
-                              None if round is None else int(round), self.layout.description)
+                              None if round is None else int(round), self.layout.description, self._codec)
             self._transport.call(lambda now: self._transport.node.submit_step(req, now))
         except BaseException:
             self._busy.release()
@@ -462,7 +491,7 @@ class Averager:
             fut = StepFuture(self, step_id, held=True, weight=weight, gather=gather, scheduled_time=scheduled_time)
             self._futures[step_id] = (fut, None, entered)
             req = StepRequest(step_id, None, weight, gather, timeout, self.layout.fingerprint,
-                              None if round is None else int(round), self.layout.description, held=True,
+                              None if round is None else int(round), self.layout.description, self._codec, held=True,
                               begin_at=begin_at, due_at=None if require_trigger else scheduled_time)
             self._transport.call(lambda now: self._transport.node.submit_step(req, now))
         except BaseException:
@@ -497,6 +526,8 @@ class Averager:
                 self._buffer = self.layout.new_buffer()  # never overwrite bytes a zero-copy frame still lends
             self._pull()
             buf = self.layout.snapshot(self._arrays, self._buffer)
+            if self._residual is not None:
+                buf += self._residual
         weight = 0.0 if self.auxiliary else ctl.weight
 
         def hand_over(now: float) -> None:
@@ -768,7 +799,8 @@ class Averager:
             log.exception("get_current_state failed")
             meta, arrays, err = None, None, f"donor could not produce its state: {type(e).__name__}"
         try:
-            self._transport.call(lambda now: self._transport.node.serve_state(act.req, act.endpoint, meta, arrays, now, err))
+            self._transport.call(lambda now: self._transport.node.serve_state(act.req, act.endpoint, meta, arrays, now, err,
+                                                                              self._state_compression))
         except RuntimeError:
             pass  # shutting down
 

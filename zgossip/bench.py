@@ -47,6 +47,13 @@ Two benchmarks, chosen by flag:
     ``ZGOSSIP_STREAM_STORES=0`` or ``=1``, ``NUMPY_MADVISE_HUGEPAGE=0``. The paired ratios are given for
     the step time and for the CPU the peers spent.
 
+    With ``--compression fp16|bf16|int8`` the timed swarm sends its tensor with that wire codec
+    (`zgossip.codecs`), and a second swarm of this code, uncompressed, steps in turn with it on
+    the same data: the report gives the paired ratios compressed/uncompressed of step time and
+    CPU, what one encode and decode of a span cost on one core, and (with ``--vs gloo``) the
+    ratio to gloo as usual. "correct" then means within the codec's documented error bound of
+    the float64 mean.
+
     Every report starts with the machine line (CPU model, cores, kernel, transparent huge
     pages, libc) and the optional paths the peers ran (`zgossip.machine`); with ``--vs gloo``
     it gives the ratio of CPU per step beside the ratio of time: both sides are CPU-bound on a
@@ -104,6 +111,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tcp-only", action="store_true",
                    help="zgossip peers talk over TCP loopback, like gloo, instead of finding each other's "
                         "Unix sockets (the default between peers on one host)")
+    p.add_argument("--compression", choices=["none", "fp16", "bf16", "int8"], default=None,
+                   help="wire codec of the averaged tensor (zgossip.codecs); other than none, an uncompressed "
+                        "swarm steps side by side and the paired ratios compressed/uncompressed are reported")
     p.add_argument("--matchmaking", action="store_true", help="benchmark matchmaking latency instead of the all-reduce")
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
     p.add_argument("--curve", action="store_true",
@@ -244,9 +254,17 @@ def _collect(rows: list[dict[str, float]]) -> dict[str, list[float]]:
     return {k: [r[k] for r in rows] for k in rows[0]} if rows else {}
 
 
-def _accuracy(got: np.ndarray, truth: np.ndarray) -> tuple[bool, float]:
+def _accuracy(got: np.ndarray, truth: np.ndarray, compression: str | None = None) -> tuple[bool, float]:
     err = float(np.max(np.abs(got.astype(np.float64) - truth))) if got.size else 0.0
-    return bool(np.allclose(got, truth, rtol=1e-5, atol=1e-5)), err
+    if compression in (None, "none"):
+        return bool(np.allclose(got, truth, rtol=1e-5, atol=1e-5)), err
+    from . import codecs
+
+    # the members' terms and the result each lose at most the codec's bound (taken at 4x the mean's
+    # magnitude, which bounds a term's: peers' data are of the same scale), plus float32 rounding
+    scale = float(np.max(np.abs(truth))) * 4 if truth.size else 0.0
+    tol = 2 * float(codecs.error_bound(codecs.CODECS[compression], np.array([scale]))[0]) + 1e-5
+    return bool(err <= tol), err
 
 
 # ---------------------------------------------------------------------------- gloo
@@ -400,9 +418,30 @@ def _parse_env(pairs: Sequence[str] | None) -> dict[str, str]:
     return out
 
 
+def codec_cost(codec: str, numel: int, reps: int = 3, seed: int = 0) -> dict:
+    """Seconds one process spends to encode and to decode `numel` float32 values (best of `reps`)."""
+    from . import codecs
+
+    cid = codecs.CODECS[codec]
+    x = peer_data(seed, 0, numel)
+    enc = np.empty(codecs.encoded_nbytes(cid, numel), np.uint8)
+    y = np.empty_like(x)
+    e, d = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        codecs.encode(cid, x, enc)
+        t1 = time.perf_counter()
+        codecs.decode(cid, enc, y)
+        e.append(t1 - t0)
+        d.append(time.perf_counter() - t1)
+    return {"encode_seconds": min(e), "decode_seconds": min(d), "bytes_ratio": enc.nbytes / x.nbytes,
+            "max_abs_error": float(np.max(np.abs(y - x))) if numel else 0.0}
+
+
 def bench_allreduce(peers: int, numel: int, reps: int, part_size: int | None = None, seed: int = 0,
                     timeout: float = 120.0, vs_gloo: bool = False, vs_checkout: str | None = None,
-                    tcp_only: bool = False, curve: bool = False, vs_env: dict[str, str] | None = None) -> dict:
+                    tcp_only: bool = False, curve: bool = False, vs_env: dict[str, str] | None = None,
+                    compression: str | None = None) -> dict:
     truth = _mean_of_peers(seed, peers, numel)
     per_peer = curve_kwargs(peers) if curve else None
     gloo = GlooGroup(peers, numel, seed, timeout) if vs_gloo else None
@@ -412,6 +451,18 @@ def bench_allreduce(peers: int, numel: int, reps: int, part_size: int | None = N
     aligned = True  # a common start for every step (older --vs-checkout code starts on receipt: then nobody does)
     try:
         kw = _swarm_kwargs(peers, part_size, timeout)
+        compressed = compression not in (None, "none")
+        if compressed and (vs_checkout is not None or vs_env):
+            raise ValueError("--compression compares with an uncompressed swarm of this code: "
+                             "not with --vs-checkout or --vs-env")
+        if compressed:
+            # the yardstick: the same code, uncompressed, under its own prefix (the two swarms never meet)
+            other = LocalSwarm(peers, numel, seed=seed, averager_kwargs={**kw, "prefix": "bench-raw"},
+                               start_timeout=timeout, env=env)
+            other.wait_membership(timeout=min(timeout, 30.0))
+            for _ in range(WARMUP):
+                _step_once(other, timeout, aligned)
+            kw["compression"] = compression
         if vs_checkout is not None or vs_env:
             # a second swarm on the other checkout's code (or this code with other settings), under its
             # own prefix (the two never meet)
@@ -470,7 +521,7 @@ def bench_allreduce(peers: int, numel: int, reps: int, part_size: int | None = N
     tensor_bytes = numel * 4
     extra = [a["VmHWM"] - b["VmRSS"] for b, a in zip(before, after)
              if b.get("reset") and "VmHWM" in a and "VmRSS" in b]
-    correct, err = _accuracy(got, truth)
+    correct, err = _accuracy(got, truth, compression)
     zg = {
         "step": _summary(times["wall"]),
         "allreduce": _summary(times["allreduce"]),
@@ -514,7 +565,18 @@ def bench_allreduce(peers: int, numel: int, reps: int, part_size: int | None = N
         out["cpu_ratio"] = zg["cpu_seconds_all_peers"]["median"] / out["gloo"]["cpu_seconds_all_peers"]["median"]
         # the all-reduce phase alone (without matchmaking, which gloo's fixed group does not need)
         out["ratio_allreduce_phase"] = zg["allreduce"]["median"] / out["gloo"]["all_reduce"]["median"]
-    if other is not None and ot_tensor is not None:
+    if compressed and ot_tensor is not None:
+        o = _collect(ot_rows)
+        out["compression"] = compression
+        out["uncompressed"] = {"step": _summary(o["wall"]), "allreduce": _summary(o["allreduce"]),
+                               "cpu_seconds_all_peers": _summary(o["cpu"]),
+                               "correct": _accuracy(ot_tensor, truth)[0]}
+        # each compressed repetition against the uncompressed one right next to it in time
+        out["paired_ratio_vs_uncompressed"] = statistics.median(a["wall"] / b["wall"] for a, b in zip(zg_rows, ot_rows))
+        out["paired_cpu_ratio_vs_uncompressed"] = statistics.median(a["cpu"] / b["cpu"]
+                                                                    for a, b in zip(zg_rows, ot_rows))
+        out["codec_cost"] = codec_cost(compression, numel // peers, seed=seed)
+    elif other is not None and ot_tensor is not None:
         o = _collect(ot_rows)
         o_correct, o_err = _accuracy(ot_tensor, truth)
         out["checkout"] = {
@@ -621,7 +683,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"zgossip bench: {e}", file=sys.stderr)
         return 2
     out = bench_allreduce(peers, numel, args.reps, args.part_size, args.seed, args.timeout, args.vs == "gloo",
-                          args.vs_checkout, args.tcp_only, vs_env=vs_env)
+                          args.vs_checkout, args.tcp_only, vs_env=vs_env, compression=args.compression)
     zg = out["zgossip"]
     if args.json:
         print(json.dumps(out))
@@ -630,6 +692,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"zgossip bench: {peers} peers x {numel} float32 ({numel * 4 / 2**20:.1f} MiB), {args.reps} reps "
           f"after {WARMUP} warm-up, part size {part}; max over peers per rep")
     print(f"  {machine_line(out['machine'])}")
+    if args.compression:
+        print(f"  wire compression: {args.compression}")
     print(f"  between peers: {zg['transport']}; C kernels: {'yes' if zg['native_kernels'] else 'no (numpy)'}; "
           f"zero-copy sends: {'zgossip._zsend' if zg['fast_send'] else 'pyzmq'}")
     if zg["paths"] is not None:
@@ -657,6 +721,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"  ratio zgossip/gloo (medians): time {out['ratio']:.2f}x, CPU {out['cpu_ratio']:.2f}x "
               "(lower is better for zgossip)")
         print(f"    all-reduce phase alone (no matchmaking): {out['ratio_allreduce_phase']:.2f}x")
+    if "uncompressed" in out:
+        un, cc = out["uncompressed"], out["codec_cost"]
+        print(_line("uncompressed step()", un["step"]) + "   (same code, compression none, side by side)")
+        print(_line("  CPU, all peers", un["cpu_seconds_all_peers"]))
+        print(f"  paired ratio {out['compression']}/uncompressed (median over repetitions side by side): time "
+              f"{out['paired_ratio_vs_uncompressed']:.3f}x, CPU {out['paired_cpu_ratio_vs_uncompressed']:.3f}x")
+        print(f"  codec cost on one core, one span ({numel // peers} values): encode "
+              f"{cc['encode_seconds'] * 1000:.1f} ms, decode {cc['decode_seconds'] * 1000:.1f} ms; "
+              f"{cc['bytes_ratio']:.3f}x the bytes")
     if "checkout" in out:
         ck = out["checkout"]
         what = " ".join([*([ck["path"]] if ck["path"] else ["this code"]), *(f"{k}={v}" for k, v in ck["env"].items())])

@@ -283,6 +283,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=8, help="samples per local batch (default 8; not timed)")
     p.add_argument("--timeout", type=float, default=120.0, help="bound on each wait, in seconds")
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
+    p.add_argument("--overlap", action="store_true",
+                   help="instead: global steps/s with and without delay_optimizer_step (zgossip.bench_overlap; "
+                        "2 processes unless --peers)")
+    from . import bench_overlap
+
+    bench_overlap.add_arguments(p)
 
 
 def _ms(s: dict) -> str:
@@ -290,6 +296,10 @@ def _ms(s: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "overlap", False):
+        from . import bench_overlap
+
+        return bench_overlap.run(args)
     if args.peers < 2 or args.reps < 3:
         print("zgossip bench-train: need --peers >= 2 and --reps >= 3", file=sys.stderr)
         return 2

@@ -57,6 +57,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .errors import RoundTimeout, ZGossipError
+from .overlap import OffloadedParams, PendingUpdate
 from .progress import SwarmView
 from .trainer import SchedulerLike, TrainerPeer, first_nonfinite, params_digest
 
@@ -93,6 +94,21 @@ class CollaborativeOptimizer(TrainerPeer):
     drift apart (then resynchronise), so keep it at least the swarm size. Other
     `Averager` settings go in ``averager_opts``.
 
+    Overlapped averaging (hivemind's options, same meanings): ``delay_optimizer_step`` runs the
+    optimizer step on a worker, on the optimizer's own copy of the parameters
+    (``offload_optimizer``, implied), and copies the new parameters into the model at the first
+    `step` after it finished; ``delay_grad_averaging`` (needs ``delay_optimizer_step``) runs the
+    gradient round there too, so averaging overlaps the next batches' compute. Those batches are
+    computed on parameters one global step old; at most one update is ever in flight, so the
+    staleness is at most one global step, and ``last_round["staleness"]`` reports it (batches,
+    seconds, and how long the step that applied it ``waited`` for it). When this peer has
+    accumulated its share of the next global batch (as many samples as it gave the update in
+    flight) before that update finished, `step` waits for it rather than compute on older
+    parameters. `apply_pending` waits for the update in flight and applies it (e.g. before a
+    checkpoint). ``delay_state_averaging``: when this peer must resynchronise (behind, out of
+    sync), it downloads the swarm's state in the background and adopts it at a later `step`
+    (batches computed meanwhile are dropped: they belong to the old model), instead of blocking.
+
     ``pre_schedule``: when the swarm is about one matchmaking window from the global batch
     (by its gossiped throughput), start matchmaking for the round already (a triggered step,
     `zgossip.StepControl`) and trigger it when the target is reached, so the all-reduce begins
@@ -123,10 +139,32 @@ class CollaborativeOptimizer(TrainerPeer):
         state_chunk_timeout: float = 5.0,
         startup_timeout: float | None = None,
         averager_opts: dict | None = None,
+        delay_optimizer_step: bool | None = None,
+        delay_grad_averaging: bool = False,
+        delay_state_averaging: bool = False,
+        offload_optimizer: bool | None = None,
         pre_schedule: bool = False,
     ) -> None:
         if target_batch_size < 1:
             raise ValueError("target_batch_size must be >= 1")
+        if delay_optimizer_step is None:
+            delay_optimizer_step = bool(delay_grad_averaging)
+        if delay_grad_averaging and not delay_optimizer_step:
+            raise ValueError("delay_grad_averaging needs delay_optimizer_step=True: the optimizer step waits for "
+                             "the averaged gradients, so it must run in the background too")
+        if offload_optimizer is None:
+            offload_optimizer = bool(delay_optimizer_step)
+        if delay_optimizer_step and not offload_optimizer:
+            raise ValueError("delay_optimizer_step needs offload_optimizer: the optimizer steps its own copy of the "
+                             "parameters while the model computes the next batches with the current ones")
+        self.delay_optimizer_step = bool(delay_optimizer_step)
+        self.delay_grad_averaging = bool(delay_grad_averaging)
+        self.delay_state_averaging = bool(delay_state_averaging)
+        # the optimizer steps copies of the parameters; the model's tensors are updated from them between batches
+        self._offload = OffloadedParams(optimizer) if offload_optimizer else None
+        self._pending: PendingUpdate | None = None
+        self._download: cf.Future | None = None  # a background state download (delay_state_averaging)
+        self._worker: Any = None
         self.target_batch_size = int(target_batch_size)
         self.batch_size = batch_size
         self.samples = 0  # accumulated toward the next epoch on this peer
@@ -151,20 +189,36 @@ class CollaborativeOptimizer(TrainerPeer):
                          listen=listen, averager_opts=opts, load_state_on_start=load_state_on_start,
                          startup_timeout=startup_timeout, load_state_timeout=load_state_timeout,
                          state_chunk_timeout=state_chunk_timeout)
+        self._started = True  # from now on, delay_state_averaging downloads in the background
 
     # ------------------------------------------------------------------ TrainerPeer hooks
     def _averaged_tensors(self) -> tuple[list[torch.Tensor], list[str]]:
         self._param_digest = params_digest(self.params, self.local_epoch)  # published from the first record on
         self._grads = [torch.zeros(p.shape, dtype=p.dtype) for p in self.params]
+        # the gradients accumulate where the round averages them, unless a delayed round may still be
+        # averaging the previous epoch's while this one's accumulate
+        self._acc = [torch.zeros_like(g) for g in self._grads] if self.delay_optimizer_step else self._grads
         return self._grads, list(self.param_names)
 
+    def _model_tensors(self) -> list[torch.Tensor]:
+        return self.model_params
+
+    @property
+    def model_params(self) -> list[torch.Tensor]:
+        """The tensors the model computes with (the optimizer's own copies when offloaded)."""
+        return self._offload.model_params if self._offload is not None else self.params
+
     def _progress_samples(self) -> float:
+        if self._pending is not None:  # still in the round of the epoch it ends
+            return float(self._pending.samples)
         return float(self.samples)
 
     def _progress_rate(self) -> float:
         return self._rate
 
     def _after_state_loaded(self) -> None:
+        if self._offload is not None:
+            self._offload.copy_to_model()
         self._drop_scheduled()  # a round pre-scheduled for the epoch we left
         self._param_digest = params_digest(self.params, self.local_epoch)
         self.samples = 0
@@ -186,6 +240,7 @@ class CollaborativeOptimizer(TrainerPeer):
         or holds parameters that differ from the reference at its epoch, load the swarm's state.
         True if it did. Useful before saving a checkpoint, or at the end of training."""
         self._raise_if_closed()
+        self.apply_pending(wait=True)
         view = self._view()
         self._check_layouts(view)
         return self._resync_if_needed(view)
@@ -202,6 +257,24 @@ class CollaborativeOptimizer(TrainerPeer):
         bs = batch_size if batch_size is not None else self.batch_size
         if bs is None or bs < 0:
             raise ValueError("give step() a batch_size (or the constructor a default batch_size)")
+        if self._download is not None:  # a background resynchronisation (delay_state_averaging)
+            if not self._download.done():
+                return loss  # this batch belongs to the model being replaced
+            self._finish_download()
+            return loss
+        accumulated = False
+        if self._pending is not None:  # a delayed update: apply it at this boundary if it is ready
+            pending = self._pending
+            pending.stale_batches += 1  # this batch, too, was computed on the parameters it replaces
+            if not pending.done():
+                self._accumulate(int(bs))  # toward the next epoch
+                accumulated = True
+                if self.samples < max(pending.samples, 1):
+                    return loss
+                # this peer's share of the next global batch is ready (as many samples as it gave the one in
+                # flight): more batches would only swell that batch on older parameters, so wait (bounded)
+                # for the update in flight; at most one global step of staleness, never two
+            self._commit_pending()
         t0 = self.clock.now()
         infos = self.averager.peer_infos()
         view = self._view(infos)
@@ -209,7 +282,8 @@ class CollaborativeOptimizer(TrainerPeer):
         if self._resync_if_needed(view):
             return loss  # this batch's gradients belonged to a model we no longer have
         t1 = self.clock.now()
-        self._accumulate(int(bs))
+        if not accumulated:
+            self._accumulate(int(bs))
         self._phases = {"read_progress": t1 - t0, "accumulate": self.clock.now() - t1}
         view = self._view(infos)
         # records lag by the gossip delay: extrapolate them with each peer's throughput, and follow
@@ -270,6 +344,24 @@ class CollaborativeOptimizer(TrainerPeer):
                      self.peer_id[:8], ctl.exception() if ctl.done() and not ctl.cancelled() else "cancelled")
         return self.averager.step(weight=n if n > 0 else _NOTHING, gather=gather, timeout=self.matchmaking_timeout)
 
+    def _start_round(self, n: float, gather: dict) -> cf.Future:
+        """`_run_round` without waiting (delay_grad_averaging): the pre-scheduled round triggered if it can
+        still run, else a plain step; its future."""
+        ctl, self._scheduled = self._scheduled, None
+        if ctl is not None:
+            try:
+                ctl.weight = n if n > 0 else _NOTHING
+                ctl.gather = gather
+                ctl.trigger()
+            except RuntimeError:  # it ended (no group in time) before we got here
+                pass
+            if ctl.triggered:
+                return ctl
+            log.info("%s: the pre-scheduled round failed before its all-reduce; averaging with a plain step",
+                     self.peer_id[:8])
+        return self.averager.step(weight=n if n > 0 else _NOTHING, gather=gather, timeout=self.matchmaking_timeout,
+                                  wait=False)
+
     def _accumulate(self, bs: int) -> None:
         now = self.clock.now()
         if self._last_step_time is not None and now > self._last_step_time:
@@ -278,7 +370,7 @@ class CollaborativeOptimizer(TrainerPeer):
         self._last_step_time = now
         if bs == 0:
             return
-        grads = [p.grad for p in self.params]
+        grads = [p.grad for p in self.model_params]
         bad = first_nonfinite(grads)
         if bad is not None:
             self.nonfinite_batches += 1
@@ -289,14 +381,14 @@ class CollaborativeOptimizer(TrainerPeer):
             return
         with torch.no_grad(), self.averager.get_tensors():
             if self._acc_stale:  # first batch of the epoch: overwrite instead of zeroing, then adding
-                for acc, g in zip(self._grads, grads):
+                for acc, g in zip(self._acc, grads):
                     if g is None:
                         acc.zero_()
                     else:
                         torch.mul(g, bs, out=acc)
                 self._acc_stale = False
             else:
-                for acc, g in zip(self._grads, grads):
+                for acc, g in zip(self._acc, grads):
                     if g is not None:
                         acc.add_(g, alpha=bs)
         self.samples += bs
@@ -341,6 +433,9 @@ class CollaborativeOptimizer(TrainerPeer):
             self._publish()
 
     def _finish_epoch(self, view: SwarmView) -> None:
+        if self.delay_optimizer_step:
+            self._launch_delayed(view)
+            return
         t0 = self.clock.now()
         epoch, n = self.local_epoch, self.samples
         with torch.no_grad(), self.averager.get_tensors():
@@ -432,6 +527,15 @@ class CollaborativeOptimizer(TrainerPeer):
         return total > 0
 
     def _apply_step(self, do_step: bool) -> None:
+        self._optimizer_step(do_step)
+        if self._offload is not None:
+            self._offload.copy_to_model()
+        self._update_sharing()
+        self._publish()
+
+    def _optimizer_step(self, do_step: bool, reset: bool = True) -> None:
+        """The optimizer and scheduler step and the epoch's end, on the parameters the optimizer owns
+        (`reset`: also start the next epoch's accumulation; a delayed update did that when it began)."""
         with self._lock, torch.no_grad():
             if do_step:
                 # the optimizer reads the averaged gradients where they are (no copy); afterwards p.grad is
@@ -446,9 +550,161 @@ class CollaborativeOptimizer(TrainerPeer):
             if self.scheduler is not None:
                 self.scheduler.step()
             self.local_epoch += 1
-            self.samples = 0
-            self._epoch_nonfinite = 0
-            self._acc_stale = True  # overwritten by the next epoch's first batch
+            if reset:
+                self.samples = 0
+                self._epoch_nonfinite = 0
+                self._acc_stale = True  # overwritten by the next epoch's first batch
             self._param_digest = params_digest(self.params, self.local_epoch)
+
+    # ------------------------------------------------------------------ overlapped averaging
+    def _launch_delayed(self, view: SwarmView) -> None:
+        """End the epoch in the background: hand this epoch's mean gradient to the round (with
+        delay_grad_averaging: a round of its own, else a round now) and the optimizer step to the worker;
+        the next batches accumulate toward the next epoch meanwhile, and `_commit_pending` applies it."""
+        t0 = self.clock.now()
+        epoch, n = self.local_epoch, self.samples
+        with torch.no_grad(), self.averager.get_tensors():
+            for g, acc in zip(self._grads, self._acc):
+                if self._acc_stale:
+                    g.zero_()
+                elif n > 0:
+                    torch.div(acc, n, out=g)
+                else:
+                    g.copy_(acc)
+        bad_batches = self._epoch_nonfinite
+        self.samples, self._epoch_nonfinite, self._acc_stale = 0, 0, True  # the next epoch accumulates in _acc
+        expected = view.num_peers
+        gather = {"ep": epoch, "n": n, "bad": bad_batches}
+        rnd: dict[str, Any] = {"epoch": epoch, "local_samples": n, "expected_peers": expected, "group_size": 1,
+                               "samples": n, "excluded": {}, "ok": False, "error": None, "delayed": True}
+        pending = PendingUpdate(epoch, n, t0)
+        self._pending = pending
+        round_future: cf.Future | None = None
+        result, error = None, None
+        if expected > 1:
+            self._averaging = True
+            self._publish()
+            try:
+                if self.delay_grad_averaging:
+                    round_future = self._start_round(n, gather)
+                else:
+                    result = self._run_round(n, gather)
+            except ZGossipError as e:
+                error = e
+            if not self.delay_grad_averaging:
+                self._averaging = False
+        if self._worker is None:
+            self._worker = self.clock.executor("zgossip-delayed-step")
+        pending.future = self._worker.submit(self._delayed_update, pending, rnd, round_future, result, error)
+
+    def _delayed_update(self, pending: PendingUpdate, rnd: dict, round_future: cf.Future | None, result: Any,
+                        error: BaseException | None) -> dict:
+        """On the worker: wait for the round (bounded), check it, step the optimizer's own parameters."""
+        t1 = self.clock.now()
+        if round_future is not None:
+            bound = self.matchmaking_timeout + self.averager.config.allreduce_timeout + 5.0
+            try:
+                result = self.clock.result(round_future, bound)
+            except ZGossipError as e:
+                error = e
+            except cf.TimeoutError:
+                round_future.cancel()
+                error = RoundTimeout(f"the delayed round did not finish within {bound:.0f}s")
+        rnd["seconds"] = self.clock.now() - t1
+        rnd["ok"] = result is not None
+        rnd["error"] = None if error is None else f"{type(error).__name__}: {error}"
+        do_step = pending.samples > 0
+        if result is not None:
+            do_step = self._check_round(result, rnd)
+        elif rnd["expected_peers"] > 1:
+            log.warning("%s: averaging for epoch %d failed (%s); proceeding with local gradients (%d samples) "
+                        "and resynchronising afterwards", self.peer_id[:8], pending.epoch, rnd["error"],
+                        pending.samples)
+            self.in_sync = False
+        t2 = self.clock.now()
+        self._optimizer_step(do_step, reset=False)
+        rnd["stepped"] = do_step
+        rnd["phases"] = {"average": t2 - t1, "optimizer_step": self.clock.now() - t2}
+        return rnd
+
+    def _commit_pending(self, timeout: float | None = None) -> None:
+        """Apply the finished delayed update: the model's tensors take the optimizer's, and the swarm hears
+        of the new epoch. Re-raises what the optimizer step raised."""
+        pending = self._pending
+        assert pending is not None
+        if timeout is None:
+            timeout = self.matchmaking_timeout + self.averager.config.allreduce_timeout + 30.0
+        t0 = self.clock.now()
+        try:
+            rnd = self.clock.result(pending.future, timeout) if pending.future is not None else {}
+        except cf.TimeoutError:
+            raise RoundTimeout(f"the delayed update of epoch {pending.epoch} did not finish within {timeout:.0f}s")
+        finally:
+            if pending.future is None or pending.future.done():
+                self._pending = None
+                self._averaging = False
+        waited = self.clock.now() - t0
+        with self._lock:
+            if self._offload is not None:
+                self._offload.copy_to_model()
+        # waited: how long training stood still at this boundary for the update (0 when it overlapped fully)
+        rnd["staleness"] = {"global_steps": 1 if pending.stale_batches else 0, "batches": pending.stale_batches,
+                            "seconds": self.clock.now() - pending.started, "waited": waited}
+        self.last_round = rnd
         self._update_sharing()
         self._publish()
+        log.debug("%s: epoch %d -> %d (delayed): %s", self.peer_id[:8], pending.epoch, self.local_epoch, rnd)
+
+    def apply_pending(self, wait: bool = True, timeout: float | None = None) -> bool:
+        """Apply the update in flight (delay_optimizer_step) now, waiting for it with `wait`; True if one was
+        applied. After it the model holds the newest parameters (e.g. before saving a checkpoint)."""
+        if self._pending is None or (not wait and not self._pending.done()):
+            return False
+        self._commit_pending(timeout)
+        return True
+
+    @property
+    def pending_update(self) -> PendingUpdate | None:
+        """The delayed update in flight, if any (its epoch, and the batches computed meanwhile)."""
+        return self._pending
+
+    # ------------------------------------------------------------------ background resynchronisation
+    def _try_load_state(self, view: SwarmView, why: str) -> bool:
+        if not (self.delay_state_averaging and getattr(self, "_started", False)):
+            return super()._try_load_state(view, why)
+        if self.clock.now() < self._next_sync_try:
+            return False
+        self.apply_pending(wait=True)
+        log.info("%s: downloading the swarm's state in the background (%s)", self.peer_id[:8], why)
+        self._download = self.averager.load_state_from_peers(timeout=self.load_state_timeout,
+                                                             chunk_timeout=self.state_chunk_timeout,
+                                                             apply=False, wait=False)
+        return True
+
+    def _finish_download(self) -> None:
+        fut, self._download = self._download, None
+        assert fut is not None
+        try:
+            meta, arrays = self.clock.result(fut, 0)
+            before = self.local_epoch
+            self._apply_state(meta, arrays)
+            log.info("%s: adopted the state downloaded in the background: epoch %d -> %d", self.peer_id[:8],
+                     before, self.local_epoch)
+        except ZGossipError as e:
+            self._next_sync_try = self.clock.now() + max(1.0, 5 * self._gossip_interval)
+            log.warning("%s: background state download failed: %s; training on and retrying later",
+                        self.peer_id[:8], e)
+
+    def load_state_from_peers(self, timeout: float | None = None) -> None:
+        self.apply_pending(wait=True)  # the update in flight would otherwise land on top of the loaded state
+        super().load_state_from_peers(timeout)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._offload is not None:
+            self._offload.zero_model_grads(set_to_none)
+        super().zero_grad(set_to_none)
+
+    def shutdown(self) -> None:
+        super().shutdown()  # a round in flight fails at once (AveragerClosed), so the worker ends soon
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)

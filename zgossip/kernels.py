@@ -17,8 +17,8 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["NATIVE", "ISA", "STREAM_STORES", "LLC_BYTES", "BLOCK", "ACC_BLOCK", "SUB_BLOCK", "OVERFLOW", "all_finite", "accumulate", "finish_mean",
-           "copy_finite"]
+__all__ = ["NATIVE", "ISA", "STREAM_STORES", "LLC_BYTES", "BLOCK", "ACC_BLOCK", "SUB_BLOCK", "OVERFLOW", "all_finite",
+           "accumulate", "finish_mean", "copy_finite", "codec_encode", "codec_decode"]
 
 try:  # pragma: no cover - depends on the build
     from . import _kernels as _native
@@ -186,3 +186,22 @@ def copy_finite(dst: np.ndarray, src: np.ndarray) -> int:
     good = bad - bad % BLOCK
     dst[:good] = src[:good]
     return good
+
+
+_F32 = np.dtype(np.float32)
+
+
+def codec_encode(codec: int, x: np.ndarray, out: np.ndarray) -> bool:
+    """Encode float32 `x` into the bytes `out` with wire codec `codec` (fp16, bf16, int8) in C; False
+    when the C path cannot (no extension, another dtype, a CPU without F16C for fp16): then
+    `zgossip.codecs` does it in numpy, with the same bytes."""
+    if _native is None or x.dtype != _F32 or not x.flags.c_contiguous or not hasattr(_native, "codec_encode"):
+        return False
+    return bool(_native.codec_encode(codec, x, out))
+
+
+def codec_decode(codec: int, data: np.ndarray, out: np.ndarray) -> bool:
+    """Decode `data` into float32 `out` in C (see `codec_encode`)."""
+    if _native is None or out.dtype != _F32 or not out.flags.c_contiguous or not hasattr(_native, "codec_decode"):
+        return False
+    return bool(_native.codec_decode(codec, data, out))

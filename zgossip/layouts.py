@@ -4,7 +4,8 @@ Peers only average with peers whose tensors have the same count, shapes and dtyp
 (matchmaking groups equal layout fingerprints). When a rendezvous peer sees joiners of one
 key with different layouts, it tells every peer involved *what* differs, so each JOIN carries
 a compact description of its layout: ``"2|f4[64,3]*3;f8[]"`` -- the tensor count, then each
-tensor as dtype code and shape, with ``*N`` for N equal tensors in a row. Descriptions longer
+tensor as dtype code and shape (and ``@codec`` when it travels compressed otherwise than its dtype's
+default, `zgossip.codecs`), with ``*N`` for N equal tensors in a row. Descriptions longer
 than `MAX_CHARS` are cut at a tensor boundary (``;...``): a difference past the cut is then
 reported as such. Pure functions of strings; nothing here trusts the text it parses (it
 comes from peers): a malformed description yields None, never an exception.
@@ -28,10 +29,13 @@ def _code(dtype: str) -> str:
     return _CODES.get(d, d)[:8]
 
 
-def describe(shapes: Sequence[Sequence[int]], dtypes: Sequence[str], max_chars: int = MAX_CHARS) -> str:
+def describe(shapes: Sequence[Sequence[int]], dtypes: Sequence[str], max_chars: int = MAX_CHARS,
+             codecs: Sequence[str] | None = None) -> str:
+    """`codecs`: per tensor, the name of its wire codec, or "" for its dtype's default."""
     items: list[str] = []
-    for shape, dtype in zip(shapes, dtypes):
-        items.append(f"{_code(dtype)}[{','.join(str(int(x)) for x in shape)}]")
+    for k, (shape, dtype) in enumerate(zip(shapes, dtypes)):
+        codec = f"@{codecs[k]}" if codecs and codecs[k] else ""
+        items.append(f"{_code(dtype)}[{','.join(str(int(x)) for x in shape)}]{codec}")
     runs: list[str] = []
     i = 0
     while i < len(items):
@@ -52,8 +56,8 @@ def describe(shapes: Sequence[Sequence[int]], dtypes: Sequence[str], max_chars: 
     return kept + "..."
 
 
-def parse(text: str) -> tuple[int, list[tuple[str, tuple[int, ...]]], bool] | None:
-    """(tensor count, [(dtype code, shape)] as far as described, whether the list was cut), or None."""
+def parse(text: str) -> tuple[int, list[tuple[str, tuple[int, ...], str]], bool] | None:
+    """(tensor count, [(dtype code, shape, codec or "")] as far as described, whether the list was cut), or None."""
     try:
         count_s, _, body = text.partition("|")
         count = int(count_s)
@@ -62,16 +66,17 @@ def parse(text: str) -> tuple[int, list[tuple[str, tuple[int, ...]]], bool] | No
         cut = body.endswith("...")
         if cut:
             body = body[:-3]
-        out: list[tuple[str, tuple[int, ...]]] = []
+        out: list[tuple[str, tuple[int, ...], str]] = []
         for run in filter(None, body.split(";")):
             item, star, n_s = run.partition("*")
             n = int(n_s) if star else 1
+            item, _, codec = item.partition("@")
             code, _, rest = item.partition("[")
             if not rest.endswith("]") or n < 1 or len(out) + n > count:
                 return None
             dims = rest[:-1]
             shape = tuple(int(x) for x in dims.split(",")) if dims else ()
-            out.extend([(code, shape)] * n)
+            out.extend([(code, shape, codec[:16])] * n)
         if not cut and len(out) != count:
             return None
         return count, out, cut
@@ -79,8 +84,9 @@ def parse(text: str) -> tuple[int, list[tuple[str, tuple[int, ...]]], bool] | No
         return None
 
 
-def _fmt(code: str, shape: tuple[int, ...]) -> str:
-    return f"{_NAMES.get(code, code)} {shape}" if len(shape) != 1 else f"{_NAMES.get(code, code)} ({shape[0]},)"
+def _fmt(code: str, shape: tuple[int, ...], codec: str = "", with_codec: bool = False) -> str:
+    text = f"{_NAMES.get(code, code)} {shape}" if len(shape) != 1 else f"{_NAMES.get(code, code)} ({shape[0]},)"
+    return text + (f" as {codec or 'default'}" if with_codec else "")
 
 
 def difference(mine: str, theirs: str, me: str = "yours", them: str = "theirs") -> str | None:
@@ -107,13 +113,17 @@ def difference(mine: str, theirs: str, me: str = "yours", them: str = "theirs") 
             what.append("shape")
         if la[i][0] != lb[i][0]:
             what.append("dtype")
+        if la[i][2] != lb[i][2]:
+            what.append("compression")
         more = f" ({len(diffs) - 1} more tensor{'s' * (len(diffs) != 2)} differ)" if len(diffs) > 1 else ""
-        parts.append(f"tensor {i} {' and '.join(what)}: {me} {_fmt(*la[i])}, {them} {_fmt(*lb[i])}{more}")
+        wc = la[i][2] != lb[i][2]
+        parts.append(f"tensor {i} {' and '.join(what)}: {me} {_fmt(*la[i], with_codec=wc)}, "
+                     f"{them} {_fmt(*lb[i], with_codec=wc)}{more}")
     if not parts and (cut_a or cut_b):
         parts.append(f"a tensor after the first {common} differs (the descriptions stop there)")
     if not cut_a and not cut_b:
-        ea = sum(math.prod(s) for _, s in la)
-        eb = sum(math.prod(s) for _, s in lb)
+        ea = sum(math.prod(s) for _, s, _ in la)
+        eb = sum(math.prod(s) for _, s, _ in lb)
         if ea != eb:
             parts.append(f"{me} {ea:,} elements, {them} {eb:,}")
     return "; ".join(parts) or "the layouts differ"

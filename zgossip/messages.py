@@ -128,6 +128,7 @@ _KEY = _str(512)
 _IDX = _int(0, 1 << 16)
 _BIG = _int(0, 1 << 62)
 _FLAG = _int(0, 1)
+_CODEC = _int(0, 255)  # a codec id (zgossip.codecs); whether it is known is the round's check
 _WEIGHT = _float(0.0, 1e30)
 _REASON = _str(4000)
 
@@ -441,15 +442,20 @@ class Part(_WithData):
     part: int
     weight: float
     rescue: bool
-    data: np.ndarray = field(repr=False)
+    codec: int = 0  # how `data` is encoded (zgossip.codecs: 0 raw values, else uint8 bytes of that codec)
+    data: np.ndarray = field(repr=False, default=None)
     type: ClassVar[MsgType] = MsgType.PART
     FIELDS = _fields(("group_id", "gid", _ID, _PLAIN), ("owner", "owner", _IDX, _PLAIN),
                      ("part", "part", _BIG, _PLAIN), ("weight", "w", _WEIGHT, _PLAIN),
-                     ("rescue", "resc", _FLAG, _BOOL))
+                     ("rescue", "resc", _FLAG, _BOOL), ("codec", "codec", _CODEC, _PLAIN))
+    # added after the first release: a raw part leaves it out (so its header is as it always was)
+    OPTIONAL = {"codec": 0}
 
     def body(self) -> dict[str, Any]:  # the hot path: spelled out
-        return {"gid": self.group_id, "owner": self.owner, "part": self.part, "w": self.weight,
-                "resc": int(self.rescue)}
+        b = {"gid": self.group_id, "owner": self.owner, "part": self.part, "w": self.weight, "resc": int(self.rescue)}
+        if self.codec:
+            b["codec"] = self.codec
+        return b
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -461,15 +467,20 @@ class Result(_WithData):
     part: int
     contributors: tuple[int, ...]
     rescue: bool
-    data: np.ndarray = field(repr=False)
+    codec: int = 0  # as in PART
+    data: np.ndarray = field(repr=False, default=None)
     type: ClassVar[MsgType] = MsgType.RESULT
     FIELDS = _fields(("group_id", "gid", _ID, _PLAIN), ("owner", "owner", _IDX, _PLAIN),
                      ("part", "part", _BIG, _PLAIN), ("contributors", "contrib", _list(_IDX, 4096), _SEQ),
-                     ("rescue", "resc", _FLAG, _BOOL))
+                     ("rescue", "resc", _FLAG, _BOOL), ("codec", "codec", _CODEC, _PLAIN))
+    OPTIONAL = {"codec": 0}
 
     def body(self) -> dict[str, Any]:
-        return {"gid": self.group_id, "owner": self.owner, "part": self.part, "contrib": list(self.contributors),
-                "resc": int(self.rescue)}
+        b = {"gid": self.group_id, "owner": self.owner, "part": self.part, "contrib": list(self.contributors),
+             "resc": int(self.rescue)}
+        if self.codec:
+            b["codec"] = self.codec
+        return b
 
 
 @dataclass(frozen=True, slots=True)
@@ -523,11 +534,20 @@ class StateMeta(Message):
     meta: Any
     specs: tuple  # (dtype code, shape) per tensor
     chunk_bytes: int
-    digest: str
+    digest: str  # of the bytes as they travel (encoded, for a compressed tensor)
+    codecs: tuple = ()  # wire codec per tensor (zgossip.codecs); () = every tensor raw
     type: ClassVar[MsgType] = MsgType.STATE_META
     FIELDS = _fields(("req", "req", _ID, _PLAIN), ("ok", "ok", _FLAG, _BOOL), ("reason", "reason", _REASON, _PLAIN),
                      ("meta", "meta", _any, _PLAIN), ("specs", "specs", _list(_SPEC, 1 << 16), _SPECS),
-                     ("chunk_bytes", "chunk_bytes", _int(1, 1 << 40), _PLAIN), ("digest", "digest", _str(64), _PLAIN))
+                     ("chunk_bytes", "chunk_bytes", _int(1, 1 << 40), _PLAIN), ("digest", "digest", _str(64), _PLAIN),
+                     ("codecs", "codecs", _list(_CODEC, 1 << 16), _SEQ))
+    OPTIONAL = {"codecs": ()}
+
+    def body(self) -> dict[str, Any]:
+        b = Message.body(self)
+        if not self.codecs:
+            del b["codecs"]  # an uncompressed state's header is as it always was
+        return b
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -19,6 +19,7 @@ import numpy as np
 
 from .actions import Disconnect, DownloadDone, DownloadFailed, Send, ServeState, StepDone, StepFailed, StepProgress
 from .allreduce import AllReduceRound, RoundOutcome, SpanOutcome
+from .codecs import CodecMap
 from .endpoints import listens
 from .errors import IllegalTransition, PeerLost, ProtocolError, RoundTimeout, StepInProgress
 from .grid import MoshpitGrid
@@ -102,6 +103,7 @@ class StepRequest:
     layout: str  # fingerprint of numel/dtype/shapes: only equal layouts are grouped
     round: int | None = None  # the swarm-wide round number (picks the grid axis); None = follow the swarm
     layout_desc: str = ""  # count, shapes and dtypes as text (zgossip.layouts): to say what differs
+    codec: CodecMap | None = None  # wire compression of the buffer's ranges (in the layout, so agreed by the group)
     held: bool = False  # the all-reduce waits for trigger_step (see above)
     begin_at: float | None = None  # held: start matchmaking no earlier than this (None: at once)
     due_at: float | None = None  # held: report the step due (StepProgress(due=True)) at this time
@@ -449,11 +451,11 @@ class Node:
         return out
 
     def serve_state(self, req: str, endpoint: str, meta: Any, arrays: list | None, now: float,
-                    error: str = "") -> None:
+                    error: str = "", compression: Any = None) -> None:
         if arrays is None:
             self.donor.refuse(req, endpoint, error or "state unavailable")
         else:
-            self.donor.serve(req, endpoint, meta, arrays)
+            self.donor.serve(req, endpoint, meta, arrays, compression=compression)
         self._drain_loopback(now)
 
     def begin_download(self, req: str, now: float, timeout: float, chunk_timeout: float) -> None:
@@ -634,7 +636,7 @@ class Node:
         st.round = AllReduceRound(
             spec, st.buffer, st.weight, st.gather, self._send, now,
             part_elems=max(1, cfg.part_size_bytes // itemsize), part_timeout=cfg.part_timeout,
-            deadline=self.step_deadline(st, now), on_done=self._on_round_done,
+            deadline=self.step_deadline(st, now), on_done=self._on_round_done, codec=st.req.codec,
             linkstats=self.linkstats, part_timeout_floor=cfg.part_timeout_floor, deadline_slack=cfg.deadline_slack,
             rtt=self.membership.rtt if isinstance(self.membership, Membership) else None,
             rate_of=self._gossiped_rate,

@@ -78,6 +78,13 @@ class DecentralizedOptimizer(TrainerPeer):
     moves part way to the mean (1 = all the way). ``steps_per_epoch`` (swarm-wide) and
     ``max_epoch_lag`` define when a peer is too far behind and downloads state. The
     remaining arguments are those of `CollaborativeOptimizer` / `Averager`.
+
+    Rounds run in the background and their result is applied at a later `step` (hivemind's
+    ``delay_state_averaging``, on by default); ``last_round["staleness"]`` says how many local
+    steps were taken between the snapshot and the application. ``max_staleness`` bounds that:
+    a `step` waits for a round that started ``max_staleness`` steps ago (None: never waits).
+    ``delay_state_averaging=False`` averages synchronously: the step that starts a round waits
+    for it and applies it (staleness 0).
     """
 
     kind = "decentralized"
@@ -107,7 +114,13 @@ class DecentralizedOptimizer(TrainerPeer):
         state_chunk_timeout: float = 5.0,
         startup_timeout: float | None = None,
         averager_opts: dict | None = None,
+        delay_state_averaging: bool = True,
+        max_staleness: int | None = None,
     ) -> None:
+        if max_staleness is not None and max_staleness < 0:
+            raise ValueError("max_staleness must be >= 0 (or None)")
+        self.delay_state_averaging = bool(delay_state_averaging)
+        self.max_staleness = max_staleness
         if not average_parameters and not average_opt_statistics:
             raise ValueError("nothing to average: set average_parameters or name some average_opt_statistics")
         if average_every is None and not average_period:
@@ -181,6 +194,9 @@ class DecentralizedOptimizer(TrainerPeer):
         """One local optimizer step; applies a finished averaging round first, starts one if due."""
         self._raise_if_closed()
         self._collect()
+        if self._round is not None and self.max_staleness is not None \
+                and self.local_step - self._round[2] >= self.max_staleness:
+            self._collect(wait=True)  # the bound: no further step on parameters this old
         with self._lock:
             loss = self.opt.step(closure)
         self.local_step += 1
@@ -188,6 +204,8 @@ class DecentralizedOptimizer(TrainerPeer):
         self._track_epoch()
         if self._due():
             self._start_round()
+            if not self.delay_state_averaging:
+                self._collect(wait=True)
         return loss
 
     def average(self, wait: bool = True, timeout: float | None = None, round: int | None = None) -> Any:
@@ -242,7 +260,7 @@ class DecentralizedOptimizer(TrainerPeer):
     def _collect(self, wait: bool = False, timeout: float | None = None) -> Any:
         if self._round is None:
             return None
-        fut, generation, _ = self._round
+        fut, generation, started = self._round
         if not wait and not fut.done():
             return None
         if timeout is None:  # the averager bounds matchmaking and the all-reduce; this only guards against a bug
@@ -272,7 +290,8 @@ class DecentralizedOptimizer(TrainerPeer):
                     t.add_(buf - snap, alpha=self.averaging_alpha)
         self.rounds["done"] += 1
         self.last_round = {"ok": True, "group_size": len(result.members), "complete": result.complete,
-                           "seconds": result.timings.get("total")}
+                           "seconds": result.timings.get("total"),
+                           "staleness": self.local_step - started}  # local steps since the snapshot
         return result
 
     # ------------------------------------------------------------------ epochs

@@ -6,7 +6,10 @@ newcomers spread out instead of all hitting one peer. The donor answers with
 STATE_META (dtype and shape of every tensor, chunk size, a blake2b checksum) and
 streams STATE_CHUNKs of raw bytes. Every chunk must be the next one expected, with
 the right tensor, offset and length, and arrive within ``chunk_timeout`` of the
-previous; the checksum is verified before anything is handed over. Any failure (a
+previous; the checksum is verified before anything is handed over. A donor may send its float
+tensors compressed (``state_compression=``, `zgossip.codecs`): STATE_META then names each tensor's
+codec, chunks carry the encoded bytes (their checksum is of those bytes), and the downloader decodes
+once everything arrived and checked out. Any failure (a
 refusal, silence, a bad chunk, a dropped connection, a checksum mismatch) moves on
 to the next donor, and bytes are only ever written into buffers this module owns:
 a partial download never reaches the user's tensors.
@@ -21,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from . import codecs as _codecs
 from .errors import IllegalTransition, StateUnavailable
 from .messages import CODE_OF, DTYPES, Message, StateChunk, StateMeta, StateReq
 from .view import MembershipView
@@ -48,14 +52,15 @@ class StateDonor:
         self.served = 0
 
     def _meta(self, req: str, ok: bool, reason: str = "", meta: Any = None, specs: tuple = (),
-              digest: str = "") -> StateMeta:
+              digest: str = "", codecs: tuple = ()) -> StateMeta:
         return StateMeta(self.peer_id, self.endpoint, req=req, ok=ok, reason=reason, meta=meta, specs=specs,
-                         chunk_bytes=self.chunk_bytes, digest=digest)
+                         chunk_bytes=self.chunk_bytes, digest=digest, codecs=codecs)
 
     def refuse(self, req: str, endpoint: str, reason: str) -> None:
         self._send(endpoint, self._meta(req, False, reason))
 
-    def serve(self, req: str, endpoint: str, meta: Any, arrays: Sequence[np.ndarray]) -> None:
+    def serve(self, req: str, endpoint: str, meta: Any, arrays: Sequence[np.ndarray], compression: Any = None) -> None:
+        """Stream `arrays`; `compression` (as `zgossip.codecs.resolve` takes it) applies to float tensors only."""
         specs = []
         for a in arrays:
             if a.dtype not in CODE_OF:
@@ -63,7 +68,24 @@ class StateDonor:
                 return
             specs.append((CODE_OF[a.dtype], tuple(a.shape)))
         arrays = [np.ascontiguousarray(a) for a in arrays]
-        self._send(endpoint, self._meta(req, True, meta=meta, specs=tuple(specs), digest=state_digest(arrays)))
+        codecs: tuple = ()
+        if compression is not None:
+            chosen = _codecs.resolve(compression, [a.shape for a in arrays], [a.dtype for a in arrays])
+            codecs = tuple(c if a.dtype.kind == "f" else _codecs.NONE for c, a in zip(chosen, arrays))
+            if not any(codecs):
+                codecs = ()
+        if codecs:
+            wire = []
+            for a, c in zip(arrays, codecs):
+                if c == _codecs.NONE:
+                    wire.append(a)
+                else:
+                    enc = np.empty(_codecs.encoded_nbytes(c, a.size, a.itemsize), np.uint8)
+                    _codecs.encode(c, a.reshape(-1), enc)
+                    wire.append(enc)
+            arrays = wire
+        self._send(endpoint, self._meta(req, True, meta=meta, specs=tuple(specs), digest=state_digest(arrays),
+                                        codecs=codecs))
         idx = 0
         for t, a in enumerate(arrays):
             raw = a.reshape(-1).view(np.uint8)
@@ -111,6 +133,7 @@ class StateDownload:
     _next: int = 0
     _digest: str = ""
     _specs: list = field(default_factory=list)
+    _codecs: tuple = ()
 
     def _move(self, phase: DownloadPhase) -> None:
         if phase not in _MOVES[self.phase]:
@@ -158,17 +181,28 @@ class StateDownload:
         if not msg.ok:
             return self._give_up_on_donor(now, f"refused: {msg.reason}")
         specs, chunk = msg.specs, msg.chunk_bytes
-        bufs, plan, total = [], [], 0
+        codecs = tuple(msg.codecs) or (_codecs.NONE,) * len(specs)
+        if len(codecs) != len(specs):
+            return self._give_up_on_donor(now, "codecs do not match the tensors announced")
+        bufs, plan, total, total_raw = [], [], 0, 0
         for t, (code, shape) in enumerate(specs):
             if code not in DTYPES:
                 return self._give_up_on_donor(now, f"tensor {t} has disallowed dtype {code!r}")
-            nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[code].itemsize
+            c = codecs[t]
+            if c not in _codecs.CODEC_IDS or (c != _codecs.NONE and DTYPES[code].kind != "f"):
+                return self._give_up_on_donor(now, f"tensor {t}: codec {c} cannot carry dtype {code!r}")
+            numel = int(np.prod(shape, dtype=np.int64))
+            total_raw += numel * DTYPES[code].itemsize  # what the decoded state will take in memory
+            if total_raw > self.max_bytes:
+                return self._give_up_on_donor(now, f"state larger than the {self.max_bytes}-byte limit")
+            nbytes = _codecs.encoded_nbytes(c, numel, DTYPES[code].itemsize)
             total += nbytes
             if total > self.max_bytes:
                 return self._give_up_on_donor(now, f"state larger than the {self.max_bytes}-byte limit")
             bufs.append(np.empty(nbytes, dtype=np.uint8))
             plan += [(t, off, min(chunk, nbytes - off)) for off in range(0, nbytes, chunk)]
         self._meta, self._specs, self._bufs, self._plan, self._next = msg.meta, specs, bufs, plan, 0
+        self._codecs = codecs
         self._digest = msg.digest
         self._move(DownloadPhase.STREAMING)
         self.wait_until = now + self.chunk_timeout
@@ -191,9 +225,16 @@ class StateDownload:
     def _maybe_complete(self, now: float) -> None:
         if self._next < len(self._plan):
             return
-        arrays = [b.view(DTYPES[code]).reshape(shape) for b, (code, shape) in zip(self._bufs, self._specs)]
-        if state_digest(arrays) != self._digest:
+        if state_digest(self._bufs) != self._digest:  # of the bytes as they came (the same for raw tensors)
             return self._give_up_on_donor(now, "checksum mismatch")
+        arrays = []
+        for b, (code, shape), c in zip(self._bufs, self._specs, self._codecs):
+            if c == _codecs.NONE:
+                arrays.append(b.view(DTYPES[code]).reshape(shape))
+            else:
+                out = np.empty(int(np.prod(shape, dtype=np.int64)), DTYPES[code])
+                _codecs.decode(c, b, out)
+                arrays.append(out.reshape(shape))
         self._finish(self._meta, arrays, None)
 
     def peer_down(self, endpoint: str, now: float) -> None:

@@ -2,8 +2,9 @@
 
 A `FlatLayout` records shapes and offsets of a list of numpy arrays / CPU torch
 tensors, copies them into one flat buffer (the snapshot a step averages) and writes
-averaged ranges back. The wire dtype is float64 when every tensor is float64, else
-float32. Only the element ranges a step reports as averaged are written, so
+averaged ranges back. The buffer's dtype is float64 when every tensor is float64, else
+float32; each tensor's range travels as its codec says (`zgossip.codecs`: an fp16 tensor as
+fp16 unless told otherwise). Only the element ranges a step reports as averaged are written, so
 elements whose span was lost stay exactly as they were.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from . import codecs as _codecs
 from . import layouts
 
 __all__ = ["FlatLayout", "as_array"]
@@ -52,9 +54,11 @@ class FlatLayout:
     dtypes: tuple[str, ...]
     offsets: tuple[int, ...]  # len(shapes)+1 boundaries in the flat buffer
     dtype: np.dtype
+    codecs: tuple[int, ...] = ()  # wire codec id per tensor (`zgossip.codecs`); () = each dtype's default
 
     @classmethod
-    def of(cls, tensors: Sequence[Any]) -> "FlatLayout":
+    def of(cls, tensors: Sequence[Any], compression: Any = None) -> "FlatLayout":
+        """`compression`: as `zgossip.codecs.resolve` takes it (None: fp16 tensors as fp16, the rest raw)."""
         arrays = [as_array(t) for t in tensors]
         if not arrays:
             raise ValueError("need at least one tensor to average")
@@ -67,7 +71,19 @@ class FlatLayout:
             tuple(a.dtype.str for a in arrays),
             tuple(offsets),
             np.dtype("<f8" if all64 else "<f4"),
+            _codecs.resolve(compression, [a.shape for a in arrays], [a.dtype for a in arrays]),
         )
+
+    @functools.cached_property
+    def _codec_names(self) -> tuple[str, ...]:
+        """Per tensor, its codec's name where it is not its dtype's default, else ""."""
+        defaults = _codecs.resolve(None, self.shapes, self.dtypes)
+        return tuple("" if c == d else _codecs.CODEC_IDS[c] for c, d in zip(self.codecs or defaults, defaults))
+
+    def codec_map(self, residual: np.ndarray | None = None) -> "_codecs.CodecMap":
+        """How the flat buffer travels; `residual`: error feedback's carry (see `CodecMap`)."""
+        codecs = self.codecs or _codecs.resolve(None, self.shapes, self.dtypes)
+        return _codecs.CodecMap(self.offsets, codecs, self.dtype.itemsize, residual)
 
     @property
     def numel(self) -> int:
@@ -77,13 +93,15 @@ class FlatLayout:
     def fingerprint(self) -> str:
         """Equal only for layouts that can be averaged together (shapes, dtypes)."""
         text = repr((self.shapes, self.dtypes, self.dtype.str))
+        if any(self._codec_names):  # peers that compress a tensor differently cannot average it together
+            text += repr(self._codec_names)
         return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
 
     @functools.cached_property
     def description(self) -> str:
         """Count, shapes and dtypes as short text (`zgossip.layouts`): what a rendezvous peer
         compares to tell peers with different layouts what differs."""
-        return layouts.describe(self.shapes, self.dtypes)
+        return layouts.describe(self.shapes, self.dtypes, codecs=self._codec_names)
 
     def describe(self) -> str:
         return f"{len(self.shapes)} tensors, {self.numel} elements as {self.dtype}"

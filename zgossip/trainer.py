@@ -122,7 +122,7 @@ class TrainerPeer:
         for p in self.params:
             if p.device.type != "cpu":
                 raise TypeError("zgossip trains CPU parameters only (a parameter is on %s)" % p.device)
-        self.param_names = named_tensors(self.params, model)
+        self.param_names = named_tensors(self._model_tensors(), model)
         self.param_layout = ModelLayout.of(self.params, self.param_names)
         if scheduler is not None and not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
             scheduler = scheduler(optimizer)  # a factory, e.g. functools.partial(StepLR, step_size=10)
@@ -169,6 +169,10 @@ class TrainerPeer:
             raise
 
     # ------------------------------------------------------------------ for subclasses
+    def _model_tensors(self) -> list[torch.Tensor]:
+        """The model's own tensors, in the order of `params` (they differ when the optimizer steps copies)."""
+        return self.params
+
     def _averaged_tensors(self) -> tuple[list[torch.Tensor], list[str]]:
         raise NotImplementedError
 

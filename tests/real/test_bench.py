@@ -144,3 +144,16 @@ def test_bench_vs_checkout_refuses_this_very_code(capsys: pytest.CaptureFixture)
     with pytest.raises(RuntimeError, match="imported this zgossip"):
         bench.main(["--peers", "2", "--numel", "1024", "--reps", "5", "--timeout", "60",
                     "--vs-checkout", os.path.dirname(os.path.dirname(zgossip.__file__))])
+
+
+def test_bench_compression_pairs_with_an_uncompressed_swarm(capsys: pytest.CaptureFixture) -> None:
+    # (with --vs gloo the ratio to gloo is computed as in test_bench_vs_gloo; gloo's start-up is left out here)
+    report = run_json(capsys, "--peers", "2", "--numel", "4096", "--reps", "5", "--compression", "int8")
+    assert report["compression"] == "int8"
+    zg, un = report["zgossip"], report["uncompressed"]
+    check_stats(zg["step"], 5)
+    check_stats(un["step"], 5)
+    assert zg["correct"] is True and un["correct"] is True
+    assert 0 < zg["max_abs_error"] < 0.05  # it did travel as int8, within the codec's bound
+    assert report["paired_ratio_vs_uncompressed"] > 0 and report["paired_cpu_ratio_vs_uncompressed"] > 0
+    assert report["codec_cost"]["bytes_ratio"] == pytest.approx((4096 // 2 + 4 * 2) / (4 * 4096 // 2))

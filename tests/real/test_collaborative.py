@@ -128,12 +128,12 @@ def _donor(index: int, conn: Any, seed: int, epoch: int, die_mid_stream: bool, i
 
         serve = state.StateDonor.serve
 
-        def half_then_die(self: Any, req: str, endpoint: str, meta: Any, arrays: Any) -> None:
+        def half_then_die(self: Any, req: str, endpoint: str, meta: Any, arrays: Any, *more: Any, **kw: Any) -> None:
             sent: list = []
             real_send = self._send
             self._send = lambda ep, msg: sent.append((ep, msg))
             try:
-                serve(self, req, endpoint, meta, arrays)
+                serve(self, req, endpoint, meta, arrays, *more, **kw)  # (more: state_compression)
             finally:
                 self._send = real_send
             for ep, msg in sent[: max(2, len(sent) // 2)]:

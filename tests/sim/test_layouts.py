@@ -23,7 +23,7 @@ def test_description_round_trips_and_compresses_repeats():
     assert d == "5|f4[3,4]*3;f8[5];f4[]"
     count, items, cut = layouts.parse(d)
     assert count == 5 and not cut
-    assert items == [("f4", (3, 4))] * 3 + [("f8", (5,)), ("f4", ())]
+    assert items == [("f4", (3, 4), "")] * 3 + [("f8", (5,), ""), ("f4", (), "")]
 
 
 @pytest.mark.parametrize("mine, theirs, expect", [
@@ -128,3 +128,27 @@ def test_a_join_without_a_layout_description_still_decodes_and_is_told_that_layo
     odd, why = _layout_report("A", by_layout["A"][0].desc, by_layout)
     assert odd == [["b", "their tensors differ in count, shape or dtype (no description was sent)"]]
     assert "1 other peer(s) (b) used this key with a different tensor layout" in why
+
+
+def test_peers_that_compress_a_tensor_differently_are_told_it_is_the_compression():
+    a, b = [np.zeros(10, np.float32)], [np.zeros(10, np.float32)]
+    mine = FlatLayout.of(a, "int8")
+    theirs = FlatLayout.of(b, None)
+    assert mine.fingerprint != theirs.fingerprint
+    assert mine.description == "1|f4[10]@int8" and theirs.description == "1|f4[10]"
+    text = layouts.difference(mine.description, theirs.description)
+    assert text == "tensor 0 compression: yours float32 (10,) as int8, theirs float32 (10,) as default", text
+    # an fp16 tensor travels as fp16 by default: saying so explicitly is the same layout
+    h = [np.zeros(4, np.float16)]
+    assert FlatLayout.of(h, "fp16").fingerprint == FlatLayout.of(h).fingerprint
+
+
+def test_a_codec_mismatch_gets_the_different_tensor_layout_error():
+    rng = np.random.default_rng(3)
+    ts = [[rng.standard_normal(64).astype(np.float32)] for _ in range(3)]
+    h = make("sim", ts, per_peer=[{}, {}, {"compression": "int8"}], target_group_size=3, min_group_size=2,
+             matchmaking_time=0.3)
+    results = h.step_all(timeout=1.0)
+    assert all(isinstance(r, zgossip.StepResult) for r in results[:2])
+    assert isinstance(results[2], zgossip.GroupNotFound)
+    assert "different tensor layout" in str(results[2]) and "tensor 0 compression" in str(results[2])

@@ -90,3 +90,20 @@ def test_shipped_scenario_file_loads_and_cli_prints_a_table():
     p = _run_cli(["moshpit", "--peers", "4096", "--grid", "64x64", "--level", "round", "--rounds", "2", "--json"], "0")
     assert p.returncode == 0, p.stderr
     assert len(json.loads(p.stdout)["rounds"]) == 2
+
+
+def test_the_compression_scenarios_reach_every_peer_on_both_harnesses():
+    """compress100_{none,int8}.toml (README, "Wire compression") at a small size: the simulator's peers
+    send int8 (about a quarter of the bytes, a nonzero error), and the testbed's get the same setting."""
+    from sim.testbed_run import averager_settings
+
+    res = {}
+    for codec in ("none", "int8"):
+        sc = load_scenario(ROOT / "sim" / "scenarios" / f"compress100_{codec}.toml")
+        assert sc.compression == codec and len(sc.hosts) == 4 and sc.numel == 4 << 20
+        assert averager_settings(sc, (), 0).get("compression", "none") == codec
+        d = {**{k: getattr(sc, k) for k in ("seed", "grid", "protocol", "hosts", "compression", "dtype")},
+             "numel": 20000, "rounds": 1, "round_gap": 0.1, "bootstrap_time": 1.0}
+        res[codec] = run_scenario(d).rounds[0]
+    assert res["none"]["max_abs"] < 1e-6 < res["int8"]["max_abs"]
+    assert 0.2 < res["int8"]["bytes_sent_mean"] / res["none"]["bytes_sent_mean"] < 0.3

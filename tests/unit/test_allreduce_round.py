@@ -18,7 +18,7 @@ class Group:
     """n rounds of one group; `carry` delivers what they sent, in order, until nothing is left."""
 
     def __init__(self, buffers: list[np.ndarray], weights: list[float], part_timeout: float = 1.0,
-                 deadline: float = 10.0, bandwidths: list[float] | None = None) -> None:
+                 deadline: float = 10.0, bandwidths: list[float] | None = None, codec=None) -> None:
         n = len(buffers)
         bws = bandwidths or [1.0] * n
         members = tuple(MemberInfo(pid(i), ep(i), bws[i], f"s{i}") for i in range(n))
@@ -27,7 +27,8 @@ class Group:
         self.rounds = [
             AllReduceRound(GroupSpec("k", "g1", members, i), buffers[i], weights[i], {"rank": i}, self.outs[i], 0.0,
                            part_elems=PART, part_timeout=part_timeout, deadline=deadline,
-                           on_done=lambda rnd, now, i=i: self.done.__setitem__(i, now))
+                           on_done=lambda rnd, now, i=i: self.done.__setitem__(i, now),
+                           codec=None if codec is None else codec())
             for i in range(n)
         ]
         self.by_ep = {ep(i): r for i, r in enumerate(self.rounds)}
@@ -211,3 +212,21 @@ def test_local_misuse_raises_protocol_error():
         AllReduceRound(spec, np.zeros(4), float("nan"), None, Outbox(), 0.0, **kw)
     with pytest.raises(ProtocolError):  # a dtype the wire does not carry
         AllReduceRound(spec, np.zeros(4, np.complex64), 1.0, None, Outbox(), 0.0, **kw)
+
+
+def test_parts_with_another_or_unknown_codec_or_the_wrong_byte_count_are_dropped_and_counted():
+    from zgossip.codecs import FP16, INT8, CodecMap, encoded_nbytes
+
+    bufs = [b.astype(np.float32) for b in data(2, 4)]
+    g = Group(bufs, [1.0, 1.0], codec=lambda: CodecMap((0, NUMEL), (INT8,)))
+    g.start()
+    r = g.rounds[0]
+    good = encoded_nbytes(INT8, PART)
+    for codec, nbytes in ((FP16, 2 * PART), (77, good), (INT8, good - 1), (0, 4 * PART)):
+        payload = np.zeros(nbytes // 4, np.float32) if codec == 0 else np.zeros(nbytes, np.uint8)
+        r.on_message(Part(pid(1), ep(1), group_id="g1", owner=0, part=0, weight=1.0, rescue=False, codec=codec,
+                          data=payload), 0.0)
+    assert r.dropped == 4 and r.own.pending == {}
+    g.carry()  # the real parts still average
+    assert all(p is not None for p in g.done)
+    assert np.array_equal(bufs[0].view(np.uint32), bufs[1].view(np.uint32))

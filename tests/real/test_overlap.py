@@ -1,0 +1,246 @@
+"""Overlapped averaging (delay_optimizer_step / delay_grad_averaging / delay_state_averaging) and the
+DecentralizedOptimizer's staleness bound, on real averagers in threads of this process (loopback).
+
+Two peers with ``target_batch_size == batch_size`` end an epoch at every step and always meet in a
+group of two, so every epoch averages exactly one batch of each peer: runs of different modes see
+the same gradients and can be compared bit for bit.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from zgossip.collaborative import CollaborativeOptimizer
+from zgossip.optim import DecentralizedSGD
+from zgossip.train_demo import Task, make_model
+
+FAST = dict(gossip_interval=0.05, peer_timeout=2.0, request_timeout=0.3, part_timeout=2.0)
+BS = 16
+
+
+def _pair(prefix: str, **kw: Any) -> tuple[list, list]:
+    models = [make_model(0) for _ in range(2)]
+    opts: list = []
+    try:
+        for i in range(2):
+            opts.append(CollaborativeOptimizer(
+                torch.optim.Adam(models[i].parameters(), lr=0.01), prefix=prefix, model=models[i],
+                initial_peers=[opts[0].endpoint] if opts else [], target_batch_size=BS, batch_size=BS,
+                matchmaking_time=1.0, target_group_size=2, min_group_size=2, averager_opts=dict(FAST), **kw))
+        deadline = time.monotonic() + 10
+        while any(o.num_peers < 2 for o in opts):
+            assert time.monotonic() < deadline, "peers did not see each other"
+            time.sleep(0.02)
+    except BaseException:
+        for o in opts:
+            o.shutdown()
+        raise
+    return opts, models
+
+
+def _run(opts: list, models: list, steps: int, after_step: Any = None, timeout: float = 30.0,
+         until_epoch: int | None = None) -> dict:
+    """Each peer in a thread: `steps` batches from its own fixed stream (with `until_epoch`: batches of
+    ~5 ms until every peer reached that epoch)."""
+    task = Task()
+    errors: dict[int, BaseException] = {}
+    rounds: dict[int, list] = {0: [], 1: []}
+
+    def run(i: int) -> None:
+        try:
+            gen = task.stream(7, i)
+            deadline = time.monotonic() + timeout
+            k = 0
+            while (k < steps) if until_epoch is None else (min(o.local_epoch for o in opts) < until_epoch):
+                k += 1
+                assert time.monotonic() < deadline, "training took too long"
+                if until_epoch is not None:
+                    time.sleep(0.005)  # compute the round can overlap
+                x, y = task.sample(gen, BS)
+                torch.nn.functional.cross_entropy(models[i](x), y).backward()
+                opts[i].step()
+                opts[i].zero_grad()
+                if after_step is not None:
+                    after_step(opts[i])
+                rounds[i].append(dict(opts[i].last_round))
+        except BaseException as e:
+            errors[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 10)
+    assert not any(t.is_alive() for t in threads), "a training thread hung"
+    return {"errors": errors, "rounds": rounds}
+
+
+def _params(models: list) -> list[list[torch.Tensor]]:
+    return [[p.detach().clone() for p in m.parameters()] for m in models]
+
+
+def test_delayed_update_applied_at_once_equals_the_synchronous_path_bit_for_bit():
+    """Delay 0: the delayed machinery (separate accumulators, the optimizer's own copy of the parameters,
+    the round and optimizer step on the worker) with the update applied before the next batch gives
+    exactly the parameters of the synchronous path; so does offloading alone."""
+    steps = 4
+    results = {}
+    for mode, kw, after in [("sync", {}, None),
+                            ("offload", dict(offload_optimizer=True), None),
+                            ("delay0", dict(delay_optimizer_step=True, delay_grad_averaging=True),
+                             lambda o: o.apply_pending(wait=True, timeout=20))]:
+        opts, models = _pair(f"eq-{mode}", **kw)
+        try:
+            out = _run(opts, models, steps, after)
+            assert not out["errors"], out["errors"]
+            assert all(o.local_epoch == steps for o in opts), [o.local_epoch for o in opts]
+            assert all(r.get("ok") and r.get("group_size") == 2 for i in (0, 1) for r in out["rounds"][i])
+            if mode == "delay0":
+                assert all(r["delayed"] and r["staleness"]["batches"] == 0 for r in out["rounds"][0])
+            results[mode] = _params(models)
+        finally:
+            for o in opts:
+                o.shutdown()
+    for mode in results:
+        for a, b in zip(*results[mode]):
+            assert torch.equal(a, b), f"{mode}: the two peers differ"
+    for mode in ("offload", "delay0"):
+        for a, b in zip(results["sync"][0], results[mode][0]):
+            assert torch.equal(a, b), f"{mode} differs from the synchronous path"
+
+
+def test_overlapped_updates_stay_in_sync_with_staleness_at_most_one_step():
+    """With the delay on and nobody waiting, batches are computed while the round runs: the staleness is
+    reported (at most one global step), both peers hold identical parameters, and the result differs from
+    the synchronous one (the gradients really were taken on older parameters)."""
+    opts, models = _pair("ov", delay_optimizer_step=True, delay_grad_averaging=True)
+    try:
+        before = _params(models)
+        out = _run(opts, models, 0, until_epoch=4)
+        assert not out["errors"], out["errors"]
+        for o in opts:
+            o.apply_pending(wait=True, timeout=20)
+            assert o.pending_update is None
+        applied = [r for r in out["rounds"][0] if r.get("delayed")]
+        assert applied and all(r["ok"] and r["stepped"] for r in applied), out["rounds"][0]
+        stale = [r["staleness"] for r in applied]
+        assert all(s["global_steps"] <= 1 for s in stale)
+        assert any(s["batches"] >= 1 for s in stale), stale  # the overlap happened
+        assert opts[0].local_epoch == opts[1].local_epoch >= 4
+        for a, b in zip(*(m.parameters() for m in models)):
+            assert torch.equal(a, b)
+        assert any(not torch.equal(a, b) for a, b in zip(before[0], models[0].parameters()))
+        # the model's tensors are the optimizer's after the update was applied
+        for p, m in zip(opts[0].model_params, opts[0].params):
+            assert torch.equal(p, m) and p is not m
+    finally:
+        for o in opts:
+            o.shutdown()
+
+
+def test_delay_options_are_checked():
+    model = make_model(0)
+    with pytest.raises(ValueError, match="delay_grad_averaging needs delay_optimizer_step"):
+        CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), prefix="x", target_batch_size=8,
+                               delay_grad_averaging=True, delay_optimizer_step=False)
+    with pytest.raises(ValueError, match="offload_optimizer"):
+        CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), prefix="x", target_batch_size=8,
+                               delay_optimizer_step=True, offload_optimizer=False)
+
+
+def test_decentralized_synchronous_rounds_and_bounded_staleness():
+    """DecentralizedOptimizer: delay_state_averaging=False applies each round inside the step that started
+    it (staleness 0); with max_staleness=1 a round is applied at most one local step after it began."""
+    for kw, limit in [(dict(delay_state_averaging=False), 0), (dict(max_staleness=1), 1)]:
+        models = [make_model(s) for s in (0, 1)]
+        opts: list = []
+        try:
+            for i in range(2):
+                opts.append(DecentralizedSGD(models[i].parameters(), lr=0.05, prefix=f"dz{limit}",
+                                             initial_peers=[opts[0].endpoint] if opts else [], average_every=1,
+                                             matchmaking_time=0.3, target_group_size=2, averager_opts=dict(FAST),
+                                             **kw))
+            deadline = time.monotonic() + 10
+            while any(o.num_peers < 2 for o in opts):
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            task = Task()
+            seen: dict[int, list] = {0: [], 1: []}
+            errors: list = []
+
+            def run(i: int) -> None:
+                try:
+                    gen = task.stream(3, i)
+                    for _ in range(6):
+                        x, y = task.sample(gen, BS)
+                        torch.nn.functional.cross_entropy(models[i](x), y).backward()
+                        opts[i].step()
+                        opts[i].zero_grad()
+                        if opts[i].last_round.get("ok"):
+                            seen[i].append(opts[i].last_round["staleness"])
+                except BaseException as e:
+                    errors.append(e)
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(40)
+            assert not errors, errors
+            assert seen[0] and seen[1]
+            assert max(seen[0] + seen[1]) <= limit, seen
+        finally:
+            for o in opts:
+                o.shutdown()
+
+
+def test_delay_state_averaging_downloads_in_the_background_and_adopts_at_a_later_step():
+    """A peer that is behind (epoch 0 against the swarm's 3) with delay_state_averaging starts the download
+    and returns from step() at once; a later step() adopts the state: the swarm's epoch and parameters."""
+    models = [make_model(0), make_model(1)]
+    opts: list = []
+    try:
+        opts.append(CollaborativeOptimizer(torch.optim.SGD(models[0].parameters(), lr=0.1), prefix="bg",
+                                           model=models[0], target_batch_size=BS, batch_size=BS,
+                                           averager_opts=dict(FAST)))
+        task = Task()
+        gen = task.stream(5, 0)
+        for _ in range(3):  # alone: one local step per epoch
+            x, y = task.sample(gen, BS)
+            torch.nn.functional.cross_entropy(models[0](x), y).backward()
+            opts[0].step()
+            opts[0].zero_grad()
+        assert opts[0].local_epoch == 3
+        opts.append(CollaborativeOptimizer(torch.optim.SGD(models[1].parameters(), lr=0.1), prefix="bg",
+                                           model=models[1], target_batch_size=BS, batch_size=BS,
+                                           initial_peers=[opts[0].endpoint], load_state_on_start=False,
+                                           delay_state_averaging=True, averager_opts=dict(FAST)))
+        b = opts[1]
+        deadline = time.monotonic() + 10
+        while b._view().max_epoch < 3:
+            assert time.monotonic() < deadline, "B never heard of A's epoch"
+            time.sleep(0.02)
+        before = _params([models[1]])[0]
+        gen = task.stream(5, 1)
+        steps = 0
+        while b.local_epoch < 3:
+            assert time.monotonic() < deadline, "the background download never landed"
+            x, y = task.sample(gen, BS)
+            torch.nn.functional.cross_entropy(models[1](x), y).backward()
+            b.step()
+            b.zero_grad()
+            steps += 1
+            if steps == 1:  # the first step only started the download
+                assert b._download is not None and b.local_epoch == 0
+                assert all(torch.equal(p, q) for p, q in zip(before, models[1].parameters()))
+            time.sleep(0.01)
+        assert b.local_epoch == 3 and b._download is None
+        for p, q in zip(models[0].parameters(), models[1].parameters()):
+            assert torch.equal(p, q)
+    finally:
+        for o in opts:
+            o.shutdown()

@@ -1,0 +1,255 @@
+"""A Lightning strategy for collaborative training over zgossip (``pip install zgossip[lightning]``).
+
+    from zgossip.lightning import ZGossipStrategy
+    trainer = Trainer(strategy=ZGossipStrategy(target_batch_size=8192), accelerator="cpu")
+
+This module owns the glue between Lightning's training loop and
+`zgossip.collaborative.CollaborativeOptimizer`: it takes the arguments of Lightning's
+``HivemindStrategy`` with the same meanings (``target_batch_size``, ``run_id``,
+``batch_size``, the ``delay_*`` options, ``offload_optimizer``, ``reuse_grad_buffers``,
+``scheduler_fn``, ``matchmaking_time``, ``averaging_timeout``, ``verbose``,
+``averager_opts``, ``initial_peers`` or the ``PL_INITIAL_PEERS`` environment variable) and
+``listen`` for ``host_maddrs``, plus zgossip's ``secret_key`` / ``allowed_keys`` and
+``compression`` / ``error_feedback`` / ``state_compression``. On the first
+training batch it wraps the LightningModule's optimizer, joins the swarm (downloading its
+state if the run is ahead) and prints the address other machines should pass as their
+initial peer. Every ``optimizer.step`` of Lightning's loop then accumulates; the swarm takes
+one optimizer step per ``target_batch_size`` samples. The module's LR scheduler (one at most) steps
+once per global step, inside the optimizer, and a newcomer downloads its state with the rest.
+
+Works with whichever of ``lightning`` (``lightning.pytorch``) or ``pytorch_lightning`` is
+installed; `strategy_for` builds the class on the other one where both are. Nothing else in
+zgossip imports this module, so zgossip imports fine without Lightning.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .collaborative import CollaborativeOptimizer
+
+__all__ = ["ZGossipStrategy", "strategy_for", "INITIAL_PEERS_ENV"]
+
+log = logging.getLogger(__name__)
+
+INITIAL_PEERS_ENV = "PL_INITIAL_PEERS"  # as HivemindStrategy: comma-separated initial peers
+
+
+def _import(package: str | None) -> Any:
+    names = [package] if package else ["lightning.pytorch", "pytorch_lightning"]
+    for name in names:
+        try:
+            return __import__(name, fromlist=["strategies"])
+        except ImportError:
+            continue
+    raise ImportError("zgossip.lightning needs Lightning 2.x: pip install 'zgossip[lightning]' "
+                      "(or install pytorch_lightning)")
+
+
+class _SteppedPerGlobalStep:
+    """Stands in for a LightningModule's LR scheduler in Lightning's loop: the `CollaborativeOptimizer`
+    steps the real one once per global (swarm-wide) step, so Lightning's calls to `step` do nothing."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.__dict__.update({k: v for k, v in scheduler.__dict__.items() if k not in ("step", "__del__")})
+        self.scheduler = scheduler
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def get_last_lr(self) -> list:
+        return self.scheduler.get_last_lr()
+
+    def state_dict(self) -> dict:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scheduler.load_state_dict(state)
+
+
+def strategy_for(package: str | None = None) -> type:
+    """The strategy class built on `package` ("lightning.pytorch" or "pytorch_lightning"; None: the first
+    installed). Trainers of one package refuse strategies of the other."""
+    pl = _import(package)
+    cached = _CLASSES.get(pl.__name__)
+    if cached is not None:
+        return cached
+    from importlib import import_module
+
+    Base = import_module(pl.__name__ + ".strategies").SingleDeviceStrategy
+    rank_zero = import_module(pl.__name__ + ".utilities.rank_zero")
+    data_utils = import_module(pl.__name__ + ".utilities.data")
+    exceptions = import_module(pl.__name__ + ".utilities.exceptions")
+
+    class ZGossipStrategy(Base):  # type: ignore[misc, valid-type]
+        """Collaborative training with zgossip: peers train one model with a global batch of
+        ``target_batch_size`` samples (see the module docstring; arguments as Lightning's HivemindStrategy).
+
+        ``listen`` is where this peer accepts connections (hivemind's ``host_maddrs``; the default takes
+        every interface and advertises this host's address). ``secret_key`` / ``allowed_keys``: CURVE keys
+        (`zgossip.Averager`). ``compression`` (e.g. ``"fp16"``, ``"int8"``), ``error_feedback`` and
+        ``state_compression``: how the gradients travel in a round and the state to newcomers
+        (`zgossip.codecs`; every peer of a run must use the same). ``optimizer_kwargs`` go to `CollaborativeOptimizer` (e.g.
+        ``target_group_size``, ``min_group_size``, ``load_state_timeout``)."""
+
+        INITIAL_PEERS_ENV = INITIAL_PEERS_ENV
+
+        def __init__(
+            self,
+            target_batch_size: int,
+            run_id: str = "lightning_run",
+            batch_size: int | None = None,
+            delay_state_averaging: bool = False,
+            delay_optimizer_step: bool | None = None,
+            delay_grad_averaging: bool = False,
+            offload_optimizer: bool | None = None,
+            reuse_grad_buffers: bool = False,
+            scheduler_fn: Callable | None = None,
+            matchmaking_time: float = 5.0,
+            averaging_timeout: float = 30.0,
+            verbose: bool = False,
+            averager_opts: dict | None = None,
+            initial_peers: str | Sequence[str] | None = None,
+            listen: str = "tcp://0.0.0.0:0",
+            secret_key: Any = None,
+            allowed_keys: Any = None,
+            compression: Any = None,
+            error_feedback: bool = False,
+            state_compression: Any = None,
+            **optimizer_kwargs: Any,
+        ) -> None:
+            super().__init__(device=torch.device("cpu"))
+            if target_batch_size < 1:
+                raise ValueError("target_batch_size must be >= 1")
+            if delay_grad_averaging and delay_optimizer_step is False:
+                raise ValueError("delay_grad_averaging needs delay_optimizer_step")
+            peers = os.environ.get(INITIAL_PEERS_ENV) or initial_peers
+            if isinstance(peers, str):
+                peers = [p.strip() for p in peers.split(",") if p.strip()]
+            self._initial_peers = list(peers or [])
+            self._target_batch_size = int(target_batch_size)
+            self._batch_size = batch_size
+            self._scheduler_fn = scheduler_fn
+            self._run_id = run_id
+            self._listen = listen
+            self._verbose = verbose
+            if reuse_grad_buffers:
+                # hivemind accumulates in p.grad to save memory; zgossip always accumulates in buffers of its
+                # own (one gradient-sized copy), so Lightning's zero_grad stays as it is
+                rank_zero.rank_zero_warn("ZGossipStrategy(reuse_grad_buffers=True) has no effect: zgossip "
+                                         "accumulates gradients in its own buffers")
+            opts = dict(averager_opts or {})
+            if secret_key is not None:
+                opts["secret_key"] = secret_key
+            if allowed_keys is not None:
+                opts["allowed_keys"] = allowed_keys
+            if compression is not None:
+                opts["compression"] = compression
+            if error_feedback:
+                opts["error_feedback"] = True
+            if state_compression is not None:
+                opts["state_compression"] = state_compression
+            self._optimizer_kwargs = dict(
+                matchmaking_time=matchmaking_time, allreduce_timeout=averaging_timeout,
+                delay_optimizer_step=delay_optimizer_step, delay_grad_averaging=delay_grad_averaging,
+                delay_state_averaging=delay_state_averaging, offload_optimizer=offload_optimizer,
+                averager_opts=opts, **optimizer_kwargs)
+            self._opt: CollaborativeOptimizer | None = None
+            self._raw_optimizer: torch.optim.Optimizer | None = None
+            if verbose:
+                logging.getLogger("zgossip").setLevel(logging.INFO)
+
+        # ---------------------------------------------------------------- what users read
+        @property
+        def zgossip_optimizer(self) -> CollaborativeOptimizer | None:
+            """The `CollaborativeOptimizer` (from the first training batch on)."""
+            return self._opt
+
+        @property
+        def endpoint(self) -> str | None:
+            """The address other peers pass as their initial peer (from the first training batch on)."""
+            return self._opt.endpoint if self._opt is not None else None
+
+        @property
+        def num_peers(self) -> int:
+            return self._opt.num_peers if self._opt is not None else 1
+
+        # ---------------------------------------------------------------- Lightning hooks
+        def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+            if self._opt is None:
+                if self._batch_size is None:
+                    try:
+                        self._batch_size = data_utils.extract_batch_size(batch)
+                    except (exceptions.MisconfigurationException, RecursionError) as e:
+                        raise exceptions.MisconfigurationException(
+                            "ZGossipStrategy could not infer the batch size from the first batch: pass "
+                            "ZGossipStrategy(batch_size=...)") from e
+                    log.info("ZGossipStrategy: local batch size %d (from the first batch)", self._batch_size)
+                self._start()
+            super().on_train_batch_start(batch, batch_idx)
+
+        def _start(self) -> None:
+            module = self.lightning_module
+            if module is not None and not module.automatic_optimization:
+                raise exceptions.MisconfigurationException(
+                    "ZGossipStrategy supports automatic optimization only (the strategy calls the optimizer)")
+            if len(self.optimizers) != 1:
+                raise exceptions.MisconfigurationException("ZGossipStrategy trains with exactly one optimizer")
+            raw = self.optimizers[0]
+            raw = getattr(raw, "_optimizer", raw)  # unwrap a LightningOptimizer
+            self._raw_optimizer = raw
+            scheduler = self._scheduler_fn
+            if scheduler is None and self.lr_scheduler_configs:
+                # the module's scheduler steps once per global step, inside the optimizer, and travels with the
+                # state a newcomer downloads; Lightning's own calls to it do nothing
+                if len(self.lr_scheduler_configs) > 1:
+                    raise exceptions.MisconfigurationException("ZGossipStrategy supports one LR scheduler")
+                config = self.lr_scheduler_configs[0]
+                if isinstance(config.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                    raise exceptions.MisconfigurationException("ZGossipStrategy does not support ReduceLROnPlateau")
+                scheduler = config.scheduler
+                config.scheduler = _SteppedPerGlobalStep(scheduler)
+            opt = CollaborativeOptimizer(
+                raw, prefix=self._run_id, target_batch_size=self._target_batch_size, batch_size=self._batch_size,
+                scheduler=scheduler, model=module, initial_peers=self._initial_peers,
+                listen=self._listen, **self._optimizer_kwargs)
+            self._opt = opt
+            self.optimizers = [opt]
+            joined = f"joined {len(self._initial_peers)} initial peer(s), " if self._initial_peers else ""
+            rank_zero.rank_zero_info(
+                f"ZGossipStrategy: run {self._run_id!r}, {joined}epoch {opt.local_epoch}. Other machines can join "
+                f"with:\n{INITIAL_PEERS_ENV}={opt.endpoint} python ...\nor "
+                f"ZGossipStrategy(initial_peers='{opt.endpoint}')")
+
+        def optimizer_state(self, optimizer: Any) -> dict:
+            inner = getattr(optimizer, "_optimizer", optimizer)
+            if isinstance(inner, CollaborativeOptimizer):
+                inner.apply_pending(wait=True)  # a checkpoint holds the newest parameters
+                return inner.opt.state_dict()
+            return super().optimizer_state(optimizer)
+
+        def teardown(self) -> None:
+            if self._opt is not None:
+                try:
+                    self._opt.apply_pending(wait=True)
+                except Exception as e:  # a failed last update must not hide the training's own outcome
+                    log.warning("ZGossipStrategy: the last delayed update was not applied: %s", e)
+                self._opt.shutdown()
+                if self._raw_optimizer is not None:
+                    self.optimizers = [self._raw_optimizer]
+            super().teardown()
+
+    _CLASSES[pl.__name__] = ZGossipStrategy
+    return ZGossipStrategy
+
+
+_CLASSES: dict[str, type] = {}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ZGossipStrategy":  # built on first use, on the first Lightning package installed
+        return strategy_for()
+    raise AttributeError(name)
