@@ -12,7 +12,13 @@ what a rejoining process starts from), answers ``{"ready": ...}``, then serves:
 
     {"cmd": "step", "round": r, "at": MONOTONIC, "timeout": s} -> outcome, group, timings,
         wall seconds from ``at``; the tensor is written back to ``tensor`` before the answer
+    {"cmd": "info"} -> {"info": true, "endpoint", "peers": [peer ids it knows], "stats": {...}}
+    {"cmd": "state", "timeout": s} -> {"state": "done", "sums": [float64 sum per array]} or
+        {"state": "failed", "error": ...}: `load_state_from_peers`
     {"cmd": "stop"}
+
+``"listen": null`` starts the peer in client mode (it binds nothing); ``curve.allowed`` lists the
+public keys it accepts.
 
 The controller is not on the emulated network: commands travel on the pipes. Protocol
 lines go to the original stdout only; anything else printed lands on stderr.
@@ -55,7 +61,7 @@ def main() -> int:
         c = cfg["curve"]
         sec = {"secret_key": KeyPair(c["public"], c["secret"]), "allowed_keys": c["allowed"]}
     avg = Averager([data], listen=cfg["listen"], initial_peers=cfg["initial_peers"], local_ipc=False,
-                   **cfg["averager"], **sec)
+                   client_mode=cfg["listen"] is None, **cfg["averager"], **sec)
     say({"ready": True, "endpoint": avg.endpoint, "peer_id": avg.peer_id, "pid": os.getpid(),
          "t": time.monotonic()})
     try:
@@ -63,6 +69,16 @@ def main() -> int:
             cmd = json.loads(line)
             if cmd["cmd"] == "stop":
                 break
+            if cmd["cmd"] == "info":
+                say({"info": True, "endpoint": avg.endpoint, "peers": sorted(avg.peers()), "stats": avg.stats})
+                continue
+            if cmd["cmd"] == "state":
+                try:
+                    _meta, arrays = avg.load_state_from_peers(timeout=float(cmd["timeout"]), chunk_timeout=2.0)
+                    say({"state": "done", "sums": [float(np.asarray(a, np.float64).sum()) for a in arrays]})
+                except ZGossipError as e:
+                    say({"state": "failed", "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                continue
             if cmd["cmd"] != "step":
                 say({"error": f"unknown command {cmd['cmd']!r}"})
                 continue

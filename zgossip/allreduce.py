@@ -39,6 +39,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .codecs import NONE, CodecMap
+from .droplog import DropLog
 from .endpoints import listens
 from .errors import IllegalTransition, ProtocolError
 from .matchmaking import GroupSpec
@@ -192,6 +193,7 @@ class AllReduceRound:
         deadline_slack: float = 4.0,
         rtt: Callable[[str], float | None] | None = None,
         rate_of: Callable[[str], float | None] | None = None,
+        drops: DropLog | None = None,
         codec: CodecMap | None = None,
     ) -> None:
         if buffer.ndim != 1:
@@ -205,6 +207,8 @@ class AllReduceRound:
         self.weight = float(weight)
         self._send_raw = send
         self._on_done = on_done
+        #: refusals are logged once per source and kind (shared with the node, so across rounds too)
+        self.drops = drops if drops is not None else DropLog(self.me.peer_id[:8])
         self.part_timeout = part_timeout
         self.deadline = deadline
         self.started = now
@@ -263,6 +267,7 @@ class AllReduceRound:
         self.late_results = 0
         self.partial: list[tuple[int, int, int, tuple[int, ...]]] = []  # (owner, lo, hi, contrib) of results taken in part
         self.dropped = 0  # messages refused by validation against the group's plan (logged too)
+        self.late = 0  # late or duplicate messages ignored: what they carry was settled already
         # wire compression (`zgossip.codecs`): parts and results travel encoded as the group agreed (the
         # map is part of the layout peers are grouped by); terms are decoded before they are reduced
         self.codec = codec if codec is not None and not codec.lossless else None
@@ -419,8 +424,8 @@ class AllReduceRound:
                     # one NaN would poison every member's average: the sender is excluded from this
                     # reduction (its own copy of these elements stays unchanged), the others go on
                     self.dropped += 1
-                    log.warning("%s: part %d of span %d from %s holds NaN or inf: sender excluded from this span",
-                                self.me.peer_id[:8], p, r.owner, self.members[j].peer_id[:8])
+                    self.drops.note(log, self.members[j].peer_id, "a PART holding NaN or inf",
+                                    f"part {p} of span {r.owner}: sender excluded from this span")
                     r.excluded.add(j)
                     for key in [key for key in r.pending if key[0] == j]:
                         del r.pending[key]
@@ -521,9 +526,9 @@ class AllReduceRound:
                 self._settle(owner, p, contrib, rescued)
                 return
             self.dropped += 1
-            log.warning("%s: result for span %d part %d from its reducer holds NaN or inf: %d of %d elements taken "
-                        "(those before the first bad block), the rest left unchanged",
-                        self.me.peer_id[:8], owner, p, done, hi - lo)
+            self.drops.note(log, self.members[owner].peer_id, "a RESULT holding NaN or inf",
+                            f"span {owner} part {p}: {done} of {hi - lo} elements taken (those before the first bad "
+                            "block), the rest left unchanged")
             if done:
                 self.partial.append((owner, lo, lo + done, contrib))
                 partial = True
@@ -611,7 +616,8 @@ class AllReduceRound:
         j = self.index.get(msg.sender)
         if j is None or j == self.rank or self.members[j].endpoint != msg.endpoint:
             self.dropped += 1
-            log.warning("%s: dropped %s from non-member %s", self.me.peer_id[:8], msg.type.name, msg.sender[:8])
+            self.drops.note(log, f"{msg.sender[:16]} at {msg.endpoint}", f"{msg.type.name} from a non-member",
+                            f"group {self._gid[:8]}")
             return
         self._now = now
         self.last_heard[j] = now
@@ -621,12 +627,15 @@ class AllReduceRound:
     def _on_gather(self, j: int, msg: Gather, now: float) -> None:
         if not self.members[j].sends_gather:
             return self._bad(j, msg, "GATHER from a member that announced it sends none")
-        self.gathered.setdefault(j, msg.data)
+        if j in self.gathered:
+            self.late += 1  # a duplicate: the first GATHER stands
+            return
+        self.gathered[j] = msg.data
         self.weights[j] = msg.weight
 
     def _bad(self, j: int, msg: Message, why: str) -> None:
         self.dropped += 1
-        log.warning("%s: dropped %s from %s: %s", self.me.peer_id[:8], msg.type.name, self.members[j].peer_id[:8], why)
+        self.drops.note(log, self.members[j].peer_id, f"{msg.type.name}: {why}", f"group {self._gid[:8]}")
 
     def _part_range(self, owner: int, p: int, payload: np.ndarray, cid: int = NONE) -> tuple[int, int] | None:
         if owner >= self.n or p >= self.plan.num_parts(owner):
@@ -654,7 +663,8 @@ class AllReduceRound:
                 return self._bad(j, msg, "part of a span this member does not own")
             r = self.own
         if j in r.excluded or r.state[p] is not ReduceState.COLLECTING or r.pos[p] > j or (j, p) in r.pending:
-            return  # late or duplicate: that member's share of this part is already settled
+            self.late += 1  # late or duplicate: that member's share of this part is already settled
+            return
         self.bytes_received += arr.nbytes
         if msg.codec != NONE or self.codec is not None:
             # checked now, decoded only when its pass comes (`_sum_part`): a few terms at a time in memory
@@ -681,11 +691,15 @@ class AllReduceRound:
             # the substitute (and may still be on its way, zero-copy from our buffer), so only the
             # substitute's result may write it
             self.late_results += 1
+            self.late += 1
             return
         expected = self.rescue_target.get(owner) if msg.rescue else owner
         if j != expected:
             return self._bad(j, msg, "result from a member that does not reduce that span")
         self.bytes_received += arr.nbytes
+        if self.status[owner][p] is not PartState.WAITING:
+            self.late += 1  # settled already (by a rescue, or unchanged at a timeout): this news is late
+            return
         if self.rank in contrib and (msg.codec != NONE or self.codec is not None):
             arr = self._decoded(*self.plan.part(owner, p), msg.codec, arr)
             if isinstance(arr, str):
@@ -702,7 +716,7 @@ class AllReduceRound:
     def _on_rescue_call(self, j: int, msg: RescueCall, now: float) -> None:
         owner = msg.owner
         if owner >= self.n or owner == self.rank:
-            return
+            return self._bad(j, msg, "rescue call for a span that is not another member's")
         if owner not in self.rescue_target:
             self._member_lost(owner, now, substitute=j)
             if owner not in self.rescue_target:  # nothing to rescue here: still answer, so j need not wait
@@ -711,7 +725,7 @@ class AllReduceRound:
     def _on_rescue(self, j: int, msg: Rescue, now: float) -> None:
         owner = msg.owner
         if owner >= self.n or owner == self.rank or self.plan.num_parts(owner) == 0:
-            return
+            return self._bad(j, msg, "rescue of a span that is not another member's or is empty")
         need = frozenset(p for p in msg.need if p < self.plan.num_parts(owner))
         if owner not in self.rescue_target:
             self._member_lost(owner, now, substitute=self.rank)  # declares my own needs too

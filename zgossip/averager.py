@@ -272,6 +272,8 @@ class Averager:
             raise ValueError("part_size_bytes exceeds max_message_bytes: peers would drop every part")
         self._rng = np.random.default_rng(seed)
         self.peer_id = self._rng.bytes(8).hex() if keys is None else keys.peer_id
+        #: this peer's public key (Z85) when it has keys: others name it as ``ENDPOINT#KEY``
+        self.public_key: str | None = None if keys is None else keys.public
         self._allowed = allowed
         if transport is None:
             from .zmq_driver import ZmqTransport  # pyzmq is loaded only when a ZeroMQ transport is made

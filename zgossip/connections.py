@@ -7,7 +7,8 @@ opened (`readable`; the peers' ROUTERs reply through the connection). With keys
 (`zgossip.curve`) every DEALER is a CURVE client of the key expected at its endpoint. Lane 1
 carries only averaged results (`wire.lane_of`): they travel on a connection of their own, so
 they are not queued behind the bulk of PART data still streaming to that peer (5-9% faster on
-the 4-peer bench, paired runs). Every socket has linger 0 (the default makes ``ctx.term()``
+the 4-peer bench, paired runs). To a peer's local Unix socket a node with keys connects with
+PLAIN and a key proof instead (`zgossip.local_auth`: authenticated, not encrypted). Every socket has linger 0 (the default makes ``ctx.term()``
 wait forever for unsent messages to dead peers) and no send high-water mark (payloads are
 zero-copy: queueing costs no copy). Only the I/O thread touches these sockets.
 """
@@ -17,7 +18,7 @@ from typing import Callable
 
 import zmq
 
-from . import wire
+from . import local_auth, wire
 from .curve import HANDSHAKE_EVENTS, Curve
 from .local_ipc import LocalRoutes
 
@@ -56,8 +57,13 @@ class Connections:
         sock.setsockopt(zmq.MAXMSGSIZE, self._max_msg)
         if not self._readable:
             sock.setsockopt(zmq.RCVHWM, 1)  # nobody reads it: a peer that writes back cannot pile up memory
+        route = self.routes.connect_to(endpoint)
         if server is not None:
-            self._curve.client(sock, server)  # type: ignore[union-attr]
+            if route != endpoint:  # a local Unix socket: authenticated, not encrypted (zgossip.local_auth)
+                sock.setsockopt(zmq.PLAIN_USERNAME, self._curve.keys.peer_id.encode())  # type: ignore[union-attr]
+                sock.setsockopt(zmq.PLAIN_PASSWORD, local_auth.proof(self._curve.keys, server))  # type: ignore[union-attr]
+            else:
+                self._curve.client(sock, server)  # type: ignore[union-attr]
         mon = None
         if lane == 0:
             # a dropped connection (the peer's process died) is reported at once, so the protocol
@@ -70,7 +76,6 @@ class Connections:
         if self._readable:
             self.inbound[sock] = (endpoint, server)
             self._poller.register(sock, zmq.POLLIN)
-        route = self.routes.connect_to(endpoint)
         sock.connect(route)
         self._stats["connections"] += 1
         if route != endpoint:

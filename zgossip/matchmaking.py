@@ -144,6 +144,8 @@ class Matchmaker:
         self._rng = rng
         self._on_group = on_group
         self._on_fail = on_fail
+        self.dropped = 0  # malformed answers refused (counted by the node in stats["dropped"])
+        self.late = 0  # answers to joins no longer made, ignored (stats["late"])
         self.target_group_size = target_group_size
         self.min_group_size = min_group_size
         self.matchmaking_time = matchmaking_time
@@ -274,6 +276,7 @@ class Matchmaker:
         if j is None:
             j = self._late(msg)
             if j is None:
+                self.late += 1  # an answer to a join we are no longer making
                 return
             # a peer we gave up on holds our JOIN after all. Go back to it if it ranks before the one
             # we wait on now (it is where the others go); else stay, it will drop us on our LEAVE
@@ -298,6 +301,7 @@ class Matchmaker:
     def on_redirect(self, msg: Redirect, now: float) -> None:
         j = self._current(msg)
         if j is None:
+            self.late += 1  # an answer to a join we are no longer making
             return
         j.history.append(f"{msg.sender[:8]} redirected to {msg.to_id[:8]}")
         if msg.to_id in j.silent:
@@ -314,6 +318,7 @@ class Matchmaker:
     def on_no_group(self, msg: NoGroup, now: float) -> None:
         j = self._current(msg)
         if j is None:
+            self.late += 1  # an answer to a join we are no longer making
             return
         j.seen = max(j.seen, msg.seen)
         j.history.append(f"{msg.sender[:8]}: {msg.reason}")
@@ -341,6 +346,7 @@ class Matchmaker:
             return
         if len({m.peer_id for m in members}) != len(members):  # a peer's bad data: GroupSpec would refuse it
             log.warning("%s: dropped malformed GROUP from %s: a peer appears twice", self.peer_id, msg.sender)
+            self.dropped += 1
             return
         spec = GroupSpec(j.key, msg.group_id, members, mine[0], msg.left_out)
         if msg.sender != j.target[0]:

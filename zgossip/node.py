@@ -20,6 +20,7 @@ import numpy as np
 from .actions import Disconnect, DownloadDone, DownloadFailed, Send, ServeState, StepDone, StepFailed, StepProgress
 from .allreduce import AllReduceRound, RoundOutcome, SpanOutcome
 from .codecs import CodecMap
+from .droplog import DropLog
 from .endpoints import listens
 from .errors import IllegalTransition, PeerLost, ProtocolError, RoundTimeout, StepInProgress
 from .grid import MoshpitGrid
@@ -31,6 +32,7 @@ from .messages import (
     Abort, Bye, Done, Gather, Gossip, GossipReply, Group, Join, JoinAck, Leave, Message, NoGroup, Part, Redirect, Rescue,
     RescueCall, Result, StateChunk, StateMeta, StateReq, check_info,
 )
+from .ratelimit import SourceLimits
 from .state import StateDonor, StateDownload
 from .view import MembershipView
 
@@ -67,6 +69,11 @@ class NodeConfig:
     # `deadline_slack` x its pace for one part, at least `part_timeout_floor`; None = fixed part_timeout
     part_timeout_floor: float | None = 2.0
     deadline_slack: float = 4.0
+    # control messages (gossip, joins, state requests, goodbyes) taken per second from one source,
+    # and at once; more are dropped and counted (`zgossip.ratelimit`). The rate is at least
+    # 4 / gossip_interval: an honest source sends about one gossip and one reply per interval.
+    control_rate: float = 50.0
+    control_burst: int = 100
 
     def __post_init__(self) -> None:
         if self.part_size_bytes < 16:
@@ -157,6 +164,8 @@ _STEP_MOVES = {
 
 #: messages of a running all-reduce round (routed by group id)
 _ROUND_MESSAGES = (Gather, Part, Result, Abort, RescueCall, Rescue)
+#: control messages rate-limited per source (`zgossip.ratelimit`); round data is checked by the round
+_LIMITED = frozenset((Gossip, GossipReply, Join, Leave, StateReq, Bye))
 
 
 @dataclass
@@ -225,7 +234,11 @@ class Node:
         self._done_from: dict[str, set[tuple[str, str]]] = {}  # gid -> (peer id, endpoint) that said DONE
         self.donor = StateDonor(peer_id, endpoint, self._send, config.part_size_bytes)
         self.downloads: dict[str, StateDownload] = {}
-        self.stats = {"messages": 0, "dropped": 0, "late": 0, "bad_bandwidth": 0}
+        self.stats = {"messages": 0, "dropped": 0, "late": 0, "rate_limited": 0, "bad_bandwidth": 0}
+        self._limits = SourceLimits(max(config.control_rate, 4.0 / config.gossip_interval), config.control_burst)
+        self._limited_logged: set[str] = set()
+        #: refused input is logged once per source and kind (rounds and downloads share it)
+        self.drops = DropLog(f"zgossip node {endpoint}")
         self._warned_layouts: set[tuple[str, str]] = set()
         mm, ms = self.matchmaker, self.membership
         #: which part of the node handles each message class
@@ -293,7 +306,8 @@ class Node:
         """A peer's gossiped bandwidth estimate that is not a sane rate is dropped (and counted)."""
         if self._BW in info and not valid_rate(info[self._BW]):
             self.stats["bad_bandwidth"] += 1
-            log.info("%s: dropped bandwidth estimate %r gossiped by %s", self.peer_id[:8], info[self._BW], peer_id[:8])
+            self.drops.note(log, peer_id, "bandwidth estimate", f"{info[self._BW]!r:.40} is no rate in Mbit/s",
+                            counter="bad_bandwidth", level=logging.INFO)
             info = {k: v for k, v in info.items() if k != self._BW}
         return info
 
@@ -460,7 +474,7 @@ class Node:
 
     def begin_download(self, req: str, now: float, timeout: float, chunk_timeout: float) -> None:
         dl = StateDownload(req, self.membership, self._send, self._rng, now, now + timeout, chunk_timeout,
-                           self.config.max_state_bytes, self._on_download_done)
+                           self.config.max_state_bytes, self._on_download_done, drops=self.drops)
         self.downloads[req] = dl
         dl.start(now)
         self._drain_loopback(now)
@@ -484,14 +498,21 @@ class Node:
         if dl is None:
             self.stats["late"] += 1
         else:
-            dl.on_meta(msg, now)
+            self._feed_download(dl, dl.on_meta, msg, now)
 
     def _on_state_chunk(self, msg: StateChunk, now: float) -> None:
         dl = self.downloads.get(msg.req)
         if dl is None:
             self.stats["late"] += 1
         else:
-            dl.on_chunk(msg, now)
+            self._feed_download(dl, dl.on_chunk, msg, now)
+
+    def _feed_download(self, dl: StateDownload, handler: Any, msg: Message, now: float) -> None:
+        """Hand `msg` to a download; the donor data it refused (dropped) or ignored (late) is counted."""
+        dropped, late = dl.dropped, dl.late
+        handler(msg, now)
+        self.stats["dropped"] += dl.dropped - dropped
+        self.stats["late"] += dl.late - late
 
     def owes_others(self) -> bool:
         """Whether members of a recent round of ours may still wait for something we sent them (they
@@ -564,16 +585,26 @@ class Node:
     # ------------------------------------------------------------------ dispatch
     def _dispatch(self, msg: Message, now: float) -> None:
         if msg.sender != self.peer_id:
+            if type(msg) in _LIMITED and not self._limits.allow(msg.sender, now):
+                self.stats["rate_limited"] += 1
+                if msg.sender not in self._limited_logged and len(self._limited_logged) < 4096:
+                    self._limited_logged.add(msg.sender)
+                    log.warning("zgossip node %s: %s from %s (%s) floods control messages: dropping what exceeds "
+                                "%.0f/s (later drops are only counted in stats['rate_limited'])", self.endpoint,
+                                msg.type.name, msg.sender[:16], msg.endpoint, self._limits.rate)
+                return
             self.membership.observe(msg.sender, msg.endpoint, now)
+        mm = self.matchmaker
+        dropped, late = mm.dropped, mm.late
         self._handlers[type(msg)](msg, now)
+        self.stats["dropped"] += mm.dropped - dropped
+        self.stats["late"] += mm.late - late
 
     def _round_message(self, msg: Gather | Part | Result | Abort | RescueCall | Rescue, now: float) -> None:
         gid = msg.group_id
         st = self.step
         if st is not None and st.round is not None and st.round.spec.group_id == gid:
-            before = st.round.dropped
-            st.round.on_message(msg, now)
-            self.stats["dropped"] += st.round.dropped - before
+            self._feed_round(st.round, msg, now)
             return
         done = self._finished.get(gid)
         if done is not None and type(msg) in (Part, Result):
@@ -602,7 +633,16 @@ class Node:
                 early.append(msg)
                 return
         self.stats["dropped"] += 1
-        log.debug("%s: dropped %s for unknown round %s", self.peer_id[:8], msg.type.name, gid[:8])
+        # usually benign (a groupmate's late message after we gave the round up): INFO, once per source
+        self.drops.note(log, f"{msg.sender[:16]} at {msg.endpoint}", f"{msg.type.name} for a round this node is "
+                        "not in", f"group {gid[:8]}", level=logging.INFO)
+
+    def _feed_round(self, rnd: AllReduceRound, msg: Message, now: float) -> None:
+        """Hand `msg` to the running round; what it refused (dropped) or ignored (late) is counted."""
+        dropped, late = rnd.dropped, rnd.late
+        rnd.on_message(msg, now)
+        self.stats["dropped"] += rnd.dropped - dropped
+        self.stats["late"] += rnd.late - late
 
     # ------------------------------------------------------------------ step lifecycle
     def _on_group(self, spec: GroupSpec, now: float) -> None:
@@ -640,13 +680,12 @@ class Node:
             linkstats=self.linkstats, part_timeout_floor=cfg.part_timeout_floor, deadline_slack=cfg.deadline_slack,
             rtt=self.membership.rtt if isinstance(self.membership, Membership) else None,
             rate_of=self._gossiped_rate,
+            drops=self.drops,
         )
         st.round.start(now)
         for msg in self._early.pop(spec.group_id, []):
             if st.round is not None and st.round.spec.group_id == spec.group_id:
-                before = st.round.dropped
-                st.round.on_message(msg, now)
-                self.stats["dropped"] += st.round.dropped - before
+                self._feed_round(st.round, msg, now)
         self._early.clear()
         for ep in st.downs:  # connections that dropped while we waited for the trigger
             if st.round is not None:

@@ -122,7 +122,9 @@ def run(args: argparse.Namespace) -> int:
         if args.log_json:
             log_json = JsonLinesLog(args.log_json, extra=lambda: {"peer": avg.peer_id})
             avg.step_log.subscribe(log_json)
-        info = [f"others can join with: zgossip peer --initial-peers {avg.endpoint}"]
+        # with keys the address carries our public key: `tcp://HOST:PORT#KEY`
+        join = avg.endpoint if avg.public_key is None else f"'{avg.endpoint}#{avg.public_key}' --key FILE --allow FILE"
+        info = [f"others can join with: zgossip peer --initial-peers {join}"]
         if avg.metrics_endpoint:
             info.append(f"metrics: {avg.metrics_endpoint}")
         if args.log_json:
@@ -131,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
                                info, plain=args.plain)
         if isinstance(display, PlainLines):
             print(f"peer {avg.peer_id} listening; others can join with:\n"
-                  f"  zgossip peer --initial-peers {avg.endpoint}", flush=True)
+                  f"  zgossip peer --initial-peers {join}", flush=True)
             for line in info[1:]:
                 print(line, flush=True)
         else:

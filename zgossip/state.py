@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import codecs as _codecs
+from .droplog import DropLog
 from .errors import IllegalTransition, StateUnavailable
 from .messages import CODE_OF, DTYPES, Message, StateChunk, StateMeta, StateReq
 from .view import MembershipView
@@ -127,6 +128,9 @@ class StateDownload:
     tried: list[str] = field(default_factory=list)
     history: list[str] = field(default_factory=list)
     wait_until: float = 0.0
+    dropped: int = 0  # the donor's data refused (bad layout, dtype, size, checksum)
+    late: int = 0  # messages not for this request's current donor and phase, ignored
+    drops: DropLog | None = None  # the node's: refused donor data is logged once per donor
     _meta: Any = None
     _bufs: list[np.ndarray] = field(default_factory=list)
     _plan: list[tuple[int, int, int]] = field(default_factory=list)  # (tensor, offset, length) per chunk
@@ -164,9 +168,16 @@ class StateDownload:
         self.wait_until = now + self.chunk_timeout
         self.send(pick.endpoint, StateReq(self.membership.peer_id, self.membership.endpoint, req=self.req))
 
-    def _give_up_on_donor(self, now: float, why: str) -> None:
+    def _give_up_on_donor(self, now: float, why: str, bad: bool = False) -> None:
+        self.dropped += int(bad)
         self.history.append(f"{self.donor[0][:8]}: {why}")
-        log.info("state download %s: donor %s failed: %s", self.req, self.donor[0][:8], why)
+        if bad:
+            if self.drops is None:
+                self.drops = DropLog(self.membership.peer_id[:8])
+            self.drops.note(log, self.donor[0], "state data failing its checks (layout, size or checksum)",
+                            f"download {self.req}: {why}; trying another donor")
+        else:
+            log.info("state download %s: donor %s failed: %s", self.req, self.donor[0][:8], why)
         self._bufs, self._plan, self._next = [], [], 0
         self._ask_next(now)
 
@@ -177,28 +188,29 @@ class StateDownload:
     # ------------------------------------------------------------------ messages
     def on_meta(self, msg: StateMeta, now: float) -> None:
         if self.phase is not DownloadPhase.ASKING or msg.sender != self.donor[0] or msg.req != self.req:
+            self.late += 1
             return
         if not msg.ok:
             return self._give_up_on_donor(now, f"refused: {msg.reason}")
         specs, chunk = msg.specs, msg.chunk_bytes
         codecs = tuple(msg.codecs) or (_codecs.NONE,) * len(specs)
         if len(codecs) != len(specs):
-            return self._give_up_on_donor(now, "codecs do not match the tensors announced")
+            return self._give_up_on_donor(now, "codecs do not match the tensors announced", bad=True)
         bufs, plan, total, total_raw = [], [], 0, 0
         for t, (code, shape) in enumerate(specs):
             if code not in DTYPES:
-                return self._give_up_on_donor(now, f"tensor {t} has disallowed dtype {code!r}")
+                return self._give_up_on_donor(now, f"tensor {t} has disallowed dtype {code!r}", bad=True)
             c = codecs[t]
             if c not in _codecs.CODEC_IDS or (c != _codecs.NONE and DTYPES[code].kind != "f"):
-                return self._give_up_on_donor(now, f"tensor {t}: codec {c} cannot carry dtype {code!r}")
+                return self._give_up_on_donor(now, f"tensor {t}: codec {c} cannot carry dtype {code!r}", bad=True)
             numel = int(np.prod(shape, dtype=np.int64))
             total_raw += numel * DTYPES[code].itemsize  # what the decoded state will take in memory
             if total_raw > self.max_bytes:
-                return self._give_up_on_donor(now, f"state larger than the {self.max_bytes}-byte limit")
+                return self._give_up_on_donor(now, f"state larger than the {self.max_bytes}-byte limit", bad=True)
             nbytes = _codecs.encoded_nbytes(c, numel, DTYPES[code].itemsize)
             total += nbytes
             if total > self.max_bytes:
-                return self._give_up_on_donor(now, f"state larger than the {self.max_bytes}-byte limit")
+                return self._give_up_on_donor(now, f"state larger than the {self.max_bytes}-byte limit", bad=True)
             bufs.append(np.empty(nbytes, dtype=np.uint8))
             plan += [(t, off, min(chunk, nbytes - off)) for off in range(0, nbytes, chunk)]
         self._meta, self._specs, self._bufs, self._plan, self._next = msg.meta, specs, bufs, plan, 0
@@ -210,13 +222,14 @@ class StateDownload:
 
     def on_chunk(self, msg: StateChunk, now: float) -> None:
         if self.phase is not DownloadPhase.STREAMING or msg.sender != self.donor[0] or msg.req != self.req:
+            self.late += 1
             return
         if self._next >= len(self._plan):
-            return self._give_up_on_donor(now, "sent more chunks than announced")
+            return self._give_up_on_donor(now, "sent more chunks than announced", bad=True)
         t, off, length = self._plan[self._next]
         arr = msg.data
         if msg.index != self._next or msg.tensor != t or msg.offset != off or arr.nbytes != length:
-            return self._give_up_on_donor(now, f"chunk {msg.index} does not match the announced layout")
+            return self._give_up_on_donor(now, f"chunk {msg.index} does not match the announced layout", bad=True)
         self._bufs[t][off: off + length] = arr.view(np.uint8)
         self._next += 1
         self.wait_until = now + self.chunk_timeout
@@ -226,7 +239,7 @@ class StateDownload:
         if self._next < len(self._plan):
             return
         if state_digest(self._bufs) != self._digest:  # of the bytes as they came (the same for raw tensors)
-            return self._give_up_on_donor(now, "checksum mismatch")
+            return self._give_up_on_donor(now, "checksum mismatch", bad=True)
         arrays = []
         for b, (code, shape), c in zip(self._bufs, self._specs, self._codecs):
             if c == _codecs.NONE:

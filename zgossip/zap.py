@@ -13,15 +13,22 @@ every message of that connection ("User-Id"): the transport checks each message'
 against it. A refused key gets 400 and never reaches the protocol: its handshake fails, it
 receives nothing and nothing it sends is read. Each refused key is logged once per node and
 counted every time (`stats["refused"]`).
+
+A node with keys also listens on its local Unix socket with the PLAIN mechanism
+(`zgossip.local_auth`: authenticated, not encrypted); those requests carry the client's peer
+id as user name and a proof of its secret key as password, and are admitted only from a
+process of this node's own user. Refusals are counted and logged the same way.
 """
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 import zmq
 
-from .identity import AllowList
+from . import local_auth
+from .identity import AllowList, KeyPair
 
 __all__ = ["Gate", "register", "unregister"]
 
@@ -33,8 +40,8 @@ _ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 class Gate:
     """One node's admission policy: its allow list, counters and log-once memory."""
 
-    def __init__(self, allowed: AllowList, name: str, stats: dict) -> None:
-        self.allowed, self.name, self.stats = allowed, name, stats
+    def __init__(self, allowed: AllowList, name: str, stats: dict, keys: KeyPair | None = None) -> None:
+        self.allowed, self.name, self.stats, self.keys = allowed, name, stats, keys
         self.logged: set[str] = set()
 
     def admit(self, client_key: bytes, address: str) -> str | None:
@@ -42,12 +49,29 @@ class Gate:
         pid = client_key.hex()
         if pid in self.allowed:
             return pid
+        return self._refuse(pid, f"refused a connection from {address or 'a local socket'} with key {pid[:16]}: "
+                                 "not on the allow list")
+
+    def admit_local(self, user: bytes, password: bytes, address: str) -> str | None:
+        """The peer id of a PLAIN connection to the local socket (`zgossip.local_auth`), or None."""
+        uid = local_auth.peer_uid(address)
+        if uid is None or uid != os.getuid():
+            return self._refuse(f"uid:{uid}", f"refused a connection on the local socket from uid {uid}: only processes of this "
+                                              "user may use the unencrypted local socket")
+        pid = user.decode(errors="replace")
+        if self.keys is None or not local_auth.verify(self.keys, pid, password):
+            return self._refuse(f"proof:{pid}", f"refused a connection on the local socket claiming key {pid[:16]}: its key proof "
+                                                "is wrong (it does not hold that key)")
+        if pid not in self.allowed:
+            return self._refuse(pid, f"refused a connection on the local socket with key {pid[:16]}: not on the allow list")
+        return pid
+
+    def _refuse(self, key: str, text: str) -> None:
         self.stats["refused"] = self.stats.get("refused", 0) + 1
-        if pid not in self.logged and len(self.logged) < 4096:
-            self.logged.add(pid)
-            log.warning("zgossip node %s: refused a connection from %s with key %s: not on the allow list "
-                        "(further attempts with this key are only counted in stats['refused'])",
-                        self.name, address or "a local socket", pid[:16])
+        if key not in self.logged and len(self.logged) < 4096:
+            self.logged.add(key)
+            log.warning("zgossip node %s: %s (further attempts are only counted in stats['refused'])",
+                        self.name, text)
         return None
 
 
@@ -88,9 +112,13 @@ class _Handler:
             gate = self.gates.get(domain.decode(errors="replace"))
         if gate is None:
             return reply(b"400", b"no zgossip node for this domain")
-        if mechanism != b"CURVE" or len(creds) != 1 or len(creds[0]) != 32:
+        where = address.decode(errors="replace")
+        if mechanism == local_auth.MECHANISM and len(creds) == 2:
+            pid = gate.admit_local(creds[0], creds[1], where)
+        elif mechanism != b"CURVE" or len(creds) != 1 or len(creds[0]) != 32:
             return reply(b"400", b"zgossip peers speak CURVE")
-        pid = gate.admit(creds[0], address.decode(errors="replace"))
+        else:
+            pid = gate.admit(creds[0], where)
         return reply(b"200", b"OK", pid) if pid is not None else reply(b"400", b"key not allowed")
 
 

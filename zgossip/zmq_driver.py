@@ -21,6 +21,11 @@ connection the client opened: the routing id of the client's latest lane-0 messa
 Messages for a client that has not connected yet wait in a small backlog (`_backlog`, flushed
 on its first message, bounded) -- e.g. a groupmate's GATHER that beats the client's first PART.
 With keys, a client's claim to its id is checked like any other sender's.
+
+**Local sockets with keys**: the abstract Unix socket is then a second ROUTER (`_local`) with
+the PLAIN mechanism and a key proof (`zgossip.local_auth`): authenticated like CURVE, not
+encrypted. It is bound only where the proof can be made; otherwise a node with keys listens on
+TCP alone and local peers reach it with CURVE over TCP.
 """
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ from typing import Any, Callable, Sequence
 
 import zmq
 
-from . import fast_send, wire
+from . import fast_send, local_auth, wire
 from .actions import Owner, execute
 from .clock import WALL_CLOCK
 from .connections import Connections
@@ -95,6 +100,7 @@ class ZmqTransport:
             self.curve = Curve(self.keys, self.allowed, self._peer_keys, self.stats,  # type: ignore[arg-type]
                                self.name or peer_id[:8])
         self._router = self._router_monitor = None
+        self._local = self._local_monitor = None  # with keys: the PLAIN router on the local socket
         self._zap_domain = None
         if self.client_mode:
             self.endpoint = client_endpoint(peer_id)
@@ -102,17 +108,27 @@ class ZmqTransport:
             self._bind()
         self._make_rest(peer_id, make_node)
 
-    def _bind(self) -> None:
-        self._router = r = self._ctx.socket(zmq.ROUTER)
+    def _new_router(self) -> zmq.Socket:
+        r = self._ctx.socket(zmq.ROUTER)
         r.setsockopt(zmq.LINGER, 0)
         r.setsockopt(zmq.MAXMSGSIZE, self._max_msg)
         r.setsockopt(zmq.RCVHWM, 0)
         r.setsockopt(zmq.ROUTER_MANDATORY, 1)  # replies to a client that left raise, rather than vanish
+        return r
+
+    def _uses_local_sockets(self) -> bool:
+        """Whether this node listens on and connects to local Unix sockets (with keys: only where
+        the PLAIN key proof works, and never in client mode, whose answers need a server proof)."""
+        return self.local_ipc and (self.curve is None or (local_auth.available() and not self.client_mode))
+
+    def _bind(self) -> None:
+        self._router = r = self._new_router()
         if self.curve is not None:
             from . import zap
 
             self._zap_domain = f"zgossip-{id(self):x}"
-            zap.register(self._ctx, self._zap_domain, zap.Gate(self.curve.allowed, self.name or "?", self.stats))
+            zap.register(self._ctx, self._zap_domain,
+                         zap.Gate(self.curve.allowed, self.name or "?", self.stats, self.curve.keys))
             self.curve.server(r, self._zap_domain)
         # failed handshakes (a key not allowed, a peer with/without keys) are logged once per kind
         self._router_monitor = r.get_monitor_socket(HANDSHAKE_EVENTS)
@@ -120,8 +136,13 @@ class ZmqTransport:
         listen = self.listen[:-2] + ":*" if self.listen.startswith("tcp://") and self.listen.endswith(":0") else self.listen
         r.bind(listen)
         self.endpoint = advertised(r.getsockopt(zmq.LAST_ENDPOINT).decode(), self.announce_host, self.initial_peers)
-        local = local_name(self.endpoint) if self.local_ipc else None
+        local = local_name(self.endpoint) if self._uses_local_sockets() else None
         if local is not None:
+            if self.curve is not None:  # authenticated, unencrypted (zgossip.local_auth)
+                self._local = r = self._new_router()
+                r.setsockopt(zmq.PLAIN_SERVER, 1)
+                r.setsockopt(zmq.ZAP_DOMAIN, self._zap_domain.encode())  # type: ignore[union-attr]
+                self._local_monitor = r.get_monitor_socket(HANDSHAKE_EVENTS)
             try:
                 r.bind("ipc://@" + local)
                 self.local_address = "ipc://@" + local
@@ -129,11 +150,16 @@ class ZmqTransport:
                 log.warning("zgossip node %s: could not listen on the local socket @%s (%s); "
                             "peers on this host will connect over TCP only if they do not find it",
                             self.endpoint, local, e)
+                if self._local is not None:
+                    self._local.disable_monitor()
+                    self._local_monitor.close(0)  # type: ignore[union-attr]
+                    self._local.close(0)
+                    self._local = self._local_monitor = None
 
     def _make_rest(self, peer_id: str, make_node: NodeFactory) -> None:
         self.node = make_node(self.endpoint, None)
         self._poller = zmq.Poller()
-        self.routes = LocalRoutes(self.endpoint, self.local_ipc)
+        self.routes = LocalRoutes(self.endpoint, self._uses_local_sockets())
         self.connections = Connections(self._ctx, self._poller, self.routes, self.stats, curve=self.curve,
                                        server_id=self._server_id, readable=self.client_mode,
                                        max_msg_bytes=self._max_msg)
@@ -204,9 +230,10 @@ class ZmqTransport:
         name_this_thread("zgossip-io")
         poller, now, node = self._poller, self.clock.now, self.node
         router, mon = self._router, self._router_monitor
-        if router is not None:
-            poller.register(router, zmq.POLLIN)
-            poller.register(mon, zmq.POLLIN)
+        local, local_mon = self._local, self._local_monitor
+        for sock in (router, mon, local, local_mon):
+            if sock is not None:
+                poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_in, zmq.POLLIN)
         try:
             self._guard(node.start, now())
@@ -222,8 +249,15 @@ class ZmqTransport:
                     self._drain(router, None)
                     handled += 1
                 if mon is not None and mon in events:
-                    self._drain_router_monitor()
+                    self._drain_router_monitor(mon)
                     handled += 1
+                if local is not None:
+                    if local in events:
+                        self._drain(local, None)
+                        handled += 1
+                    if local_mon in events:
+                        self._drain_router_monitor(local_mon)
+                        handled += 1
                 if len(events) > handled:
                     for sock, (ep, pid) in list(self.connections.inbound.items()):
                         if sock in events:
@@ -236,10 +270,11 @@ class ZmqTransport:
         finally:
             self._started.set()
             self.connections.close_all()
-            if router is not None:
-                router.disable_monitor()
-                mon.close(0)
-                router.close(0)
+            for r, m in ((router, mon), (local, local_mon)):
+                if r is not None:
+                    r.disable_monitor()
+                    m.close(0)
+                    r.close(0)
             if self._zap_domain is not None:
                 from . import zap
 
@@ -318,7 +353,13 @@ class ZmqTransport:
                 msg = wire.decode(frames, self.limits)
             except wire.InvalidMessage as e:
                 self.stats["invalid"] += 1
-                log.warning("zgossip node %s: dropped invalid message: %s", self.endpoint, e)
+                if user is not None:
+                    source = f"peer {user}"
+                elif dealer is not None:
+                    source = f"{dealer[0]} (answering on our connection)"
+                else:  # a connection without keys does not say who is at its other end
+                    source = "a sender without keys"
+                self.node.drops.note(log, source, "an invalid message", str(e)[:200], counter="invalid")
                 continue
             if self.curve is not None:
                 source = dealer[0] if dealer is not None else f"{msg.endpoint} (claimed)"
@@ -327,7 +368,7 @@ class ZmqTransport:
                 if routed and not msg.endpoint.startswith(CLIENT_SCHEME) and self.curve.heard(msg.sender, msg.endpoint):
                     self.connections.close(msg.endpoint)  # opened with the key of whoever was there before
                 self.curve.vouched(msg)
-            if routed and msg.endpoint.startswith(CLIENT_SCHEME) and wire.lane_of(msg.type) == 0:
+            if sock is self._router and msg.endpoint.startswith(CLIENT_SCHEME) and wire.lane_of(msg.type) == 0:
                 if msg.endpoint != client_endpoint(msg.sender):
                     self.stats["invalid"] += 1
                     continue
@@ -354,12 +395,12 @@ class ZmqTransport:
             for msg in waiting:
                 self.transmit(client_endpoint(peer_id), msg, batch)
 
-    def _drain_router_monitor(self) -> None:
+    def _drain_router_monitor(self, mon: zmq.Socket) -> None:
         from zmq.utils.monitor import recv_monitor_message
 
         while True:
             try:
-                event = recv_monitor_message(self._router_monitor, zmq.NOBLOCK)
+                event = recv_monitor_message(mon, zmq.NOBLOCK)
             except zmq.Again:
                 return
             self._handshake_failed("a connecting peer", event)

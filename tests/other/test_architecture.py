@@ -15,7 +15,8 @@ import pytest
 PKG = Path(__file__).resolve().parents[2] / "zgossip"
 PROTOCOL_MODULES = ["wire", "messages", "membership", "matchmaking", "grid", "partition", "allreduce", "numeric", "node",
                     "codecs",
-                    "tensors", "errors", "rendezvous", "state", "layouts", "linkstats"]
+                    "tensors", "errors", "rendezvous", "state", "layouts", "linkstats",
+                    "ratelimit", "droplog"]
 SEAM_MODULES = ["actions", "transport", "view"]  # the interfaces between protocol, transports and users
 USER_MODULES = ["averager", "training_state", "progress", "steplog", "step_control", "staging"]  # above the seam: time and waits from the Clock
 # the training layer: also above the seam, on the averager's clock (so `python -m sim train` runs it)
@@ -25,7 +26,7 @@ TRAINING_MODULES = ["optim", "collaborative", "accumulator", "trainer", "overlap
 TRAINING_NOT_YET_ON_THE_CLOCK: list[str] = []
 # Drivers and clocks: the only modules that may wait, read the time, or open sockets.
 DRIVERS_AND_CLOCKS = ["clock", "zmq_driver", "connections", "zerocopy", "local_ipc", "fast_send", "process_tuning",
-                      "endpoints", "curve", "zap", "identity"]
+                      "endpoints", "curve", "zap", "identity", "local_auth"]
 # Monitoring: the Prometheus endpoint serves from a thread of its own and the live table reads the wall
 # clock; neither is protocol code, and the Averager loads them only when asked for (metrics_port=).
 OPS_MODULES = ["metrics", "live"]

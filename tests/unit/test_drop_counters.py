@@ -1,0 +1,65 @@
+"""Every message the protocol refuses or ignores is counted: refused (bad data from a peer) in
+``dropped``, late or duplicate (already settled) in ``late``, control floods in ``rate_limited``.
+State machines fed by hand, time passed in; no sockets."""
+from __future__ import annotations
+
+import numpy as np
+
+from handfed import ep, pid
+from test_allreduce_round import Group, data
+from zgossip.messages import Gather, Gossip, NoGroup, Part, Redirect, RescueCall
+from zgossip.node import Node, NodeConfig
+from zgossip.ratelimit import SourceLimits
+
+
+def test_round_counts_refused_and_late_messages():
+    g = Group(data(2), [1.0, 1.0])
+    g.start()
+    r0 = g.rounds[0]
+    sent = [m for _, m in g.outs[1].take()]  # round 1's GATHER and its parts of round 0's span
+    for m in sent:
+        r0.on_message(m, 0.0)
+    assert r0.dropped == 0 and r0.late == 0
+    part = next(m for m in sent if isinstance(m, Part))
+    gather = next(m for m in sent if isinstance(m, Gather))
+    r0.on_message(part, 0.0)  # the same part again: its share is settled
+    r0.on_message(gather, 0.0)  # a second GATHER: the first stands
+    assert (r0.dropped, r0.late) == (0, 2)
+    r0.on_message(RescueCall(pid(1), ep(1), group_id="g1", owner=0), 0.0)  # "rescue" the receiver's own span
+    r0.on_message(Part(pid(1), ep(1), group_id="g1", owner=1, part=0, weight=1.0, rescue=False,
+                       data=part.data), 0.0)  # a part of a span the receiver does not own
+    r0.on_message(Part(pid(7), ep(7), group_id="g1", owner=0, part=0, weight=1.0, rescue=False,
+                       data=part.data), 0.0)  # from a non-member
+    assert (r0.dropped, r0.late) == (3, 2)
+
+
+def _node(**cfg) -> Node:
+    return Node(pid(0), ep(0), NodeConfig(prefix="t", gossip_interval=0.5, **cfg), np.random.default_rng(0))
+
+
+def test_node_rate_limits_control_floods_per_source_and_counts_late_answers():
+    n = _node(control_rate=10.0, control_burst=20)
+    n.start(0.0)
+    for i in range(200):  # one flooding source, all at once
+        n.on_message(Gossip(pid(1), ep(1), heartbeat=i, peers=()), 1.0)
+    assert n.stats["rate_limited"] == 180
+    n.on_message(Gossip(pid(2), ep(2), heartbeat=1, peers=()), 1.0)  # another source is not held back
+    assert n.stats["rate_limited"] == 180
+    n.on_message(Gossip(pid(1), ep(1), heartbeat=500, peers=()), 2.0)  # the bucket refills (10/s)
+    assert n.stats["rate_limited"] == 180
+    # answers to a join this node is not making: ignored, counted late
+    late = n.stats["late"]
+    n.on_message(Redirect(pid(2), ep(2), key="t/0", step_id="s", to_id=pid(3), to_endpoint=ep(3)), 2.0)
+    n.on_message(NoGroup(pid(2), ep(2), key="t/0", step_id="s", reason="x", seen=0, retry=True), 2.0)
+    assert n.stats["late"] == late + 2
+    # round data for no round of ours: dropped
+    dropped = n.stats["dropped"]
+    n.on_message(RescueCall(pid(2), ep(2), group_id="ab" * 8, owner=0), 2.0)
+    assert n.stats["dropped"] == dropped + 1
+
+
+def test_source_limits_forget_the_least_recent_source_first():
+    lim = SourceLimits(rate=1.0, burst=1, max_sources=2)
+    assert lim.allow("a", 0.0) and not lim.allow("a", 0.0)
+    assert lim.allow("b", 0.0) and lim.allow("c", 0.0)  # "a" forgotten: a new source starts full
+    assert lim.allow("a", 0.0)
