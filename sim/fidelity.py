@@ -58,6 +58,11 @@ def _hints(hosts: list[dict]) -> list[dict]:
     return [{**h, "hint": float(min(h["up_mbit"], h["down_mbit"]))} for h in hosts]
 
 
+def _auto(hosts: list[dict]) -> list[dict]:
+    """The same hosts with bandwidth="auto": each peer measures its rate (zgossip.linkstats)."""
+    return [{**h, "hint": "auto"} for h in hosts]
+
+
 def _lossy(hosts: list[dict], p: float) -> list[dict]:
     return [{**h, "loss": p} for h in hosts]
 
@@ -74,16 +79,20 @@ MIB = 1 << 18  # float32 values in one MiB
 #: name -> (hosts, MiB of float32 per peer)
 CASES: dict[str, tuple[list[dict], int]] = {
     "fast4-1g-4m": (_FAST4, 4),
+    "fast4-auto-1g-4m": (_auto(_FAST4), 4),
     "fast8-1g-16m": ([_h(1000, 1, count=8)], 16),
     "slow1-4m": (_SLOW1, 4),
     "slow1-hints-4m": (_hints(_SLOW1), 4),
+    "slow1-auto-4m": (_auto(_SLOW1), 4),
     "home4-4m": (_HOME, 4),
     "home4-hints-4m": (_hints(_HOME), 4),
+    "home4-auto-4m": (_auto(_HOME), 4),
     "home4-loss-1m": (_lossy(_HOME, 0.01), 1),
     "home4-1m": (_HOME, 1),
     "home6-1m": (_HOME6, 1),
     "issue4-4m": (_ISSUE, 4),
     "issue4-hints-4m": (_hints(_ISSUE), 4),
+    "issue4-auto-4m": (_auto(_ISSUE), 4),
     "lat150-1m": (_LAT150, 1),
     "lat150-loss-1m": (_lossy(_LAT150, 0.01), 1),
     "home4-100m-16m": ([_h(100, 10, count=4)], 16),
@@ -94,6 +103,10 @@ PAIRS: list[tuple[str, str, str]] = [
     ("hints", "home4-4m", "home4-hints-4m"),
     ("hints", "issue4-4m", "issue4-hints-4m"),
     ("hints", "slow1-4m", "slow1-hints-4m"),
+    ("auto", "home4-4m", "home4-auto-4m"),
+    ("auto", "issue4-4m", "issue4-auto-4m"),
+    ("auto", "slow1-4m", "slow1-auto-4m"),
+    ("auto", "fast4-1g-4m", "fast4-auto-1g-4m"),
     ("loss", "home4-1m", "home4-loss-1m"),
     ("loss", "lat150-1m", "lat150-loss-1m"),
     ("slow host", "fast4-1g-4m", "slow1-4m"),

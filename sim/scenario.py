@@ -34,7 +34,8 @@ never inside them). Keys, with defaults:
                                 # each: up_mbit, down_mbit, latency_ms (one way, host <-> switch:
                                 # host i to host j takes latency_i + latency_j), jitter_ms, loss
                                 # (packet loss probability on this host's link, each direction),
-                                # hint (the protocol's `bandwidth` for this peer; omitted = 1.0),
+                                # hint (the protocol's `bandwidth` for this peer, a number or
+                                # "auto" = measured; omitted = 1.0),
                                 # count (this many identical hosts). The testbed (sim.testbed)
                                 # builds exactly these links.
     [[faults]]                  # see sim.faults: crash, crash_rejoin, pause, partition, slow
@@ -86,7 +87,7 @@ class HostSpec:
     latency_ms: float = 0.0
     jitter_ms: float = 0.0
     loss: float = 0.0
-    hint: float | None = None
+    hint: float | str | None = None  # a number, or "auto" (the protocol measures it)
     count: int = 1
 
     @classmethod
@@ -101,7 +102,10 @@ class HostSpec:
             raise ValueError("hosts: latency_ms and jitter_ms must be >= 0")
         if not 0.0 <= h.loss < 1.0:
             raise ValueError("hosts: loss is a probability below 1")
-        if h.hint is not None and h.hint < 0:
+        if isinstance(h.hint, str):
+            if h.hint != "auto":
+                raise ValueError("hosts: hint must be a number >= 0 or \"auto\"")
+        elif h.hint is not None and not h.hint >= 0:
             raise ValueError("hosts: hint must be >= 0")
         if int(h.count) != h.count or h.count < 1:
             raise ValueError("hosts: count must be a positive integer")
@@ -324,7 +328,8 @@ class ScenarioRun(SimFaultContext):
             kw.setdefault("target_group_size", max(sc.grid))
         kw["grid_coords"] = tuple(coords) if sc.grid else None
         if index is not None and index < len(self._hosts) and self._hosts[index].hint is not None:
-            kw["bandwidth"] = float(self._hosts[index].hint)
+            hint = self._hosts[index].hint
+            kw["bandwidth"] = hint if hint == "auto" else float(hint)
         return NodeConfig(**kw)
 
     def _add(self, index: int, coords: tuple, tensors: list | None = None, replace: bool = False) -> SimPeer:

@@ -92,7 +92,12 @@ def main() -> int:
                 rep.update(outcome="done", group_id=res.group_id, group_size=len(res.members),
                            members=list(res.members), contributors=list(res.contributors), lost=list(res.lost),
                            complete=res.complete, timings=res.timings, bytes_sent=res.bytes_sent,
-                           bytes_received=res.bytes_received)
+                           bytes_received=res.bytes_received, deadlines=res.deadlines,
+                           span_parts=[s.parts for s in res.spans])
+                try:
+                    rep["bandwidth_estimates"] = avg.bandwidth_estimates()
+                except ZGossipError:
+                    pass
             except ZGossipError as e:
                 end = time.monotonic()
                 rep.update(outcome="failed", error=type(e).__name__, message=str(e)[:300])

@@ -47,7 +47,7 @@ __all__ = ["run_testbed", "PeerProcess", "averager_settings", "PORT"]
 PORT = 41000
 _AVERAGER_KEYS = {"prefix", "target_group_size", "min_group_size", "matchmaking_time", "request_timeout",
                   "part_size_bytes", "part_timeout", "allreduce_timeout", "gossip_interval", "peer_timeout",
-                  "bandwidth", "grid", "grid_coords", "compression", "error_feedback"}
+                  "bandwidth", "part_timeout_floor", "deadline_slack", "grid", "grid_coords", "compression", "error_feedback"}
 
 
 def averager_settings(sc: Scenario, coords: tuple, index: int) -> dict:
@@ -59,7 +59,7 @@ def averager_settings(sc: Scenario, coords: tuple, index: int) -> dict:
     kw["grid"] = list(kw["grid"])
     hosts = sc.host_list()
     if index < len(hosts) and hosts[index].hint is not None:
-        kw["bandwidth"] = float(hosts[index].hint)
+        kw["bandwidth"] = hosts[index].hint if hosts[index].hint == "auto" else float(hosts[index].hint)
     if sc.compression != "none" or sc.error_feedback:  # as the simulator's peers (ScenarioRun._add)
         kw["compression"], kw["error_feedback"] = sc.compression, sc.error_feedback
     bad = set(kw) - _AVERAGER_KEYS

@@ -10,9 +10,10 @@ Failure semantics (see README, "What a step guarantees"):
 
 * every element of a member's buffer ends either as a weighted mean over a set of
   contributors that includes that member, or unchanged — never a partial sum;
-* a member silent for ``part_timeout`` while it owes an owner data is excluded from
-  that owner's remaining parts; an owner silent for ``2*part_timeout`` while others
-  wait for results is declared lost, and its unresolved parts are *re-reduced* by a
+* a member silent for its silence limit (``part_timeout``, or with adaptive deadlines
+  the limit its measured pace gives, `linkstats.silence_limit`) while it owes an owner
+  data is excluded from that owner's remaining parts; an owner silent for twice the
+  largest limit while others wait for results is declared lost, and its unresolved parts are *re-reduced* by a
   substitute (the next live member in ring order) among the survivors that still
   need them. If the substitute fails too, or ``deadline`` passes, what is left stays
   unchanged;
@@ -44,7 +45,8 @@ from .errors import IllegalTransition, ProtocolError
 from .matchmaking import GroupSpec
 from .messages import Abort, Gather, Message, Part, Rescue, RescueCall, Result
 from .numeric import PassPlan, add_pass, divide, plan_pass, take_finite
-from .partition import PartPlan, make_plan, streamed_part_elems
+from .linkstats import LinkStats, silence_limit
+from .partition import PartPlan, make_plan, plan_bandwidths, streamed_part_elems
 
 __all__ = ["AllReduceRound", "RoundOutcome", "SpanOutcome", "RoundPhase", "PartState", "ReduceState", "MOVES", "transition"]
 
@@ -186,6 +188,11 @@ class AllReduceRound:
         part_timeout: float,
         deadline: float,
         on_done: Callable[["AllReduceRound", float], None],
+        linkstats: LinkStats | None = None,
+        part_timeout_floor: float | None = None,
+        deadline_slack: float = 4.0,
+        rtt: Callable[[str], float | None] | None = None,
+        rate_of: Callable[[str], float | None] | None = None,
         drops: DropLog | None = None,
         codec: CodecMap | None = None,
     ) -> None:
@@ -206,6 +213,17 @@ class AllReduceRound:
         self.deadline = deadline
         self.started = now
         self._now = now  # time of the event being handled
+        # Adaptive deadlines: with `linkstats` and a floor, each member's silence limit follows its
+        # measured pace (`linkstats.silence_limit`) instead of the fixed part_timeout.
+        self.stats = linkstats
+        self._floor = part_timeout_floor
+        self._slack = deadline_slack
+        self._rtt = rtt
+        self._rate_of = rate_of  # a member's gossiped rate (Mbit/s): its pace before we measured one
+        self._limits_seen: list[float] = []  # data-silence limits used (min/max reported)
+        self._result_limits_seen: list[float] = []
+        if linkstats is not None:
+            linkstats.begin(now)
         self._watchdog = now + part_timeout / 4
         self.phase = RoundPhase.RUNNING
         # the round's own PARTs and RESULTs are built unchecked on the hot path (`Part.trusted`): what
@@ -213,7 +231,7 @@ class AllReduceRound:
         Part(self.me.peer_id, self.me.endpoint, group_id=spec.group_id, owner=0, part=0, weight=self.weight,
              rescue=False, data=buffer[:0])
         self._gid = spec.group_id
-        bws = [m.bandwidth for m in spec.members]
+        bws = plan_bandwidths([m.bandwidth for m in spec.members], [m.gathers for m in spec.members])
         self.plan = make_plan(buffer.size, bws, streamed_part_elems(buffer.size, bws, part_elems, buffer.dtype.itemsize))
         self.index = {m.peer_id: i for i, m in enumerate(spec.members)}
         self.last_heard = [now] * self.n  # when each member's last message came (only messages count)
@@ -302,6 +320,8 @@ class AllReduceRound:
             self.codec.zero_residual(*self.plan.span(self.rank))  # our own term is reduced exactly
         for p in range(self.own.nparts):
             self._advance(self.own, p, now)
+        # the first watchdog tick follows the limits known now (measured paces, gossiped rates)
+        self._refresh_limits(now)
         self._check_done(now)
 
     # ------------------------------------------------------------------ reduction
@@ -632,6 +652,8 @@ class AllReduceRound:
         rng = self._part_range(owner, p, arr)
         if rng is None:
             return self._bad(j, msg, "part index, length or dtype does not match the group's plan")
+        if self.stats is not None:  # a transfer that completed, even one too late to be used: it measures the link
+            self.stats.on_payload(msg.sender, arr.nbytes, now)
         if msg.rescue:
             r = self.rescues.get(owner)
             if r is None or p not in r.declared.get(j, ()):
@@ -662,6 +684,8 @@ class AllReduceRound:
             self._part_range(owner, p, arr)
         if rng is None or any(c >= self.n for c in contrib):
             return self._bad(j, msg, "result does not match the group's plan")
+        if self.stats is not None and arr.nbytes:  # counts for our download rate, not for the owner's pace
+            self.stats.on_payload(msg.sender, arr.nbytes, now, pace=False)
         if not msg.rescue and owner in self.rescue_target:
             # a late result from an owner we already declared lost: our part of its span was handed to
             # the substitute (and may still be on its way, zero-copy from our buffer), so only the
@@ -729,9 +753,9 @@ class AllReduceRound:
         return data, rescue_data, results, rescue_results
 
     def next_deadline(self) -> float | None:
-        # Silence is checked on a watchdog tick of part_timeout/4 rather than per member per
-        # event (which costs O(n^2) per message in large groups): a silent member is noticed
-        # between T and 1.25 T after its last message.
+        # Silence is checked on a watchdog tick of a quarter of the shortest silence limit
+        # (`_refresh_limits`) rather than per member per event (which costs O(n^2) per message
+        # in large groups): a silent member is noticed between T and 1.25 T after its last message.
         if self.phase is RoundPhase.DONE:
             return None
         return min(self.deadline, self._watchdog)
@@ -749,20 +773,70 @@ class AllReduceRound:
         if now < self._watchdog:
             return
         T = self.part_timeout
-        self._watchdog = now + T / 4
+        limits, R = self._refresh_limits(now)
         for j in range(self.n):
             if j == self.rank or j in self.lost:
                 continue
-            # compare exactly as next_deadline computes (last + T), or float rounding spins the timer
+            Tj = limits.get(j, T)
             heard = self.last_heard[j]
             asked = max(heard, self.asked_at[j])
-            if now < heard + T:
+            if now < heard + min(Tj, T):
                 continue
             data, rescue_data, results, rescue_results = self._waiting_on(j)
-            if (data or (results and now >= heard + 2 * T)
+            if ((data and now >= heard + Tj) or (results and now >= heard + R)
                     or (rescue_data and now >= asked + T) or (rescue_results and now >= asked + 2 * T)):
                 self._member_lost(j, now)
         self._check_done(now)
+
+    def _refresh_limits(self, now: float) -> tuple[dict[int, float], float]:
+        """The silence limits for this tick (`_limits`) and for results (an owner's results wait on
+        its slowest sender, so they get the largest limit, doubled); records them for
+        `deadlines_used` and sets the next watchdog tick to a quarter of the shortest."""
+        T = self.part_timeout
+        limits = self._limits(now)
+        R = 2 * max(limits.values(), default=T)
+        self._watchdog = now + min([T, *limits.values()]) / 4
+        if limits:
+            self._limits_seen.append(min(limits.values()))
+            self._limits_seen.append(max(limits.values()))
+            self._result_limits_seen.append(R)
+        return limits, R
+
+    def _limits(self, now: float) -> dict[int, float]:
+        """Each live groupmate's data-silence limit: `part_timeout`, or with adaptive deadlines the
+        limit its measured pace gives for one part (`linkstats.silence_limit`)."""
+        T = self.part_timeout
+        others = [j for j in range(self.n) if j != self.rank and j not in self.lost]
+        if self.stats is None or self._floor is None:
+            return {j: T for j in others}
+        # a part's raw bytes: with a codec its wire bytes are fewer, so the limit errs long (paces
+        # are measured in wire bytes), never short
+        part_bytes = self.plan.part_elems * self.buf.dtype.itemsize
+        out = {}
+        for j in others:
+            m = self.members[j]
+            rtt = self._rtt(m.endpoint) if self._rtt is not None else None
+            floor = min(T, max(self._floor, 4 * rtt if rtt else 0.0))
+            pace = self.stats.pace(m.peer_id)
+            ceiling = self.deadline - self.started
+            if pace is None and self._rate_of is not None:
+                # not measured yet: the slower of its gossiped rate and ours, shared by the n - 1
+                # streams each link carries. Without our own rate it may only lengthen the wait.
+                theirs, ours = self._rate_of(m.peer_id), self.stats.estimate_mbit()
+                rate = min(r for r in (theirs, ours) if r) if theirs or ours else None
+                if rate:
+                    limit = silence_limit((self.n - 1) / (rate * 125_000.0), part_bytes, T, floor, self._slack, ceiling)
+                    out[j] = limit if theirs and ours else max(T, limit)
+                    continue
+            out[j] = silence_limit(pace, part_bytes, T, floor, self._slack, ceiling)
+        return out
+
+    def deadlines_used(self) -> dict[str, float]:
+        """The silence limits this round applied (see `StepResult.deadlines`)."""
+        parts = self._limits_seen or [self.part_timeout]
+        return {"part": max(parts), "part_min": min(parts),
+                "result": max(self._result_limits_seen or [2 * self.part_timeout]),
+                "allreduce": self.deadline - self.started}
 
     def _check_done(self, now: float, force: bool = False) -> None:
         if self.phase is RoundPhase.DONE:

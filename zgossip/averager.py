@@ -85,7 +85,13 @@ class Averager:
     ``part_size_bytes`` the streaming unit; ``part_timeout`` how long a silent member is
     waited for before it is excluded (an owner gets twice that); ``allreduce_timeout``
     bounds a round; ``bandwidth`` is this peer's relative share of the reduction (0 makes
-    it a client that reduces nothing); ``averaging_alpha`` moves tensors only part way
+    it a client that reduces nothing; ``"auto"`` measures its download rate in Mbit/s from
+    the transfers of its rounds and gossips it, see `zgossip.linkstats`); ``part_timeout_floor`` /
+    ``deadline_slack`` turn ``part_timeout`` into a cap on adaptive deadlines: a groupmate whose
+    pace was measured is given up after ``deadline_slack`` x the time its next part takes at that
+    pace, at least ``part_timeout_floor`` seconds, and past ``part_timeout`` only when it was
+    measured that slow (never past the round's ``allreduce_timeout``); ``part_timeout_floor=None``
+    keeps the fixed ``part_timeout``; ``averaging_alpha`` moves tensors only part way
     to the mean; ``grid`` / ``grid_coords`` place the peer on a Moshpit grid (``grid="auto"``:
     the shape follows the swarm's gossiped size, `zgossip.autogrid`).
 
@@ -180,7 +186,9 @@ class Averager:
         part_size_bytes: int = 4 << 20,
         part_timeout: float = 5.0,
         allreduce_timeout: float = 60.0,
-        bandwidth: float = 1.0,
+        bandwidth: float | str = 1.0,
+        part_timeout_floor: float | None = 2.0,
+        deadline_slack: float = 4.0,
         averaging_alpha: float = 1.0,
         grid: Sequence[int] | str = (),
         grid_coords: Sequence[int] | None = None,
@@ -272,6 +280,7 @@ class Averager:
             grid=() if _is_auto(grid) else _grid_shape(grid), grid_auto=_is_auto(grid),
             grid_coords=tuple(grid_coords) if grid_coords is not None else None,
             state_chunk_bytes=state_chunk_bytes, state_donors=state_donors,
+            part_timeout_floor=part_timeout_floor, deadline_slack=deadline_slack,
         )
         if client_mode and self.config.bandwidth:
             self.config = dataclasses.replace(self.config, bandwidth=0.0)
@@ -741,6 +750,11 @@ class Averager:
     def peer_infos(self) -> dict[str, dict]:
         """The latest record every live peer published (this peer's included), by peer id."""
         return self._ask_node(lambda node: node.peer_infos())
+
+    def bandwidth_estimates(self) -> dict[str, float]:
+        """Measured download rates (Mbit/s) by peer id: this peer's own and what live peers gossiped
+        (every peer that measured one, whatever its ``bandwidth``; see `zgossip.linkstats`)."""
+        return self._ask_node(lambda node: node.peer_bandwidths())
 
     def peers(self) -> list[str]:
         """Peer ids this averager currently believes alive (a snapshot, for monitoring)."""

@@ -81,6 +81,8 @@ class Membership:
         self.peer_timeout = peer_timeout
         self.max_digest = max_digest
         self.admit: Callable[[str], bool] = lambda peer_id: True  # with keys: is this peer id allowed?
+        # the node's check of the entries it reads from a peer's info record (bad ones dropped, counted)
+        self.clean_info: Callable[[str, dict], dict] = lambda peer_id, info: info
         self.heartbeat = 0
         self.share: float | None = None  # this node's state-sharing priority, gossiped with its heartbeat
         self.info: dict = {}  # this node's public record, gossiped with its heartbeat
@@ -251,10 +253,11 @@ class Membership:
                 self._tombstones.pop(pid, None)
                 if ep in self.initial_peers:
                     self._reached.add(ep)
-                self.peers[pid] = PeerRecord(pid, ep, hb, now, share, info)
+                self.peers[pid] = PeerRecord(pid, ep, hb, now, share, self.clean_info(pid, info))
                 self._changed()
             elif hb > rec.heartbeat:
-                rec.heartbeat, rec.endpoint, rec.updated, rec.share, rec.info = hb, ep, now, share, info
+                rec.heartbeat, rec.endpoint, rec.updated, rec.share = hb, ep, now, share
+                rec.info = self.clean_info(pid, info)
 
     def goodbye(self, now: float) -> None:
         """Shutting down cleanly: tell every live peer to forget us now, and stop gossiping."""

@@ -202,11 +202,12 @@ _SPEC = _record(_str(4), _list(_int(0, 1 << 40), 32))  # dtype code, shape
 
 
 def _join_flags(v: Any) -> Any:
-    """JOIN's `g`: flags (1 = sends GATHER, 2 = auxiliary); a bool, as first released, means 0/1."""
+    """JOIN's `g`: flags (1 = sends GATHER, 2 = auxiliary, 4 = bandwidth measured, 8 = bandwidth="auto"
+    not measured yet: `partition.plan_bandwidths`); a bool, as first released, means 0/1."""
     if type(v) is bool:
         return v
-    return _int(0, 3)(v)
-_MEMBER = _record(_ID, _EP, _float(0.0, 1e18), _ID, _int(0, 3))  # id, endpoint, bandwidth, step, flags (1 GATHER, 2 aux)
+    return _int(0, 15)(v)
+_MEMBER = _record(_ID, _EP, _float(0.0, 1e18), _ID, _int(0, 15))  # id, endpoint, bandwidth, step, flags as JOIN's
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,7 +218,8 @@ class MemberInfo:
     endpoint: str
     bandwidth: float
     step_id: str
-    gathers: int = 1  # flags: 1 = sends GATHER (it passed gather data), 2 = auxiliary (weight 0, no data)
+    gathers: int = 1  # flags: 1 = sends GATHER (it passed gather data), 2 = auxiliary (weight 0, no data),
+    # 4 / 8 = `bandwidth` is a measured estimate / a placeholder of an auto peer (partition.plan_bandwidths)
 
     @property
     def sends_gather(self) -> bool:

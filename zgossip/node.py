@@ -24,7 +24,9 @@ from .droplog import DropLog
 from .endpoints import listens
 from .errors import IllegalTransition, PeerLost, ProtocolError, RoundTimeout, StepInProgress
 from .grid import MoshpitGrid
+from .linkstats import LinkStats, valid_rate
 from .matchmaking import GroupSpec, Matchmaker
+from .partition import MEASURED, UNMEASURED
 from .membership import Membership
 from .messages import (
     Abort, Bye, Done, Gather, Gossip, GossipReply, Group, Join, JoinAck, Leave, Message, NoGroup, Part, Redirect, Rescue,
@@ -59,7 +61,7 @@ class NodeConfig:
     gossip_interval: float = 0.5
     peer_timeout: float = 5.0
     fanout: int = 2
-    bandwidth: float = 1.0  # relative share of the reduction this peer takes; 0 = client
+    bandwidth: float | str = 1.0  # link rate (any unit every peer shares; 0 = client) or "auto": measured, Mbit/s
     grid: tuple[int, ...] = ()
     grid_coords: tuple[int, ...] | None = None
     grid_auto: bool = False  # the grid's shape follows the swarm's gossiped size (zgossip.autogrid)
@@ -71,6 +73,10 @@ class NodeConfig:
     state_donors: int = 4  # a download fetches chunks from up to this many donors at once
     self_repair: bool = True  # a peer outvoted on its published state hash downloads the majority's
     repair_timeout: float = 120.0
+    # adaptive deadlines (zgossip.linkstats.silence_limit): a member measured fast is given up after
+    # `deadline_slack` x its pace for one part, at least `part_timeout_floor`; None = fixed part_timeout
+    part_timeout_floor: float | None = 2.0
+    deadline_slack: float = 4.0
     # control messages (gossip, joins, state requests, goodbyes) taken per second from one source,
     # and at once; more are dropped and counted (`zgossip.ratelimit`). The rate is at least
     # 4 / gossip_interval: an honest source sends about one gossip and one reply per interval.
@@ -82,8 +88,15 @@ class NodeConfig:
             raise ValueError("part_size_bytes must be at least 16")
         if self.state_chunk_bytes < 16 or self.state_donors < 1:
             raise ValueError("need state_chunk_bytes >= 16 and state_donors >= 1")
-        if self.bandwidth < 0:
-            raise ValueError("bandwidth must be >= 0 (0 = client)")
+        if isinstance(self.bandwidth, str):
+            if self.bandwidth != "auto":
+                raise ValueError(f"bandwidth must be a number >= 0 or 'auto', not {self.bandwidth!r}")
+        elif not self.bandwidth >= 0 or self.bandwidth == float("inf"):
+            raise ValueError("bandwidth must be finite and >= 0 (0 = client)")
+        if self.part_timeout_floor is not None and not 0 < self.part_timeout_floor:
+            raise ValueError("part_timeout_floor must be positive (or None: fixed part_timeout)")
+        if not self.deadline_slack >= 1:
+            raise ValueError("deadline_slack must be >= 1")
         if self.part_timeout <= 0 or self.allreduce_timeout <= 0:
             raise ValueError("timeouts must be positive")
         if not self.prefix or len(self.prefix) > 200:
@@ -140,6 +153,9 @@ class StepResult:
     # peers that stepped with the same key but could not join: their tensors differ (peer id -> what differs)
     left_out: dict[str, str] = field(default_factory=dict)
     auxiliary: tuple[str, ...] = ()  # members that only lent bandwidth (weight 0, contributed no data)
+    # the silence limits the round used (seconds): "part" / "part_min" the largest / smallest for a
+    # member owing data, "result" the largest for an owner owing results, "allreduce" the round's deadline
+    deadlines: dict[str, float] = field(default_factory=dict)
 
 
 class StepPhase(Enum):
@@ -210,6 +226,10 @@ class Node:
             matchmaking_time=config.matchmaking_time, request_timeout=config.request_timeout,
             straggler_grace=config.straggler_grace, expected=self._may_join,
         )
+        # what completed transfers taught us: our download rate (bandwidth="auto") and groupmates' pace
+        self.linkstats = LinkStats()
+        if isinstance(self.membership, Membership):
+            self.membership.clean_info = self._clean_info
         self.grid = MoshpitGrid(config.grid)
         self.coords = self.grid.check(config.grid_coords) if config.grid_coords is not None else self.grid.random_coords(rng)
         self.round_index = 0  # the next round this node expects; see `swarm_round`
@@ -229,7 +249,7 @@ class Node:
         self.donor = StateDonor(peer_id, endpoint, self._send, config.state_chunk_bytes)
         self.downloads: dict[str, StateDownload] = {}
         self.stats = {"messages": 0, "dropped": 0, "late": 0, "rate_limited": 0, "repairs": 0, "repair_failures": 0,
-                      "state_bad_chunks": 0, "state_refetched": 0}
+                      "state_bad_chunks": 0, "state_refetched": 0, "bad_bandwidth": 0}
         self._limits = SourceLimits(max(config.control_rate, 4.0 / config.gossip_interval), config.control_burst)
         self._limited_logged: set[str] = set()
         #: refused input is logged once per source and kind (rounds and downloads share it)
@@ -242,7 +262,7 @@ class Node:
         self._repair_seq = 0
         self._warned_layouts: set[tuple[str, str]] = set()
         self._clients: dict[str, tuple[dict, float]] = {}  # client peer id -> (its announcement, last heard)
-        mm, ms = self.matchmaker, self.membership
+        mm = self.matchmaker
         #: which part of the node handles each message class
         self._handlers: dict[type[Message], Any] = {
             Gossip: self._on_gossip, GossipReply: self._on_gossip,
@@ -287,6 +307,8 @@ class Node:
     # out a round (or joined late) thereby steps on the swarm's axis instead of drifting out of
     # phase for good. The announcement also names the key of that round, so that a rendezvous
     # peer knows who else may come (`_may_join`).
+    _BW = "zg.bw"  # this node's download-rate estimate (Mbit/s), beside the announcement (zgossip.linkstats)
+
     def swarm_round(self) -> int:
         best = self.round_index
         for rec in self.membership.peers.values():
@@ -339,6 +361,10 @@ class Node:
         info = {**self._user_info, **a.record()}
         if self.state_mark is not None:
             info[VERSION_KEY], info[HASH_KEY] = self.state_mark
+        est = self.linkstats.estimate_mbit()
+        if est is not None:
+            # gossiped whatever `bandwidth` says: groupmates time their deadlines by it (allreduce)
+            info[self._BW] = float(f"{min(est, 1e7):.4g}")  # the gossiped estimate (Mbit/s), 4 digits
         self.membership.info = info
 
     def _may_join(self, key: str, rnd: int, now: float) -> set[str] | None:
@@ -371,6 +397,40 @@ class Node:
         self.membership.on_gossip(msg, now)
         if self.matchmaker.pools:
             self.matchmaker.recheck(now)  # fresher announcements may show the last missing peers elsewhere
+
+    def _clean_info(self, peer_id: str, info: dict) -> dict:
+        """A peer's gossiped bandwidth estimate that is not a sane rate is dropped (and counted)."""
+        if self._BW in info and not valid_rate(info[self._BW]):
+            self.stats["bad_bandwidth"] += 1
+            self.drops.note(log, peer_id, "bandwidth estimate", f"{info[self._BW]!r:.40} is no rate in Mbit/s",
+                            counter="bad_bandwidth", level=logging.INFO)
+            info = {k: v for k, v in info.items() if k != self._BW}
+        return info
+
+    def peer_bandwidths(self) -> dict[str, float]:
+        """The download-rate estimates (Mbit/s) live peers gossiped (those that measured one), with
+        this peer's own."""
+        out = {pid: r.info[self._BW] for pid, r in self.membership.peers.items() if self._BW in r.info}
+        own = self.linkstats.estimate_mbit()
+        if own is not None:
+            out[self.peer_id] = own
+        return out
+
+    def _gossiped_rate(self, peer_id: str) -> float | None:
+        rec = self.membership.peers.get(peer_id)
+        return rec.info.get(self._BW) if rec is not None else None
+
+    def advertised_bandwidth(self) -> tuple[float, int]:
+        """The rate this peer announces in JOIN and its flags for it (`partition.plan_bandwidths`):
+        a declared number as it is; with "auto" the measured estimate (Mbit/s) when its last round
+        gave a sample (`LinkStats.fresh`), else a placeholder that the plan replaces (equal spans)."""
+        bw = self.config.bandwidth
+        if bw != "auto":
+            return float(bw), 0
+        est = self.linkstats.estimate_mbit()
+        if est is None or not self.linkstats.fresh:  # see LinkStats.fresh
+            return 1.0, UNMEASURED
+        return min(est, 1e7), MEASURED
 
     def _advance_round(self, to: int) -> None:
         self.round_index = to
@@ -416,8 +476,9 @@ class Node:
         st.started, st.key = now, key
         axis = self.grid.axis(self.round_index)
         want = self.grid.shape[axis] if axis is not None else None
-        self.matchmaker.begin(req.step_id, key, self.config.bandwidth, req.layout, now, req.timeout, want,
-                              gathers=int(req.gather is not None) | (2 if req.weight == 0 else 0),
+        bw, bw_flags = self.advertised_bandwidth()
+        self.matchmaker.begin(req.step_id, key, bw, req.layout, now, req.timeout, want,
+                              gathers=int(req.gather is not None) | (2 if req.weight == 0 else 0) | bw_flags,
                               layout_desc=req.layout_desc, round=self.round_index)
         self._drain_loopback(now)
 
@@ -748,6 +809,9 @@ class Node:
             self._feed_round(st.round, msg, now)
             return
         done = self._finished.get(gid)
+        if done is not None and type(msg) in (Part, Result):
+            for arr in msg.payload:  # a transfer of a round we finished still measures our link
+                self.linkstats.on_payload(msg.sender, arr.nbytes, now, pace=type(msg) is Part)
         if done is not None:
             if type(msg) is RescueCall:
                 # we finished already, so we need nothing: say so, so the substitute need not wait
@@ -815,6 +879,9 @@ class Node:
             spec, st.buffer, st.weight, st.gather, self._send, now,
             part_elems=max(1, cfg.part_size_bytes // itemsize), part_timeout=cfg.part_timeout,
             deadline=self.step_deadline(st, now), on_done=self._on_round_done, codec=st.req.codec,
+            linkstats=self.linkstats, part_timeout_floor=cfg.part_timeout_floor, deadline_slack=cfg.deadline_slack,
+            rtt=self.membership.rtt if isinstance(self.membership, Membership) else None,
+            rate_of=self._gossiped_rate,
             drops=self.drops,
         )
         st.round.start(now)
@@ -913,7 +980,7 @@ class Node:
                      {"matchmaking": st.grouped - st.started, "awaiting_trigger": st.released - st.grouped,
                       "allreduce": now - st.released, "total": now - st.started}),
             bytes_sent=out.bytes_sent, bytes_received=out.bytes_received, coords=coords_before,
-            left_out=dict(rnd.spec.left_out), auxiliary=out.auxiliary,
+            left_out=dict(rnd.spec.left_out), auxiliary=out.auxiliary, deadlines=rnd.deadlines_used(),
         )
         if len(out.members) > 1 and not set(out.contributors) - {self.peer_id} and self.peer_id not in out.auxiliary:
             self._end_step(StepFailed(st.req.step_id, PeerLost(

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 
-__all__ = ["PartPlan", "make_plan", "span_sizes", "span_fractions", "streamed_part_elems", "MIN_PARTS", "MIN_PARTS_UNEVEN", "MIN_PART_BYTES"]
+__all__ = ["PartPlan", "make_plan", "span_sizes", "span_fractions", "streamed_part_elems", "plan_bandwidths",
+           "MIN_PARTS", "MIN_PARTS_UNEVEN", "MIN_PART_BYTES", "MEASURED", "UNMEASURED", "SAME_RATE"]
 
 #: a span is streamed in at least this many parts (when parts stay >= MIN_PART_BYTES): with one part per
 #: span a slow host cannot download results while it still uploads, and a part's transfer on the
@@ -19,6 +20,45 @@ __all__ = ["PartPlan", "make_plan", "span_sizes", "span_fractions", "streamed_pa
 MIN_PARTS = 4
 MIN_PARTS_UNEVEN = 16
 MIN_PART_BYTES = 64 << 10
+
+#: member flags (`messages.MemberInfo.gathers`) of `bandwidth="auto"`: the number is a measured
+#: estimate in Mbit/s, or the member has none yet (the number is a placeholder)
+MEASURED, UNMEASURED = 4, 8
+#: measured rates closer than this ratio count as one rate (the 1 MiB steps of
+#: the fidelity matrix read 17-39 Mbit/s on links of 20-100: latency-bound transfers say little) (see `plan_bandwidths`)
+SAME_RATE = 1.25
+
+
+def plan_bandwidths(rates: Sequence[float], flags: Sequence[int]) -> list[float]:
+    """The rates a group's plan splits by, from what its members announced (pure; every member
+    computes the same list from the same GROUP).
+
+    Declared rates are taken as they are. Measured ones (`MEASURED`) are noisy, and the best split
+    magnifies small differences (4 members at 0.9/1/1/1 would own 19/27/27/27 %), so measured
+    rates within `SAME_RATE` of their neighbour (sorted) form one class that takes the class's
+    lowest rate -- equal links get equal spans. If any member has no estimate yet (`UNMEASURED`),
+    every auto member stands at one common rate, the median of the group's other positive
+    rates (1.0 if there are none): equal spans until everyone has measured."""
+    out = [float(r) for r in rates]
+    auto = [i for i, f in enumerate(flags) if f & (MEASURED | UNMEASURED) and out[i] > 0]
+    if not auto:
+        return out
+    if any(flags[i] & UNMEASURED for i in auto):
+        known = sorted(out[i] for i in range(len(out)) if out[i] > 0 and not flags[i] & UNMEASURED
+                       and i not in auto)
+        common = known[len(known) // 2] if known else 1.0
+        for i in auto:
+            out[i] = common
+        return out
+    order = sorted(auto, key=lambda i: (out[i], i))
+    cls = out[order[0]]
+    prev = cls
+    for i in order:
+        if out[i] >= prev * SAME_RATE:
+            cls = out[i]
+        prev = out[i]
+        out[i] = cls
+    return out
 
 
 def span_fractions(bandwidths: Sequence[float]) -> list[float]:
@@ -112,7 +152,7 @@ class PartPlan:
 def streamed_part_elems(numel: int, bandwidths: Sequence[float], part_elems: int, itemsize: int) -> int:
     """The part size a group uses: the configured `part_elems`, capped so that a span of the mean
     size (over members that own a span) holds `MIN_PARTS` parts -- `MIN_PARTS_UNEVEN` when the
-    declared rates differ by 2x or more -- but never below `MIN_PART_BYTES` (nor above
+    rates or the spans differ by 2x or more -- but never below `MIN_PART_BYTES` (nor above
     `part_elems`). A pure function of what every member knows, so all agree.
 
     Why more parts on uneven links: a slow member uploads its data to every owner in turn and
@@ -124,8 +164,11 @@ def streamed_part_elems(numel: int, bandwidths: Sequence[float], part_elems: int
     E.g. 4 members, 4 MiB parts configured: a 64 MiB tensor keeps 4 MiB parts; a 4 MiB tensor
     streams each 1 MiB span in 4 parts of 256 KiB (in 16 of 64 KiB on uneven links)."""
     rates = [b for b in bandwidths if b > 0]
-    owners = sum(1 for f in span_fractions(bandwidths) if f > 0) if rates else 1
-    uneven = bool(rates) and max(rates) >= 2 * min(rates)
+    fracs = [f for b, f in zip(bandwidths, span_fractions(bandwidths)) if b > 0] if rates else []
+    owners = sum(1 for f in fracs if f > 0) if rates else 1
+    # uneven: the rates differ by 2x, or the split does (measured rates of uneven links read closer
+    # together than the links are -- `linkstats` -- while the split still leaves a member out)
+    uneven = bool(rates) and (max(rates) >= 2 * min(rates) or max(fracs) >= 2 * min(fracs))
     cap = -(-numel // (owners * (MIN_PARTS_UNEVEN if uneven else MIN_PARTS)))
     floor = max(1, MIN_PART_BYTES // max(1, itemsize))
     return max(1, min(part_elems, max(cap, floor)))

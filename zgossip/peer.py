@@ -55,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--client", action="store_true",
                    help="client mode: listen nowhere (behind NAT/firewall); peers answer over our connections")
     p.add_argument("--auxiliary", action="store_true", help="bring no data, lend bandwidth to reduce for others")
+    p.add_argument("--bandwidth", type=_bandwidth, default="auto", metavar="MBIT|auto",
+                   help="this peer's link rate in Mbit/s, or auto (default): measured from its transfers and gossiped")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (0 = a free port)")
     p.add_argument("--metrics-host", default="127.0.0.1",
@@ -65,6 +67,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="one line per step instead of the live table (the default when stdout is no terminal "
                         "or rich is not installed)")
     p.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING, ...; default INFO)")
+
+
+def _bandwidth(v: str) -> float | str:
+    if v == "auto":
+        return v
+    try:
+        x = float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--bandwidth takes a rate in Mbit/s or 'auto', not {v!r}") from None
+    if not 0 <= x < float("inf"):
+        raise argparse.ArgumentTypeError("--bandwidth must be finite and >= 0")
+    return x
 
 
 def _use_console_for_logs(console: Any) -> None:
@@ -98,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
                        initial_peers=args.initial_peers, announce_host=args.announce_host,
                        target_group_size=args.target_group_size, min_group_size=args.min_group_size, seed=args.seed,
                        local_ipc=not args.tcp_only, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
-                       secret_key=args.key, allowed_keys=args.allow, auxiliary=args.auxiliary)
+                       secret_key=args.key, allowed_keys=args.allow, auxiliary=args.auxiliary,
+                       bandwidth=args.bandwidth)
     except (OSError, ValueError) as e:  # e.g. the metrics port is taken
         print(f"zgossip peer: error: {e}", file=sys.stderr)
         return 2

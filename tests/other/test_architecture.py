@@ -16,6 +16,7 @@ PKG = Path(__file__).resolve().parents[2] / "zgossip"
 PROTOCOL_MODULES = ["wire", "messages", "membership", "matchmaking", "grid", "partition", "allreduce", "numeric", "node",
                     "codecs",
                     "tensors", "errors", "rendezvous", "state", "repair", "layouts", "announce", "autogrid",
+                    "linkstats",
                     "ratelimit", "droplog"]
 SEAM_MODULES = ["actions", "transport", "view"]  # the interfaces between protocol, transports and users
 USER_MODULES = ["averager", "training_state", "progress", "steplog", "step_control", "staging"]  # above the seam: time and waits from the Clock

@@ -146,3 +146,17 @@ def test_log_records_print_above_the_progress_bar_not_into_it():
     warn = [ln for ln in lines if "dropped PART" in ln]
     assert warn == ["WARNING zgossip.allreduce: dropped PART from x"], lines
     assert lines[-2].startswith("[" + "#" * 30 + "] 4/4 rounds")
+
+
+def test_peer_bandwidth_option():
+    import argparse as ap
+
+    from zgossip import peer
+
+    p = ap.ArgumentParser()
+    peer.add_arguments(p)
+    assert p.parse_args([]).bandwidth == "auto"
+    assert p.parse_args(["--bandwidth", "250"]).bandwidth == 250.0
+    for bad in ("fast", "-1", "inf"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--bandwidth", bad])

@@ -1,0 +1,137 @@
+"""Measured bandwidth and adaptive deadlines, as pure functions: `zgossip.linkstats`,
+`partition.plan_bandwidths`, and the node's check of gossiped estimates."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from zgossip.linkstats import LinkStats, silence_limit, valid_rate
+from zgossip.messages import Gossip
+from zgossip.node import Node, NodeConfig
+from zgossip.partition import MEASURED, UNMEASURED, plan_bandwidths, span_fractions
+
+
+def test_download_estimate_counts_concurrent_transfers_and_ignores_bursts():
+    # 3 senders share a 10 MB/s (80 Mbit/s) downlink: each 256 KiB part takes 3 x 26 ms while the
+    # three run side by side, so they complete in bursts of 3 within a millisecond
+    ls = LinkStats()
+    ls.begin(0.0)
+    part = 256 << 10
+    t = 0.0
+    for k in range(12):
+        t = (k + 1) * 3 * part / 10e6
+        for j, who in enumerate("abc"):
+            ls.on_payload(who, part, t + j * 1e-4)
+    est = ls.estimate_mbit()
+    assert est is not None and 70 <= est <= 81, est  # a per-message rate would read ~5000 Mbit/s
+
+
+def test_no_estimate_before_a_round_carried_enough():
+    ls = LinkStats()
+    assert ls.estimate_mbit() is None
+    ls.begin(0.0)
+    ls.on_payload("a", 1000, 0.01)  # too little, too soon
+    assert ls.estimate_mbit() is None
+    ls.on_payload("b", 1 << 20, 1.0)  # after the round ended here: still a transfer of it
+    assert ls.estimate_mbit() == pytest.approx(8.0 * ((1 << 20) + 1000) / 1e6)
+
+
+def test_estimate_is_a_high_percentile_of_recent_rounds():
+    ls = LinkStats(window=8)
+    for r, rate in enumerate([1e6] * 6 + [4e6, 4e6]):  # two rounds where the link was busy
+        ls.begin(100.0 * r)
+        ls.on_payload("a", int(rate), 100.0 * r + 1.0)
+    assert ls.estimate_mbit() == pytest.approx(32.0)  # 4 MB/s, not the lulls' 1 MB/s
+
+
+def test_pace_is_per_peer_seconds_per_byte():
+    ls = LinkStats()
+    ls.begin(0.0)
+    for k in range(4):
+        ls.on_payload("slow", 1 << 20, 2.0 * k)
+        ls.on_payload("fast", 1 << 20, 0.1 * k + 0.01)
+    assert ls.pace("slow") == pytest.approx(2.0 / (1 << 20))
+    assert ls.pace("fast") == pytest.approx(0.1 / (1 << 20))
+    assert ls.pace("nobody") is None
+
+
+def test_silence_limit_caps_floors_and_extends_for_a_measured_slow_member():
+    assert silence_limit(None, 1 << 20, 5.0, 1.0, 3.0, 60.0) == 5.0  # nothing measured: part_timeout
+    assert silence_limit(1e-9, 1 << 20, 5.0, 1.0, 3.0, 60.0) == 1.0  # fast link: the floor
+    assert silence_limit(1e-6, 1 << 20, 5.0, 1.0, 3.0, 60.0) == pytest.approx(3 * 1e-6 * (1 << 20))
+    assert silence_limit(1e-5, 1 << 20, 5.0, 1.0, 3.0, 60.0) == pytest.approx(3 * 1e-5 * (1 << 20))  # 31 s > 5
+    assert silence_limit(1e-4, 1 << 20, 5.0, 1.0, 3.0, 60.0) == 60.0  # never past the round
+
+
+@pytest.mark.parametrize("x,ok", [(50.0, True), (1, True), (1e7, True), (0.0, False), (-5.0, False),
+                                  (1e12, False), (float("nan"), False), (float("inf"), False), ("fast", False),
+                                  (True, False), (None, False)])
+def test_valid_rate(x, ok):
+    assert valid_rate(x) is ok
+
+
+def test_plan_bandwidths_declared_measured_and_unmeasured():
+    assert plan_bandwidths([1000, 100, 20, 50], [0, 1, 0, 3]) == [1000, 100, 20, 50]  # declared: as is
+    # measured rates within SAME_RATE (1.25x) of their neighbour form one class at its lowest rate: equal links, equal spans
+    eq = plan_bandwidths([950, 1000, 900, 1010], [MEASURED | 1] * 4)
+    assert eq == [900.0] * 4 and span_fractions(eq) == [0.25] * 4
+    assert plan_bandwidths([90, 100, 18, 30], [MEASURED] * 4) == [90, 90, 18, 30]
+    # someone has no estimate yet: every auto member at one rate (equal spans among them)
+    assert plan_bandwidths([80, 1.0, 20, 40], [MEASURED, UNMEASURED, MEASURED, MEASURED]) == [1.0] * 4
+    assert plan_bandwidths([80, 1.0, 20, 40], [MEASURED, UNMEASURED, 0, 0]) == [40.0, 40.0, 20, 40]
+    assert plan_bandwidths([0.0, 30.0], [0, MEASURED]) == [0.0, 30.0]  # a client stays a client
+
+
+def _node(**cfg):
+    return Node("me" + "0" * 14, "tcp://10.0.0.1:1", NodeConfig(**cfg), np.random.default_rng(0))
+
+
+def test_gossiped_estimates_are_validated_and_bad_ones_counted():
+    node = _node(bandwidth="auto")
+    good, bads = 42.5, [-5.0, 1e12, "fast", True, 0]
+    entries = [(f"p{i:015d}", f"tcp://10.0.0.{i + 2}:1", 1, None, {"zg.bw": v})
+               for i, v in enumerate([good, *bads])]
+    node.on_message(Gossip("p" + "9" * 15, "tcp://10.0.0.99:1", heartbeat=1, peers=tuple(entries)), 1.0)
+    assert node.stats["bad_bandwidth"] == len(bads)
+    assert node.peer_bandwidths() == {"p" + "0" * 15: good}  # bad ones dropped, peers still known
+    assert len(node.membership.live_ids()) == len(bads) + 2
+
+
+def test_auto_advertises_placeholder_then_estimate():
+    node = _node(bandwidth="auto")
+    assert node.advertised_bandwidth() == (1.0, UNMEASURED)
+    node.linkstats.begin(0.0)
+    node.linkstats.on_payload("a", 4 << 20, 1.0)
+    bw, flags = node.advertised_bandwidth()
+    assert flags == MEASURED and bw == pytest.approx(4 * 8 * 1.048576)
+    assert _node(bandwidth=20.0).advertised_bandwidth() == (20.0, 0)  # declared overrides
+
+
+@pytest.mark.parametrize("bad", ["fast", -1.0, math.inf])
+def test_bad_bandwidth_setting_raises(bad):
+    with pytest.raises(ValueError, match="bandwidth"):
+        NodeConfig(bandwidth=bad)
+
+
+def test_result_data_counts_for_the_rate_but_not_for_pace():
+    ls = LinkStats()
+    ls.begin(0.0)
+    ls.on_payload("owner", 1 << 20, 0.5, pace=False)  # a result that waited on a slow sender
+    ls.on_payload("owner", 1 << 20, 5.0, pace=False)
+    assert ls.pace("owner") is None
+    assert ls.estimate_mbit() == pytest.approx(8.0 * (1 << 20) / 0.5 / 1e6)
+
+
+def test_a_peer_whose_last_round_gave_no_sample_announces_no_estimate():
+    # every split reproduces itself in passive measurements (LinkStats.fresh): a stale estimate
+    # next to fresh ones would lock a split in, so it is announced as unmeasured (equal spans)
+    node = _node(bandwidth="auto")
+    node.linkstats.begin(0.0)
+    node.linkstats.on_payload("a", 4 << 20, 1.0)
+    assert node.advertised_bandwidth()[1] == MEASURED
+    node.linkstats.begin(10.0)  # a round too short to give a sample
+    node.linkstats.on_payload("a", 1000, 10.001)
+    assert node.linkstats.estimate_mbit() is not None  # still known (gossiped, a deadline prior)
+    assert node.advertised_bandwidth() == (1.0, UNMEASURED)

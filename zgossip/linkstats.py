@@ -1,0 +1,157 @@
+"""Link statistics: what this peer learns about links from the transfers it completes.
+
+Two things are measured from the payloads (PART and RESULT data) a peer receives during its
+all-reduce rounds, with the times the driver passes in (no clock here):
+
+* **its own download rate** (`LinkStats.estimate_mbit`): every payload of a round left its sender
+  after the round began (`begin`), so the bytes that arrived by time t, over t minus the start,
+  are a rate the link really carried -- with every concurrent transfer into this peer counted,
+  since they all share the downlink. Per-message rates (bytes over the gap to the previous
+  arrival) are no use: transfers that ran side by side complete together and read as a burst
+  several times the link. A round's sample is the largest such running rate once at least
+  `min_window_s` and `min_window_bytes` came in (lulls -- an owner still waiting for a slow
+  sender -- only lower it); the estimate is a high percentile (`PERCENTILE`) of the last
+  `window` rounds' samples. Only download is measured: a ZeroMQ send completes into a queue,
+  so the protocol never sees when its uploads leave. The testbed's and the simulator's links are
+  symmetric; on an asymmetric link declare `bandwidth=` by hand.
+* **each groupmate's pace** (`LinkStats.pace`): seconds per byte between successive PART payloads
+  from that peer, its first one of a round timed from the round's start (bounded history, the
+  largest recent sample). RESULT data counts for the rate only: an owner's results wait on its
+  slowest sender, so their spacing says little about the owner's link. Parts that came too late
+  to be used count too: they still measure the link. The all-reduce scales the pace by the
+  bytes of the next part it expects to give every member its own silence limit (adaptive
+  deadlines, `silence_limit`).
+
+`valid_rate` is the one check a gossiped estimate from another peer must pass.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+
+__all__ = ["LinkStats", "valid_rate", "silence_limit", "MAX_RATE_MBIT", "MIN_PACE_BYTES"]
+
+#: the largest rate a peer may claim (10 Tbit/s); anything above is garbage
+MAX_RATE_MBIT = 1e7
+#: payloads smaller than this say more about latency than about the link: not used for pace
+MIN_PACE_BYTES = 16 << 10
+PERCENTILE = 0.9
+
+
+def valid_rate(x: object) -> bool:
+    """A link rate in Mbit/s as a peer may gossip it: a finite float or int in (0, MAX_RATE_MBIT]."""
+    return type(x) in (int, float) and math.isfinite(x) and 0.0 < x <= MAX_RATE_MBIT  # type: ignore[operator]
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def silence_limit(pace: float | None, next_bytes: int, cap: float, floor: float, slack: float,
+                  ceiling: float) -> float:
+    """How long a member may stay silent before it is given up, for a part of `next_bytes`.
+
+    Without a measured pace: `cap` (the configured `part_timeout`). With one: `slack` times the
+    time the next part took at the measured pace, but at least `floor`; above `cap` only when the
+    member was measured that slow (it is alive, its link is slow), and never above `ceiling`
+    (what is left of the round)."""
+    if pace is None:
+        return cap
+    want = slack * pace * max(1, next_bytes)
+    return min(max(floor, want), max(cap, ceiling) if want > cap else cap)
+
+
+class LinkStats:
+    def __init__(self, *, window: int = 8, min_window_s: float = 0.05, min_window_bytes: int = 256 << 10,
+                 pace_samples: int = 8, max_peers: int = 256) -> None:
+        self.window = window
+        self.min_window_s = min_window_s
+        self.min_window_bytes = min_window_bytes
+        self.pace_samples = pace_samples
+        self.max_peers = max_peers
+        self._rates: deque[float] = deque(maxlen=window)  # bytes/s: each round's sample
+        self._start: float | None = None  # when this round began here
+        self._bytes = 0  # payload bytes that arrived since
+        self._best = 0.0  # this round's largest running rate
+        self._arrivals: deque[tuple[float, int]] = deque(maxlen=128)  # (time, bytes so far) this round
+        self._largest = 0  # largest payload this round
+        self._last: dict[str, float] = {}  # peer -> arrival of its previous payload (this round)
+        self._pace: dict[str, deque[float]] = {}  # peer -> recent seconds per byte
+
+    def begin(self, now: float) -> None:
+        """A round starts: the last one's sample joins the history. Payloads of a round still count
+        after it ended here, until the next begins (a member that gave a slow sender up still sees
+        its transfers complete, and they measure this link all the same)."""
+        if self._best > 0:
+            self._rates.append(self._best)
+        self._start, self._bytes, self._best, self._largest = now, 0, 0.0, 0
+        self._arrivals.clear()
+        self._last.clear()
+
+    def on_payload(self, peer: str, nbytes: int, now: float, pace: bool = True) -> None:
+        """`nbytes` of payload from `peer` arrived at `now` (after `begin` of this round). `pace=False`
+        (RESULT data): it counts for the download rate only -- an owner's results wait on its
+        slowest sender, so their spacing says little about the owner's own link."""
+        if self._start is None:
+            return
+        span = now - self._start
+        if span > 0:  # messages kept while our GROUP was on its way are replayed at the start: not counted
+            self._bytes += nbytes
+            if span >= self.min_window_s and self._bytes >= self.min_window_bytes:
+                self._best = max(self._best, self._bytes / span)
+            self._windows(now, nbytes, peer)
+        if not pace:
+            return
+        # a peer's first payload of the round is timed from the round's start: the wait for it
+        # (latency, its other streams, its queue) is what a silence limit has to cover
+        prev = self._last.get(peer, self._start)
+        self._last[peer] = now
+        if nbytes >= MIN_PACE_BYTES and now > prev:
+            q = self._pace.get(peer)
+            if q is None:
+                if len(self._pace) >= self.max_peers:
+                    self._pace.pop(next(iter(self._pace)))
+                q = self._pace[peer] = deque(maxlen=self.pace_samples)
+            q.append((now - prev) / nbytes)
+
+    def _windows(self, now: float, nbytes: int, peer: str) -> None:
+        """Busy stretches inside the round: bytes that completed between an earlier arrival and now,
+        less what may have been in flight at that arrival (one partly sent payload per connection:
+        two lanes from each sender), over the time between -- again a rate the link surely carried,
+        but one a lull earlier in the round does not dilute."""
+        self._largest = max(self._largest, nbytes)
+        self._arrivals.append((now, self._bytes))
+        inflight = 2 * (len(self._last) + (peer not in self._last)) * self._largest
+        k = len(self._arrivals)
+        for back in (16, 32, 64, 127):
+            if back >= k:
+                break
+            t0, b0 = self._arrivals[k - 1 - back]
+            moved = self._bytes - b0 - inflight
+            if now - t0 >= self.min_window_s and moved >= self.min_window_bytes:
+                self._best = max(self._best, moved / (now - t0))
+
+    def estimate_mbit(self) -> float | None:
+        """This peer's download rate in Mbit/s (see the module docstring), None before a first sample."""
+        rates = list(self._rates) + ([self._best] if self._best > 0 else [])
+        if not rates:
+            return None
+        return _percentile(rates, PERCENTILE) * 8e-6
+
+    @property
+    def fresh(self) -> bool:
+        """Whether the latest round (the one begun last) gave a sample. Why it matters: a rate
+        measured passively is what the link carried, a lower bound, and under any split of the
+        vector every member's measured rate is about its load over the round's length -- so every
+        split reproduces itself, and only a link that ran full tells its real rate. A member
+        left with samples of older rounds only (its last round was too short to give one, or it
+        sat out) would plan next to groupmates measured in a later round (after a faster one,
+        or under another split) and lock that split in; it announces no estimate instead
+        (`partition.UNMEASURED`: equal spans for the group's auto members)."""
+        return self._best > 0
+
+    def pace(self, peer: str) -> float | None:
+        """Seconds per byte between `peer`'s payloads: the largest of its recent samples (None: none yet)."""
+        q = self._pace.get(peer)
+        return max(q) if q else None
