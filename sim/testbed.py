@@ -322,7 +322,7 @@ class Testbed:
             # created straight inside the namespaces: nothing ever appears in the root namespace
             _sh(["ip", "link", "add", self.host_if(i), "netns", ns, "address", _mac(i), "type", "veth",
                  "peer", "name", self.switch_if(i), "netns", self.switch_ns])
-            batch = [f"link set lo up", f"addr add {self.ip(i)}/24 dev {self.host_if(i)}",
+            batch = ["link set lo up", f"addr add {self.ip(i)}/24 dev {self.host_if(i)}",
                      f"link set {self.host_if(i)} up"]
             if not self.gso:
                 batch.append(f"link set {self.host_if(i)} gso_max_segs 1")

@@ -32,7 +32,7 @@ with the current time and sends through the callable it is given.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable
 

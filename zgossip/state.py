@@ -47,7 +47,6 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import codecs as _codecs
-from . import codecs as _codecs
 from .droplog import DropLog
 from .errors import IllegalTransition, StateUnavailable
 from .messages import CODE_OF, DTYPES, Message, StateChunk, StateMeta, StateReq
