@@ -34,6 +34,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from zgossip.machine import cpu_model
+
 __all__ = ["CpuCosts", "CpuSpec", "CpuModel", "calibrate", "load_profile", "default_profile_path"]
 
 
@@ -196,16 +198,6 @@ def _best(fn: Callable[[], Any], reps: int) -> float:
     return float(np.median(ts))
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _transport_per_byte(total: int = 64 << 20, chunk: int = 1 << 20) -> float:
     """CPU seconds per byte to move bytes through a loopback TCP connection (both ends)."""
     srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -293,7 +285,7 @@ def calibrate(quick: bool = False) -> dict:
         handle_msg=handle_msg, accumulate_byte=acc, copy_byte=copy, transport_byte=transport,
     )
     return {
-        "machine": {"cpu_model": _cpu_model(), "kernel": platform.release(), "system": platform.system(),
+        "machine": {"cpu_model": cpu_model(), "kernel": platform.release(), "system": platform.system(),
                     "cpu_count": os.cpu_count(), "python": platform.python_version(),
                     "native_kernels": bool(kernels.NATIVE)},
         "cpu": asdict(costs),

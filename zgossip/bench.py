@@ -87,7 +87,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .machine import machine, machine_line, paths_line
+from .machine import cpu_seconds, machine, machine_busy_seconds, machine_line, paths_line
 from .swarm import LocalSwarm, peer_data
 
 __all__ = ["add_arguments", "run", "main", "bench_allreduce", "bench_matchmaking", "GlooGroup"]
@@ -142,26 +142,6 @@ def _checked(answers: list[dict], what: str) -> list[dict]:
     return answers
 
 
-def _cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (all its threads), 0 if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
-
-
-def _machine_busy_seconds() -> float:
-    """CPU seconds spent by the whole machine outside idle and iowait since boot."""
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
-
-
 def _thread_counters(pids: Sequence[int]) -> dict[tuple[int, int], tuple[str, int, int, int]]:
     """(pid, tid) -> (thread name, utime ticks, stime ticks, minor faults) of every thread of `pids`."""
     out = {}
@@ -213,13 +193,13 @@ class _ForeignLoad:
     def __init__(self, pids: Sequence[int]) -> None:
         self.pids = [os.getpid(), *pids]
         self.t0 = time.perf_counter()
-        self.m0 = _machine_busy_seconds()
-        self.c0 = sum(_cpu_seconds(p) for p in self.pids)
+        self.m0 = machine_busy_seconds()
+        self.c0 = sum(cpu_seconds(p) for p in self.pids)
 
     def cores(self) -> float:
         dt = time.perf_counter() - self.t0
-        ours = sum(_cpu_seconds(p) for p in self.pids) - self.c0
-        return max(0.0, (_machine_busy_seconds() - self.m0 - ours) / dt) if dt > 0 else 0.0
+        ours = sum(cpu_seconds(p) for p in self.pids) - self.c0
+        return max(0.0, (machine_busy_seconds() - self.m0 - ours) / dt) if dt > 0 else 0.0
 
 
 def _swarm_kwargs(n: int, part_size: int | None, timeout: float) -> dict:

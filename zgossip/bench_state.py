@@ -18,7 +18,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import platform
 import signal
 import statistics
 import sys
@@ -27,42 +26,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["add_arguments", "run", "bench_state_download", "donor_main", "machine_line", "hash_cost"]
+from .machine import cpu_seconds, machine_busy_seconds, machine_line
+
+__all__ = ["add_arguments", "run", "bench_state_download", "donor_main", "hash_cost"]
 
 PREFIX = "bench-state"
 _PEER_OPTS = dict(gossip_interval=0.1, peer_timeout=5.0, part_size_bytes=4 << 20)
-
-
-def machine_line() -> str:
-    model = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    try:
-        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
-    except (ValueError, OSError):
-        mem = float("nan")
-    return f"machine: {model}, {os.cpu_count()} cores, {mem:.0f} GiB, Linux {platform.release()}, Python {platform.python_version()}"
-
-
-def _cpu_seconds(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
-
-
-def _machine_busy() -> float:
-    with open("/proc/stat") as f:
-        vals = [int(x) for x in f.readline().split()[1:]]
-    return (sum(vals) - vals[3] - vals[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def bench_state(size_bytes: int) -> np.ndarray:
@@ -219,14 +188,14 @@ def bench_state_download(size_mib: int, donors: int, reps: int, chunk_bytes: int
         for rep in range(reps):
             order = (1, donors) if rep % 2 == 0 else (donors, 1)
             for k in order:
-                cpu0, busy0 = [_cpu_seconds(p) for p in pids], _machine_busy()
+                cpu0, busy0 = [cpu_seconds(p) for p in pids], machine_busy_seconds()
                 procs.conns[d].send(("get", k))
                 got = procs.recv(d, timeout + 30, f"download from {k} donor(s)")
-                cpu = [_cpu_seconds(p) - c for p, c in zip(pids, cpu0)]
+                cpu = [cpu_seconds(p) - c for p, c in zip(pids, cpu0)]
                 if not got["ok"]:
                     raise RuntimeError("downloaded state differs from the donors'")
                 runs[k].append({"seconds": got["seconds"], "downloader_cpu": cpu[-1], "donors_cpu": sum(cpu[:-1]),
-                                "others_cpu": max(0.0, _machine_busy() - busy0 - sum(cpu))})
+                                "others_cpu": max(0.0, machine_busy_seconds() - busy0 - sum(cpu))})
         ratios = [a["seconds"] / b["seconds"] for a, b in zip(runs[1], runs[donors])]
         med = {k: statistics.median(r["seconds"] for r in v) for k, v in runs.items()}
         return {"size_bytes": size, "donors": donors, "uplink": uplink, "reps": reps, "chunk_bytes": chunk_bytes, "runs": runs,

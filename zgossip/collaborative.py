@@ -320,9 +320,9 @@ class CollaborativeOptimizer(TrainerPeer):
             ctl.trigger()  # its all-reduce began: let it end (its result is not used)
             self.clock.wait(ctl, self.averager.config.allreduce_timeout + 1.0)
 
-    def _run_round(self, n: float, gather: dict) -> Any:
-        """The averaging step of `_finish_epoch`: trigger the pre-scheduled round if there is one
-        that can still run, else (or if it failed before its trigger) a plain step."""
+    def _trigger_scheduled(self, n: float, gather: dict) -> Any:
+        """Hand the pre-scheduled round (if any) its weight and gathered values and trigger it; the
+        control (check `.triggered`: one that ended before, with no group in time, was not), or None."""
         ctl, self._scheduled = self._scheduled, None
         if ctl is not None:
             try:
@@ -331,6 +331,13 @@ class CollaborativeOptimizer(TrainerPeer):
                 ctl.trigger()
             except RuntimeError:  # it ended (no group in time) before we got here
                 pass
+        return ctl
+
+    def _run_round(self, n: float, gather: dict) -> Any:
+        """The averaging step of `_finish_epoch`: trigger the pre-scheduled round if there is one
+        that can still run, else (or if it failed before its trigger) a plain step."""
+        ctl = self._trigger_scheduled(n, gather)
+        if ctl is not None:
             if ctl.triggered:
                 bound = self.averager.config.allreduce_timeout + self.matchmaking_timeout + 1.0
                 try:
@@ -347,14 +354,8 @@ class CollaborativeOptimizer(TrainerPeer):
     def _start_round(self, n: float, gather: dict) -> cf.Future:
         """`_run_round` without waiting (delay_grad_averaging): the pre-scheduled round triggered if it can
         still run, else a plain step; its future."""
-        ctl, self._scheduled = self._scheduled, None
+        ctl = self._trigger_scheduled(n, gather)
         if ctl is not None:
-            try:
-                ctl.weight = n if n > 0 else _NOTHING
-                ctl.gather = gather
-                ctl.trigger()
-            except RuntimeError:  # it ended (no group in time) before we got here
-                pass
             if ctl.triggered:
                 return ctl
             log.info("%s: the pre-scheduled round failed before its all-reduce; averaging with a plain step",

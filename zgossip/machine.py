@@ -13,10 +13,11 @@ import os
 import platform
 from pathlib import Path
 
-__all__ = ["machine", "machine_line", "optional_paths", "paths_line"]
+__all__ = ["machine", "machine_line", "optional_paths", "paths_line", "cpu_model", "cpu_seconds", "machine_busy_seconds"]
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU model as /proc/cpuinfo names it (else what `platform` knows)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -41,7 +42,7 @@ def _thp() -> str | None:
 def machine() -> dict:
     """CPU model, cores, kernel, THP mode and libc of this machine."""
     libc = platform.libc_ver()
-    return {"cpu_model": _cpu_model(), "cores": os.cpu_count(), "system": platform.system(),
+    return {"cpu_model": cpu_model(), "cores": os.cpu_count(), "system": platform.system(),
             "kernel": platform.release(), "thp": _thp(), "libc": " ".join(x for x in libc if x) or None,
             "python": platform.python_version()}
 
@@ -75,3 +76,23 @@ def paths_line(p: dict) -> str:
         stream = f"auto (for tensors > the {llc / 2**20:g} MiB last-level cache)" if llc else "auto (cache size unknown: off)"
     return (f"optional paths: kernels {kern}; non-temporal copies {stream}; "
             f"C sender/receiver {yes[p.get('fast_send')]}; malloc tuning {yes[p.get('malloc_tuned')]}")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads), 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds spent by the whole machine outside idle and iowait since boot."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
