@@ -305,7 +305,11 @@ def test_hostile_raw_messages_change_nothing(case, caplog):
             evil.send_multipart([_header(wire.MsgType.PART, me, ep, {"gid": "x", "owner": 0, "part": 0, "w": 1.0,
                                                                    "resc": 0}, [["f4", 1000]]), b"\0" * 12])
         elif case == "oversize":
+            # a valid message first (its connection's key names the source), then a frame over the limit
+            evil.send_multipart([_header(wire.MsgType.GOSSIP, me, ep, gossip)])
+            assert _wait(lambda: victim.stats["received"] > before["received"])
             evil.send_multipart([_header(wire.MsgType.GOSSIP, me, ep, gossip), b"\0" * (2 << 20)])
+            assert _wait(lambda: victim.stats["connections_cut"] > before["connections_cut"])
         elif case == "garbage":
             evil.send_multipart([b"\xc1\xff not msgpack"])
         elif case == "impersonation":
@@ -349,8 +353,17 @@ def test_hostile_raw_messages_change_nothing(case, caplog):
             assert after["invalid"] == before["invalid"] and after["unauthenticated"] == before["unauthenticated"]
         if case == "oversize":
             # libzmq cuts the connection at MAXMSGSIZE before any byte reaches Python: not even a
-            # decode error; the hostile peer's later messages need a new connection
+            # decode error; the cut is counted and logged once, naming the connection's key
             assert after["invalid"] == before["invalid"] and after["dropped"] == before["dropped"]
+            assert after["connections_cut"] == before["connections_cut"] + 1
+            lines = [r.getMessage() for r in caplog.records if "closed without goodbye" in r.getMessage()]
+            assert len(lines) == 1 and f"connection from peer {me}" in lines[0] and "1048576-byte limit" in lines[0], lines
+        elif case == "replay":
+            # the recorded client closed without goodbye (one cut); the replayed connection failed its
+            # handshake, which is counted there and is no cut
+            assert after["connections_cut"] == before["connections_cut"] + 1
+        else:
+            assert after["connections_cut"] == before["connections_cut"]
         if case in ("wrong_version", "truncated"):
             # logged once, naming the authenticated key of the connection it came on
             lines = [r.getMessage() for r in caplog.records if "an invalid message" in r.getMessage()]
