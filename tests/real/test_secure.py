@@ -383,6 +383,37 @@ def test_hostile_raw_messages_change_nothing(case, caplog):
         evil.close(0)
 
 
+def test_oversize_on_the_keyed_local_socket_is_counted_by_key(caplog):
+    """The local Unix socket of a node with keys is a second ROUTER (PLAIN + key proof): a frame over
+    the limit cut there is counted and logged once, naming the connection's key."""
+    from zgossip import local_auth
+
+    keys = [KeyPair.generate() for _ in range(3)]  # the third: an allowed peer's raw local connection
+    with _swarm(2, keys=keys, allow=[k.public for k in keys], max_message_bytes=1 << 20) as avs:
+        victim = avs[0]
+        local = victim.transport.local_address
+        if local is None or not local_auth.available():
+            pytest.skip("no keyed local socket here (libsodium not found)")
+        caplog.set_level(logging.WARNING)
+        before = dict(victim.stats)
+        s = zmq.Context.instance().socket(zmq.DEALER)
+        s.linger = 0
+        s.plain_username = keys[2].peer_id.encode()
+        s.plain_password = local_auth.proof(keys[2], keys[0].peer_id)
+        s.connect(local)
+        me = keys[2].peer_id
+        try:
+            s.send_multipart([_header(wire.MsgType.GOSSIP, me, "tcp://127.0.0.1:9", {"hb": 1, "peers": []})])
+            assert _wait(lambda: victim.stats["received"] > before["received"])
+            s.send_multipart([b"\0" * (2 << 20)])
+            assert _wait(lambda: victim.stats["connections_cut"] > before["connections_cut"])
+        finally:
+            s.close(0)
+        lines = [r.getMessage() for r in caplog.records if "closed without goodbye" in r.getMessage()]
+        assert len(lines) == 1 and f"connection from peer {me}" in lines[0], lines
+        assert victim.stats["invalid"] == before["invalid"] and victim.stats["handshake_failures"] == 0
+
+
 def _hostile_transmit(av, mutate):
     """Make an allowed peer hostile: every message it sends passes through `mutate(endpoint, msg)`,
     which returns the messages to send instead."""
