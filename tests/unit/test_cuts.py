@@ -1,0 +1,96 @@
+"""`zgossip.cuts`: which closed connections count as cut, and from whom (pure bookkeeping, time passed in)."""
+from __future__ import annotations
+
+import logging
+
+from zgossip.cuts import UNKNOWN_SOURCE, ConnectionCuts
+from zgossip.droplog import DropLog
+
+LOG = logging.getLogger("test.cuts")
+
+
+def make(cap: int = 8192) -> tuple[ConnectionCuts, dict]:
+    stats: dict = {}
+    return ConnectionCuts(stats, DropLog("node"), LOG, limit_bytes=1000, grace=0.5, cap=cap), stats
+
+
+def lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "closed without goodbye" in r.getMessage()]
+
+
+def test_a_cut_counts_after_its_grace_and_logs_once_per_source(caplog) -> None:
+    cuts, stats = make()
+    caplog.set_level(logging.WARNING)
+    for t, rid in ((0.0, b"r1"), (1.0, b"r2")):
+        cuts.opened("7", rid, "p1", "peer p1", t)
+        cuts.closed("7", t + 0.1)
+        assert cuts.next_deadline() == t + 0.6
+        cuts.on_timer(t + 0.5)
+        assert stats["connections_cut"] == int(t)  # not yet
+        cuts.on_timer(t + 0.6)
+    assert stats["connections_cut"] == 2
+    assert len(lines(caplog)) == 1 and "peer p1" in lines(caplog)[0] and "1000-byte limit" in lines(caplog)[0]
+    assert cuts.next_deadline() is None and not cuts.conns
+
+
+def test_a_goodbye_within_the_grace_excuses_every_connection_of_that_peer(caplog) -> None:
+    cuts, stats = make()
+    cuts.opened("5", b"lane1", "p", "peer p", 0.0)
+    cuts.opened("6", b"lane0", "p", "peer p", 0.0)
+    cuts.closed("5", 1.0)  # its results lane closes first ...
+    cuts.said_goodbye("p", 1.2)  # ... the BYE on the other lane is read later
+    cuts.closed("6", 1.2)
+    cuts.on_timer(5.0)
+    assert stats["connections_cut"] == 0 and not lines(caplog)
+    cuts.opened("6", b"again", "p", "peer p", 60.0)  # back, and gone without goodbye this time
+    cuts.closed("6", 61.0)
+    cuts.on_timer(62.0)
+    assert stats["connections_cut"] == 1
+
+
+def test_a_reused_descriptor_judges_the_old_connection_and_skips_its_late_event() -> None:
+    cuts, stats = make()
+    cuts.opened("9", b"old", "a", "peer a", 0.0)
+    cuts.opened("9", b"new", "b", "peer b", 1.0)  # a message of the next connection on fd 9 came first
+    cuts.closed("9", 1.1)  # the old connection's DISCONNECTED: already judged
+    assert cuts.conns["9"][1] == "b"
+    cuts.closed("9", 2.0)  # the new one's
+    cuts.on_timer(3.0)
+    assert stats["connections_cut"] == 2 and not cuts.conns
+
+
+def test_failed_handshakes_are_no_cuts_but_other_silent_connections_are(caplog) -> None:
+    cuts, stats = make()
+    caplog.set_level(logging.WARNING)
+    cuts.handshake_failed()
+    cuts.closed("3", 0.0)  # the failed handshake's connection
+    cuts.closed("4", 0.0)  # no message, no failed handshake: its first frame was over the limit (or it died)
+    cuts.on_timer(1.0)
+    assert stats["connections_cut"] == 1
+    assert len(lines(caplog)) == 1 and UNKNOWN_SOURCE in lines(caplog)[0]
+
+
+def test_a_source_learnt_later_replaces_an_unknown_one_and_leaving_counts_nothing() -> None:
+    cuts, stats = make()
+    cuts.opened("8", b"r", None, "a sender without keys", 0.0)  # undecodable first message
+    cuts.opened("8", b"r", None, "a sender without keys", 0.1)
+    assert cuts.conns["8"][2] == "a sender without keys"
+    cuts.opened("8", b"r", "q", "q at tcp://h:1", 0.2)
+    assert cuts.conns["8"][1:] == ["q", "q at tcp://h:1"]
+    cuts.closed("8", 1.0)
+    cuts.on_timer(2.0, counting=False)  # this node is leaving
+    assert stats["connections_cut"] == 0
+
+
+def test_memory_is_bounded() -> None:
+    cuts, stats = make(cap=4)
+    for i in range(100):
+        cuts.opened(str(i), b"r", f"p{i}", f"peer p{i}", 0.0)
+        cuts.said_goodbye(f"p{i}", 0.0)
+        cuts.handshake_failed()
+    assert len(cuts.conns) <= 4 and len(cuts._goodbyes) <= 4 and cuts._failed_handshakes <= 4
+    for i in range(100):
+        cuts.closed(str(1000 + i), 0.0)
+    assert len(cuts._waiting) <= 4
+    cuts.on_timer(10.0)
+    assert stats["connections_cut"] == 100 - 4  # four matched off the (bounded) failed handshakes
