@@ -67,7 +67,8 @@ _INLINE_BYTES = 1 << 12  # received frames up to this size are copied into bytes
 _STATS = ("received", "invalid", "sent", "send_errors", "errors", "disconnects", "connections", "local_connections",
           "unauthenticated", "refused", "handshake_failures", "unreachable", "connections_cut")
 # the ROUTERs' monitors: failed handshakes (logged), and every closed connection (`zgossip.cuts`)
-_ROUTER_EVENTS = HANDSHAKE_EVENTS | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_DISCONNECTED
+_ROUTER_EVENTS = (HANDSHAKE_EVENTS | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_ACCEPTED
+                  | zmq.EVENT_DISCONNECTED)
 _BYE = MsgType.BYE
 _BACKLOG_MESSAGES = 256  # per client that has not connected yet
 _BACKLOG_CLIENTS = 64
@@ -181,7 +182,6 @@ class ZmqTransport:
     def _make_rest(self, peer_id: str, make_node: NodeFactory) -> None:
         self.node = make_node(self.endpoint, None)
         self._cuts = ConnectionCuts(self.stats, self.node.drops, log, self._max_msg)
-        self._closed_fds: list[str] = []  # DISCONNECTED events read, judged once the ROUTERs are drained
         self._poller = zmq.Poller()
         self.routes = LocalRoutes(self.endpoint, self._uses_local_sockets())
         self.connections = Connections(self._ctx, self._poller, self.routes, self.stats, curve=self.curve,
@@ -292,10 +292,8 @@ class ZmqTransport:
                         if sock in events:
                             self._drain(sock, (ep, pid))
                     self.connections.drain_monitors(events, self._peer_down, self._handshake_failed)
-                if self._closed_fds:
-                    self._judge_closed()
                 if cuts.next_deadline() is not None:
-                    cuts.on_timer(now(), counting=not node.membership.said_goodbye)
+                    self._cut_event(cuts.on_timer, now(), not node.membership.said_goodbye)
                 dl = node.next_deadline()
                 if dl is not None and now() >= dl:
                     self._guard(node.on_timer, now())
@@ -393,15 +391,17 @@ class ZmqTransport:
             self.stats["received"] += 1
             # the first message of a connection into a ROUTER names its source (zgossip.cuts)
             fresh = fd is not None and ((rec := conns.get(fd)) is None or rec[0] != rid or rec[1] is None)
-            if fresh and user is not None:  # the connection's key: its peer id
-                self._cuts.opened(fd, rid, user, f"peer {user}", self.clock.now())
-                fresh = False
+            if fresh:  # the monitor's news first: this connection's ACCEPTED, and all before it
+                self._drain_router_monitors()
+                if user is not None:  # the connection's key: its peer id
+                    self._cut_event(self._cuts.opened, fd, rid, user, f"peer {user}")
+                    fresh = False
             try:
                 msg = wire.decode(frames, self.limits)
             except wire.InvalidMessage as e:
                 self.stats["invalid"] += 1
                 if fresh:
-                    self._cuts.opened(fd, rid, None, "a sender without keys", self.clock.now())
+                    self._cut_event(self._cuts.opened, fd, rid, None, "a sender without keys")
                 if user is not None:
                     source = f"peer {user}"
                 elif dealer is not None:
@@ -423,10 +423,10 @@ class ZmqTransport:
                     continue
                 self._client_seen(msg.sender, rid)
             if fresh:  # without keys: the peer id and endpoint it claims
-                self._cuts.opened(fd, rid, msg.sender, f"{msg.sender} at {msg.endpoint} (as it claimed: no keys)",
-                                  self.clock.now())
+                self._cut_event(self._cuts.opened, fd, rid, msg.sender,
+                                f"{msg.sender} at {msg.endpoint} (as it claimed: no keys)")
             if msg.type is _BYE:
-                self._cuts.said_goodbye(msg.sender, self.clock.now())
+                self._cut_event(self._cuts.said_goodbye, msg.sender, self.clock.now())
             if type(msg) is StateChunk and self._hash_elsewhere(msg):
                 continue
             self._guard(self.node.on_message, msg, self.clock.now())
@@ -498,24 +498,27 @@ class ZmqTransport:
             except zmq.Again:
                 return
             kind = event["event"]
-            if kind == zmq.EVENT_DISCONNECTED:
-                self._closed_fds.append(str(int(event["value"])))
-                continue
-            self._cuts.handshake_failed()  # its DISCONNECTED follows: no cut
-            if kind != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # (a port probe, a peer gone mid-handshake)
-                self._handshake_failed("a connecting peer", event)
+            if kind == zmq.EVENT_ACCEPTED:
+                self._cut_event(self._cuts.accepted, str(int(event["value"])))
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self._cut_event(self._cuts.closed, str(int(event["value"])), self.clock.now())
+            else:
+                self._cut_event(self._cuts.handshake_failed)  # a connection that will close having said nothing
+                if kind != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # (a port probe, a peer gone mid-handshake)
+                    self._handshake_failed("a connecting peer", event)
 
-    def _judge_closed(self) -> None:
-        """Hand the DISCONNECTED events read to `zgossip.cuts` -- once no message waits on a ROUTER:
-        libzmq queued every message of a connection before it reported the connection closed, and
-        the cut must be tied to the source those messages name."""
-        for r in (self._router, self._local):
-            if r is not None and r.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                return  # the loop reads them first (poll returns at once)
-        closed, self._closed_fds = self._closed_fds, []
-        now = self.clock.now()
-        for fd in closed:
-            self._cuts.closed(fd, now)
+    def _cut_event(self, fn: Callable, *args: Any) -> None:
+        """Feed `zgossip.cuts`; a bug there is logged and counted, and must not stop the I/O thread."""
+        try:
+            fn(*args)
+        except Exception:
+            self.stats["errors"] += 1
+            log.exception("zgossip node %s: internal error in the bookkeeping of connections", self.endpoint)
+
+    def _drain_router_monitors(self) -> None:
+        for mon in (self._router_monitor, self._local_monitor):
+            if mon is not None:
+                self._drain_router_monitor(mon)
 
     def _handshake_failed(self, where: str, event: dict) -> None:
         self.stats["handshake_failures"] += 1

@@ -1,4 +1,6 @@
-"""`zgossip.cuts`: which closed connections count as cut, and from whom (pure bookkeeping, time passed in)."""
+"""`zgossip.cuts`: which closed connections count as cut, and from whom (pure bookkeeping, time passed in).
+The calls stand for the ROUTER monitor's events (accepted, closed, handshake_failed) and the
+driver's first message of a connection (opened), in the orders libzmq can deliver them."""
 from __future__ import annotations
 
 import logging
@@ -22,7 +24,8 @@ def test_a_cut_counts_after_its_grace_and_logs_once_per_source(caplog) -> None:
     cuts, stats = make()
     caplog.set_level(logging.WARNING)
     for t, rid in ((0.0, b"r1"), (1.0, b"r2")):
-        cuts.opened("7", rid, "p1", "peer p1", t)
+        cuts.accepted("7")
+        cuts.opened("7", rid, "p1", "peer p1")
         cuts.closed("7", t + 0.1)
         assert cuts.next_deadline() == t + 0.6
         cuts.on_timer(t + 0.5)
@@ -30,38 +33,57 @@ def test_a_cut_counts_after_its_grace_and_logs_once_per_source(caplog) -> None:
         cuts.on_timer(t + 0.6)
     assert stats["connections_cut"] == 2
     assert len(lines(caplog)) == 1 and "peer p1" in lines(caplog)[0] and "1000-byte limit" in lines(caplog)[0]
-    assert cuts.next_deadline() is None and not cuts.conns
+    assert cuts.next_deadline() is None and not cuts.conns and not cuts._slots
 
 
 def test_a_goodbye_within_the_grace_excuses_every_connection_of_that_peer(caplog) -> None:
     cuts, stats = make()
-    cuts.opened("5", b"lane1", "p", "peer p", 0.0)
-    cuts.opened("6", b"lane0", "p", "peer p", 0.0)
+    for fd, rid in (("5", b"lane1"), ("6", b"lane0")):
+        cuts.accepted(fd)
+        cuts.opened(fd, rid, "p", "peer p")
     cuts.closed("5", 1.0)  # its results lane closes first ...
     cuts.said_goodbye("p", 1.2)  # ... the BYE on the other lane is read later
     cuts.closed("6", 1.2)
     cuts.on_timer(5.0)
     assert stats["connections_cut"] == 0 and not lines(caplog)
-    cuts.opened("6", b"again", "p", "peer p", 60.0)  # back, and gone without goodbye this time
+    cuts.accepted("6")
+    cuts.opened("6", b"again", "p", "peer p")  # back, and gone without goodbye this time
     cuts.closed("6", 61.0)
     cuts.on_timer(62.0)
     assert stats["connections_cut"] == 1
 
 
-def test_a_reused_descriptor_judges_the_old_connection_and_skips_its_late_event() -> None:
+def test_a_probe_then_a_peer_on_the_same_descriptor() -> None:
+    """A peer on this host probes our local socket (no handshake), then connects; libzmq gives the
+    probe's descriptor to the real connection. The driver reads the monitor before the first message."""
     cuts, stats = make()
-    cuts.opened("9", b"old", "a", "peer a", 0.0)
-    cuts.opened("9", b"new", "b", "peer b", 1.0)  # a message of the next connection on fd 9 came first
-    cuts.closed("9", 1.1)  # the old connection's DISCONNECTED: already judged
-    assert cuts.conns["9"][1] == "b"
-    cuts.closed("9", 2.0)  # the new one's
-    cuts.on_timer(3.0)
-    assert stats["connections_cut"] == 2 and not cuts.conns
+    cuts.accepted("9")  # the probe
+    cuts.handshake_failed()
+    cuts.accepted("9")  # the peer, on the same descriptor: the probe's DISCONNECTED is not read yet
+    cuts.opened("9", b"peer", "a", "peer a")
+    cuts.closed("9", 1.0)  # the probe's
+    cuts.on_timer(2.0)
+    assert stats["connections_cut"] == 0 and cuts.conns["9"][1] == "a"
+    cuts.closed("9", 3.0)  # the peer's
+    cuts.on_timer(4.0)
+    assert stats["connections_cut"] == 1 and not cuts._slots
+
+
+def test_a_first_message_read_after_its_disconnect_still_names_the_source(caplog) -> None:
+    cuts, stats = make()
+    caplog.set_level(logging.WARNING)
+    cuts.accepted("4")
+    cuts.closed("4", 0.0)  # the monitor was read before the connection's queued message
+    cuts.opened("4", b"late", "b", "peer b")
+    cuts.on_timer(1.0)
+    assert stats["connections_cut"] == 1 and "peer b" in lines(caplog)[0]
 
 
 def test_failed_handshakes_are_no_cuts_but_other_silent_connections_are(caplog) -> None:
     cuts, stats = make()
     caplog.set_level(logging.WARNING)
+    cuts.accepted("3")
+    cuts.accepted("4")
     cuts.handshake_failed()
     cuts.closed("3", 0.0)  # the failed handshake's connection
     cuts.closed("4", 0.0)  # no message, no failed handshake: its first frame was over the limit (or it died)
@@ -72,11 +94,11 @@ def test_failed_handshakes_are_no_cuts_but_other_silent_connections_are(caplog) 
 
 def test_a_source_learnt_later_replaces_an_unknown_one_and_leaving_counts_nothing() -> None:
     cuts, stats = make()
-    cuts.opened("8", b"r", None, "a sender without keys", 0.0)  # undecodable first message
-    cuts.opened("8", b"r", None, "a sender without keys", 0.1)
+    cuts.accepted("8")
+    cuts.opened("8", b"r", None, "a sender without keys")  # undecodable first message
     assert cuts.conns["8"][2] == "a sender without keys"
-    cuts.opened("8", b"r", "q", "q at tcp://h:1", 0.2)
-    assert cuts.conns["8"][1:] == ["q", "q at tcp://h:1"]
+    cuts.opened("8", b"r", "q", "q at tcp://h:1")
+    assert cuts.conns["8"][1:3] == ["q", "q at tcp://h:1"]
     cuts.closed("8", 1.0)
     cuts.on_timer(2.0, counting=False)  # this node is leaving
     assert stats["connections_cut"] == 0
@@ -85,12 +107,15 @@ def test_a_source_learnt_later_replaces_an_unknown_one_and_leaving_counts_nothin
 def test_memory_is_bounded() -> None:
     cuts, stats = make(cap=4)
     for i in range(100):
-        cuts.opened(str(i), b"r", f"p{i}", f"peer p{i}", 0.0)
-        cuts.said_goodbye(f"p{i}", 0.0)
         cuts.handshake_failed()
-    assert len(cuts.conns) <= 4 and len(cuts._goodbyes) <= 4 and cuts._failed_handshakes <= 4
     for i in range(100):
-        cuts.closed(str(1000 + i), 0.0)
+        for _ in range(20):
+            cuts.accepted(str(i))
+        cuts.opened(str(i), b"r", f"p{i}", f"peer p{i}")
+        cuts.said_goodbye(f"p{i}", 0.0)
+        cuts.closed(str(1000 + i), 0.0)  # (its ACCEPTED was lost)
+    assert len(cuts._slots) <= 4 and all(len(s) <= 8 for s in cuts._slots.values())
+    assert len(cuts.conns) <= 4 and len(cuts._goodbyes) <= 4 and cuts._failed_handshakes <= 4
     assert len(cuts._waiting) <= 4
     cuts.on_timer(10.0)
     assert stats["connections_cut"] == 100 - 4  # four matched off the (bounded) failed handshakes
