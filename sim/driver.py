@@ -13,7 +13,9 @@ scheduled in a fixed order, so one seed gives one trace; `trace_hash` digests ev
 What the ZeroMQ driver does with connections is modelled too:
 
 * **Lanes.** A message travels on the connection of its lane (`zgossip.wire.lane_of`):
-  order is kept per lane, and a RESULT may overtake PART data queued before it.
+  order is kept per lane, and a RESULT may overtake PART data queued before it. A PART also
+  opens the lane-1 connection to its peer (`zgossip.wire.warm_lanes`), so under TCP that
+  connection's handshakes run while the parts stream, as in the ZeroMQ driver.
 * **Disconnect notices.** The ZeroMQ driver monitors its lane-0 DEALER to each peer it has
   sent to and calls ``node.on_peer_down`` on ``EVENT_DISCONNECTED``. A crashed process's
   kernel closes its sockets at once (FIN, or RST when unread data was waiting), which reaches
@@ -454,6 +456,7 @@ class SimCluster:
         if dst is None or not src.alive or src.paused:
             return
         lane = wire.lane_of(msg.type)
+        warm = wire.warm_lanes(msg.type) if listens(endpoint) else ()
         if not listens(endpoint):  # a client: only on the connection it opened to src
             if not listens(src.endpoint):
                 self.unreachable += 1
@@ -482,12 +485,13 @@ class SimCluster:
             self._cursor += self.cpu_model.costs.send(nbytes)
             if self._cursor > self.env.now:
                 ev = self.env.timeout(self._cursor - self.env.now)
-                ev.callbacks.append(lambda _e: self._launch(src, dst, lane, payload, nbytes, tag, bool(msg.payload)))
+                ev.callbacks.append(lambda _e: self._launch(src, dst, lane, payload, nbytes, tag, bool(msg.payload),
+                                                            warm))
                 return
-        self._launch(src, dst, lane, payload, nbytes, tag, bool(msg.payload))
+        self._launch(src, dst, lane, payload, nbytes, tag, bool(msg.payload), warm)
 
     def _launch(self, src: SimPeer, dst: SimPeer, lane: int, payload: Any, nbytes: int, tag: bytes,
-                zero_copy: bool = False) -> None:
+                zero_copy: bool = False, warm: tuple[int, ...] = ()) -> None:
         if not src.alive:
             return
         endpoint = dst.endpoint
@@ -495,6 +499,9 @@ class SimCluster:
             sb = self.network.sent_bytes
             sb[src.endpoint] = sb.get(src.endpoint, 0) + nbytes
             m = self.tcp.send(src.endpoint, endpoint, lane, nbytes, (src, dst, payload, nbytes, tag))
+            if warm:
+                for w in warm:  # as the ZeroMQ driver: the lanes a message of this type opens too
+                    self.tcp.open(src.endpoint, endpoint, w)
             if zero_copy:  # the real driver sends array payloads zero-copy and tracks their release
                 src._trackers = [t for t in src._trackers if not self.tcp.released(t)] if len(src._trackers) > 256 \
                     else src._trackers

@@ -752,9 +752,17 @@ def add_arguments(ap) -> None:
     ap.add_argument("--seeds", type=int, help="override the sweep's seeds with 0..N-1")
     ap.add_argument("--plot", action="store_true", help="draw the standard figures into OUT/plots")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("--bench", type=int, metavar="REPS",
+                    help="benchmark: REPS repetitions of --serial, all cores and the machine's two-process "
+                         "ceiling, side by side (fresh temporary results folders; prints the medians)")
 
 
 def cmd_sweep(args) -> int:
+    if args.bench:
+        from .sweep_bench import bench_sweep
+
+        bench_sweep(args.sweep, args.bench)
+        return 0
     sweep = load_sweep(args.sweep)
     if args.seeds is not None:
         sweep = dataclasses.replace(sweep, seeds=list(range(args.seeds)))

@@ -275,6 +275,10 @@ class TcpTransport:
         c = self.conns.get((src, dst, lane))
         return None if c is None else c.cwnd
 
+    def open(self, src: str, dst: str, lane: int) -> None:
+        """Connect src to dst on `lane` now, if not yet (its handshakes start; no data)."""
+        self._conn(src, dst, lane)
+
     # ------------------------------------------------------------------ sending
     def send(self, src: str, dst: str, lane: int, nbytes: int, token: Any) -> _Msg:
         """Queue a message; returns its tracker (``released`` once its last byte left)."""

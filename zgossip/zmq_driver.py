@@ -546,6 +546,8 @@ class ZmqTransport:
                 self.connections.close(endpoint)  # a multipart message may be cut short on that socket
                 raise
             self.stats["sent"] += 1
+            for lane in wire.warm_lanes(msg.type):  # handshakes now, while this data streams
+                self.connections.dealer(endpoint, lane)
         except (zmq.ZMQError, ValueError, OSError) as e:
             self.stats["send_errors"] += 1
             if self.curve is not None and isinstance(e, ValueError) and "no public key" in str(e):

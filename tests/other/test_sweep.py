@@ -208,3 +208,33 @@ def test_plot_draws_the_standard_figures(tmp_path):
     paths = plot_results(tmp_path / "out")
     assert sorted(p.name for p in paths) == ["bytes_vs_accuracy.png", "metric_vs_rounds.png", "rounds_to_eps.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+
+
+TINY_MOSHPIT = """
+name = "tiny"
+kind = "moshpit"
+seeds = 2
+[base]
+cap = 5
+[axes]
+n = [64]
+p = [0.0, 0.01]
+method = ["moshpit"]
+"""
+
+
+def test_bench_compares_serial_and_parallel_beside_the_machine_ceiling(tmp_path):
+    from sim.sweep_bench import bench_sweep
+
+    path = tmp_path / "tiny.toml"
+    path.write_text(TINY_MOSHPIT)
+    out = io.StringIO()
+    res = bench_sweep(str(path), 1, stream=out, spin=500_000)
+    text = out.getvalue()
+    assert text.startswith("machine: ") and "speed-up / ceiling" in text
+    (row,) = res["reps"]
+    assert row["serial_s"] > 0 and row["parallel_s"] > 0 and row["ceiling"] > 0
+    assert row["speedup"] == pytest.approx(row["serial_s"] / row["parallel_s"])
+    assert row["share"] == pytest.approx(row["speedup"] / row["ceiling"])
+    assert 0.3 < row["ceiling_cpu_inflation"] < 5  # a CPU-time ratio of one loop, not a wall-clock one
+    assert row["others_load"] >= 0

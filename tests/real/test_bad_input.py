@@ -598,3 +598,19 @@ def test_bad_input_over_the_local_socket(pair, ctx) -> None:
     for t0, t1 in zip(tensors, snapshot(a)):
         assert np.array_equal(t0, t1)
     assert_next_round_exact(a, b)
+
+
+def test_sending_a_part_opens_the_result_lane_to_that_peer_at_once(pair) -> None:
+    """The first PART to a groupmate also connects the lane-1 DEALER (results), so its handshake
+    runs while the parts stream rather than after the span is reduced (`wire.warm_lanes`)."""
+    a, b = pair
+    tr = a._transport
+    dealers = tr.connections._dealers  # only the I/O thread changes it; read below after run_on_io returned
+    assert (b.endpoint, 1) not in dealers
+    tr.run_on_io(lambda node, now: tr.transmit(b.endpoint, part(a.peer_id, a.endpoint)), 5.0)
+    assert (b.endpoint, 0) in dealers and (b.endpoint, 1) in dealers
+    n = a.stats["connections"]
+    tr.run_on_io(lambda node, now: tr.transmit(b.endpoint, part(a.peer_id, a.endpoint, index=1)), 5.0)
+    assert a.stats["connections"] == n  # opened once
+    wait_for(lambda: b.stats["dropped"] >= 1, 5, "b to refuse the stray part")  # no such group: a counted drop
+    assert_next_round_exact(a, b)

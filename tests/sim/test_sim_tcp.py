@@ -17,7 +17,7 @@ from sim.network import Partition, Profile
 from sim.scenario import load_scenario, run_scenario
 from sim.tcp import TcpParams, TcpTransport
 from zgossip.node import NodeConfig
-from zgossip.wire import MsgType, make_message, lane_of
+from zgossip.wire import MsgType, lane_of, make_message, warm_lanes
 
 ROOT = Path(__file__).resolve().parents[2]
 MB = 1_000_000
@@ -145,6 +145,26 @@ def test_a_result_on_lane_1_overtakes_parts_queued_on_lane_0():
     kinds = [(m.type, m.part) for _, m in seen if m.type in (MsgType.PART, MsgType.RESULT)]
     assert kinds[0] == (MsgType.RESULT, 0)
     assert [p for t, p in kinds if t is MsgType.PART] == [0, 1, 2]  # lane 0 keeps its order
+
+
+def test_the_first_part_opens_the_result_lane_so_its_handshake_runs_while_parts_stream():
+    assert warm_lanes(MsgType.PART) == (1,) and warm_lanes(MsgType.RESULT) == ()
+    cl, a, b, seen = _pair(latency=0.05, bandwidth=1e6)
+    cl.run(until=0.5)
+    seen.clear()
+    assert (a.endpoint, b.endpoint, 1) not in cl.tcp.conns
+    body = {"gid": "g", "owner": 0, "part": 0, "w": 1.0, "resc": 0}
+    # a sends b's span a 1 MB part (a second on the wire); a owns a span too and owes b its result
+    cl._transmit(a, b.endpoint, make_message(MsgType.PART, a.peer_id, a.endpoint, body, (np.zeros(1 << 18, np.float32),)))
+    conn = cl.tcp.conns[(a.endpoint, b.endpoint, 1)]  # opened with the part, before any result
+    cl.run(until=cl.env.now + 1.5)
+    assert conn.ready <= cl.env.now
+    res = {"gid": "g", "owner": 1, "part": 0, "contrib": [0], "resc": 0}
+    t0 = cl.env.now
+    cl._transmit(a, b.endpoint, make_message(MsgType.RESULT, a.peer_id, a.endpoint, res, (np.zeros(16, np.float32),)))
+    cl.run(until=t0 + 5.0)
+    (at,) = [t for t, m in seen if m.type is MsgType.RESULT]
+    assert at - t0 < conn.rtt  # one-way latency: no handshake left to pay (else 3 RTT more)
 
 
 def test_partition_delays_tcp_traffic_until_it_heals_and_loses_nothing():
