@@ -23,10 +23,15 @@ fills in the slot it belongs to. Three things make that less simple than it soun
 * A connection may close with messages still queued for us: its slot is judged only `grace`
   seconds after its DISCONNECTED, and a late first message still fills it in.
 * A connection that closed before one complete message (its very first frame was over the limit,
-  a handshake that failed, a port probe) names no source. libzmq reports each failed handshake
-  (a HANDSHAKE_FAILED_* event, which names no descriptor) before that connection's DISCONNECTED,
-  so silent connections are matched off against failed handshakes; the rest are counted with an
-  unknown source. Which silent connection was which is not known, only how many there were.
+  a handshake that failed, a port probe, or a peer's results lane that it opened early and never
+  needed, `wire.warm_lanes`) names no source. libzmq reports each failed handshake (a
+  HANDSHAKE_FAILED_* event, which names no descriptor) before that connection's DISCONNECTED, so
+  silent connections are matched off against failed handshakes first. A peer has two
+  connections to us (`wire.LANES`), closed together when it exits, crashes or drops us: a silent
+  one that closed within `grace` of a connection with a source is taken as that peer's other
+  lane and judged with it (a goodbye excuses both; a crash counts once). The rest are counted
+  with an unknown source. Which silent connection was which is not known, only how many there
+  were; an oversize first message that coincides with a peer leaving is not counted.
 
 The grace also lets a BYE that travels on the peer's other connection (lanes are separate
 connections, read in no fixed order) arrive. Plain data with the time passed in: the ZeroMQ
@@ -45,10 +50,10 @@ __all__ = ["ConnectionCuts", "UNKNOWN_SOURCE", "KIND"]
 
 UNKNOWN_SOURCE = "an unknown sender (it sent no complete message before)"
 KIND = "connection closed without goodbye"
-_BYE_MEMORY = 30.0  # seconds a goodbye excuses its peer's connections closing
+_BYE_MEMORY = 5.0  # seconds after its goodbye in which a peer's connections may close uncounted
 _SLOTS = 8  # connections remembered per descriptor (one is open at a time; the rest wait for judgement)
-# a slot: [routing id or None, peer id or None, source as logged or None, open]
-_RID, _PEER, _SOURCE, _OPEN = range(4)
+# a slot: [routing id or None, peer id or None, source as logged or None, open, took a silent sibling]
+_RID, _PEER, _SOURCE, _OPEN, _PAIRED = range(5)
 
 
 class ConnectionCuts:
@@ -65,6 +70,7 @@ class ConnectionCuts:
         self._failed_handshakes = 0  # reported, and not matched with a silent connection yet
         self._goodbyes: dict[str, float] = {}  # peer id -> when it said goodbye
         self._waiting: collections.deque = collections.deque()  # (judge at, closed at, descriptor, slot)
+        self._judged: collections.deque = collections.deque(maxlen=64)  # (closed at, slot) with a source
 
     # ------------------------------------------------------------------ fed by the driver
     def accepted(self, fd: str) -> None:
@@ -77,7 +83,7 @@ class ConnectionCuts:
             slots = self._slots[fd] = []
         if len(slots) >= _SLOTS:
             del slots[0]
-        slots.append([None, None, None, True])
+        slots.append([None, None, None, True, False])
 
     def opened(self, fd: str, rid: bytes, peer_id: Optional[str], source: str) -> None:
         """A message on descriptor `fd` whose connection the driver does not know by (fd, rid)
@@ -118,7 +124,7 @@ class ConnectionCuts:
             if slot[_OPEN]:
                 break
         else:  # its ACCEPTED was lost: nothing known of it
-            slot = [None, None, None, False]
+            slot = [None, None, None, False, False]
         slot[_OPEN] = False
         if self.conns.get(fd) is slot:
             del self.conns[fd]
@@ -136,6 +142,18 @@ class ConnectionCuts:
         while self._waiting and self._waiting[0][0] <= now:
             self._judge(*self._waiting.popleft()[1:], counting=counting)
 
+    def _sibling(self, at: float) -> Optional[list]:
+        """A connection with a source that closed within `grace` of `at` and took no silent one yet."""
+        for closed_at, slot in self._judged:
+            if abs(closed_at - at) <= self.grace and not slot[_PAIRED]:
+                return slot
+        for _, closed_at, _, slot in self._waiting:
+            if closed_at > at + self.grace:
+                break
+            if slot[_RID] is not None and abs(closed_at - at) <= self.grace and not slot[_PAIRED]:
+                return slot
+        return None
+
     def _judge(self, at: float, fd: str, slot: list, counting: bool) -> None:
         slots = self._slots.get(fd)
         if slots is not None:
@@ -147,9 +165,16 @@ class ConnectionCuts:
                 del self._slots[fd]
         if self.conns.get(fd) is slot:
             del self.conns[fd]
-        if slot[_RID] is None and self._failed_handshakes > 0:  # a failed handshake, reported already
-            self._failed_handshakes -= 1
-            return
+        if slot[_RID] is None:
+            if self._failed_handshakes > 0:  # a failed handshake, reported already
+                self._failed_handshakes -= 1
+                return
+            sibling = self._sibling(at)
+            if sibling is not None:  # another lane of a peer whose connection closed with it: judged there
+                sibling[_PAIRED] = True
+                return
+        else:
+            self._judged.append((at, slot))
         if not counting:
             return
         peer_id = slot[_PEER]

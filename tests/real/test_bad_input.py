@@ -297,9 +297,11 @@ def test_oversize_frames_are_cut_by_zeromq_and_counted_with_their_source(pair, c
         [frames_of(make_message(MsgType.ABORT, named, "tcp://127.0.0.1:9", {"gid": "feedfacefeedface", "reason": "x"})),
          frames_of(part(sender=named, n=oversize_payload.size))[:1] + [oversize_payload.tobytes()]],
     ]
-    for messages in cases:
+    for k, messages in enumerate(cases, 1):
+        # one at a time: a connection without a source that closes within the grace (0.5 s) of one
+        # with a source is taken for the same peer's other lane (zgossip.cuts)
         _send_and_get_cut(ctx, a.endpoint, messages)
-    wait_for(lambda: a.stats["connections_cut"] >= before["connections_cut"] + 3, 10, "the node to count the cuts")
+        wait_for(lambda: a.stats["connections_cut"] >= before["connections_cut"] + k, 10, "the node to count the cut")
     named_lines = _cut_lines(caplog, f"{named} at tcp://127.0.0.1:9")
     assert len(named_lines) == 1 and f"{MAX_MSG}-byte limit" in named_lines[0], named_lines
     assert len(_cut_lines(caplog, "an unknown sender")) == 1

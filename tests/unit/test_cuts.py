@@ -119,3 +119,26 @@ def test_memory_is_bounded() -> None:
     assert len(cuts._waiting) <= 4
     cuts.on_timer(10.0)
     assert stats["connections_cut"] == 100 - 4  # four matched off the (bounded) failed handshakes
+
+
+def test_a_silent_lane_closing_with_a_known_one_is_that_peers(caplog) -> None:
+    """A peer opens its results lane early (wire.warm_lanes) and may never use it: when it leaves
+    with a goodbye nothing counts; when it crashes its two connections count once, by its id; a
+    silent connection closing alone counts with an unknown source."""
+    cuts, stats = make()
+    caplog.set_level(logging.WARNING)
+    for t, bye in ((0.0, True), (10.0, False)):
+        cuts.accepted("1")
+        cuts.opened("1", b"lane0-%d" % t, "p", "peer p")
+        cuts.accepted("2")  # its results lane: nothing sent on it
+        if bye:
+            cuts.said_goodbye("p", t)
+        cuts.closed("2", t + 0.01)  # (either may be reported first)
+        cuts.closed("1", t + 0.02)
+        cuts.on_timer(t + 1.0)
+    assert stats["connections_cut"] == 1
+    assert len(lines(caplog)) == 1 and "peer p" in lines(caplog)[0]
+    cuts.accepted("3")
+    cuts.closed("3", 20.0)  # alone: e.g. its first frame was over the limit
+    cuts.on_timer(21.0)
+    assert stats["connections_cut"] == 2 and UNKNOWN_SOURCE in lines(caplog)[1]
