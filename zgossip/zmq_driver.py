@@ -368,11 +368,15 @@ class ZmqTransport:
             except zmq.Again:
                 return None
             if routed and len(raw) > 1:
-                try:
-                    fd = raw[1].get("__fd")
-                    user = raw[1].get("User-Id") if want_user else None
-                except zmq.ZMQError:
-                    pass
+                for prop in ("__fd", "User-Id") if want_user else ("__fd",):
+                    try:
+                        value = raw[1].get(prop)
+                    except zmq.ZMQError:  # the message has no such property
+                        continue
+                    if prop == "__fd":
+                        fd = value
+                    else:
+                        user = value
             frames = [bytes(f.buffer) if i == 0 and routed else f.buffer for i, f in enumerate(raw)]
         if routed:
             return bytes(frames[0]), frames[1:], user, fd
