@@ -14,6 +14,8 @@ ACKs (a host's ACKs count in its sent bytes) are left out, so "p wire" stays a l
 
 Step time of a round = the median over the peers that stepped of the time their `step()`
 took (``step_seconds``); "slowest" is the largest. Overall figures are medians over rounds.
+The phases (``phase_seconds``: matchmaking and all-reduce of each successful step) are
+compared the same way, as medians over peers, so a gap can be placed in one phase or the other.
 """
 from __future__ import annotations
 
@@ -39,6 +41,15 @@ def step_stats(rnd: dict) -> tuple[float, float]:
     return float(np.median(xs)), float(max(xs))
 
 
+def phase_stats(rnd: dict) -> tuple[float, float]:
+    """(median matchmaking, median all-reduce) seconds of a round's successful steps; NaN if none
+    (or if the results file predates ``phase_seconds``)."""
+    ph = rnd.get("phase_seconds") or []
+    if not ph:
+        return math.nan, math.nan
+    return float(np.median([float(m) for _, m, _ in ph])), float(np.median([float(a) for _, _, a in ph]))
+
+
 def _ratio(a: float, b: float) -> float:
     return a / b if b and not (math.isnan(a) or math.isnan(b)) else math.nan
 
@@ -56,6 +67,10 @@ class RoundComparison:
     ok_predicted: int
     failures_measured: dict
     failures_predicted: dict
+    matchmaking_measured: float = math.nan
+    matchmaking_predicted: float = math.nan
+    allreduce_measured: float = math.nan
+    allreduce_predicted: float = math.nan
 
     @property
     def ratio(self) -> float:
@@ -101,17 +116,25 @@ def replay(scenario: dict) -> dict:
     return json.loads(run_scenario(dict(scenario)).to_json())
 
 
+def interleave(m: tuple[float, float], p: tuple[float, float]) -> tuple[float, float, float, float]:
+    return m[0], p[0], m[1], p[1]
+
+
 def compare_runs(measured: dict, predicted: dict, skip: int = 0) -> Comparison:
     """Compare two results dicts round by round (`measured`: testbed, `predicted`: simulator).
     `skip` leading rounds are shown but left out of the overall medians."""
     out = []
+    steps = (measured.get("testbed") or {}).get("steps") or []
     for rm, rp in zip(measured["rounds"], predicted["rounds"]):
+        if "phase_seconds" not in rm and steps:  # a results file from before rounds carried them
+            rm = {**rm, "phase_seconds": [[s["slot"], s["timings"].get("matchmaking", 0.0), s["timings"].get("allreduce", 0.0)]
+                                          for s in steps if s.get("round") == rm["round"] and s.get("timings")]}
         mm, mx = step_stats(rm)
         pm, px = step_stats(rp)
         out.append(RoundComparison(rm["round"], mm, pm, mx, px, float(rm.get("bytes_sent_mean", math.nan)),
                                    float(rp.get("bytes_sent_mean", math.nan)), int(rm.get("succeeded", 0)),
                                    int(rp.get("succeeded", 0)), dict(rm.get("failures", {})),
-                                   dict(rp.get("failures", {}))))
+                                   dict(rp.get("failures", {})), *interleave(phase_stats(rm), phase_stats(rp))))
     used = [r for r in out[skip:] if not (math.isnan(r.measured) or math.isnan(r.predicted))]
     med = lambda xs: float(np.median(xs)) if xs else math.nan  # noqa: E731
     return Comparison(out, med([r.measured for r in used]), med([r.predicted for r in used]), skip)
@@ -119,7 +142,7 @@ def compare_runs(measured: dict, predicted: dict, skip: int = 0) -> Comparison:
 
 def format_comparison(c: Comparison) -> str:
     head = (f"{'round':>5} {'measured s':>10} {'predicted s':>11} {'ratio':>6} {'slowest m/p':>13} "
-            f"{'MB sent m link/p msgs/p wire':>28} {'ok m/p':>7}  failures m / p")
+            f"{'MB sent m link/p msgs/p wire':>28} {'ok m/p':>7} {'match m/p':>11} {'allred m/p':>11}  failures m / p")
     lines = [head]
     for r in c.rounds:
         fm = ",".join(f"{k}:{v}" for k, v in sorted(r.failures_measured.items())) or "-"
@@ -128,7 +151,9 @@ def format_comparison(c: Comparison) -> str:
                      f"{r.measured_max:>6.2f}/{r.predicted_max:<6.2f} "
                      f"{r.bytes_measured / 1e6:>8.2f}/{r.bytes_predicted / 1e6:<8.2f}/"
                      f"{r.bytes_predicted * WIRE / 1e6:<9.2f} "
-                     f"{r.ok_measured:>3}/{r.ok_predicted:<3}  {fm} / {fp}")
+                     f"{r.ok_measured:>3}/{r.ok_predicted:<3} "
+                     f"{r.matchmaking_measured:>5.2f}/{r.matchmaking_predicted:<5.2f} "
+                     f"{r.allreduce_measured:>5.2f}/{r.allreduce_predicted:<5.2f}  {fm} / {fp}")
     note = f" (rounds {c.skip}+)" if c.skip else ""
     lines.append(f"overall{note}: measured median step {c.measured:.3f} s, predicted {c.predicted:.3f} s, "
                  f"ratio {c.ratio:.3f}")

@@ -395,6 +395,10 @@ class ScenarioRun(SimFaultContext):
             rounds.append(self._metrics(r, t0, steppers, evs, sent0, recv0))
             # per-peer step durations (slot, seconds), as the testbed reports them
             rounds[-1]["step_seconds"] = [[i, ends[i] - t0] for i in sorted(ends)]
+            # and of the successful ones, (slot, matchmaking, all-reduce) seconds, as the testbed reports them
+            rounds[-1]["phase_seconds"] = [[i, ev.value.result.timings.get("matchmaking", 0.0),
+                                            ev.value.result.timings.get("allreduce", 0.0)]
+                                           for i, ev in sorted(evs.items()) if ev.triggered and isinstance(ev.value, StepDone)]
             walls.append(time.perf_counter() - w0)
             if sc.round_gap:
                 self.cluster.run(until=self.env.now + sc.round_gap)

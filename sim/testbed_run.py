@@ -449,4 +449,6 @@ def _round(ctl: _Controller, tb: Testbed, r: int, unavail_rng: np.random.Generat
     recv = [after[i]["received_bytes"] - before[i]["received_bytes"] for i in steppers]
     out = round_metrics(r, t_start, max(0.0, end - at), tensors, truth, sc.numel, len(steppers), outcomes, sent, recv)
     out["step_seconds"] = [[i, replies[i]["seconds"]] for i in sorted(replies)]
+    out["phase_seconds"] = [[i, replies[i]["timings"].get("matchmaking", 0.0), replies[i]["timings"].get("allreduce", 0.0)]
+                            for i in sorted(replies) if replies[i].get("timings")]
     return out

@@ -195,6 +195,7 @@ class ZmqTransport:
         self._wake_in.bind(wake)
         self._wake_out.connect(wake)
         self._wake_lock = threading.Lock()
+        self._woken = False  # a wake-up byte was sent and the loop has not read it yet
         self._hasher: cf.ThreadPoolExecutor | None = None  # started by the first large state chunk
         self._hashing = 0
         self._thread = threading.Thread(target=self._run, name=f"{self.name or 'zgossip-' + peer_id[:8]}-io",
@@ -205,12 +206,22 @@ class ZmqTransport:
             raise RuntimeError("zgossip I/O thread did not start")
 
     # ---------------------------------------------------------------- user-thread side
-    def call(self, fn: Callable[[float], Any]) -> None:
+    def call(self, fn: Callable[[float], Any], wake: bool = True) -> None:
         if self._stopping:
             raise RuntimeError("driver is stopped")
         self._commands.put(fn)
+        if not wake:  # the loop runs the queue on every turn (`_run`)
+            return
+        # one wake-up byte in flight is enough: the loop drains the whole queue after clearing the
+        # flag (`_drain_commands`), so a command queued while the flag is up is run by that drain.
+        # Every send releases and retakes the GIL, which costs up to a switch interval (5 ms) when
+        # the I/O thread is busy in Python: a training step makes several calls in a row.
+        if self._woken:
+            return
         with self._wake_lock:
-            self._wake_out.send(b"", zmq.NOBLOCK)
+            if not self._woken:
+                self._woken = True
+                self._wake_out.send(b"", zmq.NOBLOCK)
 
     def run_on_io(self, fn: Callable[[Node, float], Any], timeout: float) -> Any:
         if threading.current_thread() is self._thread:
@@ -271,9 +282,9 @@ class ZmqTransport:
                     dl = cut_dl
                 wait_ms = 1000 if dl is None else min(1000, max(0, int((dl - now()) * 1000) + 1))
                 events = dict(poller.poll(wait_ms))
-                if self._wake_in in events:
-                    self._drain_commands()
                 handled = (self._wake_in in events)
+                if handled or not self._commands.empty():  # calls made with wake=False wait for a turn
+                    self._drain_commands()
                 if router is not None and router in events:
                     self._drain(router, None)
                     handled += 1
@@ -334,6 +345,7 @@ class ZmqTransport:
                 self._wake_in.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
+        self._woken = False  # after the bytes are read, before the queue is: see `call`
         while True:
             try:
                 fn = self._commands.get_nowait()
