@@ -146,6 +146,9 @@ class SimTransport:
     def disconnect(self, endpoint: str) -> None:
         self.cluster._disconnect(self, endpoint)
 
+    def connect(self, endpoint: str) -> None:
+        self.cluster._connect(self, endpoint)
+
     # --------------------------------------------------------------- owner actions at the CPU cursor
     def step_finished(self, act: Any) -> None:
         self._report(self.owner.step_finished, act)
@@ -579,6 +582,16 @@ class SimCluster:
         if obs.alive and self.peers.get(obs.endpoint) is obs:
             self.notices += 1
             obs.peer_down(endpoint)
+
+    def _connect(self, src: SimPeer, endpoint: str) -> None:
+        """The node met `endpoint` (`Connect`): the driver opens its lane-0 DEALER (with its disconnect
+        monitor) now; under TCP the connection's handshakes start."""
+        dst = self.peers.get(endpoint)
+        if dst is None or not src.alive or src.paused or not listens(endpoint):
+            return
+        self._dealers[(src.endpoint, endpoint)] = None
+        if self.tcp is not None:
+            self.tcp.open(src.endpoint, endpoint, 0)
 
     def _disconnect(self, src: SimPeer, endpoint: str) -> None:
         """The node forgot `endpoint`: the driver closes its DEALERs (and their monitor) to it."""

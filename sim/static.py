@@ -55,6 +55,7 @@ class StaticView:
         self.endpoint = endpoint
         self.heartbeat = 0
         self.forgotten: list[str] = []
+        self.discovered: list[str] = []  # stays empty: a converged view meets nobody (connections open on first use)
 
     # what the node reads and writes about itself lives in the shared record
     @property

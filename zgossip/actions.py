@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .wire import Message
 
 __all__ = [
-    "Send", "Disconnect", "StepDone", "StepFailed", "StepProgress", "ServeState", "DownloadDone", "DownloadFailed",
+    "Send", "Disconnect", "Connect", "StepDone", "StepFailed", "StepProgress", "ServeState", "DownloadDone", "DownloadFailed",
     "Action", "OwnerAction", "Carrier", "Owner", "execute",
 ]
 
@@ -33,6 +33,14 @@ class Send:
 @dataclass(frozen=True, slots=True)
 class Disconnect:
     """The node forgot the peer at `endpoint`: close the connections to it (unsent data is dropped)."""
+
+    endpoint: str
+
+
+@dataclass(frozen=True, slots=True)
+class Connect:
+    """The node met the peer at `endpoint` and will likely talk to it: open the (lane-0) connection
+    now, so its handshakes are done before a step's first message needs it."""
 
     endpoint: str
 
@@ -82,7 +90,7 @@ class DownloadFailed:
 
 
 OwnerAction = Union[StepDone, StepFailed, StepProgress, ServeState, DownloadDone, DownloadFailed]
-Action = Union[Send, Disconnect, OwnerAction]
+Action = Union[Send, Disconnect, Connect, OwnerAction]
 
 
 class Carrier(Protocol):
@@ -93,6 +101,8 @@ class Carrier(Protocol):
         to several peers in a row only once)."""
 
     def disconnect(self, endpoint: str) -> None: ...
+
+    def connect(self, endpoint: str) -> None: ...
 
 
 class Owner(Protocol):
@@ -119,6 +129,8 @@ def execute(actions: Iterable[Action], carrier: Carrier, owner: Owner | None,
             carrier.transmit(act.endpoint, act.msg, batch)
         elif kind is Disconnect:
             carrier.disconnect(act.endpoint)
+        elif kind is Connect:
+            carrier.connect(act.endpoint)
         elif owner is not None:
             try:
                 if kind is StepDone or kind is StepFailed:

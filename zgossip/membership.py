@@ -95,6 +95,7 @@ class Membership:
         self.said_goodbye = False
         self._next_tick: float | None = None
         self.forgotten: list[str] = []  # endpoints of forgotten peers, drained by the node
+        self.discovered: list[str] = []  # endpoints of peers newly entered in the table, drained by the node
         # bootstrap peers nobody has heard from are named in one warning after `bootstrap_warn_after`
         self.bootstrap_warn_after = max(3.0, 4 * gossip_interval)
         self._started_at: float | None = None
@@ -202,6 +203,7 @@ class Membership:
             tomb = self._tombstones.pop(peer_id, None)
             hb = tomb[0] if tomb else 0
             self.peers[peer_id] = PeerRecord(peer_id, endpoint, hb, now)
+            self.discovered.append(endpoint)
             self._changed()
         else:
             rec.updated = now
@@ -254,6 +256,7 @@ class Membership:
                 if ep in self.initial_peers:
                     self._reached.add(ep)
                 self.peers[pid] = PeerRecord(pid, ep, hb, now, share, self.clean_info(pid, info))
+                self.discovered.append(ep)
                 self._changed()
             elif hb > rec.heartbeat:
                 rec.heartbeat, rec.endpoint, rec.updated, rec.share = hb, ep, now, share

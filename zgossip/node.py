@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from . import announce, autogrid
-from .actions import Disconnect, DownloadDone, DownloadFailed, Send, ServeState, StepDone, StepFailed, StepProgress
+from .actions import Connect, Disconnect, DownloadDone, DownloadFailed, Send, ServeState, StepDone, StepFailed, StepProgress
 from .allreduce import AllReduceRound, RoundOutcome, SpanOutcome
 from .codecs import CodecMap
 from .droplog import DropLog
@@ -38,7 +38,7 @@ from .state import StateDonor, StateDownload, StateSnapshot
 from .view import MembershipView
 
 __all__ = [
-    "NodeConfig", "StepRequest", "StepResult", "Node", "Send", "StepDone", "StepFailed", "Disconnect", "StepPhase",
+    "NodeConfig", "StepRequest", "StepResult", "Node", "Send", "StepDone", "StepFailed", "Disconnect", "Connect", "StepPhase",
     "ServeState", "DownloadDone", "DownloadFailed", "StepProgress",
 ]
 
@@ -82,6 +82,10 @@ class NodeConfig:
     # 4 / gossip_interval: an honest source sends about one gossip and one reply per interval.
     control_rate: float = 50.0
     control_burst: int = 100
+    # connections opened as soon as a peer is met (`Connect`), up to this many peers: their TCP,
+    # ZMTP and CURVE handshakes (3.5-5.5 round trips) are then done before the first step needs
+    # them instead of inside its matchmaking; further peers are connected on first use. 0 = never.
+    warm_peers: int = 16
 
     def __post_init__(self) -> None:
         if self.part_size_bytes < 16:
@@ -97,6 +101,8 @@ class NodeConfig:
             raise ValueError("part_timeout_floor must be positive (or None: fixed part_timeout)")
         if not self.deadline_slack >= 1:
             raise ValueError("deadline_slack must be >= 1")
+        if self.warm_peers < 0:
+            raise ValueError("warm_peers must be >= 0")
         if self.part_timeout <= 0 or self.allreduce_timeout <= 0:
             raise ValueError("timeouts must be positive")
         if not self.prefix or len(self.prefix) > 200:
@@ -215,6 +221,7 @@ class Node:
         self._rng = rng
         self._actions: list = []
         self._loopback: deque[Message] = deque()
+        self._warm: set[str] = set()  # endpoints a Connect was issued for (config.warm_peers at most)
         self.membership: MembershipView = membership if membership is not None else Membership(
             peer_id, endpoint, self._send, rng,
             initial_peers=initial_peers, gossip_interval=config.gossip_interval,
@@ -287,10 +294,18 @@ class Node:
 
     def take_actions(self) -> list:
         out, self._actions = self._actions, []
-        for ep in self.membership.forgotten:
+        mem = self.membership
+        for ep in mem.forgotten:
             out.append(Disconnect(ep))
             self._forget_owed(ep)
-        self.membership.forgotten.clear()
+            self._warm.discard(ep)
+        mem.forgotten.clear()
+        if mem.discovered:
+            for ep in mem.discovered:
+                if len(self._warm) < self.config.warm_peers and ep not in self._warm and ep != self.endpoint:
+                    self._warm.add(ep)
+                    out.append(Connect(ep))
+            mem.discovered.clear()
         return out
 
     def _move(self, phase: StepPhase) -> None:

@@ -22,6 +22,7 @@ class MembershipView(Protocol):
     endpoint: str
     heartbeat: int  # this peer's own heartbeat; the node raises it to push fresh info out at once
     forgotten: list  # endpoints forgotten since the node last drained them (-> `Disconnect` actions)
+    discovered: list  # endpoints of peers met since the node last drained them (-> `Connect` actions)
     share: float | None  # this peer's state-sharing priority (None: does not share)
     info: dict  # this peer's small public record
     version: int  # grows whenever the set of live peers changes

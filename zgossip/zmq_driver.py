@@ -616,6 +616,15 @@ class ZmqTransport:
             return
         self.connections.close(endpoint)
 
+    def connect(self, endpoint: str) -> None:
+        """Open the lane-0 connection to a peer just met (`actions.Connect`), ahead of its first message."""
+        if endpoint.startswith(CLIENT_SCHEME):
+            return
+        try:
+            self.connections.dealer(endpoint, 0)
+        except (zmq.ZMQError, ValueError, OSError):
+            pass  # no key known for it yet, say: the first message will try again, and log what fails
+
     def route(self, endpoint: str) -> str | None:
         """The address this node connected to for `endpoint` (None before the first message)."""
         return self.routes.get(endpoint)

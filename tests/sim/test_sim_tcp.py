@@ -185,10 +185,29 @@ def _watch_downs(peer):
     return downs
 
 
+def test_peers_met_are_connected_at_once_up_to_warm_peers():
+    cl = SimCluster(seed=0, network=NetworkModel(transfer="tcp", latency=0.05))
+    quiet = dict(gossip_interval=100.0, peer_timeout=1000.0)  # one gossip exchange at start, then silence
+    a = cl.add_peer(NodeConfig(**quiet))
+    b = cl.add_peer(NodeConfig(**quiet), known=[a])
+    c = cl.add_peer(NodeConfig(**quiet), known=[a])
+    d = cl.add_peer(NodeConfig(**quiet, warm_peers=1), known=[a])
+    cl.run(until=2.0)
+    conns = cl.tcp.conns
+    # b, c and d sent a gossip to a; a answered each, and met them: a's connections to all three
+    assert all((a.endpoint, x.endpoint, 0) in conns for x in (b, c, d))
+    # b heard of c and d in a's answer: it opened connections to them without sending them anything
+    assert (b.endpoint, c.endpoint, 0) in conns and (b.endpoint, d.endpoint, 0) in conns
+    assert conns[(b.endpoint, c.endpoint, 0)].ready < 2.0  # handshakes done before any step
+    # d warms one peer only (a, the first it met); b and c it would connect to on first use
+    assert [x for x in (b, c) if (d.endpoint, x.endpoint, 0) in conns] == []
+    assert cl._dealers.get((b.endpoint, c.endpoint), "absent") is None  # monitored: a crash of c is noticed
+
+
 @pytest.mark.parametrize("transfer", ["tcp", "fifo"])
 def test_crash_sends_disconnect_notices_one_way_latency_later(transfer):
     cl, a, b, _ = _pair(transfer, latency=0.03)
-    c = cl.add_peer(NodeConfig(gossip_interval=100.0, peer_timeout=1000.0), known=[a])  # never sends to b
+    c = cl.add_peer(NodeConfig(gossip_interval=100.0, peer_timeout=1000.0, warm_peers=0), known=[a])  # never connects to b
     downs_a, downs_c = _watch_downs(a), _watch_downs(c)
     cl.run(until=0.5)
     cl._transmit(a, b.endpoint, _gossip(a, 1))  # a holds a lane-0 DEALER to b; c never sent to b

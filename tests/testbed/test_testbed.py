@@ -132,7 +132,7 @@ def test_three_hosts_kill_and_partition():
     assert all(b[0] > sc.numel * 4 for b in res["peer_bytes"]), res["peer_bytes"]
     assert sorted(res["rounds"][0]) == sorted(["round", "t_start", "sim_seconds", "live", "participants", "succeeded",
                                                "failures", "groups", "mse", "max_abs", "spread", "bytes_sent_mean",
-                                               "bytes_sent_max", "bytes_received_mean", "step_seconds"])
+                                               "bytes_sent_max", "bytes_received_mean", "step_seconds", "phase_seconds"])
 
 
 @needs_netns
