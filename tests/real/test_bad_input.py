@@ -327,7 +327,7 @@ def test_goodbye_is_no_cut_and_an_exit_without_one_is(pair, caplog) -> None:
     before = a.stats["connections_cut"]
     x = np.zeros(NUMEL, np.float32)
     with zgossip.Averager([x.copy()], initial_peers=[a.endpoint], **KW) as polite:
-        wait_for(lambda: polite.peer_id in a.peers(), 10, "the third peer to meet a")
+        wait_for(lambda: polite.peer_id in a.peers() and a.peer_id in polite.peers(), 10, "the third peer to meet a")
         # its goodbye, and a reads it, before its sockets close (shutdown gives the BYE 20 ms to leave,
         # which a loaded machine may miss: that exit would then count, rightly, as one without goodbye)
         polite.transport.run_on_io(lambda node, now: node.leave(now), 5.0)
@@ -337,7 +337,7 @@ def test_goodbye_is_no_cut_and_an_exit_without_one_is(pair, caplog) -> None:
     assert not [r for r in caplog.records if "closed without goodbye" in r.getMessage()]
     rude = zgossip.Averager([x.copy()], initial_peers=[a.endpoint], **KW)
     try:
-        wait_for(lambda: rude.peer_id in a.peers(), 10, "the fourth peer to meet a")
+        wait_for(lambda: rude.peer_id in a.peers() and a.peer_id in rude.peers(), 10, "the fourth peer to meet a")
         rude._shutdown(5.0, deliver=False)  # no BYE
         wait_for(lambda: a.stats["connections_cut"] > before, 10, "a to count the cut")
         lines = [r.getMessage() for r in caplog.records
