@@ -10,6 +10,7 @@ once per key per membership version for the whole swarm.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from zgossip.membership import PeerRecord
@@ -44,6 +45,27 @@ class StaticTable:
 
     def ranking(self, key: str) -> list[str]:
         return self._ranking.ranking(self.version, self.everyone(), key)
+
+
+class _Others(Mapping):
+    """The shared records less one peer's own, read in place: building that dict on every read
+    (the adaptive deadlines read a groupmate's record per part) made a 1,024-peer round 10x slower."""
+
+    __slots__ = ("_records", "_me")
+
+    def __init__(self, records: dict[str, PeerRecord], me: str) -> None:
+        self._records, self._me = records, me
+
+    def __getitem__(self, peer_id: str) -> PeerRecord:
+        if peer_id == self._me:
+            raise KeyError(peer_id)
+        return self._records[peer_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return (p for p in self._records if p != self._me)
+
+    def __len__(self) -> int:
+        return len(self._records) - (self._me in self._records)
 
 
 class StaticView:
@@ -87,8 +109,8 @@ class StaticView:
         return self.table.version
 
     @property
-    def peers(self) -> dict[str, PeerRecord]:
-        return {p: r for p, r in self.table.records.items() if p != self.peer_id}
+    def peers(self) -> Mapping[str, PeerRecord]:
+        return _Others(self.table.records, self.peer_id)
 
     def live_ids(self) -> list[str]:
         return [p for p in self.table.everyone() if p != self.peer_id]

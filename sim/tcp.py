@@ -94,6 +94,9 @@ class TcpParams:
     syn_timeout: float = 1.0  # TCP_TIMEOUT_INIT: a lost SYN or SYN-ACK is sent again after this
     frame_bytes: int = 66  # link bytes per segment besides the payload: Ethernet 14, IP 20, TCP 20, timestamps 12
     ack_every: int = 2  # delayed ACKs: one frame_bytes-sized ACK per this many segments, on the reverse link
+    # a round limited by the link's rate (not by the window) lasts at most this long, so each
+    # connection's share of a link is recomputed at least this often (0 = a whole RTT)
+    share_interval: float = 0.01
 
     @classmethod
     def from_dict(cls, d: dict) -> "TcpParams":
@@ -398,13 +401,17 @@ class TcpTransport:
             nbytes = min(c.cwnd, queued)
             window_limited = nbytes >= c.cwnd
         else:
-            nbytes = min(rate * rtt, queued)
+            span = min(rtt, p.share_interval) if p.share_interval > 0 else rtt
+            nbytes = min(rate * span, queued)
         duration = nbytes / rate if rate < _INF else 0.0
         if rtt > 0.0 and nbytes < queued:
             nxt = now + (rtt if window_limited else duration)
         else:
             nxt = now + duration
-        c.used = nbytes / max(duration, rtt) if max(duration, rtt) > 0 else _INF
+        if window_limited:
+            c.used = nbytes / max(duration, rtt) if max(duration, rtt) > 0 else _INF
+        else:  # sending at the rate it was given, for as long as its bytes last
+            c.used = nbytes / duration if duration > 0 else _INF
         # loss: the round's bytes wait for the retransmission (head-of-line blocking)
         extra = 0.0
         loss = self.net._loss(c.src, c.dst)
