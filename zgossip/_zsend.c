@@ -273,17 +273,27 @@ static PyTypeObject FrameType = {
     .tp_as_sequence = &frame_as_sequence,
 };
 
-/* recv(socket_address, inline_max[, prop]) -> tuple of frames, or None when nothing is waiting.
+/* recv(socket_address, inline_max[, prop[, prop2]]) -> tuple of frames, or None when nothing is waiting.
  * One whole multipart message, ZMQ_DONTWAIT; frames of at most inline_max bytes come as bytes,
  * larger ones as Frame objects (no copy). With `prop` (a message property such as "User-Id",
- * which a ZAP handler sets for an authenticated connection) it returns (frames, value or None). */
+ * which a ZAP handler sets for an authenticated connection, or "__fd", the connection's socket)
+ * it returns (frames, value or None); with `prop2` as well, (frames, value, value2). */
+/* *out = the message property `name` as str (left NULL where the message has none); -1 on error. */
+static int property(zmsg_t *msg, const char *name, PyObject **out) {
+    if (name == NULL) return 0;
+    const char *v = z_msg_gets(msg, name); /* NULL where the frame has no such property */
+    if (v == NULL) return 0;
+    *out = PyUnicode_DecodeUTF8(v, (Py_ssize_t)strlen(v), "replace");
+    return *out == NULL ? -1 : 0;
+}
+
 static PyObject *py_recv(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *addr_obj;
     Py_ssize_t inline_max;
-    const char *prop = NULL;
-    PyObject *meta = NULL;
-    if (!PyArg_ParseTuple(args, "On|z", &addr_obj, &inline_max, &prop)) return NULL;
+    const char *prop = NULL, *prop2 = NULL;
+    PyObject *meta = NULL, *meta2 = NULL;
+    if (!PyArg_ParseTuple(args, "On|zz", &addr_obj, &inline_max, &prop, &prop2)) return NULL;
     void *sock = PyLong_AsVoidPtr(addr_obj);
     if (sock == NULL) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "null socket");
@@ -306,15 +316,10 @@ static PyObject *py_recv(PyObject *self, PyObject *args) {
             goto fail;
         }
         int more = z_msg_more(&f->msg);
-        if (prop != NULL && meta == NULL) {
-            const char *v = z_msg_gets(&f->msg, prop); /* NULL where the frame has no such property */
-            if (v != NULL) {
-                meta = PyUnicode_DecodeUTF8(v, (Py_ssize_t)strlen(v), "replace");
-                if (meta == NULL) {
-                    Py_DECREF(f);
-                    goto fail;
-                }
-            }
+        if ((meta == NULL && property(&f->msg, prop, &meta) < 0) ||
+            (meta2 == NULL && property(&f->msg, prop2, &meta2) < 0)) {
+            Py_DECREF(f);
+            goto fail;
         }
         PyObject *item = (PyObject *)f;
         size_t size = z_msg_size(&f->msg);
@@ -330,13 +335,19 @@ static PyObject *py_recv(PyObject *self, PyObject *args) {
     }
     PyObject *t = PyList_AsTuple(out);
     Py_DECREF(out);
-    if (prop == NULL || t == NULL) return t;
-    PyObject *pair = PyTuple_Pack(2, t, meta != NULL ? meta : Py_None);
+    if (prop == NULL || t == NULL) {
+        Py_XDECREF(meta2);
+        return t;
+    }
+    PyObject *pair = prop2 == NULL ? PyTuple_Pack(2, t, meta != NULL ? meta : Py_None)
+                                   : PyTuple_Pack(3, t, meta != NULL ? meta : Py_None, meta2 != NULL ? meta2 : Py_None);
     Py_DECREF(t);
     Py_XDECREF(meta);
+    Py_XDECREF(meta2);
     return pair;
 fail:
     Py_XDECREF(meta);
+    Py_XDECREF(meta2);
     Py_DECREF(out);
     return NULL;
 }
@@ -379,7 +390,7 @@ static PyObject *py_load(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"load", py_load, METH_VARARGS, "load(path) -> libzmq version; bind to the already loaded libzmq"},
     {"send", py_send, METH_VARARGS, "send(socket_address, frames): one multipart message, DONTWAIT"},
-    {"recv", py_recv, METH_VARARGS, "recv(socket_address, inline_max[, prop]) -> frames or None; with prop: (frames, property value)"},
+    {"recv", py_recv, METH_VARARGS, "recv(socket_address, inline_max[, prop[, prop2]]) -> frames or None; with props: (frames, value[, value2])"},
     {"reap", py_reap, METH_NOARGS, "release buffers libzmq is done with; returns how many"},
     {NULL, NULL, 0, NULL},
 };
@@ -393,6 +404,11 @@ PyMODINIT_FUNC PyInit__zsend(void) {
     Py_INCREF(&PayloadType);
     if (PyModule_AddObject(m, "Payload", (PyObject *)&PayloadType) < 0) {
         Py_DECREF(&PayloadType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    /* what this build offers, for zgossip.fast_send to refuse a stale build: 2 = recv takes two properties */
+    if (PyModule_AddIntConstant(m, "API", 2) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -22,16 +22,18 @@ class DropLog:
         self._seen: set[tuple[str, str]] = set()
 
     def note(self, logger: logging.Logger, source: str, kind: str, detail: str = "", counter: str = "dropped",
-             level: int = logging.WARNING) -> bool:
+             level: int = logging.WARNING, text: str | None = None) -> bool:
         """Log a refusal of `kind` from `source` (a peer id, an endpoint, or a description) if it is
-        the first of its kind from that source; True if this call logged it."""
+        the first of its kind from that source; True if this call logged it. `text` replaces the
+        line's "dropped KIND from SOURCE: DETAIL" where that reads badly."""
         key = (source, kind)
+        what = text if text is not None else f"{kind} from {source}{f': {detail}' if detail else ''}"
         if key in self._seen or len(self._seen) >= self.cap:
-            logger.debug("%s: %s from %s%s", self.owner, kind, source, f": {detail}" if detail else "")
+            logger.debug("%s: %s", self.owner, what)
             return False
         self._seen.add(key)
-        logger.log(level, "%s: dropped %s from %s%s (logged once per source and kind; later ones are only counted "
-                   "in stats[%r])", self.owner, kind, source, f": {detail}" if detail else "", counter)
+        logger.log(level, "%s: %s%s (logged once per source and kind; later ones are only counted in stats[%r])",
+                   self.owner, "" if text is not None else "dropped ", what, counter)
         return True
 
     def seen(self, source: str, kind: str) -> bool:

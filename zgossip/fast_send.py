@@ -22,6 +22,8 @@ import zmq
 
 __all__ = ["zsend", "FAST_SEND", "load"]
 
+_API = 2  # the `_zsend.API` this module needs (2: recv reads two message properties)
+
 
 def load() -> Any:
     """The `_zsend` module, loaded against pyzmq's libzmq, or None (then pyzmq sends)."""
@@ -30,6 +32,8 @@ def load() -> Any:
     try:
         from . import _zsend  # type: ignore[attr-defined]
     except ImportError:
+        return None
+    if getattr(_zsend, "API", 0) < _API:  # a stale build (rebuild with setup.py build_ext): pyzmq instead
         return None
     try:
         with open("/proc/self/maps") as f:

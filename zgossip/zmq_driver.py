@@ -8,7 +8,9 @@ node's next deadline, feeds the node, and carries out its actions with
 `zgossip.actions.execute`. It keeps the delivery contract of `zgossip.transport`.
 
 The ROUTER sets MAXMSGSIZE, so an oversize frame drops that connection inside libzmq before a
-byte reaches Python; everything else that arrives goes through `wire.decode`, and an invalid
+byte reaches Python; the ROUTER's monitor reports that, as it reports a crash or a network
+failure, and a connection that closes without its peer's goodbye is counted and logged once per
+source (`zgossip.cuts`). Everything else that arrives goes through `wire.decode`, and an invalid
 message is logged and counted, never raised. The rest lives beside it, one concept a module:
 zero-copy loans (`zgossip.zerocopy`), local Unix-socket routing (`zgossip.local_ipc`), the C
 sender (`zgossip.fast_send`), process-wide settings (`zgossip.process_tuning`), CURVE keys and
@@ -45,11 +47,12 @@ from .actions import Owner, execute
 from .clock import WALL_CLOCK
 from .connections import Connections
 from .curve import HANDSHAKE_EVENTS, Curve, handshake_failure
+from .cuts import ConnectionCuts
 from .endpoints import CLIENT_SCHEME, advertised, check_endpoint, client_endpoint
 from .identity import AllowList, KeyPair
 from .fast_send import FAST_SEND
 from .local_ipc import LocalRoutes, enabled, local_name
-from .messages import StateChunk
+from .messages import MsgType, StateChunk
 from .node import Node
 from .process_tuning import context, name_this_thread, tune_malloc
 from .state import chunk_digest
@@ -62,7 +65,11 @@ log = logging.getLogger(__name__)
 
 _INLINE_BYTES = 1 << 12  # received frames up to this size are copied into bytes, larger ones are not
 _STATS = ("received", "invalid", "sent", "send_errors", "errors", "disconnects", "connections", "local_connections",
-          "unauthenticated", "refused", "handshake_failures", "unreachable")
+          "unauthenticated", "refused", "handshake_failures", "unreachable", "connections_cut")
+# the ROUTERs' monitors: failed handshakes (logged), and every closed connection (`zgossip.cuts`)
+_ROUTER_EVENTS = (HANDSHAKE_EVENTS | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_ACCEPTED
+                  | zmq.EVENT_DISCONNECTED)
+_BYE = MsgType.BYE
 _BACKLOG_MESSAGES = 256  # per client that has not connected yet
 _BACKLOG_CLIENTS = 64
 _HASH_ELSEWHERE_BYTES = 1 << 16  # state chunks at least this large are hashed off the I/O thread
@@ -147,7 +154,7 @@ class ZmqTransport:
                          zap.Gate(self.curve.allowed, self.name or "?", self.stats, self.curve.keys))
             self.curve.server(r, self._zap_domain)
         # failed handshakes (a key not allowed, a peer with/without keys) are logged once per kind
-        self._router_monitor = r.get_monitor_socket(HANDSHAKE_EVENTS)
+        self._router_monitor = r.get_monitor_socket(_ROUTER_EVENTS)
         self._router_address = r.underlying
         listen = self.listen[:-2] + ":*" if self.listen.startswith("tcp://") and self.listen.endswith(":0") else self.listen
         r.bind(listen)
@@ -158,7 +165,7 @@ class ZmqTransport:
                 self._local = r = self._new_router()
                 r.setsockopt(zmq.PLAIN_SERVER, 1)
                 r.setsockopt(zmq.ZAP_DOMAIN, self._zap_domain.encode())  # type: ignore[union-attr]
-                self._local_monitor = r.get_monitor_socket(HANDSHAKE_EVENTS)
+                self._local_monitor = r.get_monitor_socket(_ROUTER_EVENTS)
             try:
                 r.bind("ipc://@" + local)
                 self.local_address = "ipc://@" + local
@@ -174,6 +181,7 @@ class ZmqTransport:
 
     def _make_rest(self, peer_id: str, make_node: NodeFactory) -> None:
         self.node = make_node(self.endpoint, None)
+        self._cuts = ConnectionCuts(self.stats, self.node.drops, log, self._max_msg)
         self._poller = zmq.Poller()
         self.routes = LocalRoutes(self.endpoint, self._uses_local_sockets())
         self.connections = Connections(self._ctx, self._poller, self.routes, self.stats, curve=self.curve,
@@ -257,7 +265,7 @@ class ZmqTransport:
     # ---------------------------------------------------------------- I/O thread
     def _run(self) -> None:
         name_this_thread("zgossip-io")
-        poller, now, node = self._poller, self.clock.now, self.node
+        poller, now, node, cuts = self._poller, self.clock.now, self.node, self._cuts
         router, mon = self._router, self._router_monitor
         local, local_mon = self._local, self._local_monitor
         for sock in (router, mon, local, local_mon):
@@ -269,6 +277,9 @@ class ZmqTransport:
             self._started.set()
             while not self._stopping:
                 dl = node.next_deadline()
+                cut_dl = cuts.next_deadline()
+                if cut_dl is not None and (dl is None or cut_dl < dl):
+                    dl = cut_dl
                 wait_ms = 1000 if dl is None else min(1000, max(0, int((dl - now()) * 1000) + 1))
                 events = dict(poller.poll(wait_ms))
                 handled = (self._wake_in in events)
@@ -292,6 +303,8 @@ class ZmqTransport:
                         if sock in events:
                             self._drain(sock, (ep, pid))
                     self.connections.drain_monitors(events, self._peer_down, self._handshake_failed)
+                if cuts.next_deadline() is not None:
+                    self._cut_event(cuts.on_timer, now(), not node.membership.said_goodbye)
                 dl = node.next_deadline()
                 if dl is not None and now() >= dl:
                     self._guard(node.on_timer, now())
@@ -341,18 +354,24 @@ class ZmqTransport:
             self._guard(fn, self.clock.now())
 
     def _next_frames(self, sock: zmq.Socket, routed: bool) -> Any:
-        """(routing id or None, frames, the connection's ZAP user id or None) of the next message on
-        `sock` (`routed`: a ROUTER), or None when none is waiting."""
+        """(routing id or None, frames, the connection's ZAP user id or None, its descriptor or None)
+        of the next message on `sock` (`routed`: a ROUTER), or None when none is waiting."""
         want_user = self.curve is not None and routed
+        user = fd = None
         if self._zsend is not None:  # no zmq.Frame objects, no zmq.Again raised when the queue is empty
             addr = self._router_address if sock is self._router else sock.underlying
             if want_user:
-                got = self._zsend.recv(addr, _INLINE_BYTES, "User-Id")
+                got = self._zsend.recv(addr, _INLINE_BYTES, "__fd", "User-Id")
                 if got is None:
                     return None
-                frames, user = got
+                frames, fd, user = got
+            elif routed:
+                got = self._zsend.recv(addr, _INLINE_BYTES, "__fd")
+                if got is None:
+                    return None
+                frames, fd = got
             else:
-                frames, user = self._zsend.recv(addr, _INLINE_BYTES), None
+                frames = self._zsend.recv(addr, _INLINE_BYTES)
                 if frames is None:
                     return None
         else:
@@ -360,31 +379,45 @@ class ZmqTransport:
                 raw = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return None
-            user = None
-            if want_user and len(raw) > 1:
-                try:
-                    user = raw[1].get("User-Id")
-                except zmq.ZMQError:
-                    user = None
+            if routed and len(raw) > 1:
+                for prop in ("__fd", "User-Id") if want_user else ("__fd",):
+                    try:
+                        value = raw[1].get(prop)
+                    except zmq.ZMQError:  # the message has no such property
+                        continue
+                    if prop == "__fd":
+                        fd = value
+                    else:
+                        user = value
             frames = [bytes(f.buffer) if i == 0 and routed else f.buffer for i, f in enumerate(raw)]
         if routed:
-            return bytes(frames[0]), frames[1:], user
-        return None, list(frames), user
+            return bytes(frames[0]), frames[1:], user, fd
+        return None, list(frames), user, None
 
     def _drain(self, sock: zmq.Socket, dealer: tuple[str, str | None] | None) -> None:
         """Messages on our ROUTER (`dealer` None) or, in client mode, on the DEALER to `dealer`
         = (endpoint, peer id expected there)."""
         routed = dealer is None
+        conns = self._cuts.conns
         for _ in range(256):  # bounded, so timers and commands still get their turn
             got = self._next_frames(sock, routed)
             if got is None:
                 return
-            rid, frames, user = got
+            rid, frames, user, fd = got
             self.stats["received"] += 1
+            # the first message of a connection into a ROUTER names its source (zgossip.cuts)
+            fresh = fd is not None and ((rec := conns.get(fd)) is None or rec[0] != rid or rec[1] is None)
+            if fresh:  # the monitor's news first: this connection's ACCEPTED, and all before it
+                self._drain_router_monitors()
+                if user is not None:  # the connection's key: its peer id
+                    self._cut_event(self._cuts.opened, fd, rid, user, f"peer {user}")
+                    fresh = False
             try:
                 msg = wire.decode(frames, self.limits)
             except wire.InvalidMessage as e:
                 self.stats["invalid"] += 1
+                if fresh:
+                    self._cut_event(self._cuts.opened, fd, rid, None, "a sender without keys")
                 if user is not None:
                     source = f"peer {user}"
                 elif dealer is not None:
@@ -405,6 +438,11 @@ class ZmqTransport:
                     self.stats["invalid"] += 1
                     continue
                 self._client_seen(msg.sender, rid)
+            if fresh:  # without keys: the peer id and endpoint it claims
+                self._cut_event(self._cuts.opened, fd, rid, msg.sender,
+                                f"{msg.sender} at {msg.endpoint} (as it claimed: no keys)")
+            if msg.type is _BYE:
+                self._cut_event(self._cuts.said_goodbye, msg.sender, self.clock.now())
             if type(msg) is StateChunk and self._hash_elsewhere(msg):
                 continue
             self._guard(self.node.on_message, msg, self.clock.now())
@@ -475,7 +513,28 @@ class ZmqTransport:
                 event = recv_monitor_message(mon, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._handshake_failed("a connecting peer", event)
+            kind = event["event"]
+            if kind == zmq.EVENT_ACCEPTED:
+                self._cut_event(self._cuts.accepted, str(int(event["value"])))
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self._cut_event(self._cuts.closed, str(int(event["value"])), self.clock.now())
+            else:
+                self._cut_event(self._cuts.handshake_failed)  # a connection that will close having said nothing
+                if kind != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # (a port probe, a peer gone mid-handshake)
+                    self._handshake_failed("a connecting peer", event)
+
+    def _cut_event(self, fn: Callable, *args: Any) -> None:
+        """Feed `zgossip.cuts`; a bug there is logged and counted, and must not stop the I/O thread."""
+        try:
+            fn(*args)
+        except Exception:
+            self.stats["errors"] += 1
+            log.exception("zgossip node %s: internal error in the bookkeeping of connections", self.endpoint)
+
+    def _drain_router_monitors(self) -> None:
+        for mon in (self._router_monitor, self._local_monitor):
+            if mon is not None:
+                self._drain_router_monitor(mon)
 
     def _handshake_failed(self, where: str, event: dict) -> None:
         self.stats["handshake_failures"] += 1

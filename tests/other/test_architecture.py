@@ -27,7 +27,8 @@ TRAINING_MODULES = ["optim", "collaborative", "accumulator", "trainer", "overlap
 TRAINING_NOT_YET_ON_THE_CLOCK: list[str] = []
 # Drivers and clocks: the only modules that may wait, read the time, or open sockets.
 DRIVERS_AND_CLOCKS = ["clock", "zmq_driver", "connections", "zerocopy", "local_ipc", "fast_send", "process_tuning",
-                      "endpoints", "curve", "zap", "identity", "local_auth"]
+                      "endpoints", "curve", "zap", "identity", "local_auth",
+                      "cuts"]  # (cuts: the ZeroMQ driver's bookkeeping of closed connections; itself sans-IO)
 # Monitoring: the Prometheus endpoint serves from a thread of its own and the live table reads the wall
 # clock; neither is protocol code, and the Averager loads them only when asked for (metrics_port=).
 OPS_MODULES = ["metrics", "live"]

@@ -13,6 +13,7 @@ exactly one thing. A hypothesis test checks that `wire.decode` only ever raises
 """
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from typing import Any, Callable, Iterator
@@ -259,37 +260,93 @@ def test_round_message_for_unknown_group_is_dropped_and_counted(pair, ctx, build
     assert_next_round_exact(a, b)
 
 
-def test_oversize_frames_are_refused_by_zeromq_before_python(pair, ctx) -> None:
-    """MAXMSGSIZE: libzmq drops the connection that sent a frame over the limit; nothing reaches the node."""
-    a, b = pair
-    oversize_payload = np.zeros(MAX_MSG // 4 + 1024, np.float32)
-    cases = [
-        frames_of(part(n=oversize_payload.size))[:1] + [oversize_payload.tobytes()],  # payload frame
-        [b"\x96" + b"\0" * (MAX_MSG + 1024)],  # header frame
-    ]
-    before, tensors = a.stats, snapshot(a)
-    for frames in cases:
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        sock.connect(a.endpoint)
+def _cut_lines(caplog: pytest.LogCaptureFixture, source: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if "closed without goodbye" in r.getMessage() and f"connection from {source}" in r.getMessage()]
+
+
+def _send_and_get_cut(ctx: zmq.Context, endpoint: str, messages: list[list[bytes]]) -> None:
+    """Send `messages` on one fresh connection; the last one must make the node drop it."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    sock.connect(endpoint)
+    for frames in messages:
         sock.send_multipart(frames)
-        assert monitor.poll(10_000), "the node did not drop the connection that sent an oversize frame"
-        assert recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
-        sock.disable_monitor()
-        monitor.close(0)
-        sock.close(0)
-    # a marker sent afterwards on a fresh connection is the only refused message Python saw: had an
-    # oversize frame got through, decode would have refused (or the node dropped) it as well
+    assert monitor.poll(10_000), "the node did not drop the connection that sent an oversize frame"
+    assert recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+    sock.disable_monitor()
+    monitor.close(0)
+    sock.close(0)
+
+
+def test_oversize_frames_are_cut_by_zeromq_and_counted_with_their_source(pair, ctx, caplog) -> None:
+    """MAXMSGSIZE: libzmq drops the connection that sent a frame over the limit before Python reads a
+    byte of it; the node counts the cut (`connections_cut`) and logs it once per source, naming the
+    source its earlier messages on that connection gave (zgossip.cuts)."""
+    a, b = pair
+    caplog.set_level(logging.WARNING)
+    oversize_payload = np.zeros(MAX_MSG // 4 + 1024, np.float32)
+    named = "5eed5eed5eed5eed"
+    before, tensors = a.stats, snapshot(a)
+    cases = [
+        # first on its connection: no earlier message names the source
+        [frames_of(part(n=oversize_payload.size))[:1] + [oversize_payload.tobytes()]],  # payload frame
+        [[b"\x96" + b"\0" * (MAX_MSG + 1024)]],  # header frame
+        # after a valid (out-of-context, so dropped) message that names its sender
+        [frames_of(make_message(MsgType.ABORT, named, "tcp://127.0.0.1:9", {"gid": "feedfacefeedface", "reason": "x"})),
+         frames_of(part(sender=named, n=oversize_payload.size))[:1] + [oversize_payload.tobytes()]],
+    ]
+    for k, messages in enumerate(cases, 1):
+        # one at a time: a connection without a source that closes within the grace (0.5 s) of one
+        # with a source is taken for the same peer's other lane (zgossip.cuts)
+        _send_and_get_cut(ctx, a.endpoint, messages)
+        wait_for(lambda: a.stats["connections_cut"] >= before["connections_cut"] + k, 10, "the node to count the cut")
+    named_lines = _cut_lines(caplog, f"{named} at tcp://127.0.0.1:9")
+    assert len(named_lines) == 1 and f"{MAX_MSG}-byte limit" in named_lines[0], named_lines
+    assert len(_cut_lines(caplog, "an unknown sender")) == 1
+    # a marker sent afterwards on a fresh connection is the only undecodable message Python saw: had
+    # an oversize frame got through, decode would have refused (or the node dropped) it as well
     marker = send_raw(ctx, a.endpoint, _garbage())
     wait_for(lambda: a.stats["invalid"] >= before["invalid"] + 1, 10, "the marker message")
     marker.close(0)
     assert a.stats["invalid"] == before["invalid"] + 1
-    assert a.stats["dropped"] == before["dropped"]
+    assert a.stats["dropped"] == before["dropped"] + 1  # the ABORT
     assert a.stats["errors"] == 0
     for t0, t1 in zip(tensors, snapshot(a)):
         assert np.array_equal(t0, t1)
     assert_next_round_exact(a, b)
+    assert b.stats["connections_cut"] == 0  # (b's peer a is alive: nothing cut)
+
+
+def test_goodbye_is_no_cut_and_an_exit_without_one_is(pair, caplog) -> None:
+    """A peer that leaves with a goodbye (BYE) is not counted; one whose connections close without
+    it (here: shut down without BYE, as after a crash) is counted and logged once, by peer id."""
+    a, b = pair
+    caplog.set_level(logging.WARNING)
+    before = a.stats["connections_cut"]
+    x = np.zeros(NUMEL, np.float32)
+    with zgossip.Averager([x.copy()], initial_peers=[a.endpoint], **KW) as polite:
+        wait_for(lambda: polite.peer_id in a.peers() and a.peer_id in polite.peers(), 10, "the third peer to meet a")
+        # its goodbye, and a reads it, before its sockets close (shutdown gives the BYE 20 ms to leave,
+        # which a loaded machine may miss: that exit would then count, rightly, as one without goodbye)
+        polite.transport.run_on_io(lambda node, now: node.leave(now), 5.0)
+        wait_for(lambda: polite.peer_id in a.transport._cuts._goodbyes, 10, "a to read the goodbye")
+    time.sleep(1.5)  # the cut's grace (0.5 s) is over
+    assert a.stats["connections_cut"] == before
+    assert not [r for r in caplog.records if "closed without goodbye" in r.getMessage()
+                and r.getMessage().startswith(f"zgossip node {a.endpoint}:")]
+    rude = zgossip.Averager([x.copy()], initial_peers=[a.endpoint], **KW)
+    try:
+        wait_for(lambda: rude.peer_id in a.peers() and a.peer_id in rude.peers(), 10, "the fourth peer to meet a")
+        rude._shutdown(5.0, deliver=False)  # no BYE
+        wait_for(lambda: a.stats["connections_cut"] > before, 10, "a to count the cut")
+        lines = [r.getMessage() for r in caplog.records
+                 if "closed without goodbye" in r.getMessage() and rude.peer_id in r.getMessage()
+                 and r.getMessage().startswith(f"zgossip node {a.endpoint}:")]  # (b may count it too)
+        assert len(lines) == 1, lines
+    finally:
+        rude.shutdown(1.0)
 
 
 # --------------------------------------------------------------------------- a fake groupmate
@@ -538,11 +595,13 @@ def test_bad_input_over_the_local_socket(pair, ctx) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     sock.connect(local)
+    sock.send_multipart(frames_of(gossip(sender="10ca110ca110ca11")))  # names its source, then
     sock.send_multipart([b"\x96" + b"\0" * (MAX_MSG + 1024)])  # oversize: libzmq drops the connection
     assert monitor.poll(10_000), "the node did not drop the local connection that sent an oversize frame"
     sock.disable_monitor()
     monitor.close(0)
     sock.close(0)
+    wait_for(lambda: a.stats["connections_cut"] > before["connections_cut"], 10, "the node to count the cut")
     assert a.stats["errors"] == 0 and a.stats["dropped"] == before["dropped"]
     for t0, t1 in zip(tensors, snapshot(a)):
         assert np.array_equal(t0, t1)

@@ -305,7 +305,11 @@ def test_hostile_raw_messages_change_nothing(case, caplog):
             evil.send_multipart([_header(wire.MsgType.PART, me, ep, {"gid": "x", "owner": 0, "part": 0, "w": 1.0,
                                                                    "resc": 0}, [["f4", 1000]]), b"\0" * 12])
         elif case == "oversize":
+            # a valid message first (its connection's key names the source), then a frame over the limit
+            evil.send_multipart([_header(wire.MsgType.GOSSIP, me, ep, gossip)])
+            assert _wait(lambda: victim.stats["received"] > before["received"])
             evil.send_multipart([_header(wire.MsgType.GOSSIP, me, ep, gossip), b"\0" * (2 << 20)])
+            assert _wait(lambda: victim.stats["connections_cut"] > before["connections_cut"])
         elif case == "garbage":
             evil.send_multipart([b"\xc1\xff not msgpack"])
         elif case == "impersonation":
@@ -349,8 +353,17 @@ def test_hostile_raw_messages_change_nothing(case, caplog):
             assert after["invalid"] == before["invalid"] and after["unauthenticated"] == before["unauthenticated"]
         if case == "oversize":
             # libzmq cuts the connection at MAXMSGSIZE before any byte reaches Python: not even a
-            # decode error; the hostile peer's later messages need a new connection
+            # decode error; the cut is counted and logged once, naming the connection's key
             assert after["invalid"] == before["invalid"] and after["dropped"] == before["dropped"]
+            assert after["connections_cut"] == before["connections_cut"] + 1
+            lines = [r.getMessage() for r in caplog.records if "closed without goodbye" in r.getMessage()]
+            assert len(lines) == 1 and f"connection from peer {me}" in lines[0] and "1048576-byte limit" in lines[0], lines
+        elif case == "replay":
+            # the recorded client closed without goodbye (one cut); the replayed connection failed its
+            # handshake, which is counted there and is no cut
+            assert after["connections_cut"] == before["connections_cut"] + 1
+        else:
+            assert after["connections_cut"] == before["connections_cut"]
         if case in ("wrong_version", "truncated"):
             # logged once, naming the authenticated key of the connection it came on
             lines = [r.getMessage() for r in caplog.records if "an invalid message" in r.getMessage()]
@@ -368,6 +381,37 @@ def test_hostile_raw_messages_change_nothing(case, caplog):
         else:
             assert after["rate_limited"] == before["rate_limited"]
         evil.close(0)
+
+
+def test_oversize_on_the_keyed_local_socket_is_counted_by_key(caplog):
+    """The local Unix socket of a node with keys is a second ROUTER (PLAIN + key proof): a frame over
+    the limit cut there is counted and logged once, naming the connection's key."""
+    from zgossip import local_auth
+
+    keys = [KeyPair.generate() for _ in range(3)]  # the third: an allowed peer's raw local connection
+    with _swarm(2, keys=keys, allow=[k.public for k in keys], max_message_bytes=1 << 20) as avs:
+        victim = avs[0]
+        local = victim.transport.local_address
+        if local is None or not local_auth.available():
+            pytest.skip("no keyed local socket here (libsodium not found)")
+        caplog.set_level(logging.WARNING)
+        before = dict(victim.stats)
+        s = zmq.Context.instance().socket(zmq.DEALER)
+        s.linger = 0
+        s.plain_username = keys[2].peer_id.encode()
+        s.plain_password = local_auth.proof(keys[2], keys[0].peer_id)
+        s.connect(local)
+        me = keys[2].peer_id
+        try:
+            s.send_multipart([_header(wire.MsgType.GOSSIP, me, "tcp://127.0.0.1:9", {"hb": 1, "peers": []})])
+            assert _wait(lambda: victim.stats["received"] > before["received"])
+            s.send_multipart([b"\0" * (2 << 20)])
+            assert _wait(lambda: victim.stats["connections_cut"] > before["connections_cut"])
+        finally:
+            s.close(0)
+        lines = [r.getMessage() for r in caplog.records if "closed without goodbye" in r.getMessage()]
+        assert len(lines) == 1 and f"connection from peer {me}" in lines[0], lines
+        assert victim.stats["invalid"] == before["invalid"] and victim.stats["handshake_failures"] == 0
 
 
 def _hostile_transmit(av, mutate):
