@@ -635,7 +635,7 @@ class Averager:
 
     def _declare_sharing(self) -> None:
         prio = self._priority if self._allow_sharing else None
-        self._transport.call(lambda now: self._transport.node.set_state_sharing(prio), wake=False)
+        self._transport.call(lambda now: self._transport.node.set_state_sharing(prio))
 
     def publish_state(self, version: int) -> str:
         """Serve a snapshot of the state from now on and gossip (version, its hash) for self-repair.
@@ -739,7 +739,7 @@ class Averager:
         with 'zg.' are reserved), e.g. training progress; others read it with `peer_infos()` within
         a few gossip intervals. Raises ValueError here, in the caller, on a record peers would refuse."""
         record = Node.check_user_info(info)
-        self._transport.call(lambda now: self._transport.node.set_info(record), wake=False)
+        self._transport.call(lambda now: self._transport.node.set_info(record))
 
     def _ask_node(self, fn: Any, timeout: float = 10.0) -> Any:
         """Run ``fn(node)`` where the node lives (which owns the node's state) and return its result."""
