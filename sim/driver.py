@@ -108,7 +108,7 @@ class SimTransport:
         node.start(cl.env.now)
         self.pump()
 
-    def call(self, fn: Any, wake: bool = True) -> None:  # noqa: ARG002 (the event loop runs it now either way)
+    def call(self, fn: Any) -> None:
         if self.closed:
             raise RuntimeError("driver is stopped")
         self._enter(fn)

@@ -58,11 +58,9 @@ class Transport(Protocol):
     def start(self, peer_id: str, make_node: NodeFactory, owner: "Owner") -> None:
         """Bind, build the node with `make_node`, start it, and begin delivering."""
 
-    def call(self, fn: Callable[[float], Any], wake: bool = True) -> None:
+    def call(self, fn: Callable[[float], Any]) -> None:
         """Run ``fn(now)`` where the node lives, soon and in call order; its actions are then
-        carried out. Raises RuntimeError once the transport is closed. ``wake=False``: an update
-        that need not act at once (a published record, a priority) may wait for the loop's next
-        turn -- its next message or deadline, at most a second -- and costs the caller no wake-up."""
+        carried out. Raises RuntimeError once the transport is closed."""
 
     def run_on_io(self, fn: Callable[["Node", float], Any], timeout: float) -> Any:
         """Run ``fn(node, now)`` where the node lives and return its result (inline when already

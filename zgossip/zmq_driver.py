@@ -206,12 +206,10 @@ class ZmqTransport:
             raise RuntimeError("zgossip I/O thread did not start")
 
     # ---------------------------------------------------------------- user-thread side
-    def call(self, fn: Callable[[float], Any], wake: bool = True) -> None:
+    def call(self, fn: Callable[[float], Any]) -> None:
         if self._stopping:
             raise RuntimeError("driver is stopped")
         self._commands.put(fn)
-        if not wake:  # the loop runs the queue on every turn (`_run`)
-            return
         # one wake-up byte in flight is enough: the loop drains the whole queue after clearing the
         # flag (`_drain_commands`), so a command queued while the flag is up is run by that drain.
         # Every send releases and retakes the GIL, which costs up to a switch interval (5 ms) when
@@ -283,7 +281,7 @@ class ZmqTransport:
                 wait_ms = 1000 if dl is None else min(1000, max(0, int((dl - now()) * 1000) + 1))
                 events = dict(poller.poll(wait_ms))
                 handled = (self._wake_in in events)
-                if handled or not self._commands.empty():  # calls made with wake=False wait for a turn
+                if handled or not self._commands.empty():  # a call queued just after a drain runs now too
                     self._drain_commands()
                 if router is not None and router in events:
                     self._drain(router, None)

@@ -1,4 +1,4 @@
-"""The ZeroMQ driver's user-thread calls: coalesced wake-ups lose nothing, lazy calls keep their order."""
+"""The ZeroMQ driver's user-thread calls: coalesced wake-ups lose nothing and keep each thread's order."""
 from __future__ import annotations
 
 import threading
@@ -20,7 +20,7 @@ def test_many_threads_calling_at_once_every_call_runs_once_in_each_threads_order
 
         def worker(t: int) -> None:
             for k in range(2000):
-                tr.call(lambda now, t=t, k=k: seen.append((t, k)), wake=bool(k % 3))
+                tr.call(lambda now, t=t, k=k: seen.append((t, k)))
 
         threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
         for th in threads:
@@ -33,22 +33,7 @@ def test_many_threads_calling_at_once_every_call_runs_once_in_each_threads_order
             assert [k for tt, k in seen if tt == t] == list(range(2000))
 
 
-def test_a_lazy_call_runs_without_a_wake_up_within_the_loops_next_turn() -> None:
-    with _avg() as a:
-        tr = a._transport
-        done = threading.Event()
-        t0 = time.monotonic()
-        tr.call(lambda now: done.set(), wake=False)
-        assert done.wait(2.5), "a call made with wake=False never ran"
-        # the loop turns at least every second (its longest sleep) and at every gossip (0.5 s)
-        assert time.monotonic() - t0 < 2.5
-        got = []
-        tr.call(lambda now: got.append("lazy"), wake=False)
-        tr.run_on_io(lambda node, now: got.append("woken"), 5.0)
-        assert got == ["lazy", "woken"]
-
-
-def test_publish_reaches_the_other_peer_without_waking_the_loop() -> None:
+def test_publish_reaches_the_other_peer() -> None:
     with _avg() as a, zgossip.Averager([np.zeros(4, np.float32)], prefix="calls", gossip_interval=0.1,
                                         initial_peers=[a.endpoint]) as b:
         b.publish(epoch=7)
