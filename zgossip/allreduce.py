@@ -838,6 +838,25 @@ class AllReduceRound:
                 "result": max(self._result_limits_seen or [2 * self.part_timeout]),
                 "allreduce": self.deadline - self.started}
 
+    # ------------------------------------------------------------------ after the round (DONE notices)
+    def may_owe_me(self) -> list[int]:
+        """Members that may still be sending this member data of the round when its round is over,
+        and so wait for its DONE before they may shut down: the owners of a span (its results) and
+        the substitutes this member asked to rescue one. Nobody else reduces anything for it, so
+        nobody else gets a DONE: with a 1-element tensor a group of 32 has one span owner, so the
+        group sends 31 DONEs instead of 32 x 31. `i_owe` is its mirror."""
+        subs = set(self.rescue_target.values())
+        return [j for j in range(self.n) if j != self.rank and (self.plan.num_parts(j) > 0 or j in subs)]
+
+    def i_owe(self) -> list[int]:
+        """Members this member may still owe data of the round (results queued on a slow link) until
+        they say DONE: every member not lost when it owns a span; else those that declared a need to
+        a span it rescued (they asked it, so it is among their `may_owe_me`)."""
+        if self.plan.num_parts(self.rank) > 0:
+            return [j for j in range(self.n) if j != self.rank and j not in self.lost]
+        need = {j for r in self.rescues.values() for j, parts in r.declared.items() if parts}
+        return [j for j in sorted(need) if j != self.rank and j not in self.lost]
+
     def _check_done(self, now: float, force: bool = False) -> None:
         if self.phase is RoundPhase.DONE:
             return

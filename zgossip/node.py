@@ -971,18 +971,20 @@ class Node:
         self._finished[gid] = True
         while len(self._finished) > 8:
             self._finished.pop(next(iter(self._finished)))
-        # tell the others we need nothing more, and remember who may still need something from us
+        # tell those that may still send us something (span owners, substitutes we asked) that we need
+        # nothing more, and remember who may still need something from us: each side computes these
+        # from the group's plan, so a member that owes us is always among those told (allreduce.i_owe)
         done = Done(self.peer_id, self.endpoint, group_id=gid)
         said = self._done_from.get(gid, set())
-        serves = rnd.plan.num_parts(rnd.rank) > 0 or bool(rnd.rescues)  # a client with no span owes no results
         owed = {}
-        for i, m in enumerate(rnd.members):
-            if i != rnd.rank:
-                if rnd.client and not listens(m.endpoint):
-                    continue  # one client cannot reach another
+        for i in rnd.may_owe_me():
+            m = rnd.members[i]
+            if not (rnd.client and not listens(m.endpoint)):  # one client cannot reach another
                 self._send(m.endpoint, done)
-                if serves and i not in rnd.lost and (m.peer_id, m.endpoint) not in said:
-                    owed[m.peer_id] = m.endpoint
+        for i in rnd.i_owe():  # a client with no span owes no results
+            m = rnd.members[i]
+            if not (rnd.client and not listens(m.endpoint)) and (m.peer_id, m.endpoint) not in said:
+                owed[m.peer_id] = m.endpoint
         self._owed[gid] = owed
         while len(self._owed) > 8:
             self._owed.pop(next(iter(self._owed)))
