@@ -46,9 +46,11 @@ What the ZeroMQ driver does with connections is modelled too:
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
+import gc
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import simpy
@@ -604,4 +606,36 @@ class SimCluster:
         return self._trace.hexdigest()
 
     def run(self, until: float | simpy.Event | None = None) -> None:
-        self.env.run(until=until)
+        with _gc_frozen():
+            self.env.run(until=until)
+
+
+_gc_depth = 0
+
+
+@contextlib.contextmanager
+def _gc_frozen() -> Iterator[None]:
+    """While the simulation runs, keep what existed before it out of the cyclic collector's sight.
+
+    A large simulation holds hundreds of thousands of long-lived objects (peers, tables, plans), and
+    CPython's full collections, triggered by the allocations of every message, scan them all: 20 full
+    collections cost 4.8 s of a 15 s three-round run of the 1,024-peer bench. `gc.freeze` moves the
+    objects alive now to the permanent generation (O(1)), so collections during the run scan only what
+    the run itself created (cycles among those are collected as usual); `gc.unfreeze` hands them back
+    afterwards. Left alone when the collector is off, or when someone else froze objects already (a
+    forking server, say): their freeze is theirs to undo."""
+    global _gc_depth
+    if _gc_depth or not gc.isenabled() or gc.get_freeze_count():
+        _gc_depth += 1
+        try:
+            yield
+        finally:
+            _gc_depth -= 1
+        return
+    _gc_depth = 1
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        _gc_depth = 0
