@@ -67,6 +67,21 @@ class _Others(Mapping):
     def __len__(self) -> int:
         return len(self._records) - (self._me in self._records)
 
+    # the Mapping mixins go through __getitem__ / __iter__ per key; these are read per message
+    def get(self, peer_id: str, default: Any = None) -> Any:
+        return default if peer_id == self._me else self._records.get(peer_id, default)
+
+    def __contains__(self, peer_id: object) -> bool:
+        return peer_id != self._me and peer_id in self._records
+
+    def items(self) -> list[tuple[str, PeerRecord]]:  # type: ignore[override]
+        me = self._me
+        return [(p, r) for p, r in self._records.items() if p != me]
+
+    def values(self) -> list[PeerRecord]:  # type: ignore[override]
+        me = self._me
+        return [r for p, r in self._records.items() if p != me]
+
 
 class StaticView:
     """One node's window on a `StaticTable` (duck-types `Membership`)."""
@@ -78,6 +93,7 @@ class StaticView:
         self.heartbeat = 0
         self.forgotten: list[str] = []
         self.discovered: list[str] = []  # stays empty: a converged view meets nobody (connections open on first use)
+        self._others = _Others(table.records, peer_id)  # reads the table in place: one per view will do
 
     # what the node reads and writes about itself lives in the shared record
     @property
@@ -110,7 +126,7 @@ class StaticView:
 
     @property
     def peers(self) -> Mapping[str, PeerRecord]:
-        return _Others(self.table.records, self.peer_id)
+        return self._others
 
     def live_ids(self) -> list[str]:
         return [p for p in self.table.everyone() if p != self.peer_id]

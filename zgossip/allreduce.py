@@ -46,7 +46,7 @@ from .matchmaking import GroupSpec
 from .messages import Abort, Gather, Message, Part, Rescue, RescueCall, Result
 from .numeric import PassPlan, add_pass, divide, plan_pass, take_finite
 from .linkstats import LinkStats, silence_limit
-from .partition import PartPlan, make_plan, plan_bandwidths, streamed_part_elems
+from .partition import PartPlan, group_plan, plan_bandwidths
 
 __all__ = ["AllReduceRound", "RoundOutcome", "SpanOutcome", "RoundPhase", "PartState", "ReduceState", "MOVES", "transition"]
 
@@ -232,7 +232,7 @@ class AllReduceRound:
              rescue=False, data=buffer[:0])
         self._gid = spec.group_id
         bws = plan_bandwidths([m.bandwidth for m in spec.members], [m.gathers for m in spec.members])
-        self.plan = make_plan(buffer.size, bws, streamed_part_elems(buffer.size, bws, part_elems, buffer.dtype.itemsize))
+        self.plan = group_plan(buffer.size, tuple(bws), part_elems, buffer.dtype.itemsize)
         self.index = {m.peer_id: i for i, m in enumerate(spec.members)}
         self.last_heard = [now] * self.n  # when each member's last message came (only messages count)
         self.asked_at = [float("-inf")] * self.n  # when we last asked each member for a rescue
@@ -813,16 +813,17 @@ class AllReduceRound:
         # are measured in wire bytes), never short
         part_bytes = self.plan.part_elems * self.buf.dtype.itemsize
         out = {}
+        ceiling = self.deadline - self.started
+        ours = self.stats.estimate_mbit() if self._rate_of is not None else None
         for j in others:
             m = self.members[j]
             rtt = self._rtt(m.endpoint) if self._rtt is not None else None
             floor = min(T, max(self._floor, 4 * rtt if rtt else 0.0))
             pace = self.stats.pace(m.peer_id)
-            ceiling = self.deadline - self.started
             if pace is None and self._rate_of is not None:
                 # not measured yet: the slower of its gossiped rate and ours, shared by the n - 1
                 # streams each link carries. Without our own rate it may only lengthen the wait.
-                theirs, ours = self._rate_of(m.peer_id), self.stats.estimate_mbit()
+                theirs = self._rate_of(m.peer_id)
                 rate = min(r for r in (theirs, ours) if r) if theirs or ours else None
                 if rate:
                     limit = silence_limit((self.n - 1) / (rate * 125_000.0), part_bytes, T, floor, self._slack, ceiling)
@@ -871,7 +872,12 @@ class AllReduceRound:
     def outcome(self) -> RoundOutcome:
         ids = tuple(m.peer_id for m in self.members)
         spans, ranges = [], []
+        partial_owners = {owner for owner, _lo, _hi, _who in self.partial}
         for o in range(self.n):
+            if not self.status[o] and o not in partial_owners and not (o == self.rank and self.rank in self.aux):
+                # an empty span (most of them, when a group is larger than the vector's parts)
+                spans.append(SpanOutcome(owner=ids[o], parts=0, averaged=0, rescued=self.rescued[o], contributors=()))
+                continue
             contrib: set[int] = set()
             for p, s in enumerate(self.status[o]):
                 if s is PartState.AVERAGED:

@@ -25,6 +25,7 @@ equality is ever asked.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from typing import Iterable
@@ -58,6 +59,10 @@ class Announcement:
         r, t = info.get(ROUND), info.get(TAGS)
         if type(r) is not int or type(t) is not str:
             return None
+        return _parse(cls, r, t)
+
+    @classmethod
+    def _from_fields(cls, r: int, t: str) -> "Announcement | None":
         parts = t.split(":")
         if len(parts) == 1:  # a prefix tag alone: announces the round only
             return cls(parts[0], r)
@@ -66,6 +71,13 @@ class Announcement:
         if len(parts) != 3 or not parts[2].isdigit() or len(parts[2]) > 12:
             return None
         return cls(parts[0], r, parts[1], int(parts[2]))
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse(cls: type, r: int, t: str) -> "Announcement | None":
+    """`Announcement.read` of one (round, tags) pair: a swarm announces few distinct ones, and a
+    rendezvous reads every live peer's record per pool, so each is parsed once (the result is frozen)."""
+    return cls._from_fields(r, t)
 
 
 def may_join(records: Iterable[tuple[str, dict]], prefix: str, key: str, rnd: int) -> set[str]:

@@ -11,6 +11,7 @@ to converge more slowly on sparse grids, hence the random permutation.)
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 
@@ -62,7 +63,15 @@ class MoshpitGrid:
         axis = self.axis(round_index)
         if axis is None:
             return coords
-        perm = np.random.default_rng(seed_from(group_id)).permutation(self.shape[axis])
+        perm = _permutation(group_id, self.shape[axis])
         new = list(coords)
-        new[axis] = int(perm[rank % self.shape[axis]])
+        new[axis] = perm[rank % self.shape[axis]]
         return tuple(new)
+
+
+@functools.lru_cache(maxsize=1024)
+def _permutation(group_id: str, size: int) -> tuple[int, ...]:
+    """The new indices along a round's axis that group `group_id` hands out by rank: every member of
+    the group draws the same ones (a pure function of the id), so a process hosting many members (the
+    simulator) draws them once."""
+    return tuple(int(x) for x in np.random.default_rng(seed_from(group_id)).permutation(size))

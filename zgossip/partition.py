@@ -7,11 +7,12 @@ elements. Everything here is pure arithmetic so it can be property-tested alone.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
 
-__all__ = ["PartPlan", "make_plan", "span_sizes", "span_fractions", "streamed_part_elems", "plan_bandwidths",
+__all__ = ["PartPlan", "make_plan", "group_plan", "span_sizes", "span_fractions", "streamed_part_elems", "plan_bandwidths",
            "MIN_PARTS", "MIN_PARTS_UNEVEN", "MIN_PART_BYTES", "MEASURED", "UNMEASURED", "SAME_RATE"]
 
 #: a span is streamed in at least this many parts (when parts stay >= MIN_PART_BYTES): with one part per
@@ -128,6 +129,9 @@ class PartPlan:
             raise ValueError("part_elems must be positive")
         if self.bounds[0] != 0 or self.bounds[-1] != self.numel or list(self.bounds) != sorted(self.bounds):
             raise ValueError("span bounds must be sorted and cover [0, numel)")
+        # parts per span, asked for on every message and member loop of a round: computed once
+        b, pe = self.bounds, self.part_elems
+        object.__setattr__(self, "_nparts", tuple(-(-(b[i + 1] - b[i]) // pe) for i in range(len(b) - 1)))
 
     @property
     def size(self) -> int:
@@ -137,8 +141,9 @@ class PartPlan:
         return self.bounds[owner], self.bounds[owner + 1]
 
     def num_parts(self, owner: int) -> int:
-        start, end = self.span(owner)
-        return -(-(end - start) // self.part_elems)
+        if owner < 0:
+            raise IndexError(f"no span {owner}")
+        return self._nparts[owner]  # type: ignore[attr-defined]
 
     def part(self, owner: int, index: int) -> tuple[int, int]:
         """Absolute element range of part `index` of `owner`'s span."""
@@ -180,3 +185,16 @@ def make_plan(numel: int, bandwidths: Sequence[float], part_elems: int) -> PartP
     for s in sizes:
         bounds.append(bounds[-1] + s)
     return PartPlan(numel, tuple(bounds), part_elems)
+
+
+def group_plan(numel: int, bandwidths: tuple[float, ...], part_elems: int, itemsize: int) -> PartPlan:
+    """The plan of a group: `make_plan` with the `streamed_part_elems` part size. A pure function of
+    what every member knows, so a process hosting many members of one group (the simulator) computes
+    it once; the plan is immutable, so sharing it is safe."""
+    return _group_plan(numel, bandwidths, part_elems, itemsize, MIN_PARTS, MIN_PARTS_UNEVEN, MIN_PART_BYTES)
+
+
+@functools.lru_cache(maxsize=256)
+def _group_plan(numel: int, bandwidths: tuple[float, ...], part_elems: int, itemsize: int,
+                *_constants: int) -> PartPlan:  # the module's constants are in the key: tests change them
+    return make_plan(numel, bandwidths, streamed_part_elems(numel, bandwidths, part_elems, itemsize))
