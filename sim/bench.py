@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -77,7 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-memory", action="store_true", help="skip the memory measurement (the slowest part)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     args = ap.parse_args(argv)
-    out: dict = {}
+    from zgossip.machine import machine, machine_line
+
+    out: dict = {"machine": machine(), "loadavg": list(os.getloadavg())}
+    if not args.json:  # a speed figure means little without the machine and its load (README, Benchmarks)
+        print(f"{machine_line(out['machine'])}, load {out['loadavg'][0]:.2f}")
     bare = [bare_simpy_round() for _ in range(3)]
     real = message_level_round()
     tcp = message_level_round(transfer="tcp")
