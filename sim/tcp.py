@@ -214,6 +214,12 @@ class TcpTransport:
         self.conns: dict[tuple[str, str, int], _Conn] = {}
         self._up: dict[str, list[_Conn]] = {}  # sender -> its connections (insertion order)
         self._down: dict[str, list[_Conn]] = {}
+        # per sender / receiver, the connections that may be sending now (queued bytes, or a round
+        # on the link): each endpoint collects a connection per groupmate per round, and the
+        # water-filling of every round would otherwise scan them all. Added on `send`; dropped,
+        # lazily, by `_level` once idle (only a later `send` can make them busy again).
+        self._busy_up: dict[str, dict[_Conn, None]] = {}
+        self._busy_down: dict[str, dict[_Conn, None]] = {}
         self.rounds = 0  # rounds simulated (for benchmarks)
         self.loss_events = 0
 
@@ -256,6 +262,8 @@ class TcpTransport:
         del self.conns[(c.src, c.dst, c.lane)]
         self._up[c.src].remove(c)
         self._down[c.dst].remove(c)
+        self._busy_up.get(c.src, {}).pop(c, None)
+        self._busy_down.get(c.dst, {}).pop(c, None)
 
     def reset(self, endpoint: str, peer: str | None = None) -> None:
         """Drop connections from and to `endpoint` (only those with `peer`, if given); queued
@@ -291,6 +299,8 @@ class TcpTransport:
             self._restart_after_idle(c, now)
         msg = _Msg(nbytes, token)
         c.queue.append(msg)
+        self._busy_up.setdefault(src, {})[c] = None
+        self._busy_down.setdefault(dst, {})[c] = None
         if not c.scheduled:
             c.scheduled = True
             # a round in progress keeps the link until its bytes are out; the next starts then
@@ -341,12 +351,22 @@ class TcpTransport:
             c.cwnd = max(restart, c.cwnd / 2)
             idle -= rto
 
-    def _level(self, peers: list[_Conn], me: _Conn, capacity: float | None, now: float) -> float:
+    def _level(self, peers: dict[_Conn, None] | None, me: _Conn, capacity: float | None, now: float) -> float:
         """The water-filling share of `capacity` that `me` may take on a link it shares with
         `peers` (those with bytes queued or on the link), given what each used last."""
         if capacity is None:
             return _INF
-        demands = [o.used for o in peers if o is not me and (o.queue or o.busy_until > now)]
+        demands = []
+        if peers:
+            idle = []
+            for o in peers:
+                if o.queue or o.busy_until > now:
+                    if o is not me:
+                        demands.append(o.used)
+                else:
+                    idle.append(o)
+            for o in idle:
+                del peers[o]
         if not demands:
             return capacity
         demands.sort()
@@ -390,8 +410,8 @@ class TcpTransport:
         # in payload bytes/s: headers and the reverse traffic's ACKs take the rest of each link
         up, down = self.net._bw(c.src, True, now), self.net._bw(c.dst, False, now)
         share = p.payload_share
-        rate = min(self._level(self._up.get(c.src, []), c, None if up is None else up * share, now),
-                   self._level(self._down.get(c.dst, []), c, None if down is None else down * share, now))
+        rate = min(self._level(self._busy_up.get(c.src), c, None if up is None else up * share, now),
+                   self._level(self._busy_down.get(c.dst), c, None if down is None else down * share, now))
         queued = sum(m.left for m in c.queue)
         rtt = c.rtt
         window_limited = False
