@@ -606,7 +606,7 @@ class SimCluster:
         return self._trace.hexdigest()
 
     def run(self, until: float | simpy.Event | None = None) -> None:
-        with _gc_frozen():
+        with gc_frozen():
             self.env.run(until=until)
 
 
@@ -614,7 +614,7 @@ _gc_depth = 0
 
 
 @contextlib.contextmanager
-def _gc_frozen() -> Iterator[None]:
+def gc_frozen() -> Iterator[None]:
     """While the simulation runs, keep what existed before it out of the cyclic collector's sight.
 
     A large simulation holds hundreds of thousands of long-lived objects (peers, tables, plans), and

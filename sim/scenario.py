@@ -63,7 +63,7 @@ from zgossip.codecs import check_name
 from zgossip.grid import MoshpitGrid
 from zgossip.node import NodeConfig, StepDone, StepFailed
 
-from .driver import SimCluster, SimPeer
+from .driver import SimCluster, SimPeer, gc_frozen
 from .faults import Churn, SimFaultContext, fault_from_dict
 from .network import PROFILES, NetworkModel, Profile
 
@@ -371,7 +371,6 @@ class ScenarioRun(SimFaultContext):
         """Run rounds ``start .. start + sc.rounds - 1`` (bootstrapping first if nothing ran yet)."""
         sc = self.sc
         rounds: list[dict] = []
-        walls = self.walls
         unavail_rng = self._unavail_rng
         limit = sc.step_timeout + self._config(()).allreduce_timeout + 1.0
         if not self._bootstrapped:
@@ -379,32 +378,39 @@ class ScenarioRun(SimFaultContext):
             if sc.bootstrap_time > 0:
                 self.cluster.run(until=self.env.now + sc.bootstrap_time)
         for r in range(start, start + sc.rounds):
-            w0 = time.perf_counter()
-            t0 = self.env.now
-            draws = unavail_rng.random(len(self.slots))  # one draw per slot, alive or not: streams stay aligned
-            live = [i for i, p in enumerate(self.slots) if p.alive]
-            steppers = [i for i in live if draws[i] >= sc.unavailability and not self.slots[i].paused]
-            sent0 = dict(self.network.sent_bytes)
-            recv0 = dict(self.network.received_bytes)
-            evs = {i: self.slots[i].step_tensors(timeout=sc.step_timeout, round=r) for i in steppers}
-            ends: dict[int, float] = {}
-            for i, ev in evs.items():
-                ev.callbacks.append(lambda _e, i=i: ends.__setitem__(i, self.env.now))
-            if evs:
-                self.cluster.run(until=self.env.any_of([self.env.all_of(list(evs.values())), self.env.timeout(limit)]))
-            rounds.append(self._metrics(r, t0, steppers, evs, sent0, recv0))
-            # per-peer step durations (slot, seconds), as the testbed reports them
-            rounds[-1]["step_seconds"] = [[i, ends[i] - t0] for i in sorted(ends)]
-            # and of the successful ones, (slot, matchmaking, all-reduce) seconds, as the testbed reports them
-            rounds[-1]["phase_seconds"] = [[i, ev.value.result.timings.get("matchmaking", 0.0),
-                                            ev.value.result.timings.get("allreduce", 0.0)]
-                                           for i, ev in sorted(evs.items()) if ev.triggered and isinstance(ev.value, StepDone)]
-            walls.append(time.perf_counter() - w0)
+            with gc_frozen():  # the round's bookkeeping too, not only its events (see gc_frozen)
+                self._run_round(r, rounds, limit, unavail_rng)
             if sc.round_gap:
                 self.cluster.run(until=self.env.now + sc.round_gap)
             if progress:
                 progress(r + 1 - start, sc.rounds)
         return rounds
+
+    def _run_round(self, r: int, rounds: list[dict], limit: float, unavail_rng: np.random.Generator) -> None:
+        """One round: every live, available peer steps; its metrics go to `rounds`, its wall time to `walls`."""
+        sc = self.sc
+        walls = self.walls
+        w0 = time.perf_counter()
+        t0 = self.env.now
+        draws = unavail_rng.random(len(self.slots))  # one draw per slot, alive or not: streams stay aligned
+        live = [i for i, p in enumerate(self.slots) if p.alive]
+        steppers = [i for i in live if draws[i] >= sc.unavailability and not self.slots[i].paused]
+        sent0 = dict(self.network.sent_bytes)
+        recv0 = dict(self.network.received_bytes)
+        evs = {i: self.slots[i].step_tensors(timeout=sc.step_timeout, round=r) for i in steppers}
+        ends: dict[int, float] = {}
+        for i, ev in evs.items():
+            ev.callbacks.append(lambda _e, i=i: ends.__setitem__(i, self.env.now))
+        if evs:
+            self.cluster.run(until=self.env.any_of([self.env.all_of(list(evs.values())), self.env.timeout(limit)]))
+        rounds.append(self._metrics(r, t0, steppers, evs, sent0, recv0))
+        # per-peer step durations (slot, seconds), as the testbed reports them
+        rounds[-1]["step_seconds"] = [[i, ends[i] - t0] for i in sorted(ends)]
+        # and of the successful ones, (slot, matchmaking, all-reduce) seconds, as the testbed reports them
+        rounds[-1]["phase_seconds"] = [[i, ev.value.result.timings.get("matchmaking", 0.0),
+                                        ev.value.result.timings.get("allreduce", 0.0)]
+                                       for i, ev in sorted(evs.items()) if ev.triggered and isinstance(ev.value, StepDone)]
+        walls.append(time.perf_counter() - w0)
 
     def _metrics(self, r: int, t0: float, steppers: list[int], evs: dict, sent0: dict, recv0: dict) -> dict:
         live = [p for p in self.slots if p.alive]
