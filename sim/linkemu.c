@@ -35,6 +35,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sched.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <time.h>
@@ -77,6 +79,9 @@ static unsigned char blocked[MAXP][MAXP];
 static int NP;
 static uint64_t rng_s;
 static unsigned long long late_n, late_max_ns;
+static unsigned long long rx_stamped, rx_waited_n; /* frames with a kernel receive time; of them, read late */
+static double rx_waited_sum_ns;                     /* total time frames sat in the socket before we read them */
+static int realtime;                                /* running under SCHED_FIFO */
 static double late_sum_ns;
 
 static int64_t now_ns(void) {
@@ -114,6 +119,9 @@ static int open_port(const char *name) {
     /* frames waiting in the downlink tbf are charged to this socket: a small buffer would throttle
        the emulated link below its rate */
     setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, &big, sizeof big);
+    /* the kernel's receive time of each frame: the delay starts when the frame reached the switch,
+       not when this process got round to reading it (on a busy machine that can be milliseconds) */
+    setsockopt(fd, SOL_SOCKET, SO_TIMESTAMPNS, &one, sizeof one);
     setsockopt(fd, SOL_SOCKET, SO_RCVBUFFORCE, &big, sizeof big);
     struct sockaddr_ll sll = {0};
     sll.sll_family = AF_PACKET;
@@ -131,7 +139,7 @@ static int segments(const unsigned char *buf, int len) {
     return payload > 0 ? (payload + h->gso_size - 1) / h->gso_size : 1;
 }
 
-static void on_frame(int src, unsigned char *buf, int len, int64_t now) {
+static void on_frame(int src, unsigned char *buf, int len, int64_t now, int64_t arrived) {
     port *ps = &P[src];
     int segs = segments(buf, len);
     ps->rx_frames++;
@@ -148,7 +156,8 @@ static void on_frame(int src, unsigned char *buf, int len, int64_t now) {
     double keep = pow(1.0 - ps->loss, segs) * pow(1.0 - P[d].loss, segs);
     if (keep < 1.0 && unif() >= keep) { ps->drop_loss++; return; }
     pairq *q = &Q[src][d];
-    int64_t rel = now + ps->lat_ns + P[d].lat_ns + jitter(ps->jit_ns) + jitter(P[d].jit_ns);
+    (void)now;
+    int64_t rel = arrived + ps->lat_ns + P[d].lat_ns + jitter(ps->jit_ns) + jitter(P[d].jit_ns);
     if (rel < q->last_release) rel = q->last_release;
     q->last_release = rel;
     frame *f = malloc(sizeof(frame) + (size_t)len);
@@ -197,8 +206,10 @@ static void stats(void) {
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
     double cpu = ru.ru_utime.tv_sec + ru.ru_utime.tv_usec / 1e6 + ru.ru_stime.tv_sec + ru.ru_stime.tv_usec / 1e6;
-    printf("{\"cpu_seconds\": %.6f, \"late_frames\": %llu, \"late_mean_us\": %.3f, \"late_max_us\": %.3f, \"ports\": [",
-           cpu, late_n, late_n ? late_sum_ns / late_n / 1e3 : 0.0, late_max_ns / 1e3);
+    printf("{\"cpu_seconds\": %.6f, \"late_frames\": %llu, \"late_mean_us\": %.3f, \"late_max_us\": %.3f, "
+           "\"realtime\": %s, \"rx_stamped\": %llu, \"rx_wait_mean_us\": %.3f, \"ports\": [",
+           cpu, late_n, late_n ? late_sum_ns / late_n / 1e3 : 0.0, late_max_ns / 1e3, realtime ? "true" : "false",
+           rx_stamped, rx_waited_n ? rx_waited_sum_ns / rx_waited_n / 1e3 : 0.0);
     for (int i = 0; i < NP; i++) {
         long queued = 0;
         for (int d = 0; d < NP; d++) queued += Q[i][d].queued;
@@ -267,7 +278,15 @@ int main(int argc, char **argv) {
     size_t linelen = 0;
     struct pollfd pfd[MAXP + 1];
     int want_out[MAXP];
-    printf("{\"ready\": true}\n");
+    /* a switch has its own hardware: here the forwarder preempts the emulated hosts' processes so
+       that frames leave when due, not when the scheduler next runs us (LINKEMU_NO_RT=1 to compare) */
+    const char *nort = getenv("LINKEMU_NO_RT");
+    if (!(nort && *nort && strcmp(nort, "0"))) {
+        struct sched_param sp = {.sched_priority = 10};
+        realtime = sched_setscheduler(0, SCHED_FIFO, &sp) == 0;
+    }
+    prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
+    printf("{\"ready\": true, \"realtime\": %s}\n", realtime ? "true" : "false");
     fflush(stdout);
     for (;;) {
         int64_t now = now_ns();
@@ -292,13 +311,37 @@ int main(int argc, char **argv) {
         if (n < 0 && errno != EINTR) { perror("ppoll"); return 1; }
         if (n <= 0) continue;
         now = now_ns();
+        struct timespec rts;
+        clock_gettime(CLOCK_REALTIME, &rts);
+        int64_t real_to_mono = now - ((int64_t)rts.tv_sec * 1000000000LL + rts.tv_nsec);
         for (int i = 0; i < NP; i++) {
             if (!(pfd[i].revents & POLLIN)) continue;
             /* drain a bounded batch per port so one busy port cannot starve the others */
             for (int k = 0; k < 64; k++) {
-                ssize_t r = recv(P[i].fd, buf, BUFSZ, 0);
+                struct iovec iov = {buf, BUFSZ};
+                union { char b[CMSG_SPACE(sizeof(struct timespec))]; struct cmsghdr align; } cb;
+                struct msghdr mh = {0};
+                mh.msg_iov = &iov;
+                mh.msg_iovlen = 1;
+                mh.msg_control = cb.b;
+                mh.msg_controllen = sizeof cb.b;
+                ssize_t r = recvmsg(P[i].fd, &mh, 0);
                 if (r < 0) break;
-                on_frame(i, buf, (int)r, now);
+                int64_t arrived = now;
+                for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c))
+                    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_TIMESTAMPNS) {
+                        struct timespec rt;
+                        memcpy(&rt, CMSG_DATA(c), sizeof rt);
+                        int64_t a = (int64_t)rt.tv_sec * 1000000000LL + rt.tv_nsec + real_to_mono;
+                        rx_stamped++;
+                        /* never in the future, and never before the clock offset's own error could put it */
+                        if (a < now && a > now - 1000000000LL) {
+                            arrived = a;
+                            rx_waited_n++;
+                            rx_waited_sum_ns += (double)(now - a);
+                        }
+                    }
+                on_frame(i, buf, (int)r, now, arrived);
             }
         }
         if (pfd[NP].revents & (POLLIN | POLLHUP | POLLERR)) {

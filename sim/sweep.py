@@ -398,9 +398,17 @@ Done = Callable[[list[tuple[str, str, str, str]]], None]
 
 
 def _chunks(runs: list[Run], workers: int) -> list[Chunk]:
-    # ~8 chunks per worker keeps the tail short; at most 16 runs a chunk keeps progress fine-grained
-    size = max(1, min(16, len(runs) // (8 * max(1, workers))))
-    return [runs[i:i + size] for i in range(0, len(runs), size)]
+    """Guided chunks: each takes 1/(4 x workers) of the runs still unassigned (at most 16, at least 1),
+    so chunks shrink towards the end and the last ones are single runs -- a worker is never left
+    alone with a long chunk while the others idle. Fewer, larger chunks early keep the parent's
+    share (one message per chunk) small."""
+    out: list[Chunk] = []
+    i, w = 0, max(1, workers)
+    while i < len(runs):
+        size = max(1, min(16, (len(runs) - i) // (4 * w)))
+        out.append(runs[i:i + size])
+        i += size
+    return out
 
 
 def _payload(chunk: Chunk) -> list[tuple[str, dict]]:

@@ -36,6 +36,15 @@ What ZeroMQ over TCP gives the protocol is a reliable, ordered byte stream per c
   not cut on loss). The resulting sawtooth gives the usual ~MSS/(RTT sqrt p) steady state.
   Under CUBIC/Reno the next round waits for the recovery; BBR keeps pacing at its bandwidth
   estimate through recovery (SACK), so only the arrivals wait (head-of-line blocking).
+* **Pacing (BBR).** BBR sends every flight at gain x its bandwidth estimate, not as fast as the
+  window allows. The estimate is the largest delivery-rate sample so far: the flight's bytes over
+  its elapsed time plus one RTT (what Linux's tcp_rate measures for a flight that began from
+  idle), or the window per RTT in a window-limited round. In startup the pacing rate never
+  falls, so it is at least gain x the initial window per RTT. An all-reduce's parts are
+  app-limited bursts after idle: a burst of B bytes raises the estimate only towards
+  B (1 - 1/gain) / RTT, so a burst on a fast long link settles near RTT / (gain - 1) of pacing
+  (~0.5 RTT) where an unpaced window would send it at once. The testbed's 300 ms RTT case shows
+  it: steady all-reduce 0.55 s measured, 0.32 s predicted without pacing, 0.61 s with it.
 * **Partitions** stall a connection: a round that finds the path cut is retried with
   exponential RTO backoff (RTO, 2 RTO, 4 RTO ...) and resumes from one segment after the
   cut heals. Nothing is lost (Linux gives up after ``tcp_retries2`` -- about 15 minutes --
@@ -97,6 +106,9 @@ class TcpParams:
     # a round limited by the link's rate (not by the window) lasts at most this long, so each
     # connection's share of a link is recomputed at least this often (0 = a whole RTT)
     share_interval: float = 0.01
+    # BBR paces every flight at gain x its bandwidth estimate (the startup gain, 2/ln 2: bursts that
+    # stop before the link is full keep it in startup); see "Pacing" in the module docstring
+    pacing_gain: float = 2.885
 
     @classmethod
     def from_dict(cls, d: dict) -> "TcpParams":
@@ -178,7 +190,7 @@ class _Msg:
 
 class _Conn:
     __slots__ = ("src", "dst", "lane", "owd", "rtt", "cwnd", "ssthresh", "queue", "last_sent", "busy_until",
-                 "used", "scheduled", "last_arrival", "backoff", "gen", "ready")
+                 "used", "scheduled", "last_arrival", "backoff", "gen", "ready", "bw", "flight_t0", "flight_bytes")
 
     def __init__(self, src: str, dst: str, lane: int, owd: float, back: float, iw: float) -> None:
         self.src, self.dst, self.lane = src, dst, lane
@@ -195,6 +207,9 @@ class _Conn:
         self.backoff = 0  # RTO backoffs while a partition stalls it
         self.gen = 0  # bumped on reset, so its scheduled rounds are void
         self.ready = 0.0  # when the TCP and ZMTP handshakes are over (no data leaves before)
+        self.bw = 0.0  # BBR: the largest delivery rate measured (bytes/s; 0 = no sample yet)
+        self.flight_t0 = 0.0  # when the current flight (bytes sent since the connection was last idle) began
+        self.flight_bytes = 0.0
 
 
 class TcpTransport:
@@ -414,6 +429,13 @@ class TcpTransport:
                    self._level(self._busy_down.get(c.dst), c, None if down is None else down * share, now))
         queued = sum(m.left for m in c.queue)
         rtt = c.rtt
+        paced = p.paced and rtt > 0.0
+        if paced:
+            if now >= c.busy_until + rtt:  # everything sent before is acknowledged: a new flight
+                c.flight_t0, c.flight_bytes = now, 0.0
+            # in startup BBR's pacing rate never falls: at least the initial window per RTT (what it
+            # starts from), times the gain, however small the samples of short messages were
+            rate = min(rate, p.pacing_gain * max(c.bw, p.iw / rtt))
         window_limited = False
         if rtt <= 0.0:
             nbytes = queued  # no RTT, no window to wait for
@@ -432,6 +454,15 @@ class TcpTransport:
             c.used = nbytes / max(duration, rtt) if max(duration, rtt) > 0 else _INF
         else:  # sending at the rate it was given, for as long as its bytes last
             c.used = nbytes / duration if duration > 0 else _INF
+        if paced and nbytes > 0:
+            # delivery-rate samples: the flight so far over its elapsed time plus the RTT its last
+            # byte's ACK takes (what tcp_rate measures for a flight that began from idle), and for a
+            # window-limited round the window per RTT
+            c.flight_bytes += nbytes
+            sample = c.flight_bytes / (now + duration - c.flight_t0 + rtt)
+            if window_limited:
+                sample = max(sample, nbytes / max(duration, rtt))
+            c.bw = max(c.bw, sample)
         # loss: the round's bytes wait for the retransmission (head-of-line blocking)
         extra = 0.0
         loss = self.net._loss(c.src, c.dst)

@@ -349,6 +349,7 @@ def run_testbed(sc: Scenario | dict, progress: Callable[[int, int], None] | None
             "forwarder": {"cpu_seconds": fwd["cpu_seconds"],
                           "cpu_seconds_rounds": fwd["cpu_seconds"] - fwd0["cpu_seconds"],
                           "late_mean_us": fwd["late_mean_us"], "late_max_us": fwd["late_max_us"],
+                          "realtime": fwd.get("realtime", False), "rx_wait_mean_us": fwd.get("rx_wait_mean_us"),
                           "ports": fwd["ports"]},
             "gso": tb.gso,
             "sysctls": tb.sysctls,

@@ -238,3 +238,13 @@ def test_bench_compares_serial_and_parallel_beside_the_machine_ceiling(tmp_path)
     assert row["share"] == pytest.approx(row["speedup"] / row["ceiling"])
     assert 0.3 < row["ceiling_cpu_inflation"] < 5  # a CPU-time ratio of one loop, not a wall-clock one
     assert row["others_load"] >= 0
+
+
+@pytest.mark.parametrize("n,workers", [(1, 2), (7, 2), (90, 2), (480, 2), (480, 8), (3, 16)])
+def test_chunks_cover_every_run_once_in_order_and_shrink_to_single_runs(n, workers):
+    chunks = sw._chunks(list(range(n)), workers)
+    assert [r for c in chunks for r in c] == list(range(n))
+    sizes = [len(c) for c in chunks]
+    assert all(1 <= s <= 16 for s in sizes)
+    assert sizes == sorted(sizes, reverse=True)  # guided: never a larger chunk after a smaller one
+    assert sizes[-min(n, workers):] == [1] * min(n, workers)  # the tail is single runs, one per worker

@@ -83,6 +83,32 @@ def test_window_restarts_after_idle_longer_than_an_rto_except_under_bbr():
     assert _two_transfers(3.0, congestion_control="bbr") == pytest.approx(short, rel=0.05)
 
 
+def test_bbr_paces_bursts_after_idle_at_its_estimate_which_grows_burst_by_burst():
+    # 1 Gbit/s, 300 ms RTT, 256 KiB bursts 1 s apart: CUBIC's window (kept, slow_start_after_idle off)
+    # sends each later burst in one flight, ~half an RTT; BBR paces it at gain x its delivery-rate
+    # estimate, which an app-limited burst raises only towards burst x (1 - 1/gain) / RTT -- so a
+    # burst settles near RTT / (gain - 1) of pacing on top (the testbed's lat150 cases: all-reduce
+    # 0.55 s measured where unpaced flights gave 0.32 s)
+    burst, owd, gap = 256 << 10, 0.15, 1.0
+
+    def lags(**tcp):
+        env, tr, got = _transport(owd, 125e6, **tcp)
+        _send_at(env, tr, 0.0, burst, "warm-up")  # handshake and slow start out of the way
+        for k in range(8):
+            _send_at(env, tr, 5.0 + k * gap, burst, k)
+        env.run()
+        return [t - 5.0 - k * gap for k, t in got[1:]]
+
+    cubic = lags(congestion_control="cubic", slow_start_after_idle=False)
+    bbr = lags(congestion_control="bbr")
+    assert cubic[-1] == pytest.approx(owd, abs=0.01)
+    gain = TcpParams().pacing_gain
+    settle = owd + 2 * owd / (gain - 1)
+    assert owd + 0.25 * (2 * owd) < bbr[-1] < 1.1 * settle  # paced: a quarter to half an RTT on top
+    assert all(a >= b - 1e-9 for a, b in zip(bbr, bbr[1:]))  # each burst no slower than the one before
+    assert bbr[0] > bbr[-1] + 0.05  # the estimate did grow
+
+
 def test_concurrent_connections_share_the_uplink():
     env, tr, got = _transport(0.001, 1e6)
     for d in ("b", "c"):
