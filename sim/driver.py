@@ -49,6 +49,7 @@ import concurrent.futures as cf
 import contextlib
 import gc
 import hashlib
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
@@ -610,32 +611,34 @@ class SimCluster:
             self.env.run(until=until)
 
 
-_gc_depth = 0
+_gc_lock = threading.Lock()
+_gc_users = 0  # simulations running now, in any thread (a sweep may run several at once)
+_gc_froze = False  # whether the first of them froze (and the last must unfreeze)
 
 
 @contextlib.contextmanager
 def gc_frozen() -> Iterator[None]:
-    """While the simulation runs, keep what existed before it out of the cyclic collector's sight.
+    """While simulations run, keep what existed before out of the cyclic collector's sight.
 
     A large simulation holds hundreds of thousands of long-lived objects (peers, tables, plans), and
     CPython's full collections, triggered by the allocations of every message, scan them all: 20 full
     collections cost 4.8 s of a 15 s three-round run of the 1,024-peer bench. `gc.freeze` moves the
-    objects alive now to the permanent generation (O(1)), so collections during the run scan only what
-    the run itself created (cycles among those are collected as usual); `gc.unfreeze` hands them back
-    afterwards. Left alone when the collector is off, or when someone else froze objects already (a
-    forking server, say): their freeze is theirs to undo."""
-    global _gc_depth
-    if _gc_depth or not gc.isenabled() or gc.get_freeze_count():
-        _gc_depth += 1
-        try:
-            yield
-        finally:
-            _gc_depth -= 1
-        return
-    _gc_depth = 1
-    gc.freeze()
+    objects alive now to the permanent generation (O(1)), so collections meanwhile scan only what was
+    created since (cycles among those are collected as usual); `gc.unfreeze` hands them back when the
+    last simulation running ends. Left alone when the collector is off, or when someone else froze
+    objects already (a forking server, say): their freeze is theirs to undo."""
+    global _gc_users, _gc_froze
+    with _gc_lock:
+        _gc_users += 1
+        if _gc_users == 1:
+            _gc_froze = gc.isenabled() and gc.get_freeze_count() == 0
+            if _gc_froze:
+                gc.freeze()
     try:
         yield
     finally:
-        gc.unfreeze()
-        _gc_depth = 0
+        with _gc_lock:
+            _gc_users -= 1
+            if _gc_users == 0 and _gc_froze:
+                _gc_froze = False
+                gc.unfreeze()

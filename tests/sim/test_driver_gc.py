@@ -3,6 +3,7 @@ runs (`gc.freeze`) and hands them back afterwards; it leaves a freeze made by so
 from __future__ import annotations
 
 import gc
+import threading
 
 import numpy as np
 
@@ -44,3 +45,19 @@ def test_run_leaves_a_freeze_of_someone_else_and_a_disabled_collector_alone():
         assert seen == [0] and not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_runs_in_several_threads_at_once_unfreeze_when_the_last_ends():
+    clusters = [_cluster() for _ in range(3)]
+    threads = [threading.Thread(target=cl.run, kwargs={"until": 2.0}) for cl in clusters]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert gc.get_freeze_count() == 0
+    cl = _cluster()  # and the next run freezes again
+    seen: list[int] = []
+    cl.env.timeout(0.01).callbacks.append(lambda _e: seen.append(gc.get_freeze_count()))
+    cl.run(until=0.5)
+    assert seen and seen[0] > 0 and gc.get_freeze_count() == 0
