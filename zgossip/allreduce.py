@@ -246,10 +246,12 @@ class AllReduceRound:
             self.gathered.update({i: None for i, m in enumerate(spec.members) if not listens(m.endpoint)})
         self.gathered[self.rank] = gather
         self.weights: dict[int, float] = {self.rank: self.weight}
-        self.status = [[PartState.WAITING] * self.plan.num_parts(o) for o in range(self.n)]
-        self.part_contrib: list[list[tuple[int, ...]]] = [[()] * self.plan.num_parts(o) for o in range(self.n)]
+        nparts = [self.plan.num_parts(o) for o in range(self.n)]
+        waiting = PartState.WAITING
+        self.status = [[waiting] * k for k in nparts]
+        self.part_contrib: list[list[tuple[int, ...]]] = [[()] * k for k in nparts]
         self.rescued = [0] * self.n
-        self.unresolved = sum(len(s) for s in self.status)
+        self.unresolved = sum(nparts)
         self.own = _Reduce(self.rank, self.plan, buffer.dtype, self.n, rescue=False)
         # Auxiliary members (weight 0) bring no data: nobody waits for their parts, they send none,
         # and they need no results -- they only reduce their span for the others.
