@@ -17,11 +17,15 @@ machine's cores shared by every peer. Transport mechanisms the testbed showed an
 now models: the TCP + ZMTP connection set-up (3 RTT per new connection and direction), BBR
 loss recovery and Linux's tail-loss probe, and (`sim.driver`) the in-place step's wait for
 its zero-copy sends, which makes a fast peer that owes a slow one its results wait with it.
-BBR's pacing of app-limited bursts (`sim.tcp`, "Pacing"). Not modelled: the forwarder's own
-CPU (it runs under SCHED_FIFO and counts each frame's delay from the kernel's receive time, but
-its per-frame work -- which includes the receiving host's softirq -- still shares the cores with
-the peers, and bounds the 1 Gbit cases), tbf queues and their tail drops under incast (the
-20 Mbit host of home4-4m drops ~950 packets a run), the kernel's send buffer in the release time.
+BBR's pacing of app-limited bursts (`sim.tcp`, "Pacing"). The testbed's forwarder runs under
+SCHED_FIFO and counts each frame's delay from the kernel's receive time, but its per-frame work
+(which includes the receiving host's softirq) still shares the cores with the peers: the replay
+charges the CPU per byte this run's forwarder spent (`sim.cpu.CpuCosts.switch_byte`) to one
+serial queue on the shared cores, which is what bounds the 1 Gbit cases (the table shows the
+forwarder's cores). That cost is taken from the run itself -- a property of the machine and of
+the frame sizes the run's rates gave, as the CPU profile is -- not predicted. Not modelled: tbf
+queues and their tail drops under incast (the 20 Mbit host of home4-4m drops ~950 packets a
+run), the kernel's send buffer in the release time.
 
 The goal (issue 10): every ratio within 0.85–1.15 and every direction right.
 ``--quick`` runs `QUICK` (the suite's small version); ``--cases a,b`` picks cases.
