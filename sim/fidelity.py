@@ -184,7 +184,7 @@ class CaseResult:
                 "wall": self.wall, "forwarder_load": self.forwarder_load}
 
 
-def run_case(name: str, rounds: int = 4, seed: int = 1,
+def run_case(name: str, rounds: int = 6, seed: int = 1,
              testbed: Callable[[dict], dict] | None = None) -> CaseResult:
     """One case on the testbed and in the simulator."""
     if testbed is None:
@@ -241,7 +241,7 @@ def format_table(results: Sequence[CaseResult], dirs: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def run_matrix(names: Sequence[str], rounds: int = 4, seed: int = 1,
+def run_matrix(names: Sequence[str], rounds: int = 6, seed: int = 1,
                progress: Callable[[str], None] | None = None) -> tuple[list[CaseResult], list[dict]]:
     results: dict[str, CaseResult] = {}
     for name in names:
