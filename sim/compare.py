@@ -105,7 +105,14 @@ def replay_scenario(run: dict) -> dict:
         net["tcp"] = {**tb["tcp"], **(net.get("tcp") or {})}
         sc["network"] = net
     if tb.get("cpu") and not sc.get("cpu"):
-        sc["cpu"] = {"costs": tb["cpu"]["costs"], "cores": int(tb["cpu"]["cores"]), "shared": True}
+        costs = dict(tb["cpu"]["costs"])
+        # the testbed's switch is a process on the same cores: its CPU per byte forwarded, as this run
+        # measured it (its frame sizes follow the run's rates), makes it one more serial consumer
+        fwd = tb.get("forwarder") or {}
+        moved = sum(p.get("rx_bytes", 0) for p in fwd.get("ports", ()))
+        if fwd.get("cpu_seconds") and moved and "switch_byte" not in costs:
+            costs["switch_byte"] = fwd["cpu_seconds"] / moved
+        sc["cpu"] = {"costs": costs, "cores": int(tb["cpu"]["cores"]), "shared": True}
     return sc
 
 

@@ -16,7 +16,8 @@ for one of N cores shared by every peer, taken in the order jobs ask for one. A 
 costs the receive side of its message (codec, transport and node per message and per byte,
 plus the arithmetic for a PART and the copy for a RESULT) and the send side of each message
 it sends (encode and transport per message and per byte); each send leaves when its encoding
-is done. Not modelled: libzmq's I/O thread as a separate thread (its work is charged to the
+is done. A testbed replay adds the forwarder (`switch_byte`, from the run's own record): each
+message waits for it in one serial queue that also takes a shared core. Not modelled: libzmq's I/O thread as a separate thread (its work is charged to the
 handling), page faults, cache effects across peers, the GIL of peers in one process.
 """
 from __future__ import annotations
@@ -51,6 +52,10 @@ class CpuCosts:
     accumulate_byte: float = 0.0  # per byte of a term an owner adds
     copy_byte: float = 0.0  # per byte of an averaged result copied into the buffer
     transport_byte: float = 0.0  # kernel TCP work per byte, both ends together
+    # the testbed's forwarder (one process on the shared cores) per byte it moves; 0 for real links,
+    # where switches have hardware of their own. Charged to a single serial queue, so it also caps
+    # the switch's throughput at 1 / switch_byte
+    switch_byte: float = 0.0
 
     @classmethod
     def from_dict(cls, d: dict) -> "CpuCosts":

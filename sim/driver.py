@@ -69,6 +69,9 @@ from .static import StaticTable, StaticView
 
 __all__ = ["SimTransport", "SimPeer", "SimCluster", "Crashed"]
 
+#: the CPU queue of the testbed's forwarder (`sim.cpu.CpuCosts.switch_byte`); no peer endpoint looks like it
+SWITCH = "<switch>"
+
 
 class Crashed(Exception):
     """The simulated peer running this step crashed."""
@@ -550,9 +553,18 @@ class SimCluster:
         self._trace.update(f"{self.env.now!r}|{src.endpoint}|{dst.endpoint}|".encode())
         self._trace.update(tag)
         cost = 0.0
-        if self.cpu_model is not None:
-            cost = self.cpu_model.costs.receive(msg.type, sum(a.nbytes for a in msg.payload), nbytes)
+        cpu = self.cpu_model
+        if cpu is not None:
+            cost = cpu.costs.receive(msg.type, sum(a.nbytes for a in msg.payload), nbytes)
+            if cpu.costs.switch_byte > 0.0:
+                # the testbed's forwarder moves the message first: one serial queue on the shared cores
+                cpu.submit(SWITCH, lambda now, d=nbytes * cpu.costs.switch_byte, m=msg, c=cost: self._switched(dst, m, c, d))
+                return
         dst.deliver(msg, cost)
+
+    def _switched(self, dst: "SimPeer", msg: wire.Message, cost: float, d: float) -> float:
+        self.env.timeout(d).callbacks.append(lambda _e: dst.deliver(msg, cost))
+        return d
 
     def _tcp_arrive(self, token: Any, sent: float) -> None:
         src, dst, payload, nbytes, tag = token

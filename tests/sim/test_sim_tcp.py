@@ -321,6 +321,20 @@ def test_cpu_profile_slows_steps_as_its_costs_say_and_keeps_determinism(tmp_path
     assert CpuSpec.from_value({"profile": slow}).cores is None
 
 
+def test_the_testbed_switch_is_one_serial_cpu_consumer_that_caps_throughput(tmp_path):
+    # 1 Gbit links, 3 peers, 4 MiB each: the links need ~70 ms a step; a forwarder at 100 ns per byte
+    # (10 MB/s) must move every byte of the step through one queue: at least bytes x 100 ns
+    fast = {**SMALL_HOSTS, "numel": 1 << 20, "protocol": {**SMALL_HOSTS["protocol"], "target_group_size": 3},
+            "hosts": [{"up_mbit": 1000, "down_mbit": 1000, "latency_ms": 1, "count": 3}]}
+    free = run_scenario({**fast, "cpu": {"profile": _profile(tmp_path), "cores": 2}})
+    sw = run_scenario({**fast, "cpu": {"profile": _profile(tmp_path, switch_byte=1e-7), "cores": 2}})
+    moved = sw.rounds[-1]["bytes_sent_mean"] * 3
+    assert _median_step(sw) >= 0.9 * moved * 1e-7 > 3 * _median_step(free)
+    assert all(r["succeeded"] == 3 for r in sw.rounds)
+    again = run_scenario({**fast, "cpu": {"profile": _profile(tmp_path, switch_byte=1e-7), "cores": 2}})
+    assert again.to_json() == sw.to_json()
+
+
 def test_calibrate_measures_positive_costs_and_reads_the_sysctls():
     prof = calibrate(quick=True)
     c = prof["cpu"]

@@ -8,7 +8,7 @@ import simpy
 
 from sim import NetworkModel
 from sim.compare import replay_scenario
-from sim.fidelity import GOAL, QUICK, case_scenario, run_case
+from sim.fidelity import GOAL, MIN_ROUNDS, QUICK, CaseResult, case_scenario, format_table, run_case
 from sim.network import Profile
 from sim.tcp import TcpTransport
 from sim.testbed import check_support
@@ -71,6 +71,20 @@ def test_replay_uses_the_machine_the_testbed_recorded():
 
 
 @pytest.mark.skipif(check_support() is not None, reason=f"testbed: {check_support()}")
+def test_table_marks_a_case_whose_forwarder_was_busy_and_lossy_cases_run_more_rounds():
+    def case(name, cpu):
+        tb = {"rounds": [{"sim_seconds": 1.0}, {"sim_seconds": 1.0}],
+              "testbed": {"forwarder": {"cpu_seconds_rounds": cpu}}}
+        return CaseResult(name, 4, 1, 1.0, 1.0, 0.5, 10.0, tb, {})
+
+    busy, idle, unknown = case("busy", 1.6), case("idle", 0.2), CaseResult("old", 4, 1, 1.0, 1.0, 0.5, 1.0, {}, {})
+    assert busy.forwarder_load == pytest.approx(0.8) and idle.forwarder_load == pytest.approx(0.1)
+    assert unknown.forwarder_load != unknown.forwarder_load  # NaN: the run did not record it
+    lines = format_table([busy, idle, unknown], []).splitlines()
+    assert "forwarder-bound" in lines[1] and "forwarder-bound" not in lines[2] + lines[3]
+    assert all(MIN_ROUNDS[n] >= 10 for n in ("home4-loss-1m", "lat150-loss-1m"))
+
+
 def test_simulator_predicts_the_testbed_on_the_quick_case():
     """`python -m sim fidelity --quick`: predicted / measured step time of the quick case, inside
     the goal `GOAL` (0.85-1.15). Measured on this 2-core VM, nothing else running: 0.928-0.933
