@@ -269,6 +269,10 @@ class StateDownload:
     _codecs: tuple = ()  # of the adopted state: () = raw
     _placing: int = 0  # chunks handed out by `target` and not back through `on_placed` yet
     per_donor: dict[str, int] = field(default_factory=dict)  # chunks received from each donor
+    # donors passed over because they hold another state than the adopted one: if every donor of the
+    # adopted state turns out bad, they are asked again (once), and the first to answer sets the state
+    _other_state: list[str] = field(default_factory=list)
+    _readmitted: set[str] = field(default_factory=set)
 
     def _move(self, phase: DownloadPhase) -> None:
         if phase not in _MOVES[self.phase]:
@@ -323,6 +327,18 @@ class StateDownload:
             self._retry = sorted(set(self._retry) | d.inflight)
         if self.phase is DownloadPhase.DONE:
             return
+        if why.startswith("holds another state"):
+            self._other_state.append(peer)
+        elif bad and not self._active and self._other_state:
+            # the state we adopted has no honest holder left (its donors sent data failing its own
+            # digests): the donors we passed over for holding another state are asked again -- a
+            # hostile donor that answered first must not make the download fail while good ones exist
+            back = [p for p in self._other_state if p not in self._readmitted]
+            self._other_state.clear()
+            self._readmitted.update(back)
+            self.tried = [t for t in self.tried if t not in back]
+            if back:
+                self.history.append(f"asking {len(back)} donor(s) of another state again")
         self._ask_more(now)
         for p in list(self._active):
             self._assign(p, now)

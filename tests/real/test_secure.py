@@ -484,14 +484,18 @@ def test_hostile_allowed_peer_protocol_data(case, caplog):
             evil._declare_sharing()
             for a in honest[1:]:
                 a.get_current_state = lambda: ({"good": 1}, [np.full(NUMEL, 5.0, np.float32)])
+            # its priority must have arrived, not just its id sort first among equals (ties go in id
+            # order): with equal priorities all three are asked at once and an honest answer may win
             assert _wait(lambda: honest[0]._ask_node(lambda n: bool(n.membership.donors())
-                                                     and n.membership.donors()[0].peer_id == evil.peer_id))
+                                                     and n.membership.donors()[0].peer_id == evil.peer_id
+                                                     and n.membership.donors()[0].share == 100.0))
             # chunk_timeout 5 s: a donor slower than that (a loaded machine) is passed over unasked, and
             # then no bad chunk arrives to be refused (the second download once met that in a full suite)
             meta, tensors = honest[0].load_state_from_peers(timeout=20.0, chunk_timeout=5.0)
             assert meta == {"good": 1} and np.array_equal(tensors[0], np.full(NUMEL, 5.0, np.float32))
             # a second download that starts at the same bad donor: refused and counted again, not logged again
-            assert honest[0]._ask_node(lambda n: n.membership.donors()[0].peer_id == evil.peer_id)
+            assert honest[0]._ask_node(lambda n: n.membership.donors()[0].peer_id == evil.peer_id
+                                       and n.membership.donors()[0].share == 100.0)
             honest[0].load_state_from_peers(timeout=20.0, chunk_timeout=5.0)
             refusals_logged_once(1)
             return

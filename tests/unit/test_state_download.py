@@ -301,3 +301,27 @@ def test_a_compressed_snapshot_downloads_from_several_donors_and_a_forged_codec_
     s2.pump(0.1, mutate=forged)  # an int64 tensor cannot travel as fp16
     [(_, _, err)] = s2.done
     assert isinstance(err, StateUnavailable) and "cannot carry" in str(err)
+
+
+def test_a_hostile_donor_answering_first_cannot_make_the_download_fail_while_honest_ones_exist():
+    # three donors of equal priority (the default): donor 2 holds another state and answers first, so
+    # its state is adopted and donors 3 and 4 are passed over for holding another one; then its chunks
+    # fail their own digests. The two passed over are asked again, and the download completes with theirs.
+    s = Swarm({2: 0.0, 3: 0.0, 4: 0.0})
+    d2, _ = s.donors[ep(2)]
+    d2.publish(StateSnapshot.build({"epoch": 666}, [a + 1 for a in STATE], CHUNK))
+
+    def corrupt(e, msg):
+        if e == ep(2) and isinstance(msg, M.StateChunk):
+            return dataclasses.replace(msg, data=np.zeros_like(msg.data) + 7)
+        return msg
+
+    s.dl.start(0.0)
+    s.pump(0.1, mutate=corrupt)
+    [(meta, arrays, err)] = s.done
+    assert err is None, err
+    assert meta == {"epoch": 7}
+    check_state(arrays)
+    assert s.dl.dropped == 1 and any("failed its checksum" in h for h in s.dl.history)
+    assert any("holds another state" in h for h in s.dl.history)  # the order this test is about happened
+    assert any("again" in h for h in s.dl.history)
