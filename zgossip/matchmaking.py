@@ -383,19 +383,25 @@ class Matchmaker:
         pool.entries = [e for e in pool.entries if e.peer_id != msg.sender]
         pool.entries.append(_Entry(msg.sender, msg.endpoint, msg.step_id, msg.bandwidth, msg.layout, msg.want,
                                    int(msg.gathers), msg.layout_desc, msg.round))
-        self._send(msg.endpoint, JoinAck(self.peer_id, self.endpoint, key=key, step_id=msg.step_id))
         same = [e for e in pool.entries if e.layout == msg.layout]
         enough = max(self.min_group_size, min([self.target_group_size] + [e.want for e in same]))
-        if len(same) < enough and self._all_came(key, pool, now, refresh=False):
-            self._close_pool(key, self.pools.pop(key), now)  # a small swarm: nobody else can come
-        elif len(same) >= enough:
+        if len(same) < enough:
+            close = self._all_came(key, pool, now, refresh=False)  # a small swarm: nobody else can come
+        else:
             # Full: close after a short grace for stragglers rather than at once, so that a line that
             # turns out overfull (33 peers for groups of 32, common after faults) is cut evenly
             # (17 + 16) at close instead of leaving one peer without a group.
-            if self.straggler_grace <= 0 or self._nobody_missing(pool) or self._all_came(key, pool, now, refresh=False):
-                self._close_pool(key, self.pools.pop(key), now)
-            else:
+            close = (self.straggler_grace <= 0 or self._nobody_missing(pool)
+                     or self._all_came(key, pool, now, refresh=False))
+            if not close:
                 pool.closes = min(pool.closes, now + self.straggler_grace)
+        if not close:
+            # the pool closes now otherwise, and its GROUP (or NO_GROUP) answers this joiner on the same
+            # connection right away: an acknowledgement first would only cost the last joiner, at the
+            # moment every member waits, one more message to build, send and read
+            self._send(msg.endpoint, JoinAck(self.peer_id, self.endpoint, key=key, step_id=msg.step_id))
+        else:
+            self._close_pool(key, self.pools.pop(key), now)
 
     def _nobody_missing(self, pool: _Pool) -> bool:
         """Every peer this node knows alive, itself included, is in the pool: no straggler can come,
