@@ -17,8 +17,9 @@ costs the receive side of its message (codec, transport and node per message and
 plus the arithmetic for a PART and the copy for a RESULT) and the send side of each message
 it sends (encode and transport per message and per byte); each send leaves when its encoding
 is done. A testbed replay adds the forwarder (`switch_byte`, from the run's own record): each
-message waits for it in one serial queue that also takes a shared core. Not modelled: libzmq's I/O thread as a separate thread (its work is charged to the
-handling), page faults, cache effects across peers, the GIL of peers in one process.
+message waits for it in one serial queue that also takes a shared core. Not modelled: libzmq's
+I/O thread as a separate thread (its work is charged to the handling), page faults, cache
+effects across peers, the GIL of peers in one process.
 """
 from __future__ import annotations
 
