@@ -81,6 +81,8 @@ _ISSUE = [_h(1000, 1), _h(100, 10), _h(20, 40), _h(50, 80)]
 _FAST4 = [_h(1000, 1, count=4)]
 _SLOW1 = [_h(10, 5), _h(1000, 1, count=3)]
 _LAT150 = [_h(1000, 75, count=4)]
+#: home lines whose uplinks are a fraction of their downlinks (cable, ADSL): the upload decides
+_ASYM = [_h(100, 10), _h(10, 20, down=100), _h(50, 40), _h(20, 30, down=100)]
 _HOME6 = [_h(100, 10), _h(20, 40), _h(50, 80), _h(100, 20), _h(30, 30), _h(60, 15)]
 
 MIB = 1 << 18  # float32 values in one MiB
@@ -105,6 +107,9 @@ CASES: dict[str, tuple[list[dict], int]] = {
     "lat150-1m": (_LAT150, 1),
     "lat150-loss-1m": (_lossy(_LAT150, 0.01), 1),
     "home4-100m-16m": ([_h(100, 10, count=4)], 16),
+    "asym4-4m": (_ASYM, 4),
+    "asym4-hints-4m": (_hints(_ASYM), 4),
+    "asym4-auto-4m": (_auto(_ASYM), 4),
 }
 
 #: pairs of cases that differ in one knob: (knob, without, with)
@@ -116,6 +121,8 @@ PAIRS: list[tuple[str, str, str]] = [
     ("auto", "issue4-4m", "issue4-auto-4m"),
     ("auto", "slow1-4m", "slow1-auto-4m"),
     ("auto", "fast4-1g-4m", "fast4-auto-1g-4m"),
+    ("hints", "asym4-4m", "asym4-hints-4m"),
+    ("auto", "asym4-4m", "asym4-auto-4m"),
     ("loss", "home4-1m", "home4-loss-1m"),
     ("loss", "lat150-1m", "lat150-loss-1m"),
     ("slow host", "fast4-1g-4m", "slow1-4m"),

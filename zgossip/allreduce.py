@@ -273,6 +273,12 @@ class AllReduceRound:
         # wire compression (`zgossip.codecs`): parts and results travel encoded as the group agreed (the
         # map is part of the layout peers are grouped by); terms are decoded before they are reduced
         self.codec = codec if codec is not None and not codec.lossless else None
+        # receipts (upload measurement, `LinkStats.on_receipt`): as an owner, when each member's
+        # first PART of the round and each of its parts arrived here, returned in RESULT's `rx`; as a
+        # member, the wire bytes of each part we sent, to pair with the receipts coming back
+        self._first_rx: dict[int, float] = {}
+        self._rx_at: dict[tuple[int, int], float] = {}
+        self._sent_bytes: dict[tuple[int, int], int] = {}
 
     # ------------------------------------------------------------------ helpers
     def _part(self, owner: int, p: int, rescue: bool) -> Part:
@@ -282,7 +288,13 @@ class AllReduceRound:
 
     def _result(self, owner: int, p: int, contrib: tuple[int, ...], rescue: bool, data: np.ndarray,
                 cid: int = NONE) -> Result:
-        return Result.trusted(self.me.peer_id, self.me.endpoint, self._gid, owner, p, contrib, rescue, cid, data)
+        rx: tuple[int, ...] = ()
+        if self.stats is not None and not rescue and owner == self.rank and data.size:
+            first, at = self._first_rx, self._rx_at
+            rx = tuple(round((at[(j, p)] - first[j]) * 1e6) if (j, p) in at else -1 for j in contrib)
+            if max(rx, default=-1) < 0:
+                rx = ()
+        return Result.trusted(self.me.peer_id, self.me.endpoint, self._gid, owner, p, contrib, rescue, cid, rx, data)
 
     def _decoded(self, lo: int, hi: int, cid: int, data: np.ndarray) -> np.ndarray | str:
         """A received payload as values (what the codec map says range [lo, hi) travels as), or why not."""
@@ -317,7 +329,9 @@ class AllReduceRound:
         for p in range(most):
             for o in order:
                 if p < self.plan.num_parts(o):
-                    self._send(o, self._part(o, p, rescue=False))
+                    msg = self._part(o, p, rescue=False)
+                    self._sent_bytes[(o, p)] = msg.data.nbytes
+                    self._send(o, msg)
         if self.codec is not None and self.rank not in self.aux:
             self.codec.zero_residual(*self.plan.span(self.rank))  # our own term is reduced exactly
         for p in range(self.own.nparts):
@@ -668,6 +682,9 @@ class AllReduceRound:
             self.late += 1  # late or duplicate: that member's share of this part is already settled
             return
         self.bytes_received += arr.nbytes
+        if not msg.rescue and self.stats is not None:  # a receipt for its sender (`_result`)
+            self._first_rx.setdefault(j, now)
+            self._rx_at[(j, p)] = now
         if msg.codec != NONE or self.codec is not None:
             # checked now, decoded only when its pass comes (`_sum_part`): a few terms at a time in memory
             why = "codec where the group agreed on raw values" if self.codec is None else \
@@ -698,6 +715,13 @@ class AllReduceRound:
         expected = self.rescue_target.get(owner) if msg.rescue else owner
         if j != expected:
             return self._bad(j, msg, "result from a member that does not reduce that span")
+        if msg.rx:
+            if len(msg.rx) != len(contrib):
+                return self._bad(j, msg, "result's receipts do not match its contributors")
+            if self.stats is not None and not msg.rescue and self.rank in contrib:
+                rx, sent = msg.rx[contrib.index(self.rank)], self._sent_bytes.get((owner, p))
+                if rx >= 0 and sent:
+                    self.stats.on_receipt(msg.sender, sent, rx * 1e-6)
         self.bytes_received += arr.nbytes
         if self.status[owner][p] is not PartState.WAITING:
             self.late += 1  # settled already (by a rescue, or unchanged at a timeout): this news is late

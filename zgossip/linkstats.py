@@ -11,9 +11,21 @@ all-reduce rounds, with the times the driver passes in (no clock here):
   several times the link. A round's sample is the largest such running rate once at least
   `min_window_s` and `min_window_bytes` came in (lulls -- an owner still waiting for a slow
   sender -- only lower it); the estimate is a high percentile (`PERCENTILE`) of the last
-  `window` rounds' samples. Only download is measured: a ZeroMQ send completes into a queue,
-  so the protocol never sees when its uploads leave. The testbed's and the simulator's links are
-  symmetric; on an asymmetric link declare `bandwidth=` by hand.
+  `window` rounds' samples.
+* **its own upload rate** (`LinkStats.upload_mbit`): a ZeroMQ send completes into a queue, so
+  the sender never sees its uploads leave; the owners it sent parts to do. Each owner returns,
+  in the RESULT of every part (`messages.Result.rx`), how long after our *first* part of the
+  round reached it this part did -- a duration on the owner's own clock, so no two clocks are
+  compared. Our parts to every owner leave side by side, interleaved part by part, so the streams
+  start together and share the uplink: each stream's first part is taken to have lasted as long,
+  per byte, as its second, which puts every receipt on one time axis from our round's start. The
+  round's sample is then the largest running rate, as for the download (bytes delivered by t over
+  t, once a minimal window has passed): a stream held back by a slow owner's downlink lowers it
+  only while it is the only one left. Like the download it is what the link carried, a lower
+  bound; the estimate is the same percentile over rounds.
+* **the link rate it announces** (`estimate_mbit`): the lower of the two. Every member of a
+  butterfly round uploads as many bytes as it downloads (`sim.linkfloor`), so its time is set by
+  the slower direction; on an asymmetric home line (100 down, 10 up) that is the upload.
 * **each groupmate's pace** (`LinkStats.pace`): seconds per byte between successive PART payloads
   from that peer, its first one of a round timed from the round's start (bounded history, the
   largest recent sample). RESULT data counts for the rate only: an owner's results wait on its
@@ -78,6 +90,9 @@ class LinkStats:
         self._largest = 0  # largest payload this round
         self._last: dict[str, float] = {}  # peer -> arrival of its previous payload (this round)
         self._pace: dict[str, deque[float]] = {}  # peer -> recent seconds per byte
+        self._up_rates: deque[float] = deque(maxlen=window)  # bytes/s: each round's upload sample
+        self._receipts: dict[str, list[tuple[float, int]]] = {}  # owner -> (rx seconds, bytes) this round
+        self._up_best: float | None = 0.0  # this round's upload sample (None: receipts came since)
 
     def begin(self, now: float) -> None:
         """A round starts: the last one's sample joins the history. Payloads of a round still count
@@ -85,6 +100,11 @@ class LinkStats:
         its transfers complete, and they measure this link all the same)."""
         if self._best > 0:
             self._rates.append(self._best)
+        up = self._upload_sample()
+        if up > 0:
+            self._up_rates.append(up)
+        self._receipts.clear()
+        self._up_best = 0.0
         self._start, self._bytes, self._best, self._largest = now, 0, 0.0, 0
         self._arrivals.clear()
         self._last.clear()
@@ -132,12 +152,67 @@ class LinkStats:
             if now - t0 >= self.min_window_s and moved >= self.min_window_bytes:
                 self._best = max(self._best, moved / (now - t0))
 
-    def estimate_mbit(self) -> float | None:
+    def on_receipt(self, owner: str, nbytes: int, rx: float) -> None:
+        """`owner` reports that our part of `nbytes` (wire bytes) reached it `rx` seconds after our
+        first part of this round did (`messages.Result.rx`)."""
+        if self._start is None or not (0.0 <= rx < 1e6) or nbytes <= 0:
+            return
+        got = self._receipts.get(owner)
+        if got is None:
+            if len(self._receipts) >= self.max_peers:
+                return
+            got = self._receipts[owner] = []
+        got.append((rx, nbytes))
+        self._up_best = None
+
+    def _upload_sample(self) -> float:
+        """This round's upload sample in bytes/s (0: none), from the receipts so far (module docstring)."""
+        if self._up_best is not None:
+            return self._up_best
+        arrivals: list[tuple[float, int]] = []  # (seconds since our streams began, bytes)
+        for got in self._receipts.values():
+            if len(got) < 2:
+                continue  # one part gives no duration: its bytes are left out (the sample errs low)
+            got = sorted(got)
+            (r0, b0), (r1, b1) = got[0], got[1]
+            if r1 <= r0:
+                continue
+            # the first part took as long as the second, per byte: both left while every stream of
+            # the round still shared the uplink (the parts go out interleaved)
+            lead = (r1 - r0) * b0 / b1
+            arrivals += [(r - r0 + lead, b) for r, b in got]
+        arrivals.sort()
+        best, moved = 0.0, 0
+        for t, b in arrivals:
+            moved += b
+            if t >= self.min_window_s and moved >= self.min_window_bytes:
+                best = max(best, moved / t)
+        self._up_best = best
+        return best
+
+    def download_mbit(self) -> float | None:
         """This peer's download rate in Mbit/s (see the module docstring), None before a first sample."""
         rates = list(self._rates) + ([self._best] if self._best > 0 else [])
         if not rates:
             return None
         return _percentile(rates, PERCENTILE) * 8e-6
+
+    def upload_mbit(self) -> float | None:
+        """This peer's upload rate in Mbit/s, as its groupmates' receipts tell it; None before a first sample."""
+        up = self._upload_sample()
+        rates = list(self._up_rates) + ([up] if up > 0 else [])
+        if not rates:
+            return None
+        return _percentile(rates, PERCENTILE) * 8e-6
+
+    def estimate_mbit(self) -> float | None:
+        """The rate this peer's link carries in Mbit/s: the lower of its download and upload rates
+        (the download alone until an upload sample came), None before a first download sample."""
+        down = self.download_mbit()
+        if down is None:
+            return None
+        up = self.upload_mbit()
+        return down if up is None else min(down, up)
 
     @property
     def fresh(self) -> bool:

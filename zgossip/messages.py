@@ -484,18 +484,25 @@ class Result(_WithData):
     contributors: tuple[int, ...]
     rescue: bool
     codec: int = 0  # as in PART
+    # receipts (upload measurement, `zgossip.linkstats`): per contributor, in `contributors` order,
+    # the microseconds from that contributor's first PART of the round reaching the owner to its
+    # PART of this part reaching it; -1 where the owner has none (its own term). Empty: none sent.
+    rx: tuple[int, ...] = ()
     data: np.ndarray = field(repr=False, default=None)
     type: ClassVar[MsgType] = MsgType.RESULT
     FIELDS = _fields(("group_id", "gid", _ID, _PLAIN), ("owner", "owner", _IDX, _PLAIN),
                      ("part", "part", _BIG, _PLAIN), ("contributors", "contrib", _list(_IDX, 4096), _SEQ),
-                     ("rescue", "resc", _FLAG, _BOOL), ("codec", "codec", _CODEC, _PLAIN))
-    OPTIONAL = {"codec": 0}
+                     ("rescue", "resc", _FLAG, _BOOL), ("codec", "codec", _CODEC, _PLAIN),
+                     ("rx", "rx", _list(_int(-1, 1 << 40), 4096), _SEQ))
+    OPTIONAL = {"codec": 0, "rx": ()}
 
     def body(self) -> dict[str, Any]:
         b = {"gid": self.group_id, "owner": self.owner, "part": self.part, "contrib": list(self.contributors),
              "resc": int(self.rescue)}
         if self.codec:
             b["codec"] = self.codec
+        if self.rx:
+            b["rx"] = list(self.rx)
         return b
 
 

@@ -154,3 +154,33 @@ def test_auto_keeps_equal_spans_on_equal_fast_links():
                 for res, _ in r.values():
                     assert all(s.parts == 4 for s in res.spans), [s.parts for s in res.spans]
     assert steps["auto"] <= 1.15 * steps["none"], steps
+
+
+def test_auto_measures_upload_on_asymmetric_links():
+    # home lines: 100 Mbit/s down everywhere but 10 and 20 up on two of them. Every member uploads
+    # as much as it downloads, so the upload decides; measured from download alone, the 10-up host
+    # looked like a 100 Mbit one, was given a big span, and steps took 20-60 s (against 3.9 s hinted)
+    down, up, lat = [100, 100, 50, 100], [100, 10, 50, 20], [10, 20, 40, 30]
+    link = [min(u, d) for u, d in zip(up, down)]
+    steps, fracs = {}, {}
+    for mode in ("none", "hints", "auto"):
+        d = _scenario([(1, 1, None)] * 4, 4 * MIB)
+        d["hosts"] = [{"up_mbit": u, "down_mbit": dn, "latency_ms": la,
+                       **({"hint": float(r)} if mode == "hints" else {"hint": "auto"} if mode == "auto" else {})}
+                      for u, dn, la, r in zip(up, down, lat, link)]
+        run, rounds = _run(d, 6)
+        assert all(res is not None and res.complete for r in rounds for res, _ in r.values())
+        steps[mode] = _median_step(rounds)
+        adv = [p.node.advertised_bandwidth() for p in run.slots]
+        fracs[mode] = span_fractions(plan_bandwidths([b for b, _ in adv], [f for _, f in adv]))
+        if mode == "auto":
+            ups = [p.node.linkstats.upload_mbit() for p in run.slots]
+            downs = [p.node.linkstats.download_mbit() for p in run.slots]
+            # the slow uplinks are read from the owners' receipts, within the TCP/header overheads
+            assert 7.0 <= ups[1] <= 10.5 and 14.0 <= ups[3] <= 21.0, ups
+            assert downs[1] > 2 * ups[1], (downs, ups)  # its download alone would have overstated it
+            assert adv[1][0] == ups[1]  # and the upload is what it announces
+    nbytes = 4 * MIB * 4
+    assert _link_time(fracs["auto"], link, nbytes) <= 1.1 * _link_time(fracs["hints"], link, nbytes), fracs
+    assert steps["auto"] <= 1.1 * steps["hints"], steps
+    assert steps["auto"] < 0.8 * steps["none"], steps

@@ -9,7 +9,8 @@ from handfed import Outbox, ep, pid
 from zgossip.allreduce import MOVES, AllReduceRound, PartState, ReduceState, RoundPhase, transition
 from zgossip.errors import IllegalTransition, ProtocolError
 from zgossip.matchmaking import GroupSpec
-from zgossip.messages import Abort, MemberInfo, Part
+from zgossip.linkstats import LinkStats
+from zgossip.messages import Abort, MemberInfo, Part, Result
 
 NUMEL, PART = 3000, 256
 
@@ -18,7 +19,8 @@ class Group:
     """n rounds of one group; `carry` delivers what they sent, in order, until nothing is left."""
 
     def __init__(self, buffers: list[np.ndarray], weights: list[float], part_timeout: float = 1.0,
-                 deadline: float = 10.0, bandwidths: list[float] | None = None, codec=None) -> None:
+                 deadline: float = 10.0, bandwidths: list[float] | None = None, codec=None,
+                 linkstats: list | None = None) -> None:
         n = len(buffers)
         bws = bandwidths or [1.0] * n
         members = tuple(MemberInfo(pid(i), ep(i), bws[i], f"s{i}") for i in range(n))
@@ -28,7 +30,8 @@ class Group:
             AllReduceRound(GroupSpec("k", "g1", members, i), buffers[i], weights[i], {"rank": i}, self.outs[i], 0.0,
                            part_elems=PART, part_timeout=part_timeout, deadline=deadline,
                            on_done=lambda rnd, now, i=i: self.done.__setitem__(i, now),
-                           codec=None if codec is None else codec())
+                           codec=None if codec is None else codec(),
+                           linkstats=None if linkstats is None else linkstats[i])
             for i in range(n)
         ]
         self.by_ep = {ep(i): r for i, r in enumerate(self.rounds)}
@@ -230,3 +233,34 @@ def test_parts_with_another_or_unknown_codec_or_the_wrong_byte_count_are_dropped
     g.carry()  # the real parts still average
     assert all(p is not None for p in g.done)
     assert np.array_equal(bufs[0].view(np.uint32), bufs[1].view(np.uint32))
+
+
+def test_owners_return_receipts_and_members_measure_their_upload():
+    stats = [LinkStats(min_window_s=0.0, min_window_bytes=1) for _ in range(3)]
+    g = Group(data(3), [1.0, 1.0, 1.0], linkstats=stats)
+    g.start(0.0)
+    # member 0's parts (interleaved: owner 1, owner 2, owner 1, ...) arrive one every 10 ms
+    for k, (e, m) in enumerate(g.outs[0].take()):
+        g.by_ep[e].on_message(m, 0.01 * (k + 1))
+    g.carry(1.0)
+    # (the RESULTs went out during carry; read what owner 1 sent member 0)
+    r1 = g.rounds[1]
+    rx = [r1._result(1, p, (0, 1, 2), False, r1.buf[:1]).rx for p in range(r1.plan.num_parts(1))]
+    # each part of member 0 reached owner 1 20 ms after the previous one; owner 1's own term has none
+    assert [x[0] for x in rx] == [20_000 * p for p in range(len(rx))] and all(x[1] == -1 for x in rx)
+    assert all(r.outcome().complete for r in g.rounds)
+    part_bytes = PART * 8
+    up = stats[0].upload_mbit()
+    assert up == pytest.approx(part_bytes / 0.01 * 8e-6, rel=0.1), up
+    assert stats[0].estimate_mbit() == min(stats[0].download_mbit(), up)
+
+
+def test_results_with_receipts_that_do_not_match_their_contributors_are_dropped():
+    stats = [LinkStats(min_window_s=0.0, min_window_bytes=1) for _ in range(2)]
+    g = Group(data(2), [1.0, 1.0], linkstats=stats)
+    g.start(0.0)
+    r0 = g.rounds[0]
+    arr = np.zeros(r0.plan.part(1, 0)[1] - r0.plan.part(1, 0)[0])
+    bad = Result(pid(1), ep(1), group_id="g1", owner=1, part=0, contributors=(0, 1), rescue=False, rx=(5,), data=arr)
+    r0.on_message(bad, 0.1)
+    assert r0.dropped == 1 and r0.status[1][0] is PartState.WAITING

@@ -135,3 +135,29 @@ def test_a_peer_whose_last_round_gave_no_sample_announces_no_estimate():
     node.linkstats.on_payload("a", 1000, 10.001)
     assert node.linkstats.estimate_mbit() is not None  # still known (gossiped, a deadline prior)
     assert node.advertised_bandwidth() == (1.0, UNMEASURED)
+
+
+def test_upload_estimate_from_receipts_is_not_dragged_down_by_a_slow_owner():
+    # our 10 MB/s (80 Mbit/s) uplink carries 4 parts of 256 KiB to each of 3 owners, side by side;
+    # owner c's downlink takes 1 MB/s, so a and b share the other 9 MB/s until their streams end.
+    # Owners report each part's arrival after our first part reached them (their own clocks).
+    part = 256 << 10
+    ls = LinkStats()
+    ls.begin(0.0)
+    fast, slow = part / 4.5e6, part / 1e6
+    for k in range(4):
+        ls.on_receipt("a", part, k * fast)
+        ls.on_receipt("b", part, k * fast)
+        ls.on_receipt("c", part, k * slow)
+    up = ls.upload_mbit()
+    # while all three ran the link was full (72 Mbit/s delivered, the rest still in flight to c);
+    # bytes over the longest stream's length would read 24 Mbit/s
+    assert up is not None and 65 <= up <= 81, up
+    assert ls.download_mbit() is None and ls.estimate_mbit() is None  # no download sample yet: no estimate
+    ls.on_payload("a", 4 << 20, 1.0)  # 32 Mbit/s down: the lower one is what the link is announced at
+    assert ls.estimate_mbit() == pytest.approx(ls.download_mbit()) and ls.download_mbit() < up
+    ls.begin(2.0)  # the round's samples join the history; a receipt without its round is ignored
+    assert ls.upload_mbit() == pytest.approx(up)
+    ls.on_receipt("a", part, -1.0)
+    ls.on_receipt("a", 0, 0.5)
+    assert ls.upload_mbit() == pytest.approx(up)

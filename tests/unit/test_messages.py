@@ -138,7 +138,7 @@ def test_fields_added_later_may_be_left_out_by_older_senders():
     assert wire.decode([msgpack.packb(head)]).left_out == ()
     assert wire.OPTIONAL == {wire.MsgType.JOIN: {"ld": "", "rnd": -1}, wire.MsgType.GROUP: {"odd": ()},
                              wire.MsgType.STATE_REQ: {"root": "", "first": 0, "n": 0},
-                             wire.MsgType.PART: {"codec": 0}, wire.MsgType.RESULT: {"codec": 0},
+                             wire.MsgType.PART: {"codec": 0}, wire.MsgType.RESULT: {"codec": 0, "rx": ()},
                              wire.MsgType.STATE_META: {"hashes": b"", "codecs": ()}}
 
 
