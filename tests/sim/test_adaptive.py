@@ -3,7 +3,6 @@ TCP transfer model): auto finds a split as good as the hand-set hints; a member 
 kept; a stalled member on a fast link is given up well before part_timeout."""
 from __future__ import annotations
 
-import copy
 import math
 import statistics
 
