@@ -311,15 +311,17 @@ class SimPeer(SimTransport):
         return self.averager._tensors if self._has_tensors else None
 
     def step_tensors(self, *, weight: float = 1.0, gather: Any = None, timeout: float = 10.0,
-                     round: int | None = None) -> simpy.Event:
-        """``averager.step(wait=False)`` as an event whose value is StepDone or StepFailed."""
+                     round: int | None = None, scheduled_time: float | None = None) -> simpy.Event:
+        """``averager.step(wait=False)`` as an event whose value is StepDone or StepFailed
+        (``scheduled_time``: a scheduled step, `Averager.step`'s, on the virtual clock)."""
         if not self._has_tensors:
             raise ValueError("this peer was created without tensors")
-        fut = self.averager.step(weight=weight, gather=gather, timeout=timeout, wait=False, round=round)
+        fut = self.averager.step(weight=weight, gather=gather, timeout=timeout, wait=False, round=round,
+                                 scheduled_time=scheduled_time)
         sid = fut.step_id
         ev = self._event_of(fut, sid, lambda r: StepDone(sid, r), lambda e: StepFailed(sid, e))
-        if self.cluster.tcp is None or not self.averager._in_place:
-            return ev
+        if self.cluster.tcp is None or not self.averager._in_place or scheduled_time is not None:
+            return ev  # (a scheduled step works on a snapshot, never in place: no wait for sends to leave)
         # a real blocking step on one float tensor averages in place and returns only once libzmq let
         # go of the tensor's bytes (Averager.step -> settle_sends): model that wait on the TCP model
         bound_at = self.cluster.env.now + timeout + self.node.config.allreduce_timeout + 0.5

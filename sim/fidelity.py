@@ -110,7 +110,15 @@ CASES: dict[str, tuple[list[dict], int]] = {
     "asym4-4m": (_ASYM, 4),
     "asym4-hints-4m": (_hints(_ASYM), 4),
     "asym4-auto-4m": (_auto(_ASYM), 4),
+    # scheduled steps (scenario `step_ahead`): matchmaking runs before the step's instant, as in a
+    # training loop that schedules the next step before its compute; the step is the all-reduce
+    "home4-hints-ahead-4m": (_hints(_HOME), 4),
+    "home4-auto-ahead-4m": (_auto(_HOME), 4),
+    "issue4-auto-ahead-4m": (_auto(_ISSUE), 4),
 }
+
+#: scenario keys of a case beyond its hosts and size
+EXTRA: dict[str, dict] = {name: {"step_ahead": 0.5} for name in CASES if "-ahead-" in name}
 
 #: pairs of cases that differ in one knob: (knob, without, with)
 PAIRS: list[tuple[str, str, str]] = [
@@ -123,6 +131,7 @@ PAIRS: list[tuple[str, str, str]] = [
     ("auto", "fast4-1g-4m", "fast4-auto-1g-4m"),
     ("hints", "asym4-4m", "asym4-hints-4m"),
     ("auto", "asym4-4m", "asym4-auto-4m"),
+    ("ahead", "home4-hints-4m", "home4-hints-ahead-4m"),
     ("loss", "home4-1m", "home4-loss-1m"),
     ("loss", "lat150-1m", "lat150-loss-1m"),
     ("slow host", "fast4-1g-4m", "slow1-4m"),
@@ -148,6 +157,7 @@ def case_scenario(name: str, rounds: int = 4, seed: int = 1) -> dict:
         "protocol": {"target_group_size": sum(h.get("count", 1) for h in hosts), "min_group_size": 2,
                      "matchmaking_time": 1.0, "part_timeout": 5.0, "allreduce_timeout": 60.0},
         "hosts": [dict(h) for h in hosts],
+        **EXTRA.get(name, {}),
     }
 
 

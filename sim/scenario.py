@@ -17,6 +17,10 @@ never inside them). Keys, with defaults:
     unavailability = 0.0        # each round each peer sits out with this probability
     step_timeout = 5.0          # matchmaking budget of one step
     round_gap = 0.0             # virtual seconds between the end of a round and the next
+    step_ahead = 0.0            # > 0: scheduled steps, as a training loop overlapping compute makes
+                                # them: each peer calls step(scheduled_time=T, wait=False) this many
+                                # seconds before T (matchmaking runs meanwhile) and the all-reduce
+                                # begins at T; step times are counted from T
     bootstrap_time = 1.0        # virtual seconds of gossip before round 0
     membership = "gossip"       # "gossip" (bootstrap from peer 0) or "static" (pre-seeded, converged)
     encode = true               # pass every message through the wire codec, as ZeroMQ does
@@ -136,6 +140,7 @@ class Scenario:
     unavailability: float = 0.0
     step_timeout: float = 5.0
     round_gap: float = 0.0
+    step_ahead: float = 0.0
     bootstrap_time: float = 1.0
     membership: str = "gossip"
     encode: bool = True
@@ -178,6 +183,8 @@ class Scenario:
             raise ValueError("peers >= 1, rounds >= 0 and numel >= 1 are required")
         if not 0.0 <= self.unavailability <= 1.0:
             raise ValueError("unavailability is a probability")
+        if not 0.0 <= self.step_ahead <= 60.0:
+            raise ValueError("step_ahead must be in [0, 60] seconds")
         if self.placement not in ("full", "distinct", "random"):
             raise ValueError("placement must be full, distinct or random")
         if self.membership not in ("gossip", "static"):
@@ -397,15 +404,21 @@ class ScenarioRun(SimFaultContext):
         steppers = [i for i in live if draws[i] >= sc.unavailability and not self.slots[i].paused]
         sent0 = dict(self.network.sent_bytes)
         recv0 = dict(self.network.received_bytes)
-        evs = {i: self.slots[i].step_tensors(timeout=sc.step_timeout, round=r) for i in steppers}
+        if sc.step_ahead:  # scheduled steps: called now, the all-reduce begins (and is timed) from t0
+            t0 = self.env.now + sc.step_ahead
+            evs = {i: self.slots[i].step_tensors(timeout=sc.step_timeout, round=r, scheduled_time=t0)
+                   for i in steppers}
+        else:
+            evs = {i: self.slots[i].step_tensors(timeout=sc.step_timeout, round=r) for i in steppers}
         ends: dict[int, float] = {}
         for i, ev in evs.items():
             ev.callbacks.append(lambda _e, i=i: ends.__setitem__(i, self.env.now))
         if evs:
-            self.cluster.run(until=self.env.any_of([self.env.all_of(list(evs.values())), self.env.timeout(limit)]))
+            self.cluster.run(until=self.env.any_of([self.env.all_of(list(evs.values())),
+                                                    self.env.timeout(limit + sc.step_ahead)]))
         rounds.append(self._metrics(r, t0, steppers, evs, sent0, recv0))
         # per-peer step durations (slot, seconds), as the testbed reports them
-        rounds[-1]["step_seconds"] = [[i, ends[i] - t0] for i in sorted(ends)]
+        rounds[-1]["step_seconds"] = [[i, max(0.0, ends[i] - t0)] for i in sorted(ends)]
         # and of the successful ones, (slot, matchmaking, all-reduce) seconds, as the testbed reports them
         rounds[-1]["phase_seconds"] = [[i, ev.value.result.timings.get("matchmaking", 0.0),
                                         ev.value.result.timings.get("allreduce", 0.0)]
@@ -426,7 +439,7 @@ class ScenarioRun(SimFaultContext):
                 for i in steppers]
         recv = [self.network.received_bytes.get(self.slots[i].endpoint, 0) - recv0.get(self.slots[i].endpoint, 0)
                 for i in steppers]
-        return round_metrics(r, t0, self.env.now - t0, [p.tensors[0] for p in live], self.truth, self.sc.numel,
+        return round_metrics(r, t0, max(0.0, self.env.now - t0), [p.tensors[0] for p in live], self.truth, self.sc.numel,
                              len(steppers), outcomes, sent, recv)
 
 

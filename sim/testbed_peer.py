@@ -10,8 +10,10 @@ It loads its tensor from ``tensor`` (the controller writes the simulator's initi
 there; after a crash the file still holds what the slot had after its last step, which is
 what a rejoining process starts from), answers ``{"ready": ...}``, then serves:
 
-    {"cmd": "step", "round": r, "at": MONOTONIC, "timeout": s} -> outcome, group, timings,
-        wall seconds from ``at``; the tensor is written back to ``tensor`` before the answer
+    {"cmd": "step", "round": r, "at": MONOTONIC, "timeout": s, "ahead": s} -> outcome, group,
+        timings, wall seconds from ``at``; the tensor is written back to ``tensor`` before the
+        answer. ``ahead`` > 0: a scheduled step, called ``ahead`` seconds before ``at`` with
+        ``scheduled_time=at`` (its all-reduce begins at ``at``)
     {"cmd": "info"} -> {"info": true, "endpoint", "peers": [peer ids it knows], "stats": {...}}
     {"cmd": "state", "timeout": s} -> {"state": "done", "sums": [float64 sum per array]} or
         {"state": "failed", "error": ...}: `load_state_from_peers`
@@ -82,12 +84,16 @@ def main() -> int:
             if cmd["cmd"] != "step":
                 say({"error": f"unknown command {cmd['cmd']!r}"})
                 continue
-            at = float(cmd["at"])
-            time.sleep(max(0.0, at - time.monotonic()))  # the common start instant (one clock machine-wide)
+            at, ahead = float(cmd["at"]), float(cmd.get("ahead", 0.0))
+            time.sleep(max(0.0, at - ahead - time.monotonic()))  # the common start instant (one clock machine-wide)
             begin = time.monotonic()
-            rep: dict = {"round": cmd["round"], "slot": cfg["slot"], "late_start": begin - at}
+            rep: dict = {"round": cmd["round"], "slot": cfg["slot"], "late_start": begin - (at - ahead)}
             try:
-                res = avg.step(timeout=float(cmd["timeout"]), round=int(cmd["round"]))
+                if ahead:
+                    ctl = avg.step(timeout=float(cmd["timeout"]), round=int(cmd["round"]), scheduled_time=at, wait=False)
+                    res = ctl.result(timeout=ahead + float(cmd["timeout"]) + avg.config.allreduce_timeout + 5.0)
+                else:
+                    res = avg.step(timeout=float(cmd["timeout"]), round=int(cmd["round"]))
                 end = time.monotonic()
                 rep.update(outcome="done", group_id=res.group_id, group_size=len(res.members),
                            members=list(res.members), contributors=list(res.contributors), lost=list(res.lost),
@@ -98,11 +104,11 @@ def main() -> int:
                     rep["bandwidth_estimates"] = avg.bandwidth_estimates()
                 except ZGossipError:
                     pass
-            except ZGossipError as e:
+            except (ZGossipError, TimeoutError) as e:
                 end = time.monotonic()
                 rep.update(outcome="failed", error=type(e).__name__, message=str(e)[:300])
             rep["wall"] = end - begin
-            rep["seconds"] = end - at
+            rep["seconds"] = max(0.0, end - at)
             with avg.get_tensors() as ts:
                 _write_tensor(cfg["tensor"], ts[0])
             say(rep)

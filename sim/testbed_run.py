@@ -402,12 +402,13 @@ def _round(ctl: _Controller, tb: Testbed, r: int, unavail_rng: np.random.Generat
         steppers = [i for i in live if draws[i] >= sc.unavailability and not ctl.slots[i].paused]
         procs = {i: ctl.slots[i] for i in steppers}
     before = {c["host"]: c for c in tb.link_counters()}
-    at = time.monotonic() + 0.05  # a common start a little ahead, like the bench's aligned starts
+    # a common start a little ahead, like the bench's aligned starts (scheduled steps: the all-reduce's)
+    at = time.monotonic() + 0.05 + sc.step_ahead
     t_start = at - ctl.t0
     for i, p in procs.items():
         while not p.replies.empty():  # answers to earlier rounds that came too late, or a rejoiner's hello
             _note_ready(ctl, i, p.replies.get_nowait())
-        p.send({"cmd": "step", "round": r, "at": at, "timeout": sc.step_timeout})
+        p.send({"cmd": "step", "round": r, "at": at, "timeout": sc.step_timeout, "ahead": sc.step_ahead})
     replies: dict[int, dict] = {}
     gone: set[int] = set()  # processes that died before answering
     deadline = at + limit + 5.0  # +5 s: the peer's own bound also covers writing its tensor back

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import statistics
 
+import pytest
+
 from sim.scenario import Scenario, ScenarioRun
 from zgossip.node import StepDone
 from zgossip.partition import plan_bandwidths, span_fractions
@@ -183,3 +185,18 @@ def test_auto_measures_upload_on_asymmetric_links():
     assert _link_time(fracs["auto"], link, nbytes) <= 1.1 * _link_time(fracs["hints"], link, nbytes), fracs
     assert steps["auto"] <= 1.1 * steps["hints"], steps
     assert steps["auto"] < 0.8 * steps["none"], steps
+
+
+def test_scheduled_steps_time_the_all_reduce_from_the_scheduled_instant():
+    # scenario `step_ahead`: steps are called 0.5 s before their instant (Averager.step(scheduled_time=...)),
+    # so matchmaking happens before it and a step counts from the instant: the all-reduce alone
+    from sim.scenario import run_scenario
+
+    d = _scenario([(100, 10, 100.0), (20, 40, 20.0), (50, 80, 50.0)], MIB // 4)
+    d.update(rounds=3, step_ahead=0.5)
+    res = run_scenario(d)
+    for r in res.rounds:
+        assert r["succeeded"] == 3 and r["mse"] < 1e-12
+        secs = dict(r["step_seconds"])
+        for i, mm, ar in r["phase_seconds"]:
+            assert mm > 0.05 and secs[i] == pytest.approx(ar, abs=1e-6), (i, secs[i], mm, ar)

@@ -58,3 +58,30 @@ def test_a_partitioned_member_every_step_returns_within_the_bound():
     by_slot = {s["slot"]: s for s in res["testbed"]["steps"]}
     assert by_slot[0]["outcome"] == by_slot[1]["outcome"] == "done"  # the connected pair averages
     assert_clean(res["testbed"]["id"])
+
+
+def test_scheduled_steps_run_matchmaking_before_the_instant_and_average():
+    """Scenario `step_ahead`: every peer calls step(scheduled_time=T, wait=False) before T; the
+    all-reduce begins at T, so what a step reports from T holds no matchmaking, on real peers and in
+    the simulator's replay alike."""
+    from sim.compare import replay, replay_scenario
+    from sim.testbed_run import run_testbed
+
+    sc = _scenario(UNEVEN, 1 << 16, rounds=2, step_timeout=4.0)
+    sc["step_ahead"] = 0.6
+    seen = {}
+    res = run_testbed(sc, on_round=lambda r, ts: seen.update({r: ts}))
+    steps = res["testbed"]["steps"]
+    assert [s["outcome"] for s in steps] == ["done"] * 8, [s.get("message") for s in steps]
+    for s in steps:
+        t = s["timings"]
+        assert t["matchmaking"] > 0.08  # a JOIN and its GROUP across 40-160 ms round trips ...
+        assert s["seconds"] < t["matchmaking"] + t["allreduce"]  # ... done before the step's instant
+        assert s["seconds"] == pytest.approx(t["allreduce"], abs=0.05)
+    assert np.ptp(np.stack(list(seen[1].values())), axis=0).max() < 1e-5
+    pred = replay(replay_scenario(res))
+    for rp in pred["rounds"]:
+        secs = dict(rp["step_seconds"])
+        for i, pm, pa in rp["phase_seconds"]:
+            assert pm > 0.08 and secs[i] == pytest.approx(pa, abs=0.05), (i, secs[i], pm, pa)
+    assert_clean(res["testbed"]["id"])
