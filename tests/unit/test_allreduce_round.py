@@ -236,7 +236,7 @@ def test_parts_with_another_or_unknown_codec_or_the_wrong_byte_count_are_dropped
 
 
 def test_owners_return_receipts_and_members_measure_their_upload():
-    stats = [LinkStats(min_window_s=0.0, min_window_bytes=1) for _ in range(3)]
+    stats = [LinkStats(min_window_s=0.0, min_window_bytes=1, min_upload_s=0.0) for _ in range(3)]
     g = Group(data(3), [1.0, 1.0, 1.0], linkstats=stats)
     g.start(0.0)
     # member 0's parts (interleaved: owner 1, owner 2, owner 1, ...) arrive one every 10 ms
@@ -256,7 +256,7 @@ def test_owners_return_receipts_and_members_measure_their_upload():
 
 
 def test_results_with_receipts_that_do_not_match_their_contributors_are_dropped():
-    stats = [LinkStats(min_window_s=0.0, min_window_bytes=1) for _ in range(2)]
+    stats = [LinkStats(min_window_s=0.0, min_window_bytes=1, min_upload_s=0.0) for _ in range(2)]
     g = Group(data(2), [1.0, 1.0], linkstats=stats)
     g.start(0.0)
     r0 = g.rounds[0]
