@@ -85,8 +85,9 @@ class Averager:
     ``part_size_bytes`` the streaming unit; ``part_timeout`` how long a silent member is
     waited for before it is excluded (an owner gets twice that); ``allreduce_timeout``
     bounds a round; ``bandwidth`` is this peer's relative share of the reduction (0 makes
-    it a client that reduces nothing; ``"auto"`` measures its download rate in Mbit/s from
-    the transfers of its rounds and gossips it, see `zgossip.linkstats`); ``part_timeout_floor`` /
+    it a client that reduces nothing; ``"auto"`` measures its link rate in Mbit/s -- the lower of
+    its download and upload rates -- from the transfers of its rounds and gossips it, see
+    `zgossip.linkstats`); ``part_timeout_floor`` /
     ``deadline_slack`` turn ``part_timeout`` into a cap on adaptive deadlines: a groupmate whose
     pace was measured is given up after ``deadline_slack`` x the time its next part takes at that
     pace, at least ``part_timeout_floor`` seconds, and past ``part_timeout`` only when it was
@@ -752,8 +753,9 @@ class Averager:
         return self._ask_node(lambda node: node.peer_infos())
 
     def bandwidth_estimates(self) -> dict[str, float]:
-        """Measured download rates (Mbit/s) by peer id: this peer's own and what live peers gossiped
-        (every peer that measured one, whatever its ``bandwidth``; see `zgossip.linkstats`)."""
+        """Measured link rates (Mbit/s: the lower of download and upload) by peer id: this peer's own
+        and what live peers gossiped (every peer that measured one, whatever its ``bandwidth``; see
+        `zgossip.linkstats`)."""
         return self._ask_node(lambda node: node.peer_bandwidths())
 
     def peers(self) -> list[str]:

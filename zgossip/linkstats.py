@@ -3,7 +3,7 @@
 Two things are measured from the payloads (PART and RESULT data) a peer receives during its
 all-reduce rounds, with the times the driver passes in (no clock here):
 
-* **its own download rate** (`LinkStats.estimate_mbit`): every payload of a round left its sender
+* **its own download rate** (`LinkStats.download_mbit`): every payload of a round left its sender
   after the round began (`begin`), so the bytes that arrived by time t, over t minus the start,
   are a rate the link really carried -- with every concurrent transfer into this peer counted,
   since they all share the downlink. Per-message rates (bytes over the gap to the previous

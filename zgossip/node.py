@@ -233,7 +233,7 @@ class Node:
             matchmaking_time=config.matchmaking_time, request_timeout=config.request_timeout,
             straggler_grace=config.straggler_grace, expected=self._may_join,
         )
-        # what completed transfers taught us: our download rate (bandwidth="auto") and groupmates' pace
+        # what completed transfers taught us: our link rate (bandwidth="auto") and groupmates' pace
         self.linkstats = LinkStats()
         if isinstance(self.membership, Membership):
             self.membership.clean_info = self._clean_info
@@ -322,7 +322,7 @@ class Node:
     # out a round (or joined late) thereby steps on the swarm's axis instead of drifting out of
     # phase for good. The announcement also names the key of that round, so that a rendezvous
     # peer knows who else may come (`_may_join`).
-    _BW = "zg.bw"  # this node's download-rate estimate (Mbit/s), beside the announcement (zgossip.linkstats)
+    _BW = "zg.bw"  # this node's link-rate estimate (Mbit/s), beside the announcement (zgossip.linkstats)
 
     def swarm_round(self) -> int:
         best = self.round_index
@@ -423,7 +423,7 @@ class Node:
         return info
 
     def peer_bandwidths(self) -> dict[str, float]:
-        """The download-rate estimates (Mbit/s) live peers gossiped (those that measured one), with
+        """The link-rate estimates (Mbit/s) live peers gossiped (those that measured one), with
         this peer's own."""
         out = {pid: r.info[self._BW] for pid, r in self.membership.peers.items() if self._BW in r.info}
         own = self.linkstats.estimate_mbit()
