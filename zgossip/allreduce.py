@@ -291,7 +291,8 @@ class AllReduceRound:
         rx: tuple[int, ...] = ()
         if self.stats is not None and not rescue and owner == self.rank and data.size:
             first, at = self._first_rx, self._rx_at
-            rx = tuple(round((at[(j, p)] - first[j]) * 1e6) if (j, p) in at else -1 for j in contrib)
+            # (capped at the wire's bound, 12.7 days: an over-long receipt must not cost the result)
+            rx = tuple(min(round((at[(j, p)] - first[j]) * 1e6), 1 << 40) if (j, p) in at else -1 for j in contrib)
             if max(rx, default=-1) < 0:
                 rx = ()
         return Result.trusted(self.me.peer_id, self.me.endpoint, self._gid, owner, p, contrib, rescue, cid, rx, data)
