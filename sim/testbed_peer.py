@@ -102,6 +102,7 @@ def main() -> int:
                            span_parts=[s.parts for s in res.spans])
                 try:
                     rep["bandwidth_estimates"] = avg.bandwidth_estimates()
+                    rep["link_rates"] = avg.link_rates()
                 except ZGossipError:
                     pass
             except (ZGossipError, TimeoutError) as e:

@@ -752,6 +752,18 @@ class Averager:
         """The latest record every live peer published (this peer's included), by peer id."""
         return self._ask_node(lambda node: node.peer_infos())
 
+    def link_rates(self) -> dict[str, float | None]:
+        """What this peer measured of its own link (Mbit/s; None: no sample yet): ``download``,
+        ``upload`` (from its span owners' receipts; uploads shorter than 0.2 s are not measured),
+        and ``estimate``, the lower of the two, which it announces and gossips (see
+        `zgossip.linkstats`). Measured whatever ``bandwidth`` says; with a declared number the
+        plan uses that number instead."""
+        def read(node: Any) -> dict[str, float | None]:
+            ls = node.linkstats
+            return {"download": ls.download_mbit(), "upload": ls.upload_mbit(), "estimate": ls.estimate_mbit()}
+
+        return self._ask_node(read)
+
     def bandwidth_estimates(self) -> dict[str, float]:
         """Measured link rates (Mbit/s: the lower of download and upload) by peer id: this peer's own
         and what live peers gossiped (every peer that measured one, whatever its ``bandwidth``; see

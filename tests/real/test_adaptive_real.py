@@ -59,6 +59,10 @@ def test_auto_bandwidth_is_measured_gossiped_and_averages_exactly():
         for e in ests:
             assert set(e) == ids, ests
             assert all(valid_rate(v) for v in e.values()), ests
+        for a, e in zip(avgs, ests):  # its own reading, by direction: what it gossips is the lower one
+            mine = a.link_rates()
+            assert valid_rate(mine["download"]) and mine["estimate"] == min(
+                x for x in (mine["download"], mine["upload"]) if x is not None), mine
         # after the first rounds groupmates' pace on loopback is known: the silence limit for a
         # member owing data drops below part_timeout (5 s) -- a stalled one is given up sooner
         assert min(res.deadlines["part_min"] for res in results[-1]) < 5.0, [r.deadlines for r in results[-1]]

@@ -85,3 +85,27 @@ def test_scheduled_steps_run_matchmaking_before_the_instant_and_average():
         for i, pm, pa in rp["phase_seconds"]:
             assert pm > 0.08 and secs[i] == pytest.approx(pa, abs=0.05), (i, secs[i], pm, pa)
     assert_clean(res["testbed"]["id"])
+
+
+def test_auto_reads_a_slow_uplink_from_receipts_on_real_links():
+    """bandwidth="auto" on real shaped links: a host with 100 Mbit/s down but 10 up is read at its
+    uplink (its owners' receipts), announces that, and owns (next to) nothing of the vector."""
+    from sim.testbed_run import run_testbed
+
+    hosts = [{"up_mbit": 100, "down_mbit": 100, "latency_ms": 5, "hint": "auto"},
+             {"up_mbit": 10, "down_mbit": 100, "latency_ms": 10, "hint": "auto"},
+             {"up_mbit": 100, "down_mbit": 100, "latency_ms": 5, "hint": "auto"}]
+    res = run_testbed(_scenario(hosts, 1 << 19, rounds=4, step_timeout=4.0, allreduce_timeout=20.0))
+    steps = res["testbed"]["steps"]
+    assert all(s["outcome"] == "done" and s["complete"] for s in steps), [s.get("message") for s in steps]
+    slow = [s for s in steps if s["slot"] == 1 and s["round"] >= 2]
+    for s in slow:
+        rates = s["link_rates"]
+        assert 6.0 <= rates["upload"] <= 11.0, rates  # 10 Mbit/s less headers
+        assert rates["download"] > 2 * rates["upload"] and rates["estimate"] == rates["upload"], rates
+    me = next(s for s in steps if s["slot"] == 1 and s["round"] == 3)
+    parts = me["span_parts"]
+    mine = parts[me["members"].index(res["testbed"]["peers"][1][-1])]
+    assert mine <= max(parts) // 4, parts  # its span is a quarter of the others' or less
+    print("slow host:", [s["link_rates"] for s in slow], "span parts", parts)
+    assert_clean(res["testbed"]["id"])
