@@ -142,7 +142,8 @@ QUICK = ["home4-1m"]
 #: cases that run more rounds than ``--rounds``: with 1 % loss a lost SYN (1 s) or an RTO (0.2 s and
 #: more) moves a single round by 0.2-1 s, so the median of 4 rounds is mostly luck -- two quiet
 #: matrices of the same code measured home4-loss-1m at 1.53 and 2.03 s, lat150-loss-1m at 5.4 and
-#: 2.8 s. Ten rounds on both sides make the median a property of the link, not of the draw.
+#: 2.8 s. Ten rounds make the median less a matter of the draw; the simulator's side is
+#: moreover the median of `LOSSY_SEEDS` replays (`predict`).
 MIN_ROUNDS = {"home4-loss-1m": 10, "lat150-loss-1m": 10,
               # 0.08 s steps move by +-8 % between runs here (the forwarder and the peers share 2 cores),
               # more than the 5 % the "auto" direction check calls flat: with ten rounds two runs of the
@@ -202,6 +203,28 @@ class CaseResult:
                 "wall": self.wall, "forwarder_load": self.forwarder_load}
 
 
+#: replays of a lossy case, one per seed (the run's seed first): the prediction is their median
+LOSSY_SEEDS = 5
+
+
+def predict(measured: dict, sc: dict) -> tuple[dict, Any]:
+    """The simulator's replay of a testbed run and its comparison (`compare.compare_runs`). On
+    lossy links one replay is one draw of the losses: the same 10-round run predicted 1.08-1.28 s
+    for home4-loss-1m over seeds 1-7 (lat150-loss-1m 1.70-2.27 s), as wide as the band the table
+    checks. There the prediction is the median replay of `LOSSY_SEEDS` seeds (by its median
+    step); the testbed side stays the one run it is."""
+    base = replay_scenario({"scenario": sc, **measured})
+    lossy = any(float(h.get("loss", 0.0)) > 0 for h in sc.get("hosts", ()))
+    seeds = [int(sc.get("seed", 1)) + k for k in range(LOSSY_SEEDS if lossy else 1)]
+    tries = []
+    for s_ in seeds:
+        predicted = replay({**base, "seed": s_})
+        tries.append((compare_runs(measured, predicted), predicted))
+    tries.sort(key=lambda t: t[0].predicted)
+    c, predicted = tries[len(tries) // 2]
+    return predicted, c
+
+
 def run_case(name: str, rounds: int = 6, seed: int = 1,
              testbed: Callable[[dict], dict] | None = None) -> CaseResult:
     """One case on the testbed and in the simulator."""
@@ -211,8 +234,7 @@ def run_case(name: str, rounds: int = 6, seed: int = 1,
     t0 = time.perf_counter()
     measured = testbed(sc)
     wall = time.perf_counter() - t0
-    predicted = replay(replay_scenario({"scenario": sc, **measured}))
-    c = compare_runs(measured, predicted)
+    predicted, c = predict(measured, sc)
     floor = floor_for_scenario(Scenario.from_dict(sc)).seconds
     hosts, mib = CASES[name]
     return CaseResult(name, sum(h.get("count", 1) for h in hosts), mib, c.measured, c.predicted, floor, wall,

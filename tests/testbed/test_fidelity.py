@@ -2,6 +2,8 @@
 mechanisms the replay relies on (connection set-up, the recorded machine, jitter)."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import simpy
@@ -68,6 +70,29 @@ def test_replay_uses_the_machine_the_testbed_recorded():
     # what the scenario sets itself wins
     run["scenario"]["network"] = {"tcp": {"congestion_control": "cubic"}}
     assert replay_scenario(run)["network"]["tcp"]["congestion_control"] == "cubic"
+
+
+def test_a_lossy_case_is_predicted_by_the_median_of_several_seeds(monkeypatch):
+    """One replay of a lossy run is one draw of its losses; the prediction is the median replay of
+    `LOSSY_SEEDS` seeds. The simulator's own run stands in for the testbed's here."""
+    import sim.fidelity as fid
+    from sim.scenario import run_scenario
+
+    hosts = [{"up_mbit": 50, "down_mbit": 50, "latency_ms": 20, "loss": 0.02}] * 3
+    sc = {"seed": 4, "rounds": 3, "numel": 1 << 16, "dtype": "float32", "grid": [], "step_timeout": 5.0,
+          "round_gap": 0.2, "bootstrap_time": 1.0, "hosts": hosts,
+          "protocol": {"target_group_size": 3, "min_group_size": 2, "matchmaking_time": 1.0}}
+    measured = json.loads(run_scenario(sc).to_json())
+    seeds, real = [], fid.replay
+    monkeypatch.setattr(fid, "replay", lambda s: seeds.append(s["seed"]) or real(s))
+    predicted, c = fid.predict(measured, sc)
+    assert seeds == list(range(4, 4 + fid.LOSSY_SEEDS))
+    medians = sorted(fid.compare_runs(measured, real({**replay_scenario({"scenario": sc, **measured}), "seed": k})).predicted
+                     for k in seeds)
+    assert c.predicted == medians[len(medians) // 2] and predicted["rounds"]
+    seeds.clear()
+    fid.predict(measured, {**sc, "hosts": [{**h, "loss": 0.0} for h in hosts]})
+    assert seeds == [4]  # a case without loss is replayed once
 
 
 @pytest.mark.skipif(check_support() is not None, reason=f"testbed: {check_support()}")
