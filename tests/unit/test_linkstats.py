@@ -164,15 +164,23 @@ def test_upload_estimate_from_receipts_is_not_dragged_down_by_a_slow_owner():
 
 
 def test_uploads_shorter_than_the_upload_window_are_not_measured():
-    # a 1 Gbit/s round: 3 MiB of parts in ~30 ms. Receipts that close together time the owners'
-    # event loops, not the link (on the testbed they read 450-590 Mbit/s and split equal hosts
-    # into rate classes), so no upload sample is taken and the download stands alone
+    # 3 MiB of parts over ~0.12 s: longer than the download's 50 ms window, shorter than the
+    # upload's 0.2 s. Receipts that close together time the owners' event loops, not the link (on
+    # the testbed's 1 Gbit hosts 50 ms windows read 450-590 Mbit/s and split equal hosts into rate
+    # classes), so no upload sample is taken and the download stands alone
     part = 256 << 10
-    ls = LinkStats()
-    ls.begin(0.0)
-    for k in range(4):
-        for owner in "abc":
-            ls.on_receipt(owner, part, k * 0.009)
-    ls.on_payload("a", 6 << 20, 0.06)
+
+    def fed(**kw):
+        ls = LinkStats(**kw)
+        ls.begin(0.0)
+        for k in range(4):
+            for owner in "abc":
+                ls.on_receipt(owner, part, k * 0.03)
+        ls.on_payload("a", 6 << 20, 0.15)
+        return ls
+
+    ls = fed()
     assert ls.upload_mbit() is None
-    assert ls.estimate_mbit() == ls.download_mbit() == pytest.approx(8.0 * (6 << 20) / 0.06 / 1e6)
+    assert ls.estimate_mbit() == ls.download_mbit() == pytest.approx(8.0 * (6 << 20) / 0.15 / 1e6)
+    short = fed(min_upload_s=0.05)  # with the download's window the same receipts would be a sample
+    assert short.upload_mbit() is not None and short.estimate_mbit() == short.upload_mbit()
