@@ -364,6 +364,12 @@ def test_unflagged_nan_in_the_average_is_detected_and_every_member_skips_the_ste
                         batch_size=16, model=models[2], initial_peers=[opts[0].endpoint], matchmaking_time=0.5,
                         target_group_size=3, averager_opts=fast)
         opts.append(bad)
+        # all three see each other before training: a saboteur still unknown at epoch 0 left the others'
+        # first round as a pair, then loaded their state past epoch 1 and never sent its NaN (CI, once)
+        deadline = time.monotonic() + 10
+        while any(o.num_peers < 3 for o in opts):
+            assert time.monotonic() < deadline, "peers did not see each other"
+            time.sleep(0.02)
         with caplog.at_level(logging.ERROR, logger="zgossip.collaborative"):
             out = _train(opts, models, epochs=3)
         assert not out["errors"], out["errors"]
