@@ -361,6 +361,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .autogrid import main as autogrid_main
 
         return autogrid_main(argv[1:])
+    if argv[:1] == ["overlap"]:
+        from .testbed_bench import main as overlap_main
+
+        return overlap_main(argv[1:])
+    if argv[:1] == ["state"]:
+        from .testbed_bench import state_main
+
+        return state_main(argv[1:])
     if argv[:1] == ["bench"]:
         from .bench import main as bench_main
 
@@ -436,6 +444,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     c = sub.add_parser("calibrate", help="measure this machine's CPU costs and TCP settings (a profile for cpu = ...)")
     c.add_argument("rest", nargs=argparse.REMAINDER, help="options of python -m sim calibrate (see its --help)")
     c.set_defaults(fn=lambda a: __import__("sim.cpu", fromlist=["main"]).main(a.rest))
+    ov = sub.add_parser("overlap", help="zgossip bench-train --overlap with each process on a shaped testbed host (root)")
+    ov.add_argument("rest", nargs=argparse.REMAINDER, help="options of python -m sim overlap (see its --help)")
+    ov.set_defaults(fn=lambda a: __import__("sim.testbed_bench", fromlist=["main"]).main(a.rest))
+    st = sub.add_parser("state", help="zgossip bench-state with each donor and the downloader on a shaped host (root)")
+    st.add_argument("rest", nargs=argparse.REMAINDER, help="options of python -m sim state (see its --help)")
+    st.set_defaults(fn=lambda a: __import__("sim.testbed_bench", fromlist=["state_main"]).state_main(a.rest))
     tb = sub.add_parser("testbed", help="run a scenario's [[hosts]] with real peers in network namespaces (root)")
     tb.add_argument("scenario", nargs="?", help="scenario file with [[hosts]]")
     tb.add_argument("--out", help="write the results JSON (the simulator's shape plus a 'testbed' section)")

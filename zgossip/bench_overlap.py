@@ -30,7 +30,7 @@ from typing import Any
 
 from .swarm import stop_children
 
-__all__ = ["add_arguments", "run", "bench_overlap", "machine_line"]
+__all__ = ["add_arguments", "run", "bench_overlap", "machine_line", "report"]
 
 WARMUP = 1
 
@@ -53,6 +53,10 @@ def _model(cfg: dict) -> Any:
 
 
 def _peer(rank: int, conn: Any, cfg: dict) -> None:
+    if cfg.get("netns"):  # this peer is one host of a shaped testbed (sim.testbed_overlap)
+        from .netns import enter_netns
+
+        enter_netns(cfg["netns"][rank])
     import logging
 
     logging.basicConfig(level=os.environ.get("ZGOSSIP_LOG", "WARNING"))
@@ -68,6 +72,9 @@ def _peer(rank: int, conn: Any, cfg: dict) -> None:
     initial = conn.recv()
     opts: dict[str, Any] = {}
     models: dict[str, Any] = {}
+    where: dict[str, Any] = {}
+    if cfg.get("listen"):  # a testbed host: its own address, and no Unix-socket shortcut past the shaped link
+        where = {"listen": cfg["listen"][rank]}
     try:
         for mode, kw in (("sync", {}), ("overlap", dict(delay_optimizer_step=True, delay_grad_averaging=True))):
             models[mode] = _model(cfg)
@@ -75,8 +82,9 @@ def _peer(rank: int, conn: Any, cfg: dict) -> None:
                 torch.optim.SGD(models[mode].parameters(), lr=1e-3), prefix=f"bench-overlap-{mode}",
                 target_batch_size=cfg["batch"], batch_size=cfg["batch"], initial_peers=initial.get(mode, []),
                 target_group_size=cfg["peers"], min_group_size=cfg["peers"], matchmaking_time=5.0,
-                load_state_on_start=False, averager_opts=dict(gossip_interval=0.1, peer_timeout=10.0,
-                                                              request_timeout=1.0, part_timeout=10.0), **kw)
+                load_state_on_start=False, **where,
+                averager_opts=dict(gossip_interval=0.1, peer_timeout=10.0, request_timeout=1.0, part_timeout=10.0,
+                                   **({"local_ipc": False} if where else {})), **kw)
         conn.send({"event": "up", "endpoints": {m: o.endpoint for m, o in opts.items()}})
         while True:
             cmd = conn.recv()
@@ -159,8 +167,15 @@ class _Group:
 
 
 def bench_overlap(peers: int = 2, reps: int = 5, epochs: int = 20, hidden: int = 512, inputs: int = 512,
-                  batch: int = 256, timeout: float = 120.0, accel_ms: float = 0.0) -> dict:
-    cfg = {"peers": peers, "hidden": hidden, "inputs": inputs, "batch": batch, "accel_ms": accel_ms}
+                  batch: int = 256, timeout: float = 120.0, accel_ms: float = 0.0,
+                  netns: list[str] | None = None, listen: list[str] | None = None) -> dict:
+    """`netns` / `listen`: per process, the network namespace it runs in and the address it listens on
+    (one testbed host each, `sim.testbed_overlap`); default: all on this host's loopback."""
+    if (netns is None) != (listen is None) or (netns is not None and len(netns) != peers) \
+            or (listen is not None and len(listen) != peers):
+        raise ValueError("netns and listen go together, one per peer")
+    cfg = {"peers": peers, "hidden": hidden, "inputs": inputs, "batch": batch, "accel_ms": accel_ms,
+           "netns": netns, "listen": listen}
     group = _Group(peers, cfg)
     res: dict[str, list] = {"sync": [], "overlap": []}
     try:
@@ -227,8 +242,13 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(res))
         return 0
+    report(res, f"zgossip bench-train --overlap: {peers} local processes")
+    return 0
+
+
+def report(res: dict, title: str) -> None:
     s, o = res["sync"], res["overlap"]
-    print(f"zgossip bench-train --overlap: {peers} local processes, {res['params']:,} float32 parameters, batch "
+    print(f"{title}, {res['params']:,} float32 parameters, batch "
           f"{res['batch']}, accelerator stand-in {res['accel_ms']:g} ms/batch, {res['epochs']} global steps per repetition, {res['reps']} reps after {WARMUP} warm-up, "
           "alternating sync / overlap; slowest process per rep")
     print(f"  a synchronous step: compute (forward+backward) {s['compute_s'] * 1000:.1f} ms, "
@@ -245,4 +265,3 @@ def run(args: argparse.Namespace) -> int:
           f"batches/s median {res['ratio_batches']:.2f}x")
     print(f"  staleness of the last overlapped update per peer: {o['stale_batches_last']}")
     print(f"  {res['machine']}")
-    return 0

@@ -53,18 +53,30 @@ def hash_cost(size_bytes: int = 64 << 20, chunk_bytes: int = 4 << 20, reps: int 
             "gb_per_s": size_bytes / min(times) / 1e9}
 
 
+def _place(where: dict | None) -> dict:
+    """Averager settings for a process on one testbed host (`where`: its namespace and listen address,
+    no Unix-socket shortcut past the shaped links), after moving the process there; {} on loopback."""
+    if not where:
+        return {}
+    from .netns import enter_netns
+
+    enter_netns(where["netns"])
+    return {"listen": where["listen"], "local_ipc": False}
+
+
 def donor_main(conn: Any, size_bytes: int, chunk_bytes: int, initial_peers: Sequence[str], die_after: int = 0,
-               tcp_only: bool = True, uplink: float = 0.0) -> None:
+               tcp_only: bool = True, uplink: float = 0.0, where: dict | None = None) -> None:
     """A donor process: publish the bench state, report where it listens, serve until told to stop.
     With ``die_after`` k > 0 it SIGKILLs itself as soon as it was asked for chunks k times. With
     ``uplink`` > 0 (bytes/s) it emulates a donor whose upload link is that fast: before serving a
     request its I/O thread waits until a token bucket of that rate has room (it serves nothing else
     meanwhile, as a saturated link would not)."""
+    placed = _place(where)
     from .averager import Averager
     from .state import StateSnapshot
 
-    av = Averager([np.zeros(1)], prefix=PREFIX, initial_peers=list(initial_peers), local_ipc=not tcp_only,
-                  state_chunk_bytes=chunk_bytes, **_PEER_OPTS)
+    av = Averager([np.zeros(1)], prefix=PREFIX, initial_peers=list(initial_peers),
+                  **{"local_ipc": not tcp_only, **placed}, state_chunk_bytes=chunk_bytes, **_PEER_OPTS)
     try:
         snap = StateSnapshot.build(None, [bench_state(size_bytes)], chunk_bytes)
         node = av.transport.node
@@ -103,12 +115,14 @@ def donor_main(conn: Any, size_bytes: int, chunk_bytes: int, initial_peers: Sequ
 
 
 def downloader_main(conn: Any, initial_peers: Sequence[str], donors: int, chunk_bytes: int, timeout: float,
-                    tcp_only: bool = True) -> None:
+                    tcp_only: bool = True, where: dict | None = None) -> None:
     """Wait until `donors` donors are known, then download on request: ("get", k) -> seconds."""
+    placed = _place(where)
     from .averager import Averager
 
-    av = Averager([np.zeros(1)], prefix=PREFIX, initial_peers=list(initial_peers), local_ipc=not tcp_only,
-                  allow_state_sharing=False, state_chunk_bytes=chunk_bytes, **_PEER_OPTS)
+    av = Averager([np.zeros(1)], prefix=PREFIX, initial_peers=list(initial_peers),
+                  **{"local_ipc": not tcp_only, **placed}, allow_state_sharing=False, state_chunk_bytes=chunk_bytes,
+                  **_PEER_OPTS)
     try:
         end = time.monotonic() + timeout
         while av._ask_node(lambda node: len(node.membership.donors())) < donors:
@@ -169,17 +183,23 @@ class _Procs:
 
 
 def bench_state_download(size_mib: int, donors: int, reps: int, chunk_bytes: int = 4 << 20,
-                         timeout: float = 120.0, tcp_only: bool = True, uplink: float = 0.0) -> dict:
+                         timeout: float = 120.0, tcp_only: bool = True, uplink: float = 0.0,
+                         hosts: list[dict] | None = None) -> dict:
+    """`hosts`: per process (the donors, then the downloader) its network namespace and listen address
+    (``{"netns": ..., "listen": ...}``, one testbed host each, `sim.testbed_bench`); default: loopback."""
+    if hosts is not None and len(hosts) != donors + 1:
+        raise ValueError(f"hosts: one per donor and one for the downloader ({donors + 1}), not {len(hosts)}")
+    where = hosts or [None] * (donors + 1)
     size = size_mib << 20
     procs = _Procs()
     try:
-        procs.start(donor_main, size, chunk_bytes, [], 0, tcp_only, uplink)
+        procs.start(donor_main, size, chunk_bytes, [], 0, tcp_only, uplink, where[0])
         first = procs.recv(0, timeout, "donor 0")
         for i in range(1, donors):
-            procs.start(donor_main, size, chunk_bytes, [first["endpoint"]], 0, tcp_only, uplink)
+            procs.start(donor_main, size, chunk_bytes, [first["endpoint"]], 0, tcp_only, uplink, where[i])
         ups = [first] + [procs.recv(i, timeout, f"donor {i}") for i in range(1, donors)]
         assert len({u["root"] for u in ups}) == 1, "donors hold different states"
-        d = procs.start(downloader_main, [first["endpoint"]], donors, chunk_bytes, timeout, tcp_only)
+        d = procs.start(downloader_main, [first["endpoint"]], donors, chunk_bytes, timeout, tcp_only, where[-1])
         procs.recv(d, timeout, "downloader")
         pids = [p.pid for p in procs.procs]
         procs.conns[d].send(("get", donors))  # untimed: connects to every donor, warms the buffers' path

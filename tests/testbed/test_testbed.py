@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from sim.scenario import HostSpec, Scenario
-from sim.testbed import PREFIX, Testbed, check_support, cleanup
+from sim.testbed import PREFIX, Testbed, check_support
 
 REASON = check_support()
 needs_netns = pytest.mark.skipif(REASON is not None, reason=f"testbed unavailable: {REASON}")
@@ -194,3 +194,41 @@ def test_refuses_a_scenario_without_hosts(tmp_path):
                        env=ENV, cwd=ROOT)
     assert p.returncode == 2
     assert p.stderr.strip().count("\n") == 0 and "[[hosts]]" in p.stderr, p.stderr
+
+
+@needs_netns
+def test_overlap_bench_runs_each_process_on_its_own_shaped_host():
+    """`python -m sim overlap`: the overlap benchmark's processes enter their testbed hosts' namespaces
+    and average across the shaped links (not over this host's loopback or a Unix socket)."""
+    from sim.testbed_bench import overlap_on_testbed
+
+    res = overlap_on_testbed(peers=2, mbit=50, latency_ms=2, reps=1, epochs=3, hidden=64, batch=8, accel_ms=0,
+                             timeout=60)
+    # the bench raises unless every round of both modes averaged over both processes
+    assert len(res["sync"]["steps_per_s"]) == len(res["overlap"]["steps_per_s"]) == 1
+    # per global step each process sends its part and the result of its span: about the model's bytes;
+    # (1 warm-up + 1 rep) x 2 modes x 3 steps crossed each host's link
+    steps = 2 * 2 * 3
+    for link in res["link_bytes"]:
+        assert link["sent"] >= 0.9 * steps * res["params"] * 4, res["link_bytes"]
+        assert link["received"] >= 0.9 * steps * res["params"] * 4, res["link_bytes"]
+    assert leftovers(res["testbed_id"]) == {"namespaces": [], "links": [], "processes": [], "shm": []}
+
+
+@needs_netns
+def test_state_bench_downloads_from_donors_on_their_own_shaped_hosts():
+    """`python -m sim state`: donors and downloader each in a testbed host; the chunks cross the links,
+    from both donors."""
+    from sim.testbed_bench import state_on_testbed
+
+    size = 8 << 20
+    res = state_on_testbed(size_mib=8, donors=2, donor_mbit=100, downloader_mbit=400, latency_ms=2, reps=1,
+                           chunk_bytes=1 << 20, timeout=60)
+    assert res["median_seconds"][1] > 0 and res["median_seconds"][2] > 0  # complete, verified downloads
+    donors, downloader = res["link_bytes"][:2], res["link_bytes"][2]
+    # three downloads (the untimed warm-up from 2 donors, then 1 donor and 2 donors) reached the downloader
+    assert downloader["received"] >= 3 * size, res["link_bytes"]
+    # both donors served chunks of the parallel downloads over their own links
+    assert all(d["sent"] >= 0.25 * size for d in donors), res["link_bytes"]
+    assert sum(d["sent"] for d in donors) >= 3 * size, res["link_bytes"]
+    assert leftovers(res["testbed_id"]) == {"namespaces": [], "links": [], "processes": [], "shm": []}
