@@ -81,8 +81,8 @@ def state_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--latency-ms", type=float, default=5.0, help="each host's one-way latency to the switch")
     p.add_argument("--reps", type=int, default=3, help="repetitions of each (ABBA order; default 3)")
     p.add_argument("--chunk-mib", type=float, default=4.0, help="state chunk size in MiB (default 4)")
-    p.add_argument("--timeout", type=float, default=300.0)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--timeout", type=float, default=300.0, help="bound on every wait, in seconds")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     if args.donors < 2 or args.size_mib < 1 or args.reps < 1:
         p.error("need --donors >= 2, --size-mib >= 1, --reps >= 1")
@@ -123,15 +123,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--peers", type=int, default=2, help="processes, one per testbed host (default 2)")
     p.add_argument("--mbit", type=float, default=100.0, help="each host's up and down rate (default 100)")
     p.add_argument("--latency-ms", type=float, default=5.0, help="each host's one-way latency to the switch")
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=5, help="repetitions of each (sync / overlap alternating; default 5)")
     p.add_argument("--epochs", type=int, default=20, help="global steps per repetition (default 20)")
     p.add_argument("--hidden", type=int, default=512, help="MLP width (default 512: 0.53M parameters)")
     p.add_argument("--batch", type=int, default=16, help="samples per local batch (default 16)")
     p.add_argument("--accel-ms", type=float, default=150.0,
                    help="ms per batch during which this CPU is free, standing in for an accelerator's compute "
                         "(default 150: about a round of 0.53M float32 parameters between two 100 Mbit hosts)")
-    p.add_argument("--timeout", type=float, default=120.0)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--timeout", type=float, default=120.0, help="bound on every wait, in seconds")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     from .testbed import TestbedUnavailable
 

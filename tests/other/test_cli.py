@@ -58,6 +58,7 @@ def _parsers() -> dict[str, argparse.ArgumentParser]:
     import sim.__main__ as sim_main
     import zgossip.cli as zcli
     from sim import bench as sim_bench
+    from sim import testbed_bench
 
     found: dict[str, argparse.ArgumentParser] = {}
 
@@ -68,7 +69,8 @@ def _parsers() -> dict[str, argparse.ArgumentParser]:
     orig = argparse.ArgumentParser.parse_args
     argparse.ArgumentParser.parse_args = grab
     try:
-        for main, argv in ((zcli.main, ["x"]), (sim_main.main, ["x"]), (sim_bench.main, [])):
+        for main, argv in ((zcli.main, ["x"]), (sim_main.main, ["x"]), (sim_bench.main, []),
+                           (testbed_bench.main, []), (testbed_bench.state_main, [])):
             try:
                 main(argv)
             except SystemExit:
@@ -91,7 +93,7 @@ def _missing_help(parser: argparse.ArgumentParser, prefix: str) -> list[str]:
 
 def test_every_command_line_option_has_help():
     parsers = _parsers()
-    assert {"zgossip", "python -m sim", "python -m sim bench"} <= set(parsers)
+    assert {"zgossip", "python -m sim", "python -m sim bench", "python -m sim overlap", "python -m sim state"} <= set(parsers)
     missing = [m for prog, p in parsers.items() for m in _missing_help(p, prog)]
     assert not missing, f"options without help text: {missing}"
 
@@ -160,3 +162,15 @@ def test_peer_bandwidth_option():
     for bad in ("fast", "-1", "inf"):
         with pytest.raises(SystemExit):
             p.parse_args(["--bandwidth", bad])
+
+
+def test_testbed_benchmarks_check_where_each_process_goes_before_starting_any():
+    from zgossip.bench_overlap import bench_overlap
+    from zgossip.bench_state import bench_state_download
+
+    with pytest.raises(ValueError, match="netns and listen go together, one per peer"):
+        bench_overlap(peers=2, netns=["a", "b"])
+    with pytest.raises(ValueError, match="netns and listen go together, one per peer"):
+        bench_overlap(peers=2, netns=["a"], listen=["tcp://10.0.0.1:0"])
+    with pytest.raises(ValueError, match=r"one per donor and one for the downloader \(3\), not 2"):
+        bench_state_download(8, 2, 1, hosts=[{"netns": "a", "listen": "tcp://10.0.0.1:0"}] * 2)
