@@ -53,7 +53,7 @@ def _model(cfg: dict) -> Any:
 
 
 def _peer(rank: int, conn: Any, cfg: dict) -> None:
-    if cfg.get("netns"):  # this peer is one host of a shaped testbed (sim.testbed_overlap)
+    if cfg.get("netns"):  # this peer is one host of a shaped testbed (sim.testbed_bench)
         from .netns import enter_netns
 
         enter_netns(cfg["netns"][rank])
@@ -170,7 +170,7 @@ def bench_overlap(peers: int = 2, reps: int = 5, epochs: int = 20, hidden: int =
                   batch: int = 256, timeout: float = 120.0, accel_ms: float = 0.0,
                   netns: list[str] | None = None, listen: list[str] | None = None) -> dict:
     """`netns` / `listen`: per process, the network namespace it runs in and the address it listens on
-    (one testbed host each, `sim.testbed_overlap`); default: all on this host's loopback."""
+    (one testbed host each, `sim.testbed_bench`); default: all on this host's loopback."""
     if (netns is None) != (listen is None) or (netns is not None and len(netns) != peers) \
             or (listen is not None and len(listen) != peers):
         raise ValueError("netns and listen go together, one per peer")
