@@ -88,15 +88,18 @@ def test_moshpit_4x4_grid_exact_after_two_rounds(transport):
     tensors = [[rng.standard_normal(10).astype(np.float64)] for _ in range(n)]
     truth = np.mean([t[0] for t in tensors], axis=0)
     per_peer = [{"grid_coords": (i % side, i // side)} for i in range(n)]
-    h = make(transport, tensors, per_peer=per_peer, grid=(side, side), target_group_size=side, min_group_size=side)
+    # a line's pool closes as soon as its 4 peers joined, so a long window costs nothing here; it only
+    # keeps 16 real peers on 2 busy cores from missing the default 0.5 s one (CI, once, on zmq)
+    h = make(transport, tensors, per_peer=per_peer, grid=(side, side), target_group_size=side, min_group_size=side,
+             matchmaking_time=3.0, request_timeout=1.0)
     try:
-        first = h.step_all()
-        assert all(isinstance(r, zgossip.StepResult) and len(r.members) == side for r in first)
+        first = h.step_all(timeout=15.0)
+        assert all(isinstance(r, zgossip.StepResult) and len(r.members) == side for r in first), first
         assert len({r.group_id for r in first}) == side
         errs = [np.abs(h.tensors(i)[0] - truth).max() for i in range(n)]
         assert max(errs) > 1e-3  # one round along one axis is not the global mean yet
-        second = h.step_all()
-        assert all(isinstance(r, zgossip.StepResult) and len(r.members) == side for r in second)
+        second = h.step_all(timeout=15.0)
+        assert all(isinstance(r, zgossip.StepResult) and len(r.members) == side for r in second), second
         for i in range(n):
             np.testing.assert_allclose(h.tensors(i)[0], truth, rtol=0, atol=1e-12)
     finally:
