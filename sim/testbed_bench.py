@@ -21,11 +21,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 __all__ = ["overlap_on_testbed", "state_on_testbed", "main", "state_main"]
+
+
+def _on_testbed(hosts: list, seed: int, bench: Callable[[Any], dict]) -> dict:
+    """Run `bench(tb)` on a testbed of `hosts`; its result gains the run's id (for leftover checks), the
+    bytes each host's link carried (kernel counters) and the forwarder's CPU (read once more on close)."""
+    from .testbed import Testbed
+
+    with Testbed(hosts, seed=seed) as tb:
+        res = bench(tb)
+        res["testbed_id"] = tb.id
+        res["link_bytes"] = [{"sent": c["sent_bytes"], "received": c["received_bytes"]} for c in tb.link_counters()]
+    res["forwarder_cpu_s"] = tb.forwarder_cpu_seconds
+    return res
 
 
 def overlap_on_testbed(peers: int = 2, mbit: float = 100.0, latency_ms: float = 5.0, reps: int = 5,
@@ -35,16 +47,11 @@ def overlap_on_testbed(peers: int = 2, mbit: float = 100.0, latency_ms: float = 
     from zgossip.bench_overlap import bench_overlap
 
     from .scenario import HostSpec
-    from .testbed import Testbed
 
     hosts = [HostSpec(up_mbit=mbit, down_mbit=mbit, latency_ms=latency_ms) for _ in range(peers)]
-    with Testbed(hosts, seed=seed) as tb:
-        res = bench_overlap(peers=peers, reps=reps, epochs=epochs, hidden=hidden, inputs=hidden, batch=batch,
-                            timeout=timeout, accel_ms=accel_ms, netns=[tb.ns(i) for i in range(peers)],
-                            listen=[f"tcp://{tb.ip(i)}:0" for i in range(peers)])
-        res["testbed_id"] = tb.id
-        res["link_bytes"] = [{"sent": c["sent_bytes"], "received": c["received_bytes"]} for c in tb.link_counters()]
-    res["forwarder_cpu_s"] = tb.forwarder_cpu_seconds  # read once more on close
+    res = _on_testbed(hosts, seed, lambda tb: bench_overlap(
+        peers=peers, reps=reps, epochs=epochs, hidden=hidden, inputs=hidden, batch=batch, timeout=timeout,
+        accel_ms=accel_ms, netns=[tb.ns(i) for i in range(peers)], listen=[f"tcp://{tb.ip(i)}:0" for i in range(peers)]))
     res["link"] = {"mbit": mbit, "latency_ms": latency_ms}
     return res
 
@@ -57,16 +64,12 @@ def state_on_testbed(size_mib: int = 256, donors: int = 4, donor_mbit: float = 2
     from zgossip.bench_state import bench_state_download
 
     from .scenario import HostSpec
-    from .testbed import Testbed
 
     hosts = [HostSpec(up_mbit=donor_mbit, down_mbit=donor_mbit, latency_ms=latency_ms) for _ in range(donors)]
     hosts.append(HostSpec(up_mbit=downloader_mbit, down_mbit=downloader_mbit, latency_ms=latency_ms))
-    with Testbed(hosts, seed=seed) as tb:
-        where = [{"netns": tb.ns(i), "listen": f"tcp://{tb.ip(i)}:0"} for i in range(donors + 1)]
-        res = bench_state_download(size_mib, donors, reps, chunk_bytes, timeout, True, 0.0, hosts=where)
-        res["testbed_id"] = tb.id
-        res["link_bytes"] = [{"sent": c["sent_bytes"], "received": c["received_bytes"]} for c in tb.link_counters()]
-    res["forwarder_cpu_s"] = tb.forwarder_cpu_seconds
+    res = _on_testbed(hosts, seed, lambda tb: bench_state_download(
+        size_mib, donors, reps, chunk_bytes, timeout, True, 0.0,
+        hosts=[{"netns": tb.ns(i), "listen": f"tcp://{tb.ip(i)}:0"} for i in range(donors + 1)]))
     res["links"] = {"donor_mbit": donor_mbit, "downloader_mbit": downloader_mbit, "latency_ms": latency_ms}
     return res
 
@@ -99,22 +102,16 @@ def state_main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"machine": machine_line(), **res}))
         return 0
+    from zgossip.bench_state import report_lines
+
     n = args.donors
     print(machine_line())
     print(f"python -m sim state: {args.size_mib} MiB state download, {n} donor hosts at {args.donor_mbit:g} Mbit/s, "
           f"the downloader at {args.downloader_mbit:g} Mbit/s, {args.latency_ms:g} ms one-way to the switch; "
           f"{res['reps']} reps each, ABBA order")
-    for k in (1, n):
-        rs = res["runs"][k]
-        print(f"  {k} donor{'s' if k > 1 else ' '}: median {res['median_seconds'][k]:.2f} s "
-              f"({res['size_bytes'] * 8 / res['median_seconds'][k] / 1e6:.0f} Mbit/s), all "
-              f"{', '.join('%.2f' % r['seconds'] for r in rs)} s; CPU s per download: downloader "
-              f"{statistics.median(r['downloader_cpu'] for r in rs):.2f}, donors "
-              f"{statistics.median(r['donors_cpu'] for r in rs):.2f}")
-    print(f"  {n} donors vs 1: {res['speedup_paired_median']:.2f}x faster (paired median; "
-          f"{', '.join(f'{r:.2f}' for r in res['speedups'])}); the link floor: "
-          f"{min(n * args.donor_mbit, args.downloader_mbit) / min(args.donor_mbit, args.downloader_mbit):.2f}x")
-    print(f"  testbed forwarder CPU: {res['forwarder_cpu_s']:.1f} s over the whole run")
+    print("\n".join(report_lines(res)))
+    print(f"  the links allow {min(n * args.donor_mbit, args.downloader_mbit) / min(args.donor_mbit, args.downloader_mbit):.2f}x; "
+          f"testbed forwarder CPU: {res['forwarder_cpu_s']:.1f} s over the whole run")
     return 0
 
 

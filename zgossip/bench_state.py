@@ -28,7 +28,7 @@ import numpy as np
 
 from .machine import cpu_seconds, machine_busy_seconds, machine_line
 
-__all__ = ["add_arguments", "run", "bench_state_download", "donor_main", "hash_cost"]
+__all__ = ["add_arguments", "run", "bench_state_download", "donor_main", "hash_cost", "report_lines"]
 
 PREFIX = "bench-state"
 _PEER_OPTS = dict(gossip_interval=0.1, peer_timeout=5.0, part_size_bytes=4 << 20)
@@ -258,17 +258,26 @@ def run(args: argparse.Namespace) -> int:
           f"(median {hc['median'] * 1e3:.0f} ms), {hc['gb_per_s']:.2f} GB/s")
     if args.hash_only:
         return 0
-    n = args.donors
     paced = f", donors' upload paced to {args.donor_uplink_mbps:g} MB/s each" if args.donor_uplink_mbps > 0 else ""
     print(f"state download of {args.size_mib} MiB over {'Unix sockets' if args.ipc else 'TCP loopback'}{paced}, "
           f"{out['reps']} reps each, ABBA order:")
+    print("\n".join(report_lines(out)))
+    return 0
+
+
+def report_lines(out: dict) -> list[str]:
+    """The figures of a `bench_state_download` result, one line per number of donors and the ratio
+    (also printed by `python -m sim state`, which runs it across testbed hosts)."""
+    n = out["donors"]
+    lines = []
     for k in (1, n):
         rs = out["runs"][k]
-        print(f"  {k} donor{'s' if k > 1 else ' '}: median {out['median_seconds'][k]:.2f} s "
-              f"({out['gb_per_s'][k]:.2f} GB/s), all {', '.join('%.2f' % r['seconds'] for r in rs)} s; CPU s per "
-              f"download: downloader {statistics.median(r['downloader_cpu'] for r in rs):.2f}, donors "
-              f"{statistics.median(r['donors_cpu'] for r in rs):.2f}, other processes "
-              f"{statistics.median(r['others_cpu'] for r in rs):.2f}")
-    print(f"  {n} donors vs 1: {out['speedup_paired_median']:.2f}x faster (paired median; "
-          f"{', '.join(f'{r:.2f}' for r in out['speedups'])})")
-    return 0
+        lines.append(f"  {k} donor{'s' if k > 1 else ' '}: median {out['median_seconds'][k]:.2f} s "
+                     f"({out['gb_per_s'][k]:.2f} GB/s, {out['gb_per_s'][k] * 8e3:.0f} Mbit/s), all "
+                     f"{', '.join('%.2f' % r['seconds'] for r in rs)} s; CPU s per download: downloader "
+                     f"{statistics.median(r['downloader_cpu'] for r in rs):.2f}, donors "
+                     f"{statistics.median(r['donors_cpu'] for r in rs):.2f}, other processes "
+                     f"{statistics.median(r['others_cpu'] for r in rs):.2f}")
+    lines.append(f"  {n} donors vs 1: {out['speedup_paired_median']:.2f}x faster (paired median; "
+                 f"{', '.join(f'{r:.2f}' for r in out['speedups'])})")
+    return lines
