@@ -220,6 +220,14 @@ def test_donor_killed_mid_download_falls_back_and_never_applies_partial_state():
 
 
 # ---------------------------------------------------------------------------- in-process peers
+def _see_each_other(opts: list, n: int) -> None:
+    """Everyone sees everyone (and their records) before training."""
+    deadline = time.monotonic() + 10
+    while any(o.num_peers < n for o in opts):
+        assert time.monotonic() < deadline, "peers did not see each other"
+        time.sleep(0.02)
+
+
 def _peers(n: int, models: list, prefix: str, **kw: Any) -> list[CollaborativeOptimizer]:
     opts: list[CollaborativeOptimizer] = []
     try:
@@ -229,10 +237,7 @@ def _peers(n: int, models: list, prefix: str, **kw: Any) -> list[CollaborativeOp
                 initial_peers=[opts[0].endpoint] if opts else [],
                 **{"target_batch_size": 96, "batch_size": 16, "matchmaking_time": 0.5, "target_group_size": n,
                    "averager_opts": dict(FAST), **kw}))
-        deadline = time.monotonic() + 10
-        while any(o.num_peers < n for o in opts):  # everyone sees everyone (and their records) before training
-            assert time.monotonic() < deadline, "peers did not see each other"
-            time.sleep(0.02)
+        _see_each_other(opts, n)
     except BaseException:
         for o in opts:
             o.shutdown()
@@ -366,10 +371,7 @@ def test_unflagged_nan_in_the_average_is_detected_and_every_member_skips_the_ste
         opts.append(bad)
         # all three see each other before training: a saboteur still unknown at epoch 0 left the others'
         # first round as a pair, then loaded their state past epoch 1 and never sent its NaN (CI, once)
-        deadline = time.monotonic() + 10
-        while any(o.num_peers < 3 for o in opts):
-            assert time.monotonic() < deadline, "peers did not see each other"
-            time.sleep(0.02)
+        _see_each_other(opts, 3)
         with caplog.at_level(logging.ERROR, logger="zgossip.collaborative"):
             out = _train(opts, models, epochs=3)
         assert not out["errors"], out["errors"]
