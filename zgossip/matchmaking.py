@@ -20,6 +20,21 @@ wait for it.
 The joiner keeps a log of every attempt, so a failure can say exactly what happened
 instead of a bare "could not find a group".
 
+**Closing without the rendezvous peer.** A cold step pays a round trip for its group: every
+JOIN goes to the rendezvous peer, and the GROUP comes back -- across the farthest hosts on uneven
+links (0.1-0.25 s on the testbed's home lines, against a ~2 s all-reduce). When a joiner can tell
+whom to expect (the live peers that may use its key this round, `expected`; a small swarm or a
+settled Moshpit line) and that is a group's worth, its JOIN names them (`view`) and it also sends
+a JOIN_NOTE (the same fields) to each of them. A member that holds the notes of every peer of its
+view, each naming that same view (and the same round and layout), forms the group itself: the
+members sorted by peer id, the id a hash of the key and their step ids (`group_id_of`), which is
+exactly the GROUP the rendezvous peer sends once it holds those JOINs (it closes its pool on the
+same rule, whatever its own view). So a member starts one one-way trip after the last joiner
+called, not after a trip to the rendezvous peer and back, and members that close themselves and
+members that wait for the GROUP meet in the same group. Views that differ anywhere (gossip not
+settled, a newcomer) close nothing early: then the rendezvous peer decides, as before. A joiner
+that gives up tells the peers it noted (LEAVE), so a later step does not count on its note.
+
 Only peers with equal tensor layouts are grouped. Each JOIN also carries a short description of
 its layout (`zgossip.layouts`); when a window closes with several layouts for one key, every
 peer involved learns what differs: those left without a group in the NO_GROUP reason, members
@@ -28,6 +43,7 @@ step reports as ``StepResult.left_out``.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass, field
 from enum import Enum
@@ -37,11 +53,11 @@ import numpy as np
 
 from . import layouts
 from .errors import GroupNotFound, IllegalTransition, ProtocolError
-from .messages import Abort, Group, Join, JoinAck, Leave, MemberInfo, Message, NoGroup, Redirect
+from .messages import MAX_VIEW, Abort, Group, Join, JoinAck, JoinNote, Leave, MemberInfo, Message, NoGroup, Redirect
 from .rendezvous import rendezvous_order
 from .view import MembershipView
 
-__all__ = ["MemberInfo", "GroupSpec", "Matchmaker", "rendezvous_order", "JoinPhase"]
+__all__ = ["MemberInfo", "GroupSpec", "Matchmaker", "rendezvous_order", "JoinPhase", "group_id_of"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +75,17 @@ class GroupSpec:
             raise ProtocolError("rank outside the group")
         if len({m.peer_id for m in self.members}) != len(self.members):
             raise ProtocolError("a peer appears twice in one group")
+
+
+def group_id_of(key: str, members: tuple[MemberInfo, ...]) -> str:
+    """A group's id: a hash of its key and of every member's peer id and step id (in member order).
+    Step ids are fresh for every step, so ids do not repeat across rounds; and anyone holding the
+    same JOINs names the group alike, which is what lets members close it themselves."""
+    h = hashlib.blake2b(digest_size=8)
+    for s in (key, *(x for m in members for x in (m.peer_id, m.step_id))):
+        b = s.encode()
+        h.update(len(b).to_bytes(4, "little") + b)
+    return h.hexdigest()
 
 
 class JoinPhase(Enum):
@@ -95,6 +122,8 @@ class _Join:
     seen: int = 0
     desc: str = ""  # layout description (zgossip.layouts)
     round: int = -1  # the swarm round this step is in (-1: not known), told to the rendezvous peer
+    view: tuple[str, ...] = ()  # the peers we expect in our group, us included, sorted (): none to close with
+    noted: dict = field(default_factory=dict)  # peer id -> endpoint of every peer sent a JOIN_NOTE this step
 
     def move(self, phase: JoinPhase) -> None:
         if phase not in _PHASE_MOVES[self.phase]:
@@ -113,6 +142,7 @@ class _Entry:
     gathers: int
     desc: str = ""
     round: int = -1
+    view: tuple[str, ...] = ()
 
 
 @dataclass
@@ -161,6 +191,10 @@ class Matchmaker:
         self.pools: dict[str, _Pool] = {}
         self._formed: dict[str, float] = {}  # key -> when a full group last formed early for it
         self._expected = expected
+        self._notes: dict[tuple[str, str], tuple[JoinNote, float]] = {}  # (key, sender) -> its note, when it came
+        self._closed: dict[str, str] = {}  # step id -> group id of our steps whose group we formed from notes
+        self._met: dict[str, None] = {}  # step ids of peers that were in a group with us lately: their notes are spent
+        self.closed_early = 0  # groups this peer formed from notes (stats["closed_early"])
 
     @property
     def peer_id(self) -> str:
@@ -172,21 +206,41 @@ class Matchmaker:
 
     # ================================================================ joiner side
     def begin(self, step_id: str, key: str, bandwidth: float, layout: str, now: float, timeout: float,
-              want: int | None = None, gathers: bool = True, layout_desc: str = "", round: int = -1) -> None:
+              want: int | None = None, gathers: bool = True, layout_desc: str = "", round: int = -1,
+              view: set[str] | None = None) -> None:
         """Start looking for a group. `want` is how many peers the key can hold at most (a
-        full Moshpit line); the rendezvous peer closes the group as soon as that many came."""
+        full Moshpit line); the rendezvous peer closes the group as soon as that many came.
+        `view`: the peers (this one included) this joiner expects in its group, if it can tell
+        (module docstring, "closing without the rendezvous peer"); used when it is a group's worth."""
         if self.join is not None:
             raise ProtocolError("a join is already running")
         want = self.target_group_size if want is None else max(1, min(want, self.target_group_size))
-        self.join = _Join(step_id, key, bandwidth, layout, want, int(gathers), now, now + timeout,
-                          desc=layout_desc[:layouts.MAX_CHARS], round=round)
+        ids = tuple(sorted(view)) if view else ()
+        if not (round >= 0 and self.peer_id in ids and max(2, self.min_group_size) <= len(ids) <= min(want, MAX_VIEW)
+                and all(p == self.peer_id or self.membership.endpoint_of(p) for p in ids)):
+            ids = ()
+        self.join = j = _Join(step_id, key, bandwidth, layout, want, int(gathers), now, now + timeout,
+                              desc=layout_desc[:layouts.MAX_CHARS], round=round, view=ids)
+        if ids:
+            note = JoinNote(self.peer_id, self.endpoint, key=key, step_id=step_id, bandwidth=bandwidth, layout=layout,
+                            want=want, gathers=int(gathers), round=round, view=ids)
+            for pid in ids:
+                ep = self.membership.endpoint_of(pid) if pid != self.peer_id else None
+                if ep is not None:
+                    j.noted[pid] = ep
+                    self._send(ep, note)
         self._ask_next(now)
+        self._close_from_notes(now)
 
     def cancel(self, now: float, why: str) -> None:
         j = self.join
         if j is None:
             return
         self._leave_all(j)
+        leave = Leave(self.peer_id, self.endpoint, key=j.key, step_id=j.step_id)
+        for pid, ep in j.noted.items():  # they must not form a group with our note
+            if pid not in j.asked:
+                self._send(ep, leave)
         self.join = None
 
     def _leave_all(self, j: _Join, keep: str | None = None) -> None:
@@ -225,7 +279,7 @@ class Matchmaker:
         log.debug("%s t=%.3f JOIN -> %s hops=%d", self.peer_id[:8], now, peer_id[:8], j.hops)
         self._send(endpoint, Join(self.peer_id, self.endpoint, key=j.key, step_id=j.step_id, bandwidth=j.bandwidth,
                                   layout=j.layout, hops=j.hops, want=j.want, gathers=int(j.gathers), layout_desc=j.desc,
-                                  round=j.round))
+                                  round=j.round, view=j.view))
 
     def _ask_next(self, now: float) -> None:
         j = self.join
@@ -284,7 +338,8 @@ class Matchmaker:
         if j is None:
             j = self._late(msg)
             if j is None:
-                self.late += 1  # an answer to a join we are no longer making
+                if msg.step_id not in self._closed:  # (the rendezvous peer's answer to a step we grouped from notes)
+                    self.late += 1  # an answer to a join we are no longer making
                 return
             # a peer we gave up on holds our JOIN after all. Go back to it if it ranks before the one
             # we wait on now (it is where the others go); else stay, it will drop us on our LEAVE
@@ -309,7 +364,8 @@ class Matchmaker:
     def on_redirect(self, msg: Redirect, now: float) -> None:
         j = self._current(msg)
         if j is None:
-            self.late += 1  # an answer to a join we are no longer making
+            if msg.step_id not in self._closed:
+                self.late += 1  # an answer to a join we are no longer making
             return
         j.history.append(f"{msg.sender[:8]} redirected to {msg.to_id[:8]}")
         if msg.to_id in j.silent:
@@ -326,7 +382,8 @@ class Matchmaker:
     def on_no_group(self, msg: NoGroup, now: float) -> None:
         j = self._current(msg)
         if j is None:
-            self.late += 1  # an answer to a join we are no longer making
+            if msg.step_id not in self._closed:
+                self.late += 1  # an answer to a join we are no longer making
             return
         j.seen = max(j.seen, msg.seen)
         j.history.append(f"{msg.sender[:8]}: {msg.reason}")
@@ -342,6 +399,8 @@ class Matchmaker:
         log.debug("%s t=%.3f GROUP <- %s", self.peer_id[:8], now, msg.sender[:8])
         members = msg.members
         mine = [i for i, m in enumerate(members) if m.peer_id == self.peer_id]
+        if len(mine) == 1 and self._closed.get(members[mine[0]].step_id) == msg.group_id:
+            return  # the group we formed from the notes: the rendezvous peer formed it too
         # any GROUP that holds our current step is taken while we have none: its pool got our JOIN
         # (perhaps after we moved on from a slow rendezvous peer), and its members wait for us
         current = (j is not None and msg.key == j.key and len(mine) == 1 and members[mine[0]].step_id == j.step_id)
@@ -359,11 +418,89 @@ class Matchmaker:
         spec = GroupSpec(j.key, msg.group_id, members, mine[0], msg.left_out)
         if msg.sender != j.target[0]:
             j.history.append(f"{msg.sender[:8]}: late GROUP taken")
-        # the other pools we joined must not count on us (the sender's is closed: it sent this)
+        # the other pools we joined must not count on us (the sender's is closed: it sent this), nor
+        # the peers we noted that are not in this group
         self._leave_all(j, keep=msg.sender)
+        inside = {m.peer_id for m in members}
+        leave = Leave(self.peer_id, self.endpoint, key=j.key, step_id=j.step_id)
+        for pid, ep in j.noted.items():
+            if pid not in inside and pid not in j.asked:
+                self._send(ep, leave)
+        self._spend_notes(j.key, members)
         j.move(JoinPhase.DONE)
         self.join = None
         self._on_group(spec, now)
+
+    # ================================================================ closing from notes
+    #: notes older than this are forgotten (a groupmate may call its step this much later than we do)
+    NOTE_TTL = 120.0
+    MAX_NOTES = 4096
+
+    def on_join_note(self, msg: JoinNote, now: float) -> None:
+        """A peer that expects us in its group told us its JOIN: keep it (the latest per key and
+        sender) and see whether our own join can now close from notes."""
+        if self.peer_id not in msg.view or msg.sender not in msg.view or list(msg.view) != sorted(set(msg.view)):
+            self.dropped += 1  # a note must name its sender and us, once each, sorted
+            log.debug("%s: dropped JOIN_NOTE from %s: a view that names not both of us, or not sorted",
+                      self.peer_id[:8], msg.sender[:8])
+            return
+        if msg.step_id in self._met:
+            return  # it came after the GROUP that holds that step: spent
+        if len(self._notes) >= self.MAX_NOTES:
+            horizon = now - self.NOTE_TTL
+            for k in [k for k, (_, t) in self._notes.items() if t < horizon] or [next(iter(self._notes))]:
+                del self._notes[k]
+        self._notes.pop((msg.key, msg.sender), None)
+        self._notes[(msg.key, msg.sender)] = (msg, now)
+        self._close_from_notes(now)
+
+    def _spend_notes(self, key: str, members: tuple[MemberInfo, ...]) -> None:
+        """A group with us formed: the notes of its members' steps are spent (a later step of ours in
+        the same key and round -- a peer that repeats a pinned round -- must not form a group with
+        steps that already averaged), and so is any such note still on its way."""
+        for m in members:
+            if m.peer_id == self.peer_id:
+                continue
+            got = self._notes.get((key, m.peer_id))
+            if got is not None and got[0].step_id == m.step_id:
+                del self._notes[(key, m.peer_id)]
+            self._met.pop(m.step_id, None)
+            self._met[m.step_id] = None
+        while len(self._met) > 1024:
+            self._met.pop(next(iter(self._met)))
+
+    def _close_from_notes(self, now: float) -> None:
+        """Form our group ourselves if every peer of our view told us, in a note, that it joins this
+        key in this round with the same layout and the same view (module docstring)."""
+        j = self.join
+        if j is None or not j.view:
+            return
+        size = len(j.view)
+        members = []
+        for pid in j.view:
+            if pid == self.peer_id:
+                members.append(MemberInfo(pid, self.endpoint, j.bandwidth, j.step_id, int(j.gathers)))
+                continue
+            got = self._notes.get((j.key, pid))
+            if got is None or now - got[1] > self.NOTE_TTL:
+                return
+            n = got[0]
+            if n.round != j.round or n.view != j.view or n.layout != j.layout or n.want < size:
+                return
+            members.append(MemberInfo(pid, n.endpoint, n.bandwidth, n.step_id, int(n.gathers)))
+        if all(m.auxiliary for m in members) or all(m.bandwidth == 0 for m in members):
+            return  # the rendezvous peer refuses such a group, with the reason
+        gid = group_id_of(j.key, tuple(members))
+        rank = j.view.index(self.peer_id)
+        self._spend_notes(j.key, tuple(members))
+        self._closed[j.step_id] = gid
+        while len(self._closed) > 64:
+            self._closed.pop(next(iter(self._closed)))
+        self.closed_early += 1
+        log.debug("%s t=%.3f group %s formed from notes (%d members)", self.peer_id[:8], now, gid[:8], size)
+        j.move(JoinPhase.DONE)
+        self.join = None
+        self._on_group(GroupSpec(j.key, gid, tuple(members), rank), now)
 
     # ================================================================ rendezvous side
     def on_join(self, msg: Join, now: float) -> None:
@@ -382,7 +519,9 @@ class Matchmaker:
             pool = self.pools[key] = _Pool(closes=now + self.matchmaking_time, opened=now)
         pool.entries = [e for e in pool.entries if e.peer_id != msg.sender]
         pool.entries.append(_Entry(msg.sender, msg.endpoint, msg.step_id, msg.bandwidth, msg.layout, msg.want,
-                                   int(msg.gathers), msg.layout_desc, msg.round))
+                                   int(msg.gathers), msg.layout_desc, msg.round, msg.view))
+        if msg.view and self._close_agreed(key, pool, msg, now):
+            return
         same = [e for e in pool.entries if e.layout == msg.layout]
         enough = max(self.min_group_size, min([self.target_group_size] + [e.want for e in same]))
         if len(same) < enough:
@@ -402,6 +541,29 @@ class Matchmaker:
             self._send(msg.endpoint, JoinAck(self.peer_id, self.endpoint, key=key, step_id=msg.step_id))
         else:
             self._close_pool(key, self.pools.pop(key), now)
+
+    def _close_agreed(self, key: str, pool: _Pool, msg: Join, now: float) -> bool:
+        """The rule members close by from notes, applied to the pool: if it holds the JOINs of every
+        peer of `msg`'s view, each naming that view (same round and layout), form that group now --
+        the group those members may already have formed themselves -- whatever this peer's own view
+        says. The pool's other entries stay. True if it formed it."""
+        view = msg.view
+        if msg.sender not in view or list(view) != sorted(set(view)):
+            return False
+        size = len(view)
+        if not (max(2, self.min_group_size) <= size <= min(self.target_group_size, MAX_VIEW)):
+            return False
+        by_id = {e.peer_id: e for e in pool.entries}
+        got = [by_id.get(pid) for pid in view]
+        if any(e is None or e.view != view or e.round != msg.round or e.round < 0 or e.layout != msg.layout
+               or e.want < size for e in got):
+            return False
+        pool.entries = [e for e in pool.entries if e.peer_id not in view]
+        self._formed[key] = now
+        self._form(key, got)  # type: ignore[arg-type]
+        if not pool.entries:
+            self.pools.pop(key, None)
+        return True
 
     def _nobody_missing(self, pool: _Pool) -> bool:
         """Every peer this node knows alive, itself included, is in the pool: no straggler can come,
@@ -442,6 +604,9 @@ class Matchmaker:
                 self._close_pool(key, self.pools.pop(key), now)
 
     def on_leave(self, msg: Leave, now: float) -> None:
+        got = self._notes.get((msg.key, msg.sender))
+        if got is not None and got[0].step_id == msg.step_id:
+            del self._notes[(msg.key, msg.sender)]  # its step ended: no group may count on its note
         pool = self.pools.get(msg.key)
         if pool is not None:
             pool.entries = [e for e in pool.entries if not (e.peer_id == msg.sender and e.step_id == msg.step_id)]
@@ -453,8 +618,9 @@ class Matchmaker:
         if all(e.bandwidth == 0 for e in entries):
             self._refuse(key, entries, f"all {len(entries)} peers with this key are clients (bandwidth 0)" + why_odd)
             return
-        gid = self._rng.bytes(8).hex()
-        members = tuple(MemberInfo(e.peer_id, e.endpoint, e.bandwidth, e.step_id, e.gathers) for e in entries)
+        members = tuple(sorted((MemberInfo(e.peer_id, e.endpoint, e.bandwidth, e.step_id, e.gathers) for e in entries),
+                               key=lambda m: m.peer_id))
+        gid = group_id_of(key, members)
         # one message for all: each finds itself
         msg = Group(self.peer_id, self.endpoint, key=key, group_id=gid, members=members,
                     left_out=tuple((pid, what) for pid, what in odd or ()))

@@ -27,7 +27,7 @@ from .errors import InvalidMessage, ProtocolError
 
 __all__ = [
     "MsgType", "DTYPES", "Message", "MemberInfo", "make_message", "check_info", "SCHEMAS", "MESSAGE_CLASSES", "check_body",
-    "Gossip", "GossipReply", "Join", "JoinAck", "Redirect", "Group", "NoGroup", "Leave", "Bye", "OPTIONAL",
+    "Gossip", "GossipReply", "Join", "JoinNote", "JoinAck", "Redirect", "Group", "NoGroup", "Leave", "Bye", "OPTIONAL",
     "Gather", "Part", "Result", "Abort", "RescueCall", "Rescue", "Done",
     "StateReq", "StateMeta", "StateChunk",
 ]
@@ -54,6 +54,7 @@ class MsgType(IntEnum):
     NO_GROUP = 14  # rendezvous peer -> joiner: window over, no group (reason inside)
     LEAVE = 15  # joiner -> rendezvous peer: I stopped waiting
     BYE = 16  # a peer shutting down cleanly -> every peer it knows: forget me now (membership)
+    JOIN_NOTE = 17  # joiner -> every peer it expects in its group: my JOIN, and whom I expect (matchmaking)
     GATHER = 20  # member -> members: my weight and gather data
     PART = 21  # member -> span owner: one part of my tensor for your span
     RESULT = 22  # span owner -> members: one averaged part
@@ -145,6 +146,8 @@ _REASON = _str(4000)
 #: entries in a peer's gossiped info record: 14 of the user's (`Node.check_user_info`) and the node's
 #: own ``zg.`` keys (round, prefix tag, state version and hash); receivers refuse larger records
 MAX_INFO = 24
+#: the most peers a JOIN's `view` may name: closing without the rendezvous peer is for small groups
+MAX_VIEW = 64
 
 
 def _info(v: Any) -> dict:
@@ -367,13 +370,34 @@ class Join(Message):
     gathers: int  # flags: 1 = it will send GATHER, 2 = auxiliary (weight 0: it brings no data)
     layout_desc: str = ""  # count, shapes and dtypes as text (zgossip.layouts), to say what differs
     round: int = -1  # the swarm round the joiner steps in (-1: not said); see zgossip.announce
+    view: tuple[str, ...] = ()  # the peers the joiner expects in its group, itself included (sorted; () = not said)
     type: ClassVar[MsgType] = MsgType.JOIN
     FIELDS = _fields(("key", "key", _KEY, _PLAIN), ("step_id", "step", _ID, _PLAIN),
                      ("bandwidth", "bw", _float(0.0, 1e18), _PLAIN), ("layout", "layout", _str(128), _PLAIN),
                      ("hops", "hops", _int(0, 16), _PLAIN), ("want", "want", _IDX, _PLAIN),
                      ("gathers", "g", _join_flags, _PLAIN), ("layout_desc", "ld", _str(2048), _PLAIN),
-                     ("round", "rnd", _int(-1, 1 << 62), _PLAIN))
-    OPTIONAL = {"ld": "", "rnd": -1}
+                     ("round", "rnd", _int(-1, 1 << 62), _PLAIN), ("view", "vw", _list(_ID, MAX_VIEW), _SEQ))
+    OPTIONAL = {"ld": "", "rnd": -1, "vw": ()}
+
+
+@dataclass(frozen=True, slots=True)
+class JoinNote(Message):
+    """A joiner's JOIN as told to a peer it expects in its group (not a request: nobody answers).
+    Every member that holds the notes of all of `view` with that same view forms the group itself
+    (`zgossip.matchmaking`, "closing without the rendezvous peer")."""
+    key: str
+    step_id: str
+    bandwidth: float
+    layout: str
+    want: int
+    gathers: int
+    round: int
+    view: tuple[str, ...]
+    type: ClassVar[MsgType] = MsgType.JOIN_NOTE
+    FIELDS = _fields(("key", "key", _KEY, _PLAIN), ("step_id", "step", _ID, _PLAIN),
+                     ("bandwidth", "bw", _float(0.0, 1e18), _PLAIN), ("layout", "layout", _str(128), _PLAIN),
+                     ("want", "want", _IDX, _PLAIN), ("gathers", "g", _join_flags, _PLAIN),
+                     ("round", "rnd", _int(0, 1 << 62), _PLAIN), ("view", "vw", _list(_ID, MAX_VIEW), _SEQ))
 
 
 @dataclass(frozen=True, slots=True)
@@ -596,7 +620,7 @@ class StateChunk(_WithData):
 
 #: the class of each message type
 MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
-    cls.type: cls for cls in (Gossip, GossipReply, Join, JoinAck, Redirect, Group, NoGroup, Leave, Bye, Gather, Part,
+    cls.type: cls for cls in (Gossip, GossipReply, Join, JoinNote, JoinAck, Redirect, Group, NoGroup, Leave, Bye, Gather, Part,
                               Result, Abort, RescueCall, Rescue, Done, StateReq, StateMeta, StateChunk)
 }
 for _cls in MESSAGE_CLASSES.values():

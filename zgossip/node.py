@@ -29,7 +29,7 @@ from .matchmaking import GroupSpec, Matchmaker
 from .partition import MEASURED, UNMEASURED
 from .membership import Membership
 from .messages import (
-    Abort, Bye, Done, Gather, Gossip, GossipReply, Group, Join, JoinAck, Leave, Message, NoGroup, Part, Redirect, Rescue,
+    Abort, Bye, Done, Gather, Gossip, GossipReply, Group, Join, JoinAck, JoinNote, Leave, Message, NoGroup, Part, Redirect, Rescue,
     RescueCall, Result, StateChunk, StateMeta, StateReq, check_info,
 )
 from .ratelimit import SourceLimits
@@ -183,7 +183,7 @@ _STEP_MOVES = {
 #: messages of a running all-reduce round (routed by group id)
 _ROUND_MESSAGES = (Gather, Part, Result, Abort, RescueCall, Rescue)
 #: control messages rate-limited per source (`zgossip.ratelimit`); round data is checked by the round
-_LIMITED = frozenset((Gossip, GossipReply, Join, Leave, StateReq, Bye))
+_LIMITED = frozenset((Gossip, GossipReply, Join, JoinNote, Leave, StateReq, Bye))
 
 
 @dataclass
@@ -256,7 +256,7 @@ class Node:
         self.donor = StateDonor(peer_id, endpoint, self._send, config.state_chunk_bytes)
         self.downloads: dict[str, StateDownload] = {}
         self.stats = {"messages": 0, "dropped": 0, "late": 0, "rate_limited": 0, "repairs": 0, "repair_failures": 0,
-                      "state_bad_chunks": 0, "state_refetched": 0, "bad_bandwidth": 0}
+                      "state_bad_chunks": 0, "state_refetched": 0, "bad_bandwidth": 0, "closed_early": 0}
         self._limits = SourceLimits(max(config.control_rate, 4.0 / config.gossip_interval), config.control_burst)
         self._limited_logged: set[str] = set()
         #: refused input is logged once per source and kind (rounds and downloads share it)
@@ -273,7 +273,7 @@ class Node:
         #: which part of the node handles each message class
         self._handlers: dict[type[Message], Any] = {
             Gossip: self._on_gossip, GossipReply: self._on_gossip,
-            Join: mm.on_join, Leave: mm.on_leave, JoinAck: mm.on_join_ack, Redirect: mm.on_redirect,
+            Join: mm.on_join, JoinNote: mm.on_join_note, Leave: mm.on_leave, JoinAck: mm.on_join_ack, Redirect: mm.on_redirect,
             NoGroup: mm.on_no_group, Group: mm.on_group,
             Bye: self._on_bye,
             **{cls: self._round_message for cls in _ROUND_MESSAGES},
@@ -492,9 +492,12 @@ class Node:
         axis = self.grid.axis(self.round_index)
         want = self.grid.shape[axis] if axis is not None else None
         bw, bw_flags = self.advertised_bandwidth()
+        # whom we expect in our group: with a group's worth, members may close it without the
+        # rendezvous peer (zgossip.matchmaking); a client cannot be told notes, so it names nobody
+        view = self._may_join(key, self.round_index, now) if listens(self.endpoint) else None
         self.matchmaker.begin(req.step_id, key, bw, req.layout, now, req.timeout, want,
                               gathers=int(req.gather is not None) | (2 if req.weight == 0 else 0) | bw_flags,
-                              layout_desc=req.layout_desc, round=self.round_index)
+                              layout_desc=req.layout_desc, round=self.round_index, view=view)
         self._drain_loopback(now)
 
     def cancel_step(self, step_id: str, now: float, why: str) -> None:
@@ -866,6 +869,7 @@ class Node:
         st = self.step
         assert st is not None
         st.grouped = now
+        self.stats["closed_early"] = self.matchmaker.closed_early
         for pid, what in spec.left_out:
             if (pid, what) not in self._warned_layouts:  # once per peer and difference, not every step
                 if len(self._warned_layouts) > 256:

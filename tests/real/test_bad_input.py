@@ -420,7 +420,7 @@ def test_bad_parts_from_a_groupmate_in_a_live_round(ctx) -> None:
         try:
             before = {x.peer_id: x.stats for x in (a, b)}
             expect_a, expect_b = snapshot(a)[0].astype(np.float64), snapshot(b)[0].astype(np.float64)
-            join = dict(key=PREFIX, step="fake-step-1", bw=0.0, layout=a.layout.fingerprint, hops=2, want=3, g=1, rnd=-1,
+            join = dict(key=PREFIX, step="fake-step-1", bw=0.0, layout=a.layout.fingerprint, hops=2, want=3, g=1, rnd=-1, vw=[],
                         ld=a.layout.description)
             schema = wire.SCHEMAS[MsgType.JOIN][0]
             missing = set(schema) - set(join)

@@ -170,3 +170,25 @@ def test_a_pool_drops_a_joiner_that_left_before_it_closed():
     mm.on_timer(0.7)
     groups = [m for _, m in sent if m.type is MsgType.GROUP]
     assert groups and all("c" * 16 not in [m.peer_id for m in g.members] for g in groups)
+
+
+# ------------------------------------------------------------------ closing from notes
+def test_members_that_agree_close_their_group_themselves_one_way_trip_after_the_last_call():
+    """Four peers, one 0.2 s away from the switch, gossip settled: every step's group is formed by
+    each member from the others' JOIN_NOTEs (`stats["closed_early"]`), the same group everywhere,
+    and the far peer's matchmaking takes about one trip from the farthest other (0.202 s), not a trip
+    to the rendezvous peer and back (>= 0.404 s, the far peer being a joiner)."""
+    far = _far_index("gossip")
+    cl, peers, cfg = _cluster(far, "gossip")
+    cl.run(until=2.0)
+    for step in range(3):
+        evs = [p.step_tensors(timeout=5.0) for p in peers]
+        cl.run(until=cl.env.all_of(evs))
+        res = [ev.value.result for ev in evs]
+        assert all(r.complete and len(r.members) == N for r in res), res
+        assert len({r.group_id for r in res}) == 1
+        mm = res[far].timings["matchmaking"]
+        assert 0.2 <= mm < 0.3, (step, mm)
+        cl.run(until=cl.env.now + 0.5)
+    assert all(p.node.stats["closed_early"] == 3 for p in peers), [p.node.stats["closed_early"] for p in peers]
+    assert all(p.node.stats["dropped"] == 0 and p.node.stats["late"] == 0 for p in peers)

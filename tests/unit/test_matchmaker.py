@@ -143,3 +143,151 @@ def test_local_misuse_raises():
         j.mm.begin("t", "k", 1.0, "L", now=0.0, timeout=1.0)
     with pytest.raises(ValueError):
         Machine(1, [2], min_group_size=3, target_group_size=2)
+
+
+# ------------------------------------------------------------------ closing without the rendezvous peer
+def _begin_all(machines: dict[int, Machine], key: str, views: dict[int, set[int]] | None = None) -> dict:
+    """Every machine begins step s<i> with `views[i]` (default: all of them); returns what each sent."""
+    sent = {}
+    for i, m in machines.items():
+        view = {pid(x) for x in (views or {}).get(i, machines)}
+        m.mm.begin(f"s{i}", key, float(i), "L", now=0.0, timeout=5.0, want=4, round=7, view=view)
+        sent[i] = m.out.take()
+    return sent
+
+
+def _deliver(machines: dict[int, Machine], sent: dict, kinds: tuple, t: float = 0.05) -> None:
+    for i, msgs in sent.items():
+        for to, msg in msgs:
+            if isinstance(msg, kinds) and to in {ep(k) for k in machines}:  # (a peer not built here gets nothing)
+                dest = next(k for k in machines if ep(k) == to)
+                handler = {M.JoinNote: machines[dest].mm.on_join_note, M.Join: machines[dest].mm.on_join,
+                           M.Leave: machines[dest].mm.on_leave}[type(msg)]
+                handler(msg, t)
+
+
+def test_members_that_agree_on_their_view_form_the_group_from_notes_as_the_rendezvous_peer_would():
+    key, ids = "k/0", [1, 2, 3]
+    machines = {i: Machine(i, [x for x in ids if x != i], target_group_size=4) for i in ids}
+    sent = _begin_all(machines, key)
+    for i, msgs in sent.items():  # a note to each other member, and the JOIN (with the view) to the rendezvous peer
+        notes = [(to, m) for to, m in msgs if isinstance(m, M.JoinNote)]
+        assert sorted(to for to, _ in notes) == sorted(ep(x) for x in ids if x != i)
+        assert all(m.view == tuple(sorted(pid(x) for x in ids)) and m.round == 7 for _, m in notes)
+        [join] = [m for _, m in msgs if isinstance(m, M.Join)]
+        assert join.view == notes[0][1].view
+    _deliver(machines, sent, (M.JoinNote,))
+    specs = [m.groups[0] for m in machines.values()]
+    assert len({s.group_id for s in specs}) == 1 and all(m.mm.join is None for m in machines.values())
+    members = specs[0].members
+    assert [x.peer_id for x in members] == sorted(pid(i) for i in ids)
+    assert [x.bandwidth for x in members] == [float(ids[[pid(i) for i in ids].index(x.peer_id)]) for x in members]
+    assert all(s.members == members and s.members[s.rank].peer_id == pid(i) for i, s in zip(machines, specs))
+
+    # the rendezvous peer holds the same JOINs and forms the very same group; its GROUP is then ignored
+    rv = rendezvous_for(key, ids)
+    _deliver(machines, sent, (M.Join,))
+    groups = machines[rv].out.take(M.Group)
+    assert len(groups) == len(ids) and {g.group_id for _, g in groups} == {specs[0].group_id}
+    assert groups[0][1].members == members and machines[rv].mm.pools == {}
+    for i, m in machines.items():
+        late = m.mm.late
+        m.mm.on_group(groups[0][1], 0.2)
+        assert len(m.groups) == 1 and not m.out.take(M.Abort) and m.mm.late == late  # no ABORT of our own group
+
+
+def test_views_that_differ_close_nothing_early_and_the_rendezvous_peer_decides():
+    key, ids = "k/0", [1, 2, 3]
+    machines = {i: Machine(i, [x for x in ids if x != i], target_group_size=4) for i in ids}
+    machines[1] = Machine(1, [2, 3, 4], target_group_size=4)  # peer 1 also expects a peer 4 (gossip not settled)
+    sent = _begin_all(machines, key, views={1: {1, 2, 3, 4}})
+    assert {m.view for _, m in sent[1] if isinstance(m, M.JoinNote)} == {tuple(sorted(pid(x) for x in (1, 2, 3, 4)))}
+    _deliver(machines, sent, (M.JoinNote,))
+    assert not any(m.groups for m in machines.values())
+    assert all(m.mm.join is not None for m in machines.values())
+    # nor does the rendezvous peer close on its JOINs: it waits as before (its window, or its own view)
+    rv = rendezvous_for(key, [2, 1, 3])
+    _deliver(machines, sent, (M.Join,))
+    assert not machines[rv].out.take(M.Group)
+
+
+def test_a_note_from_another_round_or_layout_does_not_count_and_a_leave_withdraws_one():
+    key, ids = "k/0", [1, 2]
+    machines = {i: Machine(i, [x for x in ids if x != i]) for i in ids}
+    a = machines[1]
+    view = tuple(sorted((pid(1), pid(2))))
+    a.mm.begin("s1", key, 1.0, "L", now=0.0, timeout=5.0, round=7, view=set(view))
+    a.out.take()
+    for other in (dict(round=6), dict(layout="other")):
+        note = dict(key=key, step_id="s2", bandwidth=1.0, layout="L", want=2, gathers=1, round=7, view=view) | other
+        a.mm.on_join_note(M.JoinNote(pid(2), ep(2), **note), 0.1)
+        assert not a.groups
+    # a note of an ended step is withdrawn by its LEAVE, before our step begins
+    a.mm.cancel(0.2, "test")
+    a.out.take()
+    b_note = M.JoinNote(pid(2), ep(2), key=key, step_id="s2", bandwidth=1.0, layout="L", want=2, gathers=1, round=7,
+                        view=view)
+    a.mm.on_join_note(b_note, 0.3)
+    a.mm.on_leave(M.Leave(pid(2), ep(2), key=key, step_id="s2"), 0.4)
+    a.mm.begin("s1b", key, 1.0, "L", now=0.5, timeout=5.0, round=7, view=set(view))
+    assert not a.groups
+    # the same note, not withdrawn, closes the group at once
+    a.mm.cancel(0.6, "test")
+    a.mm.on_join_note(b_note, 0.7)
+    a.mm.begin("s1c", key, 1.0, "L", now=0.8, timeout=5.0, round=7, view=set(view))
+    [spec] = a.groups
+    assert [m.step_id for m in spec.members] == ["s1c", "s2"][:: 1 if pid(1) < pid(2) else -1]
+
+
+def test_a_joiner_that_gives_up_withdraws_its_notes():
+    key, ids = "k/0", [1, 2, 3]
+    m = Machine(1, [2, 3], target_group_size=4)
+    m.mm.begin("s1", key, 1.0, "L", now=0.0, timeout=5.0, want=4, round=7, view={pid(i) for i in ids})
+    noted = {to for to, msg in m.out.take() if isinstance(msg, M.JoinNote)}
+    m.mm.cancel(0.1, "test")
+    leaves = {to for to, msg in m.out.take(M.Leave)}
+    assert noted == {ep(2), ep(3)} and noted <= leaves
+
+
+def test_bad_notes_are_dropped_and_counted():
+    m = Machine(1, [2, 3], target_group_size=4)
+    view_without_us = tuple(sorted((pid(2), pid(3))))
+    unsorted = tuple(sorted((pid(1), pid(2))))[::-1]
+    for view in (view_without_us, unsorted, (pid(1), pid(1), pid(2))):
+        m.mm.on_join_note(M.JoinNote(pid(2), ep(2), key="k", step_id="s", bandwidth=1.0, layout="L", want=4,
+                                     gathers=1, round=1, view=view), 0.0)
+    assert m.mm.dropped == 3 and not m.mm._notes
+
+
+def test_no_view_or_too_big_a_view_sends_no_notes():
+    m = Machine(1, [2, 3], target_group_size=2)
+    m.mm.begin("s1", "k", 1.0, "L", now=0.0, timeout=5.0, round=7, view={pid(1), pid(2), pid(3)})  # 3 > target 2
+    assert not m.out.take(M.JoinNote)
+    m.mm.cancel(0.1, "test")
+    m.out.take()
+    m.mm.begin("s2", "k", 1.0, "L", now=0.2, timeout=5.0, round=-1, view={pid(1), pid(2)})  # round not known
+    assert not m.out.take(M.JoinNote)
+
+
+def test_notes_of_steps_that_already_averaged_with_us_are_spent():
+    """A peer that repeats a pinned round (its step of that round ran, or it fell behind) must not form
+    a group from the notes of steps that already averaged with it -- those peers moved on."""
+    key, ids = "k/0/r7", [1, 2]
+    machines = {i: Machine(i, [x for x in ids if x != i]) for i in ids}
+    sent = _begin_all(machines, key)
+    _deliver(machines, sent, (M.JoinNote,))
+    assert all(len(m.groups) == 1 for m in machines.values())
+    a = machines[1]
+    a.mm.on_join_note(next(m for _, m in sent[2] if isinstance(m, M.JoinNote)), 0.1)  # a copy that came late
+    a.mm.begin("again", key, 1.0, "L", now=0.2, timeout=5.0, want=4, round=7, view={pid(1), pid(2)})
+    assert len(a.groups) == 1 and a.mm.join is not None
+
+    # the same through the rendezvous peer: a GROUP that holds 2's step spends 2's note too
+    b = Machine(1, [2])
+    note2 = next(m for _, m in sent[2] if isinstance(m, M.JoinNote))
+    b.mm.on_join_note(note2, 0.0)
+    b.mm.begin("s1", key, 1.0, "L", now=0.0, timeout=5.0, want=4, round=7, view={pid(1), pid(2), pid(3)})  # 3: unknown
+    members = tuple(sorted((M.MemberInfo(pid(1), ep(1), 1.0, "s1"), M.MemberInfo(pid(2), ep(2), 2.0, note2.step_id)),
+                           key=lambda m: m.peer_id))
+    b.mm.on_group(M.Group(pid(2), ep(2), key=key, group_id="g" * 16, members=members), 0.1)
+    assert len(b.groups) == 1 and not b.mm._notes

@@ -18,7 +18,8 @@ ARR = np.arange(5, dtype=np.float32)
 ONE_OF_EACH = [
     M.Gossip(S, E, heartbeat=3, peers=(("aa", "tcp://h:1", 2, None, {"k": 1}),)),
     M.GossipReply(S, E, heartbeat=4, peers=()),
-    M.Join(S, E, key="k", step_id="s", bandwidth=1.5, layout="L", hops=1, want=4, gathers=True, layout_desc="3 x f4"),
+    M.Join(S, E, key="k", step_id="s", bandwidth=1.5, layout="L", hops=1, want=4, gathers=True, layout_desc="3 x f4",
+           round=2, view=("aa", "bb")),
     M.JoinAck(S, E, key="k", step_id="s"),
     M.Redirect(S, E, key="k", step_id="s", to_id="aa", to_endpoint="tcp://h:2"),
     M.Group(S, E, key="k", group_id="g", members=(M.MemberInfo("aa", "tcp://h:1", 1.0, "s", 1),
@@ -27,6 +28,7 @@ ONE_OF_EACH = [
     M.NoGroup(S, E, key="k", step_id="s", reason="few", seen=1, retry=False),
     M.Leave(S, E, key="k", step_id="s"),
     M.Bye(S, E, heartbeat=12),
+    M.JoinNote(S, E, key="k", step_id="s", bandwidth=1.5, layout="L", want=4, gathers=1, round=3, view=("aa", S)),
     M.Gather(S, E, group_id="g", weight=2.0, data={"loss": 0.5}),
     M.Part(S, E, group_id="g", owner=1, part=2, weight=2.0, rescue=True, data=ARR),
     M.Result(S, E, group_id="g", owner=1, part=2, contributors=(0, 1), rescue=False, data=ARR),
@@ -130,13 +132,13 @@ def test_header_bytes_are_those_of_the_untyped_messages():
 
 def test_fields_added_later_may_be_left_out_by_older_senders():
     head = msgpack.unpackb(wire.encode(ONE_OF_EACH[2])[0])  # JOIN
-    del head[4]["ld"], head[4]["rnd"]
+    del head[4]["ld"], head[4]["rnd"], head[4]["vw"]
     join = wire.decode([msgpack.packb(head)])
-    assert join.layout_desc == "" and join.key == "k" and join.round == -1
+    assert join.layout_desc == "" and join.key == "k" and join.round == -1 and join.view == ()
     head = msgpack.unpackb(wire.encode(ONE_OF_EACH[5])[0])  # GROUP
     del head[4]["odd"]
     assert wire.decode([msgpack.packb(head)]).left_out == ()
-    assert wire.OPTIONAL == {wire.MsgType.JOIN: {"ld": "", "rnd": -1}, wire.MsgType.GROUP: {"odd": ()},
+    assert wire.OPTIONAL == {wire.MsgType.JOIN: {"ld": "", "rnd": -1, "vw": ()}, wire.MsgType.GROUP: {"odd": ()},
                              wire.MsgType.STATE_REQ: {"root": "", "first": 0, "n": 0},
                              wire.MsgType.PART: {"codec": 0}, wire.MsgType.RESULT: {"codec": 0, "rx": ()},
                              wire.MsgType.STATE_META: {"hashes": b"", "codecs": ()}}
