@@ -22,7 +22,10 @@ Protocol (all messages in `zgossip.messages`):
 The downloader asks up to ``max_donors`` donors of the best priority tier for their META,
 adopts the first root it accepts (the ``target_root`` it was given, if any) and hands out
 windows of chunks to every donor that answered with that root; each donor keeps up to two
-windows in flight and a faster donor simply asks for more. A donor that refuses, stalls for
+windows in flight and a faster donor simply asks for more -- but never more than its share of the
+state's chunks among the donors answering or asked (so a state of a few chunks is spread over
+them too, instead of going wholly to the donor that answered first; a donor that finished its
+share takes what the others have not been given yet). A donor that refuses, stalls for
 ``chunk_timeout``, drops its connection, sends a chunk it was not asked for or a chunk whose
 digest is wrong is dropped: its outstanding chunks go back to the pool and are fetched from
 the others (counted in `refetched`, bad digests in `bad_chunks`), and the next candidate is
@@ -352,14 +355,17 @@ class StateDownload:
     # ------------------------------------------------------------------ chunk assignment
     def _assign(self, peer: str, now: float) -> None:
         d = self._active.get(peer)
-        while d is not None and len(d.inflight) <= self.window:
+        # a donor's share: the plan split among the donors that answered and those still asked
+        share = max(1, -(-len(self._plan) // max(1, len(self._active) + len(self._asked))))
+        while d is not None and len(d.inflight) <= self.window and len(d.inflight) < share:
+            room = min(self.window, share - len(d.inflight))
             if self._retry:
                 first, n = self._retry[0], 1
-                while n < min(self.window, len(self._retry)) and self._retry[n] == first + n:
+                while n < min(room, len(self._retry)) and self._retry[n] == first + n:
                     n += 1
                 del self._retry[:n]
             elif self._fresh < len(self._plan):
-                first, n = self._fresh, min(self.window, len(self._plan) - self._fresh)
+                first, n = self._fresh, min(room, len(self._plan) - self._fresh)
                 self._fresh += n
             else:
                 return

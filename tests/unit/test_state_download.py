@@ -325,3 +325,27 @@ def test_a_hostile_donor_answering_first_cannot_make_the_download_fail_while_hon
     assert s.dl.dropped == 1 and any("failed its checksum" in h for h in s.dl.history)
     assert any("holds another state" in h for h in s.dl.history)  # the order this test is about happened
     assert any("again" in h for h in s.dl.history)
+
+
+def test_a_small_state_is_spread_over_the_donors_not_taken_by_the_first_to_answer():
+    """8 chunks, 4 donors: each is given its share (2), though one donor could hold two windows of
+    4 in flight -- before, the donor whose META came first was handed all 8 and the others none."""
+    small = [np.arange(128, dtype=np.float32)]  # 512 bytes: 8 chunks
+    s = Swarm({2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0}, state=small)
+    s.dl.start(0.0)
+    s.pump(0.1)
+    [(meta, arrays, err)] = s.done
+    assert err is None and np.array_equal(arrays[0], small[0])
+    assert len(s.snap.plan) == 8
+    assert s.dl.per_donor == {pid(i): 2 for i in (2, 3, 4, 5)}
+
+
+def test_a_donor_that_finished_its_share_takes_what_a_silent_donor_was_not_given():
+    small = [np.arange(128, dtype=np.float32)]
+    s = Swarm({2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0}, state=small)
+    s.silent = {ep(4), ep(5)}  # asked, never answer: their shares stay unassigned until they time out
+    s.dl.start(0.0)
+    s.pump(0.1)
+    [(meta, arrays, err)] = s.done
+    assert err is None and np.array_equal(arrays[0], small[0])
+    assert sorted(s.dl.per_donor) == [pid(2), pid(3)] and sum(s.dl.per_donor.values()) == 8
