@@ -141,3 +141,30 @@ def test_grid_auto_on_sockets_takes_the_shape_of_the_swarm():
     finally:
         for a in avgs:
             a.shutdown()
+
+
+def test_members_that_agree_on_who_comes_close_their_group_from_notes_on_sockets():
+    """Three peers on real ZeroMQ, gossip settled: after a first step (which settles everyone's
+    announced round), the next steps' groups are formed by each member from the others' JOIN_NOTEs
+    (stats["closed_early"]), the same group everywhere, and averaged exactly."""
+    rng = np.random.default_rng(3)
+    ts = [[rng.standard_normal(1000).astype(np.float32)] for _ in range(3)]
+    kw = dict(prefix="notes", target_group_size=3, **FAST)
+    a = zgossip.Averager(ts[0], seed=1, **kw)
+    b = zgossip.Averager(ts[1], initial_peers=[a.endpoint], seed=2, **kw)
+    c = zgossip.Averager(ts[2], initial_peers=[a.endpoint], seed=3, **kw)
+    with a, b, c:
+        deadline = time.monotonic() + 10
+        while not all(len(p.peers()) == 2 for p in (a, b, c)):
+            assert time.monotonic() < deadline, "the three peers did not meet"
+            time.sleep(0.02)
+        for _ in range(3):
+            expect = np.mean([t[0] for t in ts], axis=0, dtype=np.float64)
+            rs = [f.result(10) for f in [p.step(wait=False) for p in (a, b, c)]]
+            assert len({r.group_id for r in rs}) == 1 and all(r.complete and len(r.members) == 3 for r in rs)
+            for t in ts:
+                np.testing.assert_allclose(t[0], expect, rtol=0, atol=1e-6)
+            for t, k in zip(ts, (1.0, 2.0, 3.0)):
+                t[0] += k  # differ again
+        early = [p.stats["closed_early"] for p in (a, b, c)]
+        assert all(e >= 2 for e in early), early
