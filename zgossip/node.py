@@ -25,7 +25,7 @@ from .endpoints import listens
 from .errors import IllegalTransition, PeerLost, ProtocolError, RoundTimeout, StepInProgress
 from .grid import MoshpitGrid
 from .linkstats import LinkStats, valid_rate
-from .matchmaking import GroupSpec, Matchmaker
+from .matchmaking import NOTES_MAX, GroupSpec, Matchmaker
 from .partition import MEASURED, UNMEASURED
 from .membership import Membership
 from .messages import (
@@ -492,9 +492,15 @@ class Node:
         axis = self.grid.axis(self.round_index)
         want = self.grid.shape[axis] if axis is not None else None
         bw, bw_flags = self.advertised_bandwidth()
+        cfg_target = self.config.target_group_size
         # whom we expect in our group: with a group's worth, members may close it without the
-        # rendezvous peer (zgossip.matchmaking); a client cannot be told notes, so it names nobody
-        view = self._may_join(key, self.round_index, now) if listens(self.endpoint) else None
+        # rendezvous peer (zgossip.matchmaking); a client cannot be told notes, so it names nobody.
+        # Only where that can be small: the view is a scan of every known peer's announcement, and
+        # one per step and peer made a simulated 1,024-peer round O(N^2)
+        view = None
+        if (listens(self.endpoint) and min(want or cfg_target, cfg_target) <= NOTES_MAX
+                and len(self.membership.peers) < 4 * NOTES_MAX):
+            view = self._may_join(key, self.round_index, now)
         self.matchmaker.begin(req.step_id, key, bw, req.layout, now, req.timeout, want,
                               gathers=int(req.gather is not None) | (2 if req.weight == 0 else 0) | bw_flags,
                               layout_desc=req.layout_desc, round=self.round_index, view=view)
