@@ -244,6 +244,11 @@ OUT_OF_CONTEXT: list[tuple[str, Callable[[zgossip.Averager], Message]]] = [
         MsgType.GATHER, b.peer_id, b.endpoint, {"gid": "feedfacefeedface", "w": 1.0, "data": {"x": 1}})),
     ("ABORT for an unknown group", lambda b: make_message(
         MsgType.ABORT, b.peer_id, b.endpoint, {"gid": "feedfacefeedface", "reason": "no"})),
+    # a JOIN_NOTE whose view leaves the receiver out: it may not count on this note (zgossip.matchmaking)
+    ("JOIN_NOTE naming a view without the receiver", lambda b: make_message(
+        MsgType.JOIN_NOTE, b.peer_id, b.endpoint,
+        {"key": PREFIX, "step": "s", "bw": 1.0, "layout": "L", "want": 2, "g": 1, "rnd": 0,
+         "vw": sorted([b.peer_id, "0" * 16])})),
 ]
 
 
