@@ -379,6 +379,12 @@ class Join(Message):
                      ("round", "rnd", _int(-1, 1 << 62), _PLAIN), ("view", "vw", _list(_ID, MAX_VIEW), _SEQ))
     OPTIONAL = {"ld": "", "rnd": -1, "vw": ()}
 
+    def body(self) -> dict[str, Any]:
+        b = Message.body(self)
+        if not self.view:
+            del b["vw"]  # a JOIN that names no view is the JOIN of the release before views
+        return b
+
 
 @dataclass(frozen=True, slots=True)
 class JoinNote(Message):

@@ -157,3 +157,13 @@ def test_codec_id_travels_in_part_and_result_headers_and_is_range_checked():
         assert back.codec == 3 and m.body()["codec"] == 3 and np.array_equal(back.data, raw)
         with pytest.raises(ProtocolError):
             cls(S, E, group_id="g", owner=0, part=1, rescue=False, codec=256, data=raw, **kw)
+
+
+def test_a_join_without_a_view_keeps_the_wire_form_of_the_release_before_views():
+    j = M.Join(S, E, key="k", step_id="s", bandwidth=1.0, layout="L", hops=0, want=2, gathers=1, round=3)
+    head = msgpack.unpackb(wire.encode(j)[0])
+    assert "vw" not in head[4] and "rnd" in head[4]
+    back = wire.decode([msgpack.packb(head)])
+    assert back == j and back.view == ()
+    with_view = msgpack.unpackb(wire.encode(dataclasses.replace(j, view=("aa", "bb")))[0])
+    assert with_view[4]["vw"] == ["aa", "bb"]
