@@ -197,10 +197,23 @@ class CaseResult:
         span = sum(r.get("sim_seconds", 0.0) for r in rounds)
         return cpu / span if span > 0 else math.nan
 
+    @property
+    def drops_per_round(self) -> float:
+        """Packets the hosts' downlink queues (tbf) dropped, per round, over the whole run (NaN if the
+        run did not record its qdiscs). The simulator does not model these tail drops: where a case
+        has hundreds (a slow host that owns a span, its downlink the incast of every sender) it
+        predicts that case fast."""
+        tb = (self.testbed or {}).get("testbed", {})
+        rounds = (self.testbed or {}).get("rounds") or []
+        qd = tb.get("qdiscs")
+        if not qd or not rounds:
+            return math.nan
+        return sum(q.get("down", {}).get("drops", 0) for q in qd) / len(rounds)
+
     def row(self) -> dict:
         return {"case": self.name, "hosts": self.hosts, "MiB": self.mib, "measured": self.measured,
                 "predicted": self.predicted, "ratio": self.ratio, "floor": self.floor, "over_floor": self.over_floor,
-                "wall": self.wall, "forwarder_load": self.forwarder_load}
+                "wall": self.wall, "forwarder_load": self.forwarder_load, "drops_per_round": self.drops_per_round}
 
 
 #: replays of a lossy case, one per seed (the run's seed first): the prediction is their median
@@ -261,13 +274,14 @@ def directions(results: dict[str, CaseResult], pairs: Sequence[tuple[str, str, s
 
 def format_table(results: Sequence[CaseResult], dirs: Sequence[dict]) -> str:
     lines = [f"{'case':<18} {'hosts':>5} {'MiB':>4} {'measured s':>10} {'predicted s':>11} {'ratio':>6} "
-             f"{'floor s':>8} {'meas/floor':>10} {'fwd cores':>9}"]
+             f"{'floor s':>8} {'meas/floor':>10} {'fwd cores':>9} {'drops/rnd':>9}"]
     for r in results:
         flag = "" if GOAL[0] <= r.ratio <= GOAL[1] else "  *"
         if r.forwarder_load >= BUSY_FORWARDER:
             flag += "  (forwarder-bound)"
         lines.append(f"{r.name:<18} {r.hosts:>5} {r.mib:>4} {r.measured:>10.3f} {r.predicted:>11.3f} "
-                     f"{r.ratio:>6.2f} {r.floor:>8.3f} {r.over_floor:>10.2f} {r.forwarder_load:>9.2f}{flag}")
+                     f"{r.ratio:>6.2f} {r.floor:>8.3f} {r.over_floor:>10.2f} {r.forwarder_load:>9.2f} "
+                     f"{r.drops_per_round:>9.0f}{flag}")
     if dirs:
         lines.append("")
         lines.append(f"{'knob':<10} {'without -> with':<36} {'testbed':>8} {'simulator':>9}  agree")

@@ -99,7 +99,8 @@ def test_a_lossy_case_is_predicted_by_the_median_of_several_seeds(monkeypatch):
 def test_table_marks_a_case_whose_forwarder_was_busy_and_lossy_cases_run_more_rounds():
     def case(name, cpu):
         tb = {"rounds": [{"sim_seconds": 1.0}, {"sim_seconds": 1.0}],
-              "testbed": {"forwarder": {"cpu_seconds_rounds": cpu}}}
+              "testbed": {"forwarder": {"cpu_seconds_rounds": cpu},
+                          "qdiscs": [{"host": 0, "down": {"drops": 300}}, {"host": 1, "down": {"drops": 10}}]}}
         return CaseResult(name, 4, 1, 1.0, 1.0, 0.5, 10.0, tb, {})
 
     busy, idle, unknown = case("busy", 1.6), case("idle", 0.2), CaseResult("old", 4, 1, 1.0, 1.0, 0.5, 1.0, {}, {})
@@ -107,6 +108,8 @@ def test_table_marks_a_case_whose_forwarder_was_busy_and_lossy_cases_run_more_ro
     assert unknown.forwarder_load != unknown.forwarder_load  # NaN: the run did not record it
     lines = format_table([busy, idle, unknown], []).splitlines()
     assert "forwarder-bound" in lines[1] and "forwarder-bound" not in lines[2] + lines[3]
+    assert busy.drops_per_round == pytest.approx(155.0) and unknown.drops_per_round != unknown.drops_per_round
+    assert lines[0].split()[-1] == "drops/rnd" and lines[1].split()[-2:] == ["155", "(forwarder-bound)"]
     assert all(MIN_ROUNDS[n] >= 10 for n in ("home4-loss-1m", "lat150-loss-1m"))
 
 
