@@ -90,7 +90,7 @@ class SimTransport:
         self.owner: Any = None
         self.alive = True
         self.closed = False
-        self.stats = {"received": 0, "sent": 0}
+        self.stats = {"received": 0, "sent": 0, "resent": 0}
         self._timer_at: float | None = None
         self._timer_gen = 0
         self.crashed_at: float | None = None
@@ -98,6 +98,9 @@ class SimTransport:
         self._inbox: list[tuple[Any, float]] = []  # (handling, its CPU cost) held while paused
         self._missed_timer = False
         self._trackers: list = []  # zero-copy sends not yet released (sim.tcp messages; TCP model only)
+        # those of them that are RESULTs: id(message) -> (message, receiver, payload, bytes, tag, group id),
+        # what `_settle` sends again from a copy when an in-place step had to drop it
+        self._results_lent: dict[int, tuple] = {}
 
     # --------------------------------------------------------------- Transport
     def start(self, peer_id: str, make_node: Any, owner: Any) -> None:
@@ -335,6 +338,7 @@ class SimPeer(SimTransport):
         env, tcp = self.cluster.env, self.cluster.tcp
         pending = [m for m in self._trackers if not tcp.released(m)]
         self._trackers = []
+        lent, self._results_lent = self._results_lent, {}
         if not pending or not self.alive:
             out.succeed(act)
             return
@@ -344,10 +348,17 @@ class SimPeer(SimTransport):
             if state["over"]:
                 return
             state["over"] = True
-            stuck = {m.token[1].endpoint: None for m in pending if not tcp.released(m)}
+            left = [m for m in pending if not tcp.released(m)]
+            stuck = {m.token[1].endpoint: None for m in left}
             for ep in stuck:
                 if self.alive:
                     self.cluster._disconnect(self, ep)
+            # the RESULTs among them go again from a copy to a groupmate still owed them (ZmqTransport)
+            for m in left:
+                got = lent.get(id(m))
+                if got is not None and got[0] is m and self.alive and self.node.still_owes(got[1].endpoint, got[5]):
+                    self.stats["resent"] += 1
+                    self.cluster._launch(self, got[1], 1, got[2], got[3], got[4])
             out.succeed(act)
 
         def one() -> None:
@@ -467,6 +478,7 @@ class SimCluster:
         if dst is None or not src.alive or src.paused:
             return
         lane = wire.lane_of(msg.type)
+        gid = getattr(msg, "group_id", None) if lane == 1 else None
         warm = wire.warm_lanes(msg.type) if listens(endpoint) else ()
         if not listens(endpoint):  # a client: only on the connection it opened to src
             if not listens(src.endpoint):
@@ -497,12 +509,12 @@ class SimCluster:
             if self._cursor > self.env.now:
                 ev = self.env.timeout(self._cursor - self.env.now)
                 ev.callbacks.append(lambda _e: self._launch(src, dst, lane, payload, nbytes, tag, bool(msg.payload),
-                                                            warm))
+                                                            warm, gid))
                 return
-        self._launch(src, dst, lane, payload, nbytes, tag, bool(msg.payload), warm)
+        self._launch(src, dst, lane, payload, nbytes, tag, bool(msg.payload), warm, gid)
 
     def _launch(self, src: SimPeer, dst: SimPeer, lane: int, payload: Any, nbytes: int, tag: bytes,
-                zero_copy: bool = False, warm: tuple[int, ...] = ()) -> None:
+                zero_copy: bool = False, warm: tuple[int, ...] = (), gid: str | None = None) -> None:
         if not src.alive:
             return
         endpoint = dst.endpoint
@@ -514,9 +526,12 @@ class SimCluster:
                 for w in warm:  # as the ZeroMQ driver: the lanes a message of this type opens too
                     self.tcp.open(src.endpoint, endpoint, w)
             if zero_copy:  # the real driver sends array payloads zero-copy and tracks their release
-                src._trackers = [t for t in src._trackers if not self.tcp.released(t)] if len(src._trackers) > 256 \
-                    else src._trackers
+                if len(src._trackers) > 256:
+                    src._trackers = [t for t in src._trackers if not self.tcp.released(t)]
+                    src._results_lent = {k: v for k, v in src._results_lent.items() if not self.tcp.released(v[0])}
                 src._trackers.append(m)
+                if lane == 1 and gid is not None:
+                    src._results_lent[id(m)] = (m, dst, payload, nbytes, tag, gid)
             return
         t = self.network.send(src.endpoint, endpoint, nbytes, self.env.now, self.rng, lane)
         if t.lost:

@@ -187,7 +187,7 @@ class Averager:
         part_size_bytes: int = 4 << 20,
         part_timeout: float = 5.0,
         allreduce_timeout: float = 60.0,
-        bandwidth: float | str = 1.0,
+        bandwidth: float | str = "auto",
         part_timeout_floor: float | None = 2.0,
         deadline_slack: float = 4.0,
         averaging_alpha: float = 1.0,

@@ -43,6 +43,7 @@ _COUNTER_HELP = {
     "messages": "Messages handled by the protocol node",
     "dropped": "Valid messages the protocol refused (e.g. for a round it does not run)",
     "late": "Messages for a round or download already over",
+    "resent": "RESULTs an in-place step sent again from a copy (their first send was stuck behind a slow link)",
 }
 
 

@@ -61,7 +61,7 @@ class NodeConfig:
     gossip_interval: float = 0.5
     peer_timeout: float = 5.0
     fanout: int = 2
-    bandwidth: float | str = 1.0  # link rate (any unit every peer shares; 0 = client) or "auto": measured, Mbit/s
+    bandwidth: float | str = "auto"  # link rate (any unit every peer shares; 0 = client) or "auto": measured, Mbit/s
     grid: tuple[int, ...] = ()
     grid_coords: tuple[int, ...] | None = None
     grid_auto: bool = False  # the grid's shape follows the swarm's gossiped size (zgossip.autogrid)
@@ -736,6 +736,12 @@ class Node:
         """Whether members of a recent round of ours may still wait for something we sent them (they
         have not said DONE and are not known dead). A peer shutting down waits (bounded) until not."""
         return any(self._owed.values())
+
+    def still_owes(self, endpoint: str, group_id: str) -> bool:
+        """Whether the member at `endpoint` of our finished round `group_id` may still wait for data
+        of ours (it has not said DONE and is not known dead): a RESULT to it that an in-place step
+        had to drop goes again from a copy (`zgossip.zerocopy.LentPayloads.settle`)."""
+        return endpoint in self._owed.get(group_id, {}).values()
 
     def _on_done_msg(self, msg: Done, now: float) -> None:
         gid = msg.group_id

@@ -5,7 +5,9 @@ sender (`zgossip.fast_send`) where it is built, else through pyzmq with a Messag
 bytes must not change until libzmq is done with them: `LentPayloads.pending` says whether any
 loan is still out, and `wait` waits (bounded) until the given loans are released. A step that
 snapshots the tensors reuses its snapshot buffer only when nothing is pending; an in-place
-step waits for its loans before it hands the tensor back (`ZmqTransport.settle_sends`).
+step waits for its loans before it hands the tensor back (`ZmqTransport.settle_sends`); what a
+slow receiver still waits for then is dropped, and the RESULTs among it are sent again from a copy
+(`settle`).
 """
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ class LentPayloads:
 
     def __init__(self, zsend: Any) -> None:
         self._zsend = zsend  # `_zsend` or None (pyzmq)
-        self._lent: list[tuple[Any, str]] = []  # MessageTracker or _zsend.Payload, by endpoint
+        # MessageTracker or _zsend.Payload, by endpoint, with the message when it is a RESULT (`settle`)
+        self._lent: list[tuple[Any, str, Any]] = []
         self._lock = threading.Lock()  # the I/O thread adds, user threads ask
         self._prune_at = 64
 
@@ -59,22 +62,29 @@ class LentPayloads:
         batch[id(msg)] = (msg, frames, big)
         return frames, big
 
-    def send(self, sock: zmq.Socket, frames: Any, big: bool, endpoint: str) -> None:
-        """Send encoded `frames` on `sock` without blocking, tracking what was lent. Raises
-        OSError / zmq.ZMQError as the socket does (a `_zsend` error may cut a message short)."""
+    def send(self, sock: zmq.Socket, frames: Any, big: bool, endpoint: str, msg: Any = None,
+             track: bool = True) -> None:
+        """Send encoded `frames` on `sock` without blocking, tracking what was lent (with `msg`, the
+        message they encode, kept with the loan when it is a RESULT: `settle` may send it again;
+        ``track=False``: the payload is a private copy, whose loan nobody needs to wait for).
+        Raises OSError / zmq.ZMQError as the socket does (a `_zsend` error may cut a message short)."""
+        keep = msg if msg is not None and msg.type is wire.MsgType.RESULT else None
         zs = self._zsend
         if zs is not None:
             zs.send(sock.underlying, frames)
-            self._track([(f, endpoint) for f in frames if isinstance(f, zs.Payload)])
+            if track:
+                self._track([(f, endpoint, keep) for f in frames if isinstance(f, zs.Payload)])
+        elif big and not track:
+            sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         elif big:
             tracker = sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False, track=True)
             if len(frames) > 2:  # several payload frames: pending until libzmq released them all
                 tracker = zmq.MessageTracker(*frames[1:])
-            self._track([(tracker, endpoint)])
+            self._track([(tracker, endpoint, keep)])
         else:
             sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=len(frames) == 1)
 
-    def _track(self, lent: list[tuple[Any, str]]) -> None:
+    def _track(self, lent: list[tuple[Any, str, Any]]) -> None:
         if not lent:
             return
         with self._lock:
@@ -82,13 +92,13 @@ class LentPayloads:
             if len(self._lent) >= self._prune_at:
                 # nobody may ask `pending` for a long time (in-place steps never do):
                 # drop finished loans here so the list stays as short as what is in flight
-                self._lent = [(t, ep) for t, ep in self._lent if not t.done]
+                self._lent = [e for e in self._lent if not e[0].done]
                 self._prune_at = max(64, 2 * len(self._lent))
 
-    def pending(self) -> list[tuple[Any, str]]:
-        """The loans libzmq has not released yet, as (tracker, endpoint)."""
+    def pending(self) -> list[tuple[Any, str, Any]]:
+        """The loans libzmq has not released yet, as (tracker, endpoint, RESULT message or None)."""
         with self._lock:
-            self._lent = [(t, ep) for t, ep in self._lent if not t.done]
+            self._lent = [e for e in self._lent if not e[0].done]
             return list(self._lent)
 
     def released(self, tracker: Any, timeout: float) -> bool:
@@ -106,25 +116,37 @@ class LentPayloads:
             return False
         return True
 
-    def settle(self, timeout: float, release_timeout: float, drop: Callable[[list[str]], None], who: str) -> int:
-        """Wait (at most `timeout`) until libzmq released every loan; then ``drop(endpoints)`` whose
-        loans are still queued, and wait (at most `release_timeout`) until libzmq let go of those.
+    def settle(self, timeout: float, release_timeout: float,
+               drop: Callable[[list[str], list[tuple[str, Any]]], None], who: str) -> int:
+        """Wait (at most `timeout`) until libzmq released every loan; then ``drop(endpoints, resend)``:
+        close the connections whose loans are still queued and send `resend` -- the RESULTs among
+        them, as (endpoint, message), in the order they were sent -- again from a copy; then wait (at
+        most `release_timeout`) until libzmq let go of the tensor.
 
         A step that averaged the user's tensor in place calls this before handing the tensor back:
         bytes still waiting for a slow or dead peer must never leave after the user changed them.
-        Such a peer simply misses those parts and, by the protocol's rules, leaves us out.
+        A PART such a peer misses leaves us out of its span, by the protocol's rules; a RESULT is
+        what a slower groupmate still needs to finish its round, so it goes again from a copy (the
+        transport sends it only to a member still owed one: not to one that said DONE or died).
         Returns the number of peers whose data was dropped.
         """
         deadline, pending = time.monotonic() + timeout, self.pending()
-        for t, _ in pending:
+        for t, _, _ in pending:
             if not self.released(t, deadline - time.monotonic()):
                 break
-        stuck = sorted({ep for t, ep in pending if not t.done})
+        stuck = sorted({ep for t, ep, _ in pending if not t.done})
         if not stuck:
             return 0
+        # a payload sent to several peers is one loan per send: each of its sends still pending is sent
+        # again (one that had left already arrives twice; the receiver counts the copy late)
+        resend, seen = [], set()
+        for t, ep, msg in pending:
+            if msg is not None and not t.done and (ep, id(msg)) not in seen:
+                seen.add((ep, id(msg)))
+                resend.append((ep, msg))
         until = time.monotonic() + release_timeout
         try:
-            drop(stuck)
+            drop(stuck, resend)
         except RuntimeError:  # the transport is stopping: its sockets close anyway
             return 0
         except cf.TimeoutError:  # a busy I/O thread: the closing may still come; wait for the release below
@@ -132,7 +154,7 @@ class LentPayloads:
         for ep in stuck:
             log.warning("zgossip node %s: dropped unsent data for %s (the step is over)", who, ep)
         # closing is asynchronous in libzmq: only once it released the payloads has it stopped reading them
-        if not all(self.released(t, until - time.monotonic()) for t, _ in pending):
+        if not all(self.released(t, until - time.monotonic()) for t, _, _ in pending):
             log.warning("zgossip node %s: libzmq still holds parts of the tensor %.1f s after their "
                         "connections were closed", who, release_timeout)
         return len(stuck)

@@ -65,7 +65,7 @@ log = logging.getLogger(__name__)
 
 _INLINE_BYTES = 1 << 12  # received frames up to this size are copied into bytes, larger ones are not
 _STATS = ("received", "invalid", "sent", "send_errors", "errors", "disconnects", "connections", "local_connections",
-          "unauthenticated", "refused", "handshake_failures", "unreachable", "connections_cut")
+          "unauthenticated", "refused", "handshake_failures", "unreachable", "connections_cut", "resent")
 # the ROUTERs' monitors: failed handshakes (logged), and every closed connection (`zgossip.cuts`)
 _ROUTER_EVENTS = (HANDSHAKE_EVENTS | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_ACCEPTED
                   | zmq.EVENT_DISCONNECTED)
@@ -240,11 +240,21 @@ class ZmqTransport:
 
     def settle_sends(self, timeout: float, release_timeout: float = 5.0) -> int:
         """See `zgossip.zerocopy.LentPayloads.settle`: stuck loans are dropped by closing the
-        connections to their peers on the I/O thread (linger 0 discards their queues)."""
-        def drop(stuck: list[str]) -> None:
+        connections to their peers on the I/O thread (linger 0 discards their queues), and the
+        stuck RESULTs that a groupmate is still owed (`Node.still_owes`) are sent again from a copy."""
+        def drop(stuck: list[str], resend: list) -> None:
             if self._stopping:
                 raise RuntimeError("driver is stopped")
-            self.run_on_io(lambda node, now: [self.connections.close(ep) for ep in stuck], release_timeout)
+
+            def run(node: Node, now: float) -> None:
+                for ep in stuck:
+                    self.connections.close(ep)
+                for ep, msg in resend:
+                    if node.still_owes(ep, msg.group_id):
+                        self.transmit(ep, msg.detached(), private=True)
+                        self.stats["resent"] += 1
+
+            self.run_on_io(run, release_timeout)
 
         return self._lent.settle(timeout, release_timeout, drop, self.endpoint)
 
@@ -548,14 +558,15 @@ class ZmqTransport:
         self._guard(self.node.on_peer_down, endpoint, self.clock.now())
 
     # ---------------------------------------------------------------- actions.Carrier
-    def transmit(self, endpoint: str, msg: wire.Message, batch: dict | None = None) -> None:
+    def transmit(self, endpoint: str, msg: wire.Message, batch: dict | None = None, private: bool = False) -> None:
+        """Send `msg` (its payload lent to libzmq, tracked unless `private`: a copy nobody else holds)."""
         if endpoint.startswith(CLIENT_SCHEME):
             return self._to_client(endpoint, msg, batch)
         try:
             frames, big = self._lent.encode(msg, {} if batch is None else batch)
             sock = self.connections.dealer(endpoint, wire.lane_of(msg.type))
             try:
-                self._lent.send(sock, frames, big, endpoint)
+                self._lent.send(sock, frames, big, endpoint, msg, track=not private)
             except OSError:
                 self.connections.close(endpoint)  # a multipart message may be cut short on that socket
                 raise

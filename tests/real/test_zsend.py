@@ -184,6 +184,77 @@ def test_settle_sends_drops_what_a_dead_peer_never_took(monkeypatch, path):
             silent.close()
 
 
+@pytest.mark.parametrize("path", ["zsend", "pyzmq"])
+def test_settle_sends_resends_a_result_still_owed_from_a_copy(monkeypatch, path):
+    # an in-place step's RESULT stuck behind a slow receiver: settle_sends closes that connection, as
+    # for any stuck loan, but a groupmate still owed it (no DONE yet) gets it again from a copy, so it
+    # can finish its round; the copy holds the values of the step, not what the caller writes after
+    if path == "zsend" and not zmq_driver.FAST_SEND:
+        pytest.skip("zgossip._zsend not in use here")
+    if path == "pyzmq":
+        monkeypatch.setattr(fast_send, "zsend", None)
+    from zgossip import Averager, wire
+
+    ctx = zmq.Context.instance()
+    slow = ctx.socket(zmq.ROUTER)  # reads one message, then holds the rest back (RCVHWM 1): a slow link
+    slow.setsockopt(zmq.RCVHWM, 1)
+    slow.setsockopt(zmq.RCVBUF, 64 << 10)
+    slow.setsockopt(zmq.LINGER, 0)
+    port = slow.bind_to_random_port("tcp://127.0.0.1")
+    ep = f"tcp://127.0.0.1:{port}"
+    gid = "0" * 16
+    try:
+        with Averager([np.zeros(4, np.float32)], prefix="resend") as x:
+            d = x._transport
+            tensor = np.arange(4 << 20, dtype=np.float32)  # 16 MiB per RESULT: more than the kernel buffers
+            half = len(tensor) // 2
+
+            def result(part: int, data: np.ndarray):
+                return wire.make_message(wire.MsgType.RESULT, x.peer_id, x.endpoint,
+                                         {"gid": gid, "owner": 0, "part": part, "contrib": [0, 1], "resc": 0},
+                                         (data,))
+
+            first, second = result(0, tensor[:half]), result(1, tensor[half:])
+
+            def send(node, now):
+                node._owed[gid] = {"f" * 16: ep}  # a groupmate of a finished round that has not said DONE
+                d.transmit(ep, first)
+                d.transmit(ep, second)
+
+            d.run_on_io(send, 5)
+            deadline = time.monotonic() + 5
+            while not d.sends_pending() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert d.sends_pending()
+            assert d.settle_sends(0.3) == 1  # the connection with the stuck RESULT is closed
+            assert not d.sends_pending()  # the tensor is free: the copy sent again is the transport's own
+            assert d.stats["resent"] >= 1
+            tensor[:] = -1.0  # the caller changes its tensor once the step returned
+            got = {}
+            deadline = time.monotonic() + 20
+            while 1 not in got and time.monotonic() < deadline:
+                if slow.poll(200):
+                    frames = slow.recv_multipart()
+                    msg = wire.decode(frames[1:])
+                    got[msg.part] = msg.data.copy()
+            assert 1 in got, "the stuck RESULT never arrived again"
+            assert np.array_equal(got[1], np.arange(half, 2 * half, dtype=np.float32))  # the step's values
+            assert 0 in got and np.array_equal(got[0], np.arange(half, dtype=np.float32))
+
+            # a groupmate that said DONE (or died) is owed nothing: nothing is sent again
+            resent = d.stats["resent"]
+            d.run_on_io(lambda node, now: node._owed[gid].clear(), 5)
+            tensor[:] = np.arange(len(tensor), dtype=np.float32)
+            d.run_on_io(lambda node, now: (d.transmit(ep, result(2, tensor[:half])),
+                                           d.transmit(ep, result(3, tensor[half:]))), 5)
+            time.sleep(0.3)
+            if d.sends_pending():
+                d.settle_sends(0.3)
+            assert d.stats["resent"] == resent
+    finally:
+        slow.close(0)
+
+
 def test_recv_whole_messages_small_frames_as_bytes(zs, pair):
     router, dealer = pair
     assert zs.recv(router.underlying, 4096) is None  # nothing waiting: None, not an exception
