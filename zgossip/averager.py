@@ -84,10 +84,11 @@ class Averager:
     the rendezvous window; ``request_timeout`` how long a silent rendezvous peer is given;
     ``part_size_bytes`` the streaming unit; ``part_timeout`` how long a silent member is
     waited for before it is excluded (an owner gets twice that); ``allreduce_timeout``
-    bounds a round; ``bandwidth`` is this peer's relative share of the reduction (0 makes
-    it a client that reduces nothing; ``"auto"`` measures its link rate in Mbit/s -- the lower of
-    its download and upload rates -- from the transfers of its rounds and gossips it, see
-    `zgossip.linkstats`); ``part_timeout_floor`` /
+    bounds a round; ``bandwidth`` is this peer's link rate, what its share of the reduction
+    follows: ``"auto"`` (the default) measures it in Mbit/s -- the lower of its download and
+    upload rates -- from the transfers of its rounds and gossips it (`zgossip.linkstats`); a
+    number declares it (in Mbit/s where it meets measured rates; the same number on every peer
+    gives equal spans); 0 makes it a client that reduces nothing; ``part_timeout_floor`` /
     ``deadline_slack`` turn ``part_timeout`` into a cap on adaptive deadlines: a groupmate whose
     pace was measured is given up after ``deadline_slack`` x the time its next part takes at that
     pace, at least ``part_timeout_floor`` seconds, and past ``part_timeout`` only when it was
