@@ -21,7 +21,8 @@ Delivery contract -- what the protocol may assume, and what the simulator must m
   that fail `wire.decode` are dropped and counted, never raised.
 * **Loss.** Messages still queued or in flight when either end dies, when the sender closes
   the connection (`Disconnect`, shutdown), or when an in-place step drops unsent parts
-  (`settle_sends`) are lost, silently. A live, reachable peer loses nothing (TCP retransmits
+  (`settle_sends`) are lost, silently -- except that `settle_sends` sends the RESULTs it had to
+  drop again, from a copy, to the members the node still owes (`Node.still_owes`). A live, reachable peer loses nothing (TCP retransmits
   through short partitions; nothing is dropped for being slow: no high-water mark).
 * **Disconnect notices.** When the connection (lane 0) to a peer this node has sent to drops
   because the peer's process died, the node is told (`Node.on_peer_down(endpoint, now)`),
