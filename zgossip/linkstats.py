@@ -21,8 +21,12 @@ all-reduce rounds, with the times the driver passes in (no clock here):
   per byte, as its second, which puts every receipt on one time axis from our round's start. The
   round's sample is then the largest running rate, as for the download (bytes delivered by t over
   t, once a minimal window has passed): a stream held back by a slow owner's downlink lowers it
-  only while it is the only one left. Like the download it is what the link carried, a lower
-  bound; the estimate is the same percentile over rounds. Its window is longer
+  only while it is the only one left. A window that closes on a receipt after a silence longer
+  than half of it (`UPLOAD_LULL`: an owner froze before reading our last part, and nothing else of
+  ours was arriving) gives no sample: it would time that owner, not our uplink. Like the download
+  it is what the link carried, a lower bound; the estimate is the same percentile over the last
+  `window` rounds, counting rounds that gave no sample, so an old sample ages out on links whose
+  rounds are too short to measure the upload again. Its window is longer
   (`min_upload_s`, 0.2 s): a receipt is when the owner's event loop got to the part, and over
   a few milliseconds that times the owner's CPU, not our link -- on the testbed's 1 Gbit hosts
   (4 MiB, 70 ms rounds on 2 busy cores) 50 ms windows read 450-590 Mbit/s, split the equal
@@ -53,6 +57,9 @@ MAX_RATE_MBIT = 1e7
 #: payloads smaller than this say more about latency than about the link: not used for pace
 MIN_PACE_BYTES = 16 << 10
 PERCENTILE = 0.9
+#: an upload sample is not taken at a receipt that came after a silence longer than this share of the
+#: window it would close (`LinkStats._upload_sample`)
+UPLOAD_LULL = 0.5
 
 
 def valid_rate(x: object) -> bool:
@@ -96,7 +103,9 @@ class LinkStats:
         self._largest = 0  # largest payload this round
         self._last: dict[str, float] = {}  # peer -> arrival of its previous payload (this round)
         self._pace: dict[str, deque[float]] = {}  # peer -> recent seconds per byte
-        self._up_rates: deque[float] = deque(maxlen=window)  # bytes/s: each round's upload sample
+        # bytes/s: each round's upload sample, None for a round without one -- so a sample ages out after
+        # `window` rounds even where rounds are too short to give new ones (fast links)
+        self._up_rates: deque[float | None] = deque(maxlen=window)
         self._receipts: dict[str, list[tuple[float, int]]] = {}  # owner -> (rx seconds, bytes) this round
         self._up_best: float | None = 0.0  # this round's upload sample (None: receipts came since)
 
@@ -106,9 +115,9 @@ class LinkStats:
         its transfers complete, and they measure this link all the same)."""
         if self._best > 0:
             self._rates.append(self._best)
-        up = self._upload_sample()
-        if up > 0:
-            self._up_rates.append(up)
+        if self._start is not None:
+            up = self._upload_sample()
+            self._up_rates.append(up if up > 0 else None)
         self._receipts.clear()
         self._up_best = 0.0
         self._start, self._bytes, self._best, self._largest = now, 0, 0.0, 0
@@ -188,11 +197,14 @@ class LinkStats:
             lead = (r1 - r0) * b0 / b1
             arrivals += [(r - r0 + lead, b) for r, b in got]
         arrivals.sort()
-        best, moved = 0.0, 0
+        best, moved, before = 0.0, 0, 0.0
         for t, b in arrivals:
             moved += b
-            if t >= self.min_upload_s and moved >= self.min_window_bytes:
+            # a rate over [0, t] that ends in a lull (an owner that stalled before reading our last
+            # part: nothing of ours arrived anywhere meanwhile) times the owner, not our uplink
+            if t >= self.min_upload_s and moved >= self.min_window_bytes and t - before <= UPLOAD_LULL * t:
                 best = max(best, moved / t)
+            before = t
         self._up_best = best
         return best
 
@@ -206,7 +218,7 @@ class LinkStats:
     def upload_mbit(self) -> float | None:
         """This peer's upload rate in Mbit/s, as its groupmates' receipts tell it; None before a first sample."""
         up = self._upload_sample()
-        rates = list(self._up_rates) + ([up] if up > 0 else [])
+        rates = [r for r in self._up_rates if r is not None] + ([up] if up > 0 else [])
         if not rates:
             return None
         return _percentile(rates, PERCENTILE) * 8e-6

@@ -184,3 +184,45 @@ def test_uploads_shorter_than_the_upload_window_are_not_measured():
     assert ls.estimate_mbit() == ls.download_mbit() == pytest.approx(8.0 * (6 << 20) / 0.15 / 1e6)
     short = fed(min_upload_s=0.05)  # with the download's window the same receipts would be a sample
     assert short.upload_mbit() is not None and short.estimate_mbit() == short.upload_mbit()
+
+
+def _receipts(ls: LinkStats, owners: str, parts: int, every: float, part: int = 256 << 10) -> None:
+    for k in range(parts):
+        for owner in owners:
+            ls.on_receipt(owner, part, k * every)
+
+
+def test_an_owner_stalled_before_our_last_part_gives_no_upload_sample():
+    # fast links: 3 parts each reach 3 owners within 16 ms, but owner c froze (a pause, a GC, a busy
+    # core) and read our last part only at 0.25 s. Bytes over 0.25 s would read ~100 Mbit/s for a
+    # 1 Gbit/s uplink: the testbed's fast4 case took that as the host's rate, planned it in a class
+    # of its own and kept it owning nothing (its later rounds too short to measure the upload
+    # again), 1.3x slower per step. A window that ends in such a silence is no sample.
+    part = 256 << 10
+    ls = LinkStats()
+    ls.begin(0.0)
+    for k, t in enumerate((0.0, 0.0052, 0.016)):
+        for owner in "abc":
+            ls.on_receipt(owner, part, t)
+    ls.on_receipt("a", part, 0.0244)
+    ls.on_receipt("b", part, 0.0247)
+    ls.on_receipt("c", part, 0.2537)
+    assert ls.upload_mbit() is None
+    # the same stream with its parts spread over the window (a slow uplink) is one
+    ls2 = LinkStats()
+    ls2.begin(0.0)
+    _receipts(ls2, "abc", 4, 0.1)
+    assert ls2.upload_mbit() is not None
+
+
+def test_an_upload_sample_ages_out_after_window_rounds_without_one():
+    ls = LinkStats(window=8)
+    ls.begin(0.0)
+    _receipts(ls, "abc", 4, 0.1)  # a slow round: a sample
+    up = ls.upload_mbit()
+    assert up is not None
+    for r in range(1, 9):
+        ls.begin(float(r))  # rounds too short to give an upload sample
+        assert ls.upload_mbit() == pytest.approx(up)  # round 0 is among the last 8 completed
+    ls.begin(9.0)
+    assert ls.upload_mbit() is None  # no longer: it does not speak for the link any more
