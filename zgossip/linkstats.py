@@ -21,9 +21,9 @@ all-reduce rounds, with the times the driver passes in (no clock here):
   per byte, as its second, which puts every receipt on one time axis from our round's start. The
   round's sample is then the largest running rate, as for the download (bytes delivered by t over
   t, once a minimal window has passed): a stream held back by a slow owner's downlink lowers it
-  only while it is the only one left. A window that closes on a receipt after a silence longer
-  than half of it (`UPLOAD_LULL`: an owner froze before reading our last part, and nothing else of
-  ours was arriving) gives no sample: it would time that owner, not our uplink. Like the download
+  only while it is the only one left. An owner that froze mid-stream (its receipt comes more than
+  `STALL` times the stream's largest earlier gap, and over 50 ms, after the one before) times
+  itself, not our uplink: that receipt and the stream's later ones are left out. Like the download
   it is what the link carried, a lower bound; the estimate is the same percentile over the last
   `window` rounds, counting rounds that gave no sample, so an old sample ages out on links whose
   rounds are too short to measure the upload again. Its window is longer
@@ -57,9 +57,10 @@ MAX_RATE_MBIT = 1e7
 #: payloads smaller than this say more about latency than about the link: not used for pace
 MIN_PACE_BYTES = 16 << 10
 PERCENTILE = 0.9
-#: an upload sample is not taken at a receipt that came after a silence longer than this share of the
-#: window it would close (`LinkStats._upload_sample`)
-UPLOAD_LULL = 0.5
+#: a receipt this many times the stream's largest earlier gap after the one before it (and at least
+#: `STALL_S` after) says the owner stalled: it and the stream's later receipts are no upload sample
+STALL = 4.0
+STALL_S = 0.05
 
 
 def valid_rate(x: object) -> bool:
@@ -195,16 +196,20 @@ class LinkStats:
             # the first part took as long as the second, per byte: both left while every stream of
             # the round still shared the uplink (the parts go out interleaved)
             lead = (r1 - r0) * b0 / b1
-            arrivals += [(r - r0 + lead, b) for r, b in got]
+            widest = r1 - r0
+            for k, (r, b) in enumerate(got):
+                if k >= 2:
+                    gap = r - got[k - 1][0]
+                    if gap > STALL * widest and gap > STALL_S:
+                        break  # the owner stalled (a pause, a busy core): the rest times it, not our uplink
+                    widest = max(widest, gap)
+                arrivals.append((r - r0 + lead, b))
         arrivals.sort()
-        best, moved, before = 0.0, 0, 0.0
+        best, moved = 0.0, 0
         for t, b in arrivals:
             moved += b
-            # a rate over [0, t] that ends in a lull (an owner that stalled before reading our last
-            # part: nothing of ours arrived anywhere meanwhile) times the owner, not our uplink
-            if t >= self.min_upload_s and moved >= self.min_window_bytes and t - before <= UPLOAD_LULL * t:
+            if t >= self.min_upload_s and moved >= self.min_window_bytes:
                 best = max(best, moved / t)
-            before = t
         self._up_best = best
         return best
 

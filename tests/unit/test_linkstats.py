@@ -215,6 +215,22 @@ def test_an_owner_stalled_before_our_last_part_gives_no_upload_sample():
     assert ls2.upload_mbit() is not None
 
 
+def test_a_slow_owner_is_no_stall_and_does_not_hide_the_fast_streams():
+    # the fidelity matrix's slow1 case: a 1 Gbit/s host's streams to two fast owners end within 20 ms,
+    # the third owner's 10 Mbit/s downlink takes a part every ~0.2 s from the start: a slow stream,
+    # not a stalled one. The sample is the running rate at its first receipts past the window, while
+    # the fast streams' bytes count (bytes over the slow stream's whole length would read ~20 Mbit/s)
+    part = 256 << 10
+    ls = LinkStats()
+    ls.begin(0.0)
+    for k in range(4):
+        ls.on_receipt("a", part, k * 0.005)
+        ls.on_receipt("b", part, k * 0.005)
+        ls.on_receipt("c", part, k * 0.21)
+    up = ls.upload_mbit()
+    assert up is not None and up > 60, up
+
+
 def test_an_upload_sample_ages_out_after_window_rounds_without_one():
     ls = LinkStats(window=8)
     ls.begin(0.0)
