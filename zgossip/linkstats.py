@@ -21,9 +21,9 @@ all-reduce rounds, with the times the driver passes in (no clock here):
   per byte, as its second, which puts every receipt on one time axis from our round's start. The
   round's sample is then the largest running rate, as for the download (bytes delivered by t over
   t, once a minimal window has passed): a stream held back by a slow owner's downlink lowers it
-  only while it is the only one left. An owner that froze mid-stream (its receipt comes more than
-  `STALL` times the stream's largest earlier gap, and over 50 ms, after the one before) times
-  itself, not our uplink: that receipt and the stream's later ones are left out. Like the download
+  only while it is the only one left. An owner that froze mid-stream (a gap between its receipts
+  more than `STALL` times every other gap of the stream, and over 50 ms) times itself, not our
+  uplink: the stream is cut before that gap. Like the download
   it is what the link carried, a lower bound; the estimate is the same percentile over the last
   `window` rounds, counting rounds that gave no sample, so an old sample ages out on links whose
   rounds are too short to measure the upload again. Its window is longer
@@ -57,8 +57,8 @@ MAX_RATE_MBIT = 1e7
 #: payloads smaller than this say more about latency than about the link: not used for pace
 MIN_PACE_BYTES = 16 << 10
 PERCENTILE = 0.9
-#: a receipt this many times the stream's largest earlier gap after the one before it (and at least
-#: `STALL_S` after) says the owner stalled: it and the stream's later receipts are no upload sample
+#: a gap between an owner's receipts this many times every other gap of the stream (and at least
+#: `STALL_S`) says the owner stalled there: the stream's later receipts are no upload sample
 STALL = 4.0
 STALL_S = 0.05
 
@@ -195,15 +195,20 @@ class LinkStats:
                 continue
             # the first part took as long as the second, per byte: both left while every stream of
             # the round still shared the uplink (the parts go out interleaved)
+            # a gap far wider than every other of the stream says the owner stalled there (a pause, a
+            # busy core): what follows times it, not our uplink -- cut before it (between the first two
+            # receipts: the stream's lead is unknown, so it is left out)
+            gaps = [got[k][0] - got[k - 1][0] for k in range(1, len(got))]
+            keep = len(got)
+            if len(gaps) >= 2:
+                for k, gap in enumerate(gaps):
+                    if gap > STALL_S and gap > STALL * max(g for i, g in enumerate(gaps) if i != k):
+                        keep = k + 1
+                        break
+            if keep < 2:
+                continue
             lead = (r1 - r0) * b0 / b1
-            widest = r1 - r0
-            for k, (r, b) in enumerate(got):
-                if k >= 2:
-                    gap = r - got[k - 1][0]
-                    if gap > STALL * widest and gap > STALL_S:
-                        break  # the owner stalled (a pause, a busy core): the rest times it, not our uplink
-                    widest = max(widest, gap)
-                arrivals.append((r - r0 + lead, b))
+            arrivals += [(r - r0 + lead, b) for r, b in got[:keep]]
         arrivals.sort()
         best, moved = 0.0, 0
         for t, b in arrivals:

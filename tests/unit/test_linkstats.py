@@ -208,6 +208,14 @@ def test_an_owner_stalled_before_our_last_part_gives_no_upload_sample():
     ls.on_receipt("b", part, 0.0247)
     ls.on_receipt("c", part, 0.2537)
     assert ls.upload_mbit() is None
+    # the same when the owner froze between our first two parts (the stream's lead is unknown)
+    ls1 = LinkStats()
+    ls1.begin(0.0)
+    for owner, times in (("a", (0.0, 0.0052, 0.016, 0.0244)), ("b", (0.0, 0.0061, 0.016, 0.0247)),
+                         ("c", (0.0, 0.2, 0.206, 0.214))):
+        for t in times:
+            ls1.on_receipt(owner, part, t)
+    assert ls1.upload_mbit() is None
     # the same stream with its parts spread over the window (a slow uplink) is one
     ls2 = LinkStats()
     ls2.begin(0.0)
