@@ -67,10 +67,9 @@ def _hints(hosts: list[dict]) -> list[dict]:
     return [{**h, "hint": float(min(h["up_mbit"], h["down_mbit"]))} for h in hosts]
 
 
-def _equal(hosts: list[dict]) -> list[dict]:
-    """The same hosts each declaring bandwidth=1: equal spans whatever the links (the default before
-    ``bandwidth="auto"`` became it; a case without a hint measures its links, zgossip.linkstats)."""
-    return [{**h, "hint": 1.0} for h in hosts]
+def _auto(hosts: list[dict]) -> list[dict]:
+    """The same hosts with bandwidth="auto": each peer measures its rate (zgossip.linkstats)."""
+    return [{**h, "hint": "auto"} for h in hosts]
 
 
 def _lossy(hosts: list[dict], p: float) -> list[dict]:
@@ -90,52 +89,48 @@ MIB = 1 << 18  # float32 values in one MiB
 
 #: name -> (hosts, MiB of float32 per peer)
 CASES: dict[str, tuple[list[dict], int]] = {
-    # a case without "hints" or "equal" in its name runs zgossip's default, bandwidth="auto": spans
-    # follow the rates each peer measures; "-hints-" declares each host's rate (the lower of up and
-    # down), "-equal-" declares the same number everywhere (equal spans)
     "fast4-1g-4m": (_FAST4, 4),
-    "fast4-equal-1g-4m": (_equal(_FAST4), 4),
+    "fast4-auto-1g-4m": (_auto(_FAST4), 4),
     "fast8-1g-16m": ([_h(1000, 1, count=8)], 16),
     "slow1-4m": (_SLOW1, 4),
-    "slow1-equal-4m": (_equal(_SLOW1), 4),
     "slow1-hints-4m": (_hints(_SLOW1), 4),
+    "slow1-auto-4m": (_auto(_SLOW1), 4),
     "home4-4m": (_HOME, 4),
-    "home4-equal-4m": (_equal(_HOME), 4),
     "home4-hints-4m": (_hints(_HOME), 4),
+    "home4-auto-4m": (_auto(_HOME), 4),
     "home4-loss-1m": (_lossy(_HOME, 0.01), 1),
     "home4-1m": (_HOME, 1),
     "home6-1m": (_HOME6, 1),
     "issue4-4m": (_ISSUE, 4),
-    "issue4-equal-4m": (_equal(_ISSUE), 4),
     "issue4-hints-4m": (_hints(_ISSUE), 4),
+    "issue4-auto-4m": (_auto(_ISSUE), 4),
     "lat150-1m": (_LAT150, 1),
     "lat150-loss-1m": (_lossy(_LAT150, 0.01), 1),
     "home4-100m-16m": ([_h(100, 10, count=4)], 16),
     "asym4-4m": (_ASYM, 4),
-    "asym4-equal-4m": (_equal(_ASYM), 4),
     "asym4-hints-4m": (_hints(_ASYM), 4),
+    "asym4-auto-4m": (_auto(_ASYM), 4),
     # scheduled steps (scenario `step_ahead`): matchmaking runs before the step's instant, as in a
     # training loop that schedules the next step before its compute; the step is the all-reduce
     "home4-hints-ahead-4m": (_hints(_HOME), 4),
-    "home4-ahead-4m": (_HOME, 4),
-    "issue4-ahead-4m": (_ISSUE, 4),
+    "home4-auto-ahead-4m": (_auto(_HOME), 4),
+    "issue4-auto-ahead-4m": (_auto(_ISSUE), 4),
 }
 
 #: scenario keys of a case beyond its hosts and size
 EXTRA: dict[str, dict] = {name: {"step_ahead": 0.5} for name in CASES if "-ahead-" in name}
 
-#: pairs of cases that differ in one knob: (knob, without, with). "measured": equal spans -> spans
-#: from measured rates (the default); "hints": measured -> declared rates
+#: pairs of cases that differ in one knob: (knob, without, with)
 PAIRS: list[tuple[str, str, str]] = [
-    ("measured", "home4-equal-4m", "home4-4m"),
-    ("measured", "issue4-equal-4m", "issue4-4m"),
-    ("measured", "slow1-equal-4m", "slow1-4m"),
-    ("measured", "asym4-equal-4m", "asym4-4m"),
-    ("measured", "fast4-equal-1g-4m", "fast4-1g-4m"),
-    ("hints", "home4-equal-4m", "home4-hints-4m"),
-    ("hints", "issue4-equal-4m", "issue4-hints-4m"),
-    ("hints", "slow1-equal-4m", "slow1-hints-4m"),
-    ("hints", "asym4-equal-4m", "asym4-hints-4m"),
+    ("hints", "home4-4m", "home4-hints-4m"),
+    ("hints", "issue4-4m", "issue4-hints-4m"),
+    ("hints", "slow1-4m", "slow1-hints-4m"),
+    ("auto", "home4-4m", "home4-auto-4m"),
+    ("auto", "issue4-4m", "issue4-auto-4m"),
+    ("auto", "slow1-4m", "slow1-auto-4m"),
+    ("auto", "fast4-1g-4m", "fast4-auto-1g-4m"),
+    ("hints", "asym4-4m", "asym4-hints-4m"),
+    ("auto", "asym4-4m", "asym4-auto-4m"),
     ("ahead", "home4-hints-4m", "home4-hints-ahead-4m"),
     ("loss", "home4-1m", "home4-loss-1m"),
     ("loss", "lat150-1m", "lat150-loss-1m"),
@@ -150,13 +145,13 @@ QUICK = ["home4-1m"]
 #: 2.8 s. Ten rounds make the median less a matter of the draw; the simulator's side is
 #: moreover the median of `LOSSY_SEEDS` replays (`predict`). lat150-loss-1m takes 20: its rounds
 #: spread 1.5-7.0 s within one run (a retransmission timeout on a 150 ms path is 0.35 s and more,
-#: and a round waits for the worst of 12 streams), and with ten its median read 1.86-2.99 s over
-#: five runs of the same code on 24 Nov.
+#: and a round waits for the worst of 12 streams); with ten, equal spans read 2.07-2.78 s over
+#: five matrices (23-24 Nov), and bandwidth="auto" 1.86-2.99 s over four runs.
 MIN_ROUNDS = {"home4-loss-1m": 10, "lat150-loss-1m": 20,
               # 0.08 s steps move by +-8 % between runs here (the forwarder and the peers share 2 cores),
               # more than the 5 % the direction check calls flat: with ten rounds two runs of the
               # same equal split still read 6.8 % apart once; twenty cost 12 s more than the default
-              "fast4-1g-4m": 20, "fast4-equal-1g-4m": 20}
+              "fast4-1g-4m": 20, "fast4-auto-1g-4m": 20}
 
 
 def case_scenario(name: str, rounds: int = 4, seed: int = 1) -> dict:

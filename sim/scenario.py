@@ -39,7 +39,7 @@ never inside them). Keys, with defaults:
                                 # host i to host j takes latency_i + latency_j), jitter_ms, loss
                                 # (packet loss probability on this host's link, each direction),
                                 # hint (the protocol's `bandwidth` for this peer, a number or
-                                # "auto" = measured; omitted = the Averager's default, "auto"),
+                                # "auto" = measured; omitted = 1.0),
                                 # count (this many identical hosts). The testbed (sim.testbed)
                                 # builds exactly these links.
     [[faults]]                  # see sim.faults: crash, crash_rejoin, pause, partition, slow

@@ -85,10 +85,11 @@ class Averager:
     ``part_size_bytes`` the streaming unit; ``part_timeout`` how long a silent member is
     waited for before it is excluded (an owner gets twice that); ``allreduce_timeout``
     bounds a round; ``bandwidth`` is this peer's link rate, what its share of the reduction
-    follows: ``"auto"`` (the default) measures it in Mbit/s -- the lower of its download and
-    upload rates -- from the transfers of its rounds and gossips it (`zgossip.linkstats`); a
-    number declares it (in Mbit/s where it meets measured rates; the same number on every peer
-    gives equal spans); 0 makes it a client that reduces nothing; ``part_timeout_floor`` /
+    follows: a number declares it (any unit every peer uses, Mbit/s where it meets measured
+    rates; the default, the same number on every peer, gives equal spans); ``"auto"`` measures
+    it in Mbit/s -- the lower of its download and upload rates -- from the transfers of its
+    rounds and gossips it (`zgossip.linkstats`); 0 makes it a client that reduces nothing;
+    ``part_timeout_floor`` /
     ``deadline_slack`` turn ``part_timeout`` into a cap on adaptive deadlines: a groupmate whose
     pace was measured is given up after ``deadline_slack`` x the time its next part takes at that
     pace, at least ``part_timeout_floor`` seconds, and past ``part_timeout`` only when it was
@@ -188,7 +189,7 @@ class Averager:
         part_size_bytes: int = 4 << 20,
         part_timeout: float = 5.0,
         allreduce_timeout: float = 60.0,
-        bandwidth: float | str = "auto",
+        bandwidth: float | str = 1.0,
         part_timeout_floor: float | None = 2.0,
         deadline_slack: float = 4.0,
         averaging_alpha: float = 1.0,

@@ -61,7 +61,7 @@ class NodeConfig:
     gossip_interval: float = 0.5
     peer_timeout: float = 5.0
     fanout: int = 2
-    bandwidth: float | str = "auto"  # link rate (any unit every peer shares; 0 = client) or "auto": measured, Mbit/s
+    bandwidth: float | str = 1.0  # link rate (any unit every peer shares; 0 = client) or "auto": measured, Mbit/s
     grid: tuple[int, ...] = ()
     grid_coords: tuple[int, ...] | None = None
     grid_auto: bool = False  # the grid's shape follows the swarm's gossiped size (zgossip.autogrid)
