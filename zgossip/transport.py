@@ -22,7 +22,8 @@ Delivery contract -- what the protocol may assume, and what the simulator must m
 * **Loss.** Messages still queued or in flight when either end dies, when the sender closes
   the connection (`Disconnect`, shutdown), or when an in-place step drops unsent parts
   (`settle_sends`) are lost, silently -- except that `settle_sends` sends the RESULTs it had to
-  drop again, from a copy, to the members the node still owes (`Node.still_owes`). A live, reachable peer loses nothing (TCP retransmits
+  drop again, from a copy, to the members the node still owes (`Node.still_owes`); a client's
+  payloads are copies from the start (its queue on our ROUTER cannot be dropped). A live, reachable peer loses nothing (TCP retransmits
   through short partitions; nothing is dropped for being slow: no high-water mark).
 * **Disconnect notices.** When the connection (lane 0) to a peer this node has sent to drops
   because the peer's process died, the node is told (`Node.on_peer_down(endpoint, now)`),

@@ -57,7 +57,7 @@ from .node import Node
 from .process_tuning import context, name_this_thread, tune_malloc
 from .state import chunk_digest
 from .transport import NodeFactory
-from .zerocopy import LentPayloads
+from .zerocopy import TRACK_BYTES, LentPayloads
 
 __all__ = ["ZmqTransport", "ZmqDriver", "check_endpoint", "FAST_SEND"]
 
@@ -608,9 +608,15 @@ class ZmqTransport:
             q.append(msg.detached())
             return
         try:
+            # a client's messages wait in our ROUTER's queue, which cannot be dropped for one peer: an
+            # in-place step could not take a stuck loan back (settle_sends closes DEALERs), so a client
+            # gets its payloads from a copy, never lent from the tensor
+            copied = bool(msg.payload) and msg.payload[-1].nbytes >= TRACK_BYTES
+            if copied:
+                msg, batch = msg.detached(), None
             frames, big = self._lent.encode(msg, {} if batch is None else batch)
             frames = (rid, *frames) if isinstance(frames, tuple) else [rid, *frames]
-            self._lent.send(self._router, frames, big, endpoint)
+            self._lent.send(self._router, frames, big, endpoint, track=not copied)
             self.stats["sent"] += 1
         except (zmq.ZMQError, OSError) as e:  # the client's connection is gone (ROUTER_MANDATORY)
             self._replies.pop(pid, None)
