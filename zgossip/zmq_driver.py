@@ -249,9 +249,13 @@ class ZmqTransport:
             def run(node: Node, now: float) -> None:
                 for ep in stuck:
                     self.connections.close(ep)
+                copies: dict[int, wire.Message] = {}  # one copy of a RESULT stuck for several members
                 for ep, msg in resend:
                     if node.still_owes(ep, msg.group_id):
-                        self.transmit(ep, msg.detached(), private=True)
+                        copy = copies.get(id(msg))
+                        if copy is None:
+                            copy = copies[id(msg)] = msg.detached()
+                        self.transmit(ep, copy, private=True)
                         self.stats["resent"] += 1
 
             self.run_on_io(run, release_timeout)

@@ -184,6 +184,14 @@ def test_settle_sends_drops_what_a_dead_peer_never_took(monkeypatch, path):
             silent.close()
 
 
+def _result(x, gid: str, part: int, data: np.ndarray):
+    """A RESULT of owner 0 over members 0 and 1 from averager `x`, carrying `data` (a view, lent as sent)."""
+    from zgossip import wire
+
+    return wire.make_message(wire.MsgType.RESULT, x.peer_id, x.endpoint,
+                             {"gid": gid, "owner": 0, "part": part, "contrib": [0, 1], "resc": 0}, (data,))
+
+
 @pytest.mark.parametrize("path", ["zsend", "pyzmq"])
 def test_settle_sends_resends_a_result_still_owed_from_a_copy(monkeypatch, path):
     # an in-place step's RESULT stuck behind a slow receiver: settle_sends closes that connection, as
@@ -210,9 +218,7 @@ def test_settle_sends_resends_a_result_still_owed_from_a_copy(monkeypatch, path)
             half = len(tensor) // 2
 
             def result(part: int, data: np.ndarray):
-                return wire.make_message(wire.MsgType.RESULT, x.peer_id, x.endpoint,
-                                         {"gid": gid, "owner": 0, "part": part, "contrib": [0, 1], "resc": 0},
-                                         (data,))
+                return _result(x, gid, part, data)
 
             first, second = result(0, tensor[:half]), result(1, tensor[half:])
 
@@ -247,10 +253,12 @@ def test_settle_sends_resends_a_result_still_owed_from_a_copy(monkeypatch, path)
             tensor[:] = np.arange(len(tensor), dtype=np.float32)
             d.run_on_io(lambda node, now: (d.transmit(ep, result(2, tensor[:half])),
                                            d.transmit(ep, result(3, tensor[half:]))), 5)
-            time.sleep(0.3)
-            if d.sends_pending():
-                d.settle_sends(0.3)
-            assert d.stats["resent"] == resent
+            deadline = time.monotonic() + 5  # nothing is read any more: the second one is stuck again
+            while not d.sends_pending() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert d.sends_pending()
+            assert d.settle_sends(0.3) == 1
+            assert d.stats["resent"] == resent and not d.sends_pending()
     finally:
         slow.close(0)
 
@@ -281,15 +289,10 @@ def test_a_client_gets_its_payloads_from_a_copy(monkeypatch, path):
             tensor = np.arange(4 << 20, dtype=np.float32)
             half = len(tensor) // 2
 
-            def result(part, data):
-                return wire.make_message(wire.MsgType.RESULT, x.peer_id, x.endpoint,
-                                         {"gid": "0" * 16, "owner": 0, "part": part, "contrib": [0, 1], "resc": 0},
-                                         (data,))
-
             time.sleep(0.3)
             d.run_on_io(lambda node, now: (d._replies.__setitem__(pid, b"c" * 8),
-                                           d.transmit(client_endpoint(pid), result(0, tensor[:half])),
-                                           d.transmit(client_endpoint(pid), result(1, tensor[half:]))), 5)
+                                           d.transmit(client_endpoint(pid), _result(x, "0" * 16, 0, tensor[:half])),
+                                           d.transmit(client_endpoint(pid), _result(x, "0" * 16, 1, tensor[half:]))), 5)
             assert not d.sends_pending()  # nothing of the tensor is lent
             assert d.stats["unreachable"] == 0 and d.stats["sent"] >= 2
             tensor[:] = -1.0  # the step returned; the caller changes its tensor
