@@ -137,7 +137,7 @@ class SimTransport:
         tcp = self.cluster.tcp
         return tcp is not None and any(not tcp.released(t) for t in self._trackers)
 
-    def settle_sends(self, timeout: float, release_timeout: float = 5.0) -> int:
+    def settle_sends(self, timeout: float, release_timeout: float = 5.0, group_id: str | None = None) -> int:
         return 0
 
     def close(self, timeout: float = 5.0) -> None:
@@ -334,7 +334,8 @@ class SimPeer(SimTransport):
 
     def _settle(self, out: simpy.Event, act: Any, bound_at: float) -> None:
         """Wait (at most part_timeout, never past `bound_at`) until every zero-copy send of this peer
-        left, then drop what is still queued for the peers it was stuck on, as `settle_sends` does."""
+        left -- those to members the round lost (`Node.gone`) excepted --, then drop what is still
+        queued for the peers it was stuck on, as `settle_sends` does."""
         env, tcp = self.cluster.env, self.cluster.tcp
         pending = [m for m in self._trackers if not tcp.released(m)]
         self._trackers = []
@@ -342,7 +343,9 @@ class SimPeer(SimTransport):
         if not pending or not self.alive:
             out.succeed(act)
             return
-        state = {"left": len(pending), "over": False}
+        gone = self.node.gone(act.result.group_id) if isinstance(act, StepDone) else frozenset()
+        waited = [m for m in pending if m.token[1].endpoint not in gone]
+        state = {"left": len(waited), "over": False}
 
         def over(_e: Any = None) -> None:
             if state["over"]:
@@ -366,7 +369,10 @@ class SimPeer(SimTransport):
             if state["left"] == 0:
                 over()
 
-        for m in pending:
+        if not waited:
+            over()
+            return
+        for m in waited:
             tcp.watch(m, one)
         env.timeout(min(self.node.config.part_timeout, max(0.0, bound_at - env.now))).callbacks.append(over)
 

@@ -70,11 +70,12 @@ class PartitionFault:
     sides: tuple[tuple[int, ...], tuple[int, ...]]
     start: float
     end: float
+    one_way: bool = False  # only the first side's traffic to the second is cut
 
     def install(self, ctx: "FaultContext") -> None:
         a = frozenset(ctx.endpoint(i) for i in self.sides[0])
         b = frozenset(ctx.endpoint(i) for i in self.sides[1])
-        ctx.network.partitions.append(Partition(self.start, self.end, a, b))
+        ctx.network.partitions.append(Partition(self.start, self.end, a, b, self.one_way))
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ Fault = Crash | CrashRejoin | Pause | PartitionFault | Slow | Churn
 
 
 _FAULT_FIELDS = {"crash": ("peer", "at"), "crash_rejoin": ("peer", "at", "back"), "pause": ("peer", "start", "end"),
-                 "partition": ("sides", "start", "end"), "slow": ("peer", "start", "end", "factor")}
+                 "partition": ("sides", "start", "end", "one_way"), "slow": ("peer", "start", "end", "factor")}
 
 
 def fault_from_dict(d: dict) -> Fault:
@@ -132,8 +133,11 @@ def fault_from_dict(d: dict) -> Fault:
             return Pause(int(args["peer"]), float(args["start"]), float(args["end"]))
         if kind == "partition":
             a, b = args["sides"]
+            one_way = args.get("one_way", False)
+            if not isinstance(one_way, bool):
+                raise ValueError(f"a partition's one_way must be true or false, got {one_way!r}")
             return PartitionFault((tuple(int(x) for x in a), tuple(int(x) for x in b)),
-                                  float(args["start"]), float(args["end"]))
+                                  float(args["start"]), float(args["end"]), one_way)
         if kind == "slow":
             return Slow(int(args["peer"]), float(args["start"]), float(args["end"]), float(args["factor"]))
     except KeyError as e:

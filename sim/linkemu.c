@@ -1,7 +1,8 @@
 /* linkemu: the testbed's switch -- moves Ethernet frames between the switch-side veths of
  * the emulated hosts, holding each frame for the latency of the sender's and the
  * receiver's access links (plus jitter), dropping it with the links' loss probabilities
- * and across an active partition.
+ * and across an active partition (or, for a one-way partition, the frames that carry data:
+ * TCP's bare acknowledgements still pass, so transfers the other way keep flowing).
  *
  * Why a userspace forwarder: this kernel has no netem (and no fq for EDT delays), so delay
  * cannot be a qdisc.  Rates stay in the kernel (tbf on both veth ends, set up by
@@ -18,8 +19,9 @@
  * HHLL = i, so the destination MAC names the output port; anything else is dropped.
  *
  * Usage: linkemu SEED IF0:LAT_US:JIT_US:LOSS IF1:... (one per host, in host order)
- * Control lines on stdin:  block I J | unblock I J | heal | link I LAT_US JIT_US LOSS |
- *                          stats | quit        (EOF = quit).  Answers are JSON lines on stdout.
+ * Control lines on stdin:  block I J | unblock I J | blockdata I J | unblockdata I J | heal |
+ *                          link I LAT_US JIT_US LOSS | stats | quit   (EOF = quit).
+ * Answers are JSON lines on stdout.
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -76,6 +78,21 @@ typedef struct {
 static port P[MAXP];
 static pairq Q[MAXP][MAXP];
 static unsigned char blocked[MAXP][MAXP];
+static unsigned char datablocked[MAXP][MAXP]; /* one-way partitions: frames with data, I to J */
+
+/* Whether an Ethernet frame carries data: anything but a TCP segment without payload (a bare
+ * ACK, SYN or FIN) over IPv4.  A one-way partition drops these from I to J, so J's transfers to I
+ * are still acknowledged and flow, while I's to J stall -- a cut that TCP does not turn into a
+ * two-way one (dropping I's acknowledgements would stall J's transfers too). */
+static int carries_data(const unsigned char *eth, int len) {
+    if (len < ETH_HLEN + 20 || eth[12] != 0x08 || eth[13] != 0x00) return eth[12] != 0x08 || eth[13] != 0x06;
+    const unsigned char *ip = eth + ETH_HLEN;
+    int ihl = (ip[0] & 0x0f) * 4, tot = (ip[2] << 8) | ip[3];
+    if (ip[9] != 6 || ihl < 20 || len < ETH_HLEN + ihl + 20) return 1;
+    int thl = (ip[ihl + 12] >> 4) * 4;
+    if (tot == 0) tot = len - ETH_HLEN; /* a GSO frame past 64 KiB (BIG TCP) leaves tot_len 0 */
+    return tot - ihl - thl > 0;
+}
 static int NP;
 static uint64_t rng_s;
 static unsigned long long late_n, late_max_ns;
@@ -152,7 +169,7 @@ static void on_frame(int src, unsigned char *buf, int len, int64_t now, int64_t 
         ps->drop_unknown++; /* e.g. IPv6 multicast, broadcasts: the hosts need none of it */
         return;
     }
-    if (blocked[src][d]) { ps->drop_part++; return; }
+    if (blocked[src][d] || (datablocked[src][d] && carries_data(dst, len - VH))) { ps->drop_part++; return; }
     double keep = pow(1.0 - ps->loss, segs) * pow(1.0 - P[d].loss, segs);
     if (keep < 1.0 && unif() >= keep) { ps->drop_loss++; return; }
     pairq *q = &Q[src][d];
@@ -232,8 +249,13 @@ static int control(char *line) {
         blocked[i][j] = 1;
     } else if (sscanf(line, "unblock %d %d", &i, &j) == 2 && i >= 0 && j >= 0 && i < NP && j < NP) {
         blocked[i][j] = 0;
+    } else if (sscanf(line, "blockdata %d %d", &i, &j) == 2 && i >= 0 && j >= 0 && i < NP && j < NP) {
+        datablocked[i][j] = 1;
+    } else if (sscanf(line, "unblockdata %d %d", &i, &j) == 2 && i >= 0 && j >= 0 && i < NP && j < NP) {
+        datablocked[i][j] = 0;
     } else if (strncmp(line, "heal", 4) == 0) {
         memset(blocked, 0, sizeof blocked);
+        memset(datablocked, 0, sizeof datablocked);
     } else if (sscanf(line, "link %d %lld %lld %lf", &i, &lat, &jit, &loss) == 4 && i >= 0 && i < NP) {
         P[i].lat_ns = lat * 1000;
         P[i].jit_ns = jit * 1000;

@@ -60,17 +60,20 @@ PROFILES: dict[str, Profile] = {
 
 @dataclass(frozen=True)
 class Partition:
-    """Between `start` and `end`, no message crosses between `side_a` and `side_b` (endpoints)."""
+    """Between `start` and `end`, no message crosses between `side_a` and `side_b` (endpoints); with
+    `one_way`, only what `side_a` sends to `side_b` (b still reaches a: asymmetric reachability)."""
 
     start: float
     end: float
     side_a: frozenset
     side_b: frozenset
+    one_way: bool = False
 
     def cuts(self, src: str, dst: str, t: float) -> bool:
         if not self.start <= t < self.end:
             return False
-        return (src in self.side_a and dst in self.side_b) or (src in self.side_b and dst in self.side_a)
+        return (src in self.side_a and dst in self.side_b) or (
+            not self.one_way and src in self.side_b and dst in self.side_a)
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,8 @@ never inside them). Keys, with defaults:
                                 # "auto" = measured; omitted = 1.0),
                                 # count (this many identical hosts). The testbed (sim.testbed)
                                 # builds exactly these links.
-    [[faults]]                  # see sim.faults: crash, crash_rejoin, pause, partition, slow
+    [[faults]]                  # see sim.faults: crash, crash_rejoin, pause, partition (one_way =
+                                # true: only sides[0] -> sides[1] is cut), slow
     [churn]                     # arrival_rate, departure_rate, until
 
 Metrics per round: mean squared distance to the global mean of round 0 (the Moshpit

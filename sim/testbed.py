@@ -266,6 +266,7 @@ class Testbed:
         self._fwd_lock = threading.Lock()
         self._fwd_cpu = 0.0
         self._blocked: dict[tuple[int, int], int] = {}
+        self._blocked_data: dict[tuple[int, int], int] = {}  # one-way partitions (`partition`)
         self._state_file = STATE_DIR / f"{self.id}.json"
         self._up = False
         self.subnet = (0, 0)
@@ -453,29 +454,35 @@ class Testbed:
         r, _, _ = select.select([p.stdout], [], [], timeout)
         return p.stdout.readline().strip() if r else ""
 
-    def partition(self, side_a: Iterable[int], side_b: Iterable[int]) -> None:
-        """Drop every frame between the two sides (both directions) until `unpartition`/`heal`.
-        Overlapping partitions nest: a pair flows again when every partition that cut it is lifted."""
+    def partition(self, side_a: Iterable[int], side_b: Iterable[int], one_way: bool = False) -> None:
+        """Drop every frame between the two sides (both directions) until `unpartition`/`heal`; with
+        `one_way`, only the frames that carry data from side_a to side_b (TCP's bare acknowledgements
+        pass, so side_b's transfers to side_a keep flowing while side_a's stall: a cut that TCP does
+        not turn into a two-way one). Overlapping partitions nest: a pair flows again when every
+        partition that cut it is lifted."""
+        verb, count = ("blockdata", self._blocked_data) if one_way else ("block", self._blocked)
         for a in side_a:
             for b in side_b:
-                for s, d in ((a, b), (b, a)):
-                    self._blocked[(s, d)] = self._blocked.get((s, d), 0) + 1
-                    if self._blocked[(s, d)] == 1:
-                        self._fwd_cmd(f"block {s} {d}")
+                for s, d in ((a, b),) if one_way else ((a, b), (b, a)):
+                    count[(s, d)] = count.get((s, d), 0) + 1
+                    if count[(s, d)] == 1:
+                        self._fwd_cmd(f"{verb} {s} {d}")
 
-    def unpartition(self, side_a: Iterable[int], side_b: Iterable[int]) -> None:
+    def unpartition(self, side_a: Iterable[int], side_b: Iterable[int], one_way: bool = False) -> None:
+        verb, count = ("unblockdata", self._blocked_data) if one_way else ("unblock", self._blocked)
         for a in side_a:
             for b in side_b:
-                for s, d in ((a, b), (b, a)):
-                    left = self._blocked.get((s, d), 0) - 1
+                for s, d in ((a, b),) if one_way else ((a, b), (b, a)):
+                    left = count.get((s, d), 0) - 1
                     if left <= 0:
-                        self._blocked.pop((s, d), None)
-                        self._fwd_cmd(f"unblock {s} {d}")
+                        count.pop((s, d), None)
+                        self._fwd_cmd(f"{verb} {s} {d}")
                     else:
-                        self._blocked[(s, d)] = left
+                        count[(s, d)] = left
 
     def heal(self) -> None:
         self._blocked.clear()
+        self._blocked_data.clear()
         self._fwd_cmd("heal")
 
     def set_link(self, i: int, latency_ms: float, jitter_ms: float, loss: float) -> None:

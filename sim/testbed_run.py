@@ -239,8 +239,9 @@ class _Controller(FaultContext):
         for part in self.network.partitions:
             a = sorted(slot_of[e] for e in part.side_a)
             b = sorted(slot_of[e] for e in part.side_b)
-            self.at(part.start, lambda a=a, b=b: (self.tb.partition(a, b), self._log("partition", a, b)))
-            self.at(part.end, lambda a=a, b=b: (self.tb.unpartition(a, b), self._log("heal", a, b)))
+            w = part.one_way
+            self.at(part.start, lambda a=a, b=b, w=w: (self.tb.partition(a, b, w), self._log("partition", a, b, w)))
+            self.at(part.end, lambda a=a, b=b, w=w: (self.tb.unpartition(a, b, w), self._log("heal", a, b, w)))
         for s in self.network.slow_links:
             i = slot_of[s.endpoint]
             self.at(s.start, lambda i=i, f=s.factor: (self.tb.slow(i, f), self._log("slow", i, f)))

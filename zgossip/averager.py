@@ -492,7 +492,8 @@ class Averager:
                     # past the step's bound), then drop them
                     t0 = clock.now()
                     self._transport.settle_sends(min(self.config.part_timeout, max(0.0, end - t0)),
-                                                 release_timeout=_SLACK)
+                                                 release_timeout=_SLACK,
+                                                 group_id=None if result is None else result.group_id)
                     if result is not None:
                         result.timings["settle"] = clock.now() - t0
                         result.timings["total"] = clock.now() - entered

@@ -28,7 +28,7 @@ from .errors import InvalidMessage, ProtocolError
 __all__ = [
     "MsgType", "DTYPES", "Message", "MemberInfo", "make_message", "check_info", "SCHEMAS", "MESSAGE_CLASSES", "check_body",
     "Gossip", "GossipReply", "Join", "JoinNote", "JoinAck", "Redirect", "Group", "NoGroup", "Leave", "Bye", "OPTIONAL",
-    "Gather", "Part", "Result", "Abort", "RescueCall", "Rescue", "Done",
+    "Gather", "Part", "Result", "Abort", "RescueCall", "Rescue", "Done", "GaveUp",
     "StateReq", "StateMeta", "StateChunk",
 ]
 
@@ -62,6 +62,7 @@ class MsgType(IntEnum):
     RESCUE_CALL = 24  # substitute -> members: send me your unresolved parts of a lost span
     RESCUE = 25  # member -> substitute: which parts of the lost span I still need
     DONE = 26  # member -> members: my round is over, I need nothing more from you
+    GAVE_UP = 27  # member -> member: I gave you up in this round (you were silent); expect nothing more from me
     STATE_REQ = 30  # newcomer -> donor: send me your state
     STATE_META = 31  # donor -> newcomer: refusal, or what the state holds and its checksum
     STATE_CHUNK = 32  # donor -> newcomer: one chunk of one tensor's bytes
@@ -569,6 +570,17 @@ class Done(Message):
     FIELDS = _fields(("group_id", "gid", _ID, _PLAIN),)
 
 
+@dataclass(frozen=True, slots=True)
+class GaveUp(Message):
+    """To a groupmate this member declared lost while it may be alive (silent past its limit, or
+    given up by a substitute's call): it gets nothing more from this member in the round, so it
+    settles what it still waits for from it as unchanged at once instead of timing it out."""
+
+    group_id: str
+    type: ClassVar[MsgType] = MsgType.GAVE_UP
+    FIELDS = _fields(("group_id", "gid", _ID, _PLAIN),)
+
+
 # ---------------------------------------------------------------------------- state download
 @dataclass(frozen=True, slots=True)
 class StateReq(Message):
@@ -627,7 +639,7 @@ class StateChunk(_WithData):
 #: the class of each message type
 MESSAGE_CLASSES: dict[MsgType, type[Message]] = {
     cls.type: cls for cls in (Gossip, GossipReply, Join, JoinNote, JoinAck, Redirect, Group, NoGroup, Leave, Bye, Gather, Part,
-                              Result, Abort, RescueCall, Rescue, Done, StateReq, StateMeta, StateChunk)
+                              Result, Abort, RescueCall, Rescue, Done, GaveUp, StateReq, StateMeta, StateChunk)
 }
 for _cls in MESSAGE_CLASSES.values():
     _cls.NAMES = tuple(f.name for f in dataclass_fields(_cls))

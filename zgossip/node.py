@@ -29,8 +29,8 @@ from .matchmaking import NOTES_MAX, GroupSpec, Matchmaker
 from .partition import MEASURED, UNMEASURED
 from .membership import Membership
 from .messages import (
-    Abort, Bye, Done, Gather, Gossip, GossipReply, Group, Join, JoinAck, JoinNote, Leave, Message, NoGroup, Part, Redirect, Rescue,
-    RescueCall, Result, StateChunk, StateMeta, StateReq, check_info,
+    Abort, Bye, Done, Gather, GaveUp, Gossip, GossipReply, Group, Join, JoinAck, JoinNote, Leave, Message, NoGroup, Part, Redirect,
+    Rescue, RescueCall, Result, StateChunk, StateMeta, StateReq, check_info,
 )
 from .ratelimit import SourceLimits
 from .repair import HASH_KEY, VERSION_KEY, Verdict, read_mark, vote
@@ -181,7 +181,7 @@ _STEP_MOVES = {
 }
 
 #: messages of a running all-reduce round (routed by group id)
-_ROUND_MESSAGES = (Gather, Part, Result, Abort, RescueCall, Rescue)
+_ROUND_MESSAGES = (Gather, Part, Result, Abort, RescueCall, Rescue, GaveUp)
 #: control messages rate-limited per source (`zgossip.ratelimit`); round data is checked by the round
 _LIMITED = frozenset((Gossip, GossipReply, Join, JoinNote, Leave, StateReq, Bye))
 
@@ -249,6 +249,7 @@ class Node:
         self.step: _Step | None = None
         self._early: dict[str, list[Message]] = {}
         self._finished: dict[str, bool] = {}  # ids of recent rounds, to answer late rescue calls
+        self._gone: dict[str, frozenset[str]] = {}  # recent rounds: endpoints of the members each lost
         # Shutdown: groupmates of recent rounds that have not said DONE may still wait for results
         # of ours (queued on a slow link); `owes_others` tells the driver to keep them flowing.
         self._owed: dict[str, dict[str, str]] = {}  # gid -> {peer id: endpoint} not DONE yet
@@ -737,6 +738,13 @@ class Node:
         have not said DONE and are not known dead). A peer shutting down waits (bounded) until not."""
         return any(self._owed.values())
 
+    def gone(self, group_id: str) -> frozenset[str]:
+        """Endpoints of the members of our finished round `group_id` that are done with us: they gave
+        us up (GAVE_UP), left (ABORT) or their connection dropped. Nothing still queued for them matters
+        to that round, so an in-place step drops it at once instead of waiting for it (`settle_sends`).
+        Members *we* gave up are not among them: alive, they may still take results queued before."""
+        return self._gone.get(group_id, frozenset())
+
     def still_owes(self, endpoint: str, group_id: str) -> bool:
         """Whether the member at `endpoint` of our finished round `group_id` may still wait for data
         of ours (it has not said DONE and is not known dead): a RESULT to it that an in-place step
@@ -832,7 +840,7 @@ class Node:
         self.stats["dropped"] += mm.dropped - dropped
         self.stats["late"] += mm.late - late
 
-    def _round_message(self, msg: Gather | Part | Result | Abort | RescueCall | Rescue, now: float) -> None:
+    def _round_message(self, msg: Gather | Part | Result | Abort | RescueCall | Rescue | GaveUp, now: float) -> None:
         gid = msg.group_id
         st = self.step
         if st is not None and st.round is not None and st.round.spec.group_id == gid:
@@ -987,6 +995,9 @@ class Node:
         self._finished[gid] = True
         while len(self._finished) > 8:
             self._finished.pop(next(iter(self._finished)))
+        self._gone[gid] = frozenset(rnd.members[i].endpoint for i in rnd.done_with_us)
+        while len(self._gone) > 8:
+            self._gone.pop(next(iter(self._gone)))
         # tell those that may still send us something (span owners, substitutes we asked) that we need
         # nothing more, and remember who may still need something from us: each side computes these
         # from the group's plan, so a member that owes us is always among those told (allreduce.i_owe)

@@ -71,9 +71,10 @@ class Transport(Protocol):
     def sends_pending(self) -> bool:
         """Whether a payload lent to the transport zero-copy may still be read."""
 
-    def settle_sends(self, timeout: float, release_timeout: float = 5.0) -> int:
+    def settle_sends(self, timeout: float, release_timeout: float = 5.0, group_id: str | None = None) -> int:
         """Wait (at most `timeout`) until no lent payload is still queued; drop what is (see
-        "Loss"); return the number of peers whose data was dropped."""
+        "Loss"); return the number of peers whose data was dropped. With the `group_id` of the
+        round just finished, what is queued for the members it lost (`Node.gone`) is not waited for."""
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop: no more deliveries; queued data is lost."""

@@ -117,7 +117,8 @@ class LentPayloads:
         return True
 
     def settle(self, timeout: float, release_timeout: float,
-               drop: Callable[[list[str], list[tuple[str, Any]]], None], who: str) -> int:
+               drop: Callable[[list[str], list[tuple[str, Any]]], None], who: str,
+               gone: frozenset[str] = frozenset()) -> int:
         """Wait (at most `timeout`) until libzmq released every loan; then ``drop(endpoints, resend)``:
         close the connections whose loans are still queued and send `resend` -- the RESULTs among
         them, as (endpoint, message), in the order they were sent -- again from a copy; then wait (at
@@ -128,11 +129,15 @@ class LentPayloads:
         A PART such a peer misses leaves us out of its span, by the protocol's rules; a RESULT is
         what a slower groupmate still needs to finish its round, so it goes again from a copy (the
         transport sends it only to a member still owed one: not to one that said DONE or died).
+        Loans to the endpoints in `gone` (members done with the round: they gave us up, left, or their
+        connection dropped; `Node.gone`) are not waited for: nothing queued for them is of use, and
+        a member cut off one way would otherwise hold the step for the whole `timeout`. They are
+        dropped with the rest.
         Returns the number of peers whose data was dropped.
         """
         deadline, pending = time.monotonic() + timeout, self.pending()
-        for t, _, _ in pending:
-            if not self.released(t, deadline - time.monotonic()):
+        for t, ep, _ in pending:
+            if ep not in gone and not self.released(t, deadline - time.monotonic()):
                 break
         stuck = sorted({ep for t, ep, _ in pending if not t.done})
         if not stuck:

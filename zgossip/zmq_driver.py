@@ -238,7 +238,7 @@ class ZmqTransport:
     def sends_pending(self) -> bool:
         return bool(self._lent.pending())
 
-    def settle_sends(self, timeout: float, release_timeout: float = 5.0) -> int:
+    def settle_sends(self, timeout: float, release_timeout: float = 5.0, group_id: str | None = None) -> int:
         """See `zgossip.zerocopy.LentPayloads.settle`: stuck loans are dropped by closing the
         connections to their peers on the I/O thread (linger 0 discards their queues), and the
         stuck RESULTs that a groupmate is still owed (`Node.still_owes`) are sent again from a copy."""
@@ -260,7 +260,13 @@ class ZmqTransport:
 
             self.run_on_io(run, release_timeout)
 
-        return self._lent.settle(timeout, release_timeout, drop, self.endpoint)
+        gone: frozenset[str] = frozenset()
+        if group_id is not None and self._lent.pending():
+            try:
+                gone = self.run_on_io(lambda node, now: node.gone(group_id), release_timeout)
+            except (RuntimeError, cf.TimeoutError):  # stopping, or a busy I/O thread: wait for all
+                pass
+        return self._lent.settle(timeout, release_timeout, drop, self.endpoint, gone)
 
     def close(self, timeout: float = 5.0) -> None:
         if self._stopping:

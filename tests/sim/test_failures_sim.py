@@ -387,3 +387,49 @@ def test_a_part_left_with_one_contributor_stays_bit_for_bit_unchanged():
         mask[a:b] = True
         np.testing.assert_allclose(after[a:b], (before[0][a:b] + before[1][a:b]) / 2, rtol=0, atol=1e-12)
     assert np.array_equal(after[~mask], before[0][~mask])  # the rest, own span included: the same bits
+
+
+def one_way_cut_scenario():
+    """Three hosts on 20 Mbit/s; 0.8 s into the first round (a 4 MiB all-reduce of ~3 s) host 2's
+    traffic to host 0 stops for good, while host 0 still reaches host 2 (asymmetric reachability:
+    a firewall rule, a half-broken route). Shared with the testbed test of the same fault."""
+    return {"seed": 2, "rounds": 1, "numel": 1 << 20, "dtype": "float32", "grid": [], "step_timeout": 4.0,
+            "round_gap": 0.0, "bootstrap_time": 2.0,
+            "faults": [{"kind": "partition", "sides": [[2], [0]], "start": 2.8, "end": 1000.0, "one_way": True}],
+            "protocol": {"target_group_size": 3, "min_group_size": 2, "matchmaking_time": 1.0,
+                         "part_timeout": 1.0, "allreduce_timeout": 10.0},
+            "hosts": [{"up_mbit": 20, "down_mbit": 20, "latency_ms": 5}] * 3}
+
+
+def test_a_member_cut_off_one_way_is_told_it_was_given_up_and_ends_with_its_group():
+    """Host 0 stops hearing host 2 and gives it up after its silence limit; host 2 still hears
+    everyone. Told so (GAVE_UP), host 2 keeps its own values where host 0 went on without it and
+    ends with the group -- before, it waited for results and rescues that were never coming until
+    `allreduce_timeout` (10 s here; 18-21 s on the testbed's lossy 300 ms links), and asked a
+    substitute to re-reduce the span of an owner that was alive. The in-place step does not wait
+    for what it still had queued to host 0 either (`Node.gone`)."""
+    from sim.scenario import Scenario, ScenarioRun
+
+    sc = one_way_cut_scenario()
+    run = ScenarioRun(Scenario.from_dict(sc))
+    env = run.env
+    run.cluster.run(until=sc["bootstrap_time"])
+    t0 = env.now
+    evs = {i: p.step_tensors(timeout=sc["step_timeout"]) for i, p in enumerate(run.slots)}
+    ends = {}
+    for i, ev in evs.items():
+        ev.callbacks.append(lambda _e, i=i: ends.__setitem__(i, env.now - t0))
+    run.cluster.run(until=env.any_of([env.all_of(list(evs.values())), env.timeout(30.0)]))
+    res = {i: ev.value.result for i, ev in evs.items()}
+    assert all(isinstance(ev.value, StepDone) for ev in evs.values())
+    ids = [p.node.peer_id for p in run.slots]
+    assert res[0].lost == (ids[2],) and res[1].lost == (ids[2],)  # nobody took a live owner for lost ...
+    # host 2 was given up by host 0, and by host 1 when host 0's substitute call came; it asked nobody
+    # to re-reduce a span (no RESCUE of its own), so neither took the other for lost
+    assert set(res[2].lost) == {ids[0], ids[1]} and not any(s.rescued for s in res[2].spans)
+    # it ended when told, ~1 s before the others (they still re-reduce its span over 20 Mbit/s): it
+    # neither waited for its own limits (10 s) nor for what it had queued to host 0 (part_timeout, 1 s)
+    assert ends[2] < min(ends[0], ends[1]) - 0.5, ends
+    covered = sum(b - a for a, b in res[2].updated)
+    assert 0 < covered < sc["numel"], covered  # host 0's span stayed as it was on host 2; the rest was averaged
+    print("ends", ends, "host 2 averaged", covered / sc["numel"])

@@ -109,3 +109,31 @@ def test_auto_reads_a_slow_uplink_from_receipts_on_real_links():
     assert mine <= max(parts) // 4, parts  # its span is a quarter of the others' or less
     print("slow host:", [s["link_rates"] for s in slow], "span parts", parts)
     assert_clean(res["testbed"]["id"])
+
+
+def test_a_member_cut_off_one_way_ends_with_its_group():
+    """Host 2's traffic to host 0 stops mid-round for good; host 0 still reaches host 2 (the scenario
+    of tests/sim/test_failures_sim.py's test of the same name). Host 0 gives host 2 up and says so
+    (GAVE_UP): host 2 keeps its own values of host 0's span and ends with the group, on real peers
+    and links. Before, it waited out `allreduce_timeout` (10 s) for results that were not coming,
+    then `part_timeout` for what it had queued to host 0 (11.0 s on this case). The forwarder drops
+    only host 2's frames that carry data to host 0: TCP acknowledgements still pass, so host 0's
+    transfers to host 2 keep flowing (dropping every frame would stall both directions)."""
+    from sim.testbed_run import run_testbed
+
+    sc = {"seed": 2, "rounds": 1, "numel": 1 << 20, "dtype": "float32", "grid": [], "step_timeout": 4.0,
+          "round_gap": 0.0, "bootstrap_time": 2.0,
+          "faults": [{"kind": "partition", "sides": [[2], [0]], "start": 2.8, "end": 1000.0, "one_way": True}],
+          "protocol": {"target_group_size": 3, "min_group_size": 2, "matchmaking_time": 1.0,
+                       "part_timeout": 1.0, "allreduce_timeout": 10.0},
+          "hosts": [{"up_mbit": 20, "down_mbit": 20, "latency_ms": 5}] * 3}
+    res = run_testbed(sc)
+    steps = {s["slot"]: s for s in res["testbed"]["steps"]}  # slot: the host
+    assert [steps[i]["outcome"] for i in range(3)] == ["done"] * 3, [s.get("message") for s in steps.values()]
+    peer = {int(h): ids[-1] for h, ids in res["testbed"]["peers"].items()}
+    assert steps[0]["lost"] == [peer[2]] and steps[1]["lost"] == [peer[2]], (steps[0]["lost"], steps[1]["lost"])
+    assert peer[0] in steps[2]["lost"] and not steps[2]["complete"]
+    secs = {i: steps[i]["seconds"] for i in range(3)}
+    assert secs[2] <= max(secs[0], secs[1]) + 0.3 and secs[2] < 5.0, secs  # 2.0-2.1 s here (3.0-3.2 s the others)
+    print("step seconds", secs)
+    assert_clean(res["testbed"]["id"])

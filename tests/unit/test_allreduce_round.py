@@ -10,7 +10,7 @@ from zgossip.allreduce import MOVES, AllReduceRound, PartState, ReduceState, Rou
 from zgossip.errors import IllegalTransition, ProtocolError
 from zgossip.matchmaking import GroupSpec
 from zgossip.linkstats import LinkStats
-from zgossip.messages import Abort, MemberInfo, Part, Result
+from zgossip.messages import Abort, GaveUp, MemberInfo, Part, Rescue, RescueCall, Result
 
 NUMEL, PART = 3000, 256
 
@@ -36,6 +36,8 @@ class Group:
         ]
         self.by_ep = {ep(i): r for i, r in enumerate(self.rounds)}
         self.cut: set[int] = set()  # members whose messages are lost both ways
+        self.oneway: set[tuple[int, int]] = set()  # (sender, receiver): lost on that way only
+        self.log: list[tuple[float, int, int, object]] = []  # (time, sender, receiver, message) delivered
 
     def start(self, now: float = 0.0) -> None:
         for i, r in enumerate(self.rounds):
@@ -50,8 +52,9 @@ class Group:
                 return moved
             for i, e, m in batch:
                 dst = self.by_ep[e]
-                if i in self.cut or dst.rank in self.cut:
+                if i in self.cut or dst.rank in self.cut or (i, dst.rank) in self.oneway:
                     continue
+                self.log.append((now, i, dst.rank, m))
                 dst.on_message(m, now)
                 moved += 1
 
@@ -143,6 +146,40 @@ def test_a_silent_member_is_declared_lost_and_its_span_is_rescued():
         assert set(out.contributors) == {pid(0), pid(1)}
     assert 1.0 <= t <= 2.6  # noticed between T and 1.25 T of silence (owed data), rescued at once
     assert np.array_equal(bufs[0], bufs[1])
+    assert_averaged_or_unchanged(g, before, w)
+
+
+def test_a_member_given_up_while_alive_is_told_and_settles_at_once():
+    """Member 2's messages to member 0 are lost (one way): 0 gives 2 up after its silence limit and
+    re-reduces 2's span. Member 2 still hears everyone; told (GAVE_UP), it keeps its own values
+    where 0 went on without it and ends at once -- it neither waits out its own limits for
+    results that are not coming nor asks a substitute to rescue a live owner's span (which
+    made the substitute declare that live owner lost too)."""
+    bufs, w = data(3, 7), [1.0, 1.0, 1.0]
+    before = [b.copy() for b in bufs]
+    g = Group(bufs, w, part_timeout=1.0)
+    g.oneway = {(2, 0)}
+    g.start()
+    g.carry()
+    t = 0.0
+    while None in g.done:
+        t = min(d for d in (r.next_deadline() for r in g.rounds) if d is not None)
+        for r in g.rounds:
+            d = r.next_deadline()
+            if d is not None and d <= t:
+                r.on_timer(t)
+        g.carry(t)
+        assert t < 10.0
+    r0, r1, r2 = g.rounds
+    told = [(at, i) for at, i, j, m in g.log if isinstance(m, GaveUp) and j == 2]
+    assert told and told[0][1] == 0 and 1.0 <= told[0][0] <= 1.25  # 0 gave 2 up after its limit ...
+    assert g.done[2] == told[0][0]  # ... and 2 ended when it was told, not after limits of its own
+    assert r2.done_with_us >= {0} and 0 in r2.lost
+    assert not any(isinstance(m, (Rescue, RescueCall)) for _, i, _, m in g.log if i == 2)  # 2 rescued nothing
+    assert 0 not in r1.lost and 1 not in r0.lost  # nobody took a live owner for lost
+    assert r0.outcome().lost == (pid(2),)
+    assert all(s is PartState.UNCHANGED for s in r2.status[0])  # 0 averaged its span without 2
+    assert all(s is PartState.AVERAGED for o in (1, 2) for s in r2.status[o])
     assert_averaged_or_unchanged(g, before, w)
 
 

@@ -36,6 +36,7 @@ ONE_OF_EACH = [
     M.RescueCall(S, E, group_id="g", owner=0),
     M.Rescue(S, E, group_id="g", owner=0, need=(1, 3)),
     M.Done(S, E, group_id="g"),
+    M.GaveUp(S, E, group_id="g"),
     M.StateReq(S, E, req="r"),
     M.StateMeta(S, E, req="r", ok=True, reason="", meta={"epoch": 3}, specs=(("f4", (2, 3)),), chunk_bytes=64,
                 digest="d"),
