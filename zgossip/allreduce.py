@@ -763,14 +763,47 @@ class AllReduceRound:
         self.done_with_us.add(j)
         self._member_lost(j, now, rescue=False)
 
+    def _silent(self, k: int, now: float) -> bool:
+        """Whether member k may be gone as far as we can tell: lost to us, or not heard from for half
+        of its silence limit."""
+        if k in self.lost:
+            return True
+        return now - self.last_heard[k] >= 0.5 * self._limits(now).get(k, self.part_timeout)
+
+    def _implausible_rescue(self, owner: int, sub: int, now: float) -> str | None:
+        """Why a rescue of `owner`'s span by `sub` is not to be believed, or None. A substitute takes
+        over a span: a member may only be one if it reduces (bandwidth > 0), if the owner is silent to
+        us too, and if every member between the owner and it in ring order (the substitutes that
+        come first) is silent to us -- else any groupmate could claim a live member's span and
+        write what it likes there (a rescue call, or a rescue request naming us). An honest cut that
+        only some members see (they do not hear the owner, we do) is refused the same way: we keep
+        the owner's own results, the others average that span without us."""
+        if self.members[sub].bandwidth <= 0:
+            return "its substitute reduces nothing (bandwidth 0)"
+        if not self._silent(owner, now):
+            return "its owner is still heard from"
+        k = (owner + 1) % self.n
+        while k != sub:
+            if k != self.rank and self.members[k].bandwidth > 0 and not self._silent(k, now):
+                return f"member {k} comes first in ring order and is still heard from"
+            k = (k + 1) % self.n
+        return None
+
     def _on_rescue_call(self, j: int, msg: RescueCall, now: float) -> None:
         owner = msg.owner
         if owner >= self.n or owner == self.rank:
             return self._bad(j, msg, "rescue call for a span that is not another member's")
-        if owner not in self.rescue_target:
-            self._member_lost(owner, now, substitute=j, tell=True)
-            if owner not in self.rescue_target:  # nothing to rescue here: still answer, so j need not wait
+        if owner in self.rescue_target:
+            if self.rescue_target[owner] != j:  # we asked another substitute: j need not wait for us
                 self._send(j, Rescue(self.me.peer_id, self.me.endpoint, group_id=self._gid, owner=owner, need=()))
+            return
+        why = self._implausible_rescue(owner, j, now)
+        if why is not None:
+            self._send(j, Rescue(self.me.peer_id, self.me.endpoint, group_id=self._gid, owner=owner, need=()))
+            return self._bad(j, msg, f"rescue call for span {owner} refused: {why}")
+        self._member_lost(owner, now, substitute=j, tell=True)
+        if owner not in self.rescue_target:  # nothing to rescue here: still answer, so j need not wait
+            self._send(j, Rescue(self.me.peer_id, self.me.endpoint, group_id=self._gid, owner=owner, need=()))
 
     def _on_rescue(self, j: int, msg: Rescue, now: float) -> None:
         owner = msg.owner
@@ -778,6 +811,12 @@ class AllReduceRound:
             return self._bad(j, msg, "rescue of a span that is not another member's or is empty")
         need = frozenset(p for p in msg.need if p < self.plan.num_parts(owner))
         if owner not in self.rescue_target:
+            why = self._implausible_rescue(owner, self.rank, now)
+            if why is not None:
+                # settle what j asked for as unchanged on its side at once (empty notices), not by its timeout
+                for p in sorted(need):
+                    self._send(j, self._result(owner, p, (), True, self.buf[:0]))
+                return self._bad(j, msg, f"request to rescue span {owner} refused: {why}")
             self._member_lost(owner, now, substitute=self.rank, tell=True)  # declares my own needs too
         r = self._start_rescue(owner)
         r.declared.setdefault(j, need)

@@ -423,13 +423,14 @@ def test_a_member_cut_off_one_way_is_told_it_was_given_up_and_ends_with_its_grou
     res = {i: ev.value.result for i, ev in evs.items()}
     assert all(isinstance(ev.value, StepDone) for ev in evs.values())
     ids = [p.node.peer_id for p in run.slots]
-    assert res[0].lost == (ids[2],) and res[1].lost == (ids[2],)  # nobody took a live owner for lost ...
-    # host 2 was given up by host 0, and by host 1 when host 0's substitute call came; it asked nobody
-    # to re-reduce a span (no RESCUE of its own), so neither took the other for lost
-    assert set(res[2].lost) == {ids[0], ids[1]} and not any(s.rescued for s in res[2].spans)
-    # it ended when told, ~1 s before the others (they still re-reduce its span over 20 Mbit/s): it
-    # neither waited for its own limits (10 s) nor for what it had queued to host 0 (part_timeout, 1 s)
-    assert ends[2] < min(ends[0], ends[1]) - 0.5, ends
+    assert res[0].lost == (ids[2],) and res[2].lost == (ids[0],)  # host 2 asked no substitute for host 0's span
+    # host 1 hears host 2: it refuses to re-reduce host 2's span for host 0 (empty notices: host 0
+    # keeps its own values there at once) and keeps host 2's own results, whole
+    assert res[1].lost == () and res[1].complete
+    assert not any(s.rescued for r in res.values() for s in r.spans)
+    # it ended with its group: it neither waited for its own limits (10 s) nor for what it had
+    # queued to host 0 (part_timeout, 1 s)
+    assert ends[2] <= max(ends[0], ends[1]), ends
     covered = sum(b - a for a, b in res[2].updated)
     assert 0 < covered < sc["numel"], covered  # host 0's span stayed as it was on host 2; the rest was averaged
     print("ends", ends, "host 2 averaged", covered / sc["numel"])

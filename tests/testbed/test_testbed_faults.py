@@ -131,9 +131,14 @@ def test_a_member_cut_off_one_way_ends_with_its_group():
     steps = {s["slot"]: s for s in res["testbed"]["steps"]}  # slot: the host
     assert [steps[i]["outcome"] for i in range(3)] == ["done"] * 3, [s.get("message") for s in steps.values()]
     peer = {int(h): ids[-1] for h, ids in res["testbed"]["peers"].items()}
-    assert steps[0]["lost"] == [peer[2]] and steps[1]["lost"] == [peer[2]], (steps[0]["lost"], steps[1]["lost"])
-    assert peer[0] in steps[2]["lost"] and not steps[2]["complete"]
+    assert steps[0]["lost"] == [peer[2]] and steps[2]["lost"] == [peer[0]], (steps[0]["lost"], steps[2]["lost"])
+    assert steps[1]["lost"] == [] and steps[1]["complete"]  # host 1 hears host 2: no rescue of a live span
+    # its all-reduce ends with the group's (2.6 s beside 2.6-3.0 s); the whole step adds at most
+    # part_timeout (1 s) for the results it still streams to host 1 over its 20 Mbit/s uplink (the
+    # in-place settle), nothing for what it had queued to host 0
+    allred = {i: steps[i]["timings"]["allreduce"] for i in range(3)}
     secs = {i: steps[i]["seconds"] for i in range(3)}
-    assert secs[2] <= max(secs[0], secs[1]) + 0.3 and secs[2] < 5.0, secs  # 2.0-2.1 s here (3.0-3.2 s the others)
-    print("step seconds", secs)
+    assert allred[2] <= max(allred[0], allred[1]) + 0.3, allred
+    assert secs[2] < allred[2] + 1.0 + 0.3 < 5.0, secs
+    print("all-reduce seconds", allred, "step seconds", secs)
     assert_clean(res["testbed"]["id"])

@@ -301,3 +301,50 @@ def test_results_with_receipts_that_do_not_match_their_contributors_are_dropped(
     bad = Result(pid(1), ep(1), group_id="g1", owner=1, part=0, contributors=(0, 1), rescue=False, rx=(5,), data=arr)
     r0.on_message(bad, 0.1)
     assert r0.dropped == 1 and r0.status[1][0] is PartState.WAITING
+
+
+def test_a_rescue_call_for_a_live_owners_span_is_refused():
+    """Any groupmate could otherwise claim a live member's span: member 2 calls member 0 in to
+    'rescue' member 1's span while member 1 is talking. Member 0 refuses (counted), answers that it
+    needs nothing (so an honest substitute need not wait for it), keeps member 1 and takes member
+    1's own results: nothing the caller reduces reaches member 0's copy of that span."""
+    bufs, w = data(3, 11), [1.0, 1.0, 1.0]
+    before = [b.copy() for b in bufs]
+    g = Group(bufs, w)
+    g.start()
+    r0 = g.rounds[0]
+    r0.on_message(RescueCall(pid(2), ep(2), group_id="g1", owner=1), 0.0)
+    assert r0.dropped == 1 and 1 not in r0.lost and 1 not in r0.rescue_target
+    answer = [m for e, m in g.outs[0].sent if e == ep(2) and isinstance(m, Rescue)]
+    assert answer and answer[-1].owner == 1 and answer[-1].need == ()
+    g.carry(0.0)
+    for r in g.rounds:
+        assert r.outcome().complete and r.outcome().lost == ()
+    assert np.array_equal(bufs[0], bufs[1]) and np.array_equal(bufs[1], bufs[2])
+    assert_averaged_or_unchanged(g, before, w)
+
+
+def test_a_request_to_rescue_a_live_owners_span_is_answered_with_notices():
+    """Member 2 asks member 0 to re-reduce member 1's span for it while member 1 is talking to
+    member 0: refused (counted) with empty notices, so member 2 settles those parts as unchanged at
+    once; member 0 keeps member 1 and its results."""
+    bufs, w = data(3, 12), [1.0, 1.0, 1.0]
+    g = Group(bufs, w)
+    g.start()
+    r0 = g.rounds[0]
+    need = tuple(range(r0.plan.num_parts(1)))
+    r0.on_message(Rescue(pid(2), ep(2), group_id="g1", owner=1, need=need), 0.0)
+    assert r0.dropped == 1 and 1 not in r0.lost and not r0.rescues
+    notices = [m for e, m in g.outs[0].take() if e == ep(2) and isinstance(m, Result)]
+    assert sorted(m.part for m in notices) == list(need)
+    assert all(m.rescue and m.owner == 1 and m.data.size == 0 and m.contributors == () for m in notices)
+
+
+def test_a_rescue_call_from_a_member_that_reduces_nothing_is_refused():
+    bufs, w = data(3, 13), [1.0, 1.0, 1.0]
+    g = Group(bufs, w, bandwidths=[1.0, 1.0, 0.0])  # member 2 is a client: it reduces nothing
+    g.start()
+    r0 = g.rounds[0]
+    r0.last_heard[1] = -100.0  # member 1 silent for long: only the caller is wrong
+    r0.on_message(RescueCall(pid(2), ep(2), group_id="g1", owner=1), 0.0)
+    assert r0.dropped == 1 and 1 not in r0.lost
