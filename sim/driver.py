@@ -467,8 +467,9 @@ class SimCluster:
         peer = SimPeer(self, endpoint, known, tensors)
         self.peers[endpoint] = peer
         # the peer's identity and protocol randomness come from (seed, idx), whatever else ran;
-        # a peer without tensors (it only downloads state) gets an empty placeholder
-        peer.averager = Averager(list(tensors) if tensors is not None else [np.zeros(0)], config=config,
+        # a peer without tensors (it only downloads state) gets a one-element placeholder (an averager
+        # refuses tensors without elements); it never steps (`step_tensors` refuses)
+        peer.averager = Averager(list(tensors) if tensors is not None else [np.zeros(1)], config=config,
                                  initial_peers=tuple(initial_peers), seed=[self.seed, idx], transport=peer,
                                  allow_state_sharing=False, auxiliary=auxiliary, compression=compression,
                                  error_feedback=error_feedback, state_compression=state_compression)

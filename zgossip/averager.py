@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import math
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -28,10 +29,11 @@ from .actions import DownloadDone, DownloadFailed, ServeState, StepDone, StepFai
 from .codecs import NONE
 from .endpoints import check_endpoint
 from .identity import AllowList, load_key, peer_id_of, split_peer
+from .messages import MAX_ROUND
 from .errors import AveragerClosed, RoundTimeout, StateUnavailable, StepInProgress, ZGossipError
 from .node import Node, NodeConfig, StepRequest, StepResult
 from .state import StateSnapshot
-from .step_control import StepControl, StepFuture, StepStage
+from .step_control import StepControl, StepFuture, StepStage, check_weight
 from .steplog import StepLog
 from .tensors import FlatLayout, as_array
 from .transport import Transport
@@ -40,6 +42,9 @@ __all__ = ["Averager", "StepFuture", "StepControl", "StepStage"]
 
 _GOODBYE_WAIT = 0.02  # seconds given to the BYE messages to leave before the sockets close
 _SLACK = 0.5  # seconds: the safety net's margin past the node's deadline, and the most spent dropping unsent data
+#: the longest `step` timeout (seconds, ~11.6 days): every wait has a deadline, and waits far
+#: longer overflow the platform's timed waits
+MAX_STEP_TIMEOUT = 1e6
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +66,18 @@ def _grid_shape(grid: Any) -> tuple[int, ...]:
     if isinstance(grid, str) or not all(isinstance(m, (int, np.integer)) and not isinstance(m, bool) for m in grid):
         raise ValueError(f'grid must be a sequence of positive ints or "auto", not {grid!r}')
     return tuple(int(m) for m in grid)
+
+
+def _check_round(rnd: Any) -> int | None:
+    """`step`'s ``round``: None or an int in [0, 2**62) (JOINs carry at most `MAX_ROUND`, and the
+    node moves on to ``round + 1`` after the step), or ValueError."""
+    if rnd is None:
+        return None
+    if isinstance(rnd, bool) or not isinstance(rnd, (int, np.integer)):
+        raise ValueError(f"round must be None or an int, not {type(rnd).__name__}")
+    if not 0 <= int(rnd) < MAX_ROUND:
+        raise ValueError(f"round must be in [0, 2**62), not {int(rnd)}")
+    return int(rnd)
 
 
 def _settle_future(fut: cf.Future, result: Any = None, error: BaseException | None = None) -> None:
@@ -265,8 +282,8 @@ class Averager:
         self._residual = np.zeros(self.layout.numel, self.layout.dtype) if error_feedback and any(
             c != NONE for c in self.layout.codecs) else None
         self._codec = self.layout.codec_map(self._residual)
-        if state_compression is not None:
-            codecs.resolve(state_compression, [(1,)], [np.float32])  # a bad name fails here, not when serving
+        if state_compression is not None:  # a bad spec fails here, not when serving
+            codecs.resolve(state_compression, self.layout.shapes, self.layout.dtypes)
         self._state_compression = state_compression
         self._in_place = (bool(in_place) and len(self._arrays) == 1 and self.averaging_alpha == 1.0
                           and self._arrays[0].dtype == self.layout.dtype and self._residual is None
@@ -369,6 +386,8 @@ class Averager:
             raise ValueError("this averager has no keys")
         self._allowed.revoke(public_key)
         pid = peer_id_of(public_key)
+        if self._closed:  # shut down: no membership left to forget it from
+            return
 
         def forget(node: Node, now: float) -> None:
             if pid in node.membership.peers:
@@ -409,6 +428,12 @@ class Averager:
         ``round`` pins the swarm-wide round number (which picks the Moshpit grid axis), e.g.
         a training epoch; by default the averager follows the highest round its peers announce.
 
+        Arguments are checked here (ValueError / TypeError, nothing queued): ``weight`` finite, > 0,
+        at most ``messages.MAX_WEIGHT`` (1e30); ``timeout`` finite, in [0, `MAX_STEP_TIMEOUT`]
+        seconds; ``round`` None or an int in [0, 2**62); ``gather`` as `wire.check_gather` takes
+        it (msgpack scalars, lists, dicts with str keys, <= 64 KiB packed; numpy / torch scalars
+        become Python ones, and ``result.gathered`` holds what the peers decoded).
+
         Scheduled steps (``scheduled_time`` and/or ``require_trigger``; see README, "Step control"):
         ``scheduled_time`` is on this averager's ``clock.now()`` scale (for ZeroMQ
         ``time.monotonic()``, not ``time.time()``). Matchmaking begins ``matchmaking_time`` before
@@ -425,13 +450,14 @@ class Averager:
         if wait and getattr(self._inside, "active", 0):
             raise ZGossipError("step(wait=True) inside get_tensors() would deadlock: the averaged tensors "
                                "are written under that lock; leave the block first or use wait=False")
-        weight = 0.0 if self.auxiliary else float(weight)  # an auxiliary peer contributes no data
-        if not self.auxiliary and not (weight > 0.0 and np.isfinite(weight)):
-            raise ValueError("weight must be a finite number > 0")
-        if timeout is None:
-            timeout = max(5.0, 3 * self.config.matchmaking_time)
+        # every argument is checked here, in the caller: a value the wire refuses would otherwise
+        # fail on the I/O thread when the round sends it, far from the call (or never end the step)
+        weight = 0.0 if self.auxiliary else check_weight(weight)  # an auxiliary peer contributes no data
+        gather = wire.check_gather(gather)
+        timeout = self._check_timeout(timeout)
+        round = _check_round(round)
         if scheduled_time is not None or require_trigger:
-            return self._step_held(weight, gather, float(timeout), wait, round, scheduled_time, bool(require_trigger),
+            return self._step_held(weight, gather, timeout, wait, round, scheduled_time, bool(require_trigger),
                                    entered)
         if not self._busy.acquire(blocking=False):
             raise StepInProgress("the previous step of this averager is still running; wait for it first")
@@ -459,7 +485,7 @@ class Averager:
             # the node times the step from when it gets it: what the snapshot took is already spent
             left = max(0.0, float(timeout) - (clock.now() - entered))
             req = StepRequest(step_id, buf, weight, gather, left, self.layout.fingerprint,
-                              None if round is None else int(round), self.layout.description, self._codec)
+                              round, self.layout.description, self._codec)
             self._transport.call(lambda now: self._transport.node.submit_step(req, now))
         except BaseException:
             self._busy.release()
@@ -502,6 +528,19 @@ class Averager:
                 if result is not None:
                     self.step_log.record_result(step_id, result, clock.now())
 
+    def _check_timeout(self, timeout: float | None) -> float:
+        """`step`'s ``timeout`` as seconds (None: the default), or ValueError."""
+        if timeout is None:
+            return max(5.0, 3 * self.config.matchmaking_time)
+        try:
+            t = float(timeout)
+        except (TypeError, ValueError):
+            raise ValueError(f"timeout must be a number of seconds, not {type(timeout).__name__}") from None
+        if not (math.isfinite(t) and 0.0 <= t <= MAX_STEP_TIMEOUT):
+            raise ValueError(f"timeout must be a finite number of seconds in [0, {MAX_STEP_TIMEOUT:g}], not {t!r} "
+                             "(every wait here has a deadline; pass a large number to wait long)")
+        return t
+
     def _step_held(self, weight: float, gather: Any, timeout: float, wait: bool, round: int | None,
                    scheduled_time: float | None, require_trigger: bool, entered: float) -> Any:
         """A scheduled / triggered step (see `step`): the node holds it, this side snapshots at trigger."""
@@ -523,7 +562,7 @@ class Averager:
             fut = StepFuture(self, step_id, held=True, weight=weight, gather=gather, scheduled_time=scheduled_time)
             self._futures[step_id] = (fut, None, entered)
             req = StepRequest(step_id, None, weight, gather, timeout, self.layout.fingerprint,
-                              None if round is None else int(round), self.layout.description, self._codec, held=True,
+                              round, self.layout.description, self._codec, held=True,
                               begin_at=begin_at, due_at=None if require_trigger else scheduled_time)
             self._transport.call(lambda now: self._transport.node.submit_step(req, now))
         except BaseException:
@@ -624,6 +663,7 @@ class Averager:
 
     @allow_state_sharing.setter
     def allow_state_sharing(self, value: bool) -> None:
+        self._check_open()
         self._allow_sharing = bool(value)
         self._declare_sharing()
 
@@ -634,6 +674,7 @@ class Averager:
 
     @state_sharing_priority.setter
     def state_sharing_priority(self, value: float) -> None:
+        self._check_open()
         self._priority = float(value)
         self._declare_sharing()
 
@@ -726,12 +767,17 @@ class Averager:
             out.set_result(state)
 
     def set_tensors(self, arrays: Sequence[np.ndarray]) -> None:
-        """Overwrite the averaged tensors with `arrays` (all shapes are checked before any write)."""
+        """Overwrite the averaged tensors with `arrays` (every shape and dtype is checked before any
+        write: a mismatch raises `ZGossipError` and writes nothing)."""
+        arrays = [_to_numpy(a) for a in arrays]
         if len(arrays) != len(self._arrays):
             raise ZGossipError(f"state holds {len(arrays)} tensors, this averager has {len(self._arrays)}")
         for i, (src, dst) in enumerate(zip(arrays, self._arrays)):
             if tuple(src.shape) != dst.shape:
                 raise ZGossipError(f"tensor {i}: peer state has shape {tuple(src.shape)}, local tensor {dst.shape}")
+            if np.dtype(src.dtype) != dst.dtype:  # a silent cast could overflow (float32 70000 -> float16 inf)
+                raise ZGossipError(f"tensor {i}: peer state has dtype {np.dtype(src.dtype)}, local tensor {dst.dtype}; "
+                                   "nothing was written (peers sharing state must hold the same dtypes)")
         with self._lock:
             for src, dst in zip(arrays, self._arrays):
                 np.copyto(dst, src, casting="same_kind")
@@ -742,13 +788,17 @@ class Averager:
         """Gossip a small public record about this peer (at most 14 scalar entries; keys starting
         with 'zg.' are reserved), e.g. training progress; others read it with `peer_infos()` within
         a few gossip intervals. Raises ValueError here, in the caller, on a record peers would refuse."""
+        self._check_open()
         record = Node.check_user_info(info)
         self._transport.call(lambda now: self._transport.node.set_info(record))
 
-    def _ask_node(self, fn: Any, timeout: float = 10.0) -> Any:
-        """Run ``fn(node)`` where the node lives (which owns the node's state) and return its result."""
+    def _check_open(self) -> None:
         if self._closed:
             raise AveragerClosed("this averager was shut down")
+
+    def _ask_node(self, fn: Any, timeout: float = 10.0) -> Any:
+        """Run ``fn(node)`` where the node lives (which owns the node's state) and return its result."""
+        self._check_open()
         return self._transport.run_on_io(lambda node, now: fn(node), timeout)
 
     def peer_infos(self) -> dict[str, dict]:
@@ -797,7 +847,8 @@ class Averager:
             return
         self._closed = True
         for sid in list(self._futures):
-            self._transport.call(lambda now, s=sid: self._transport.node.cancel_step(s, now, "averager shut down"))
+            self._transport.call(lambda now, s=sid: self._transport.node.cancel_step(
+                s, now, "averager shut down", AveragerClosed("averager shut down during the step")))
         if deliver:
             self._deliver_owed(self.shutdown_timeout)
             self._say_goodbye()

@@ -29,8 +29,14 @@ __all__ = [
     "MsgType", "DTYPES", "Message", "MemberInfo", "make_message", "check_info", "SCHEMAS", "MESSAGE_CLASSES", "check_body",
     "Gossip", "GossipReply", "Join", "JoinNote", "JoinAck", "Redirect", "Group", "NoGroup", "Leave", "Bye", "OPTIONAL",
     "Gather", "Part", "Result", "Abort", "RescueCall", "Rescue", "Done", "GaveUp",
-    "StateReq", "StateMeta", "StateChunk",
+    "StateReq", "StateMeta", "StateChunk", "MAX_WEIGHT", "MAX_ROUND",
 ]
+
+#: the largest weight a GATHER / PART may carry (receivers refuse more); `Averager.step` checks
+#: weights against it at the call
+MAX_WEIGHT = 1e30
+#: the largest round number JOINs carry (`Averager.step(round=)`); and counters such as heartbeats
+MAX_ROUND = 1 << 62
 
 #: dtype allow-list: wire code -> numpy dtype (little-endian on the wire).
 DTYPES: dict[str, np.dtype] = {
@@ -137,10 +143,10 @@ _ID = _str(64)
 _EP = _str(256)
 _KEY = _str(512)
 _IDX = _int(0, 1 << 16)
-_BIG = _int(0, 1 << 62)
+_BIG = _int(0, MAX_ROUND)
 _FLAG = _int(0, 1)
 _CODEC = _int(0, 255)  # a codec id (zgossip.codecs); whether it is known is the round's check
-_WEIGHT = _float(0.0, 1e30)
+_WEIGHT = _float(0.0, MAX_WEIGHT)
 _REASON = _str(4000)
 
 
@@ -377,7 +383,7 @@ class Join(Message):
                      ("bandwidth", "bw", _float(0.0, 1e18), _PLAIN), ("layout", "layout", _str(128), _PLAIN),
                      ("hops", "hops", _int(0, 16), _PLAIN), ("want", "want", _IDX, _PLAIN),
                      ("gathers", "g", _join_flags, _PLAIN), ("layout_desc", "ld", _str(2048), _PLAIN),
-                     ("round", "rnd", _int(-1, 1 << 62), _PLAIN), ("view", "vw", _list(_ID, MAX_VIEW), _SEQ))
+                     ("round", "rnd", _int(-1, MAX_ROUND), _PLAIN), ("view", "vw", _list(_ID, MAX_VIEW), _SEQ))
     OPTIONAL = {"ld": "", "rnd": -1, "vw": ()}
 
     def body(self) -> dict[str, Any]:
@@ -404,7 +410,7 @@ class JoinNote(Message):
     FIELDS = _fields(("key", "key", _KEY, _PLAIN), ("step_id", "step", _ID, _PLAIN),
                      ("bandwidth", "bw", _float(0.0, 1e18), _PLAIN), ("layout", "layout", _str(128), _PLAIN),
                      ("want", "want", _IDX, _PLAIN), ("gathers", "g", _join_flags, _PLAIN),
-                     ("round", "rnd", _int(0, 1 << 62), _PLAIN), ("view", "vw", _list(_ID, MAX_VIEW), _SEQ))
+                     ("round", "rnd", _int(0, MAX_ROUND), _PLAIN), ("view", "vw", _list(_ID, MAX_VIEW), _SEQ))
 
 
 @dataclass(frozen=True, slots=True)

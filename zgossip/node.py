@@ -136,6 +136,8 @@ class StepRequest:
     def __post_init__(self) -> None:
         if (self.buffer is None) != self.held:
             raise ProtocolError("a held step has no buffer yet; any other step needs one")
+        if self.buffer is not None and self.buffer.ndim != 1:  # refused here, in the caller, not by the round
+            raise ProtocolError(f"a step's buffer must be flat, not {self.buffer.ndim}-D ({type(self.buffer).__name__})")
 
 
 @dataclass(frozen=True)
@@ -507,11 +509,13 @@ class Node:
                               layout_desc=req.layout_desc, round=self.round_index, view=view)
         self._drain_loopback(now)
 
-    def cancel_step(self, step_id: str, now: float, why: str) -> None:
+    def cancel_step(self, step_id: str, now: float, why: str, error: Exception | None = None) -> None:
+        """Drop step `step_id` wherever it is (groupmates are told); it fails with `error`
+        (default: `RoundTimeout` saying `why`)."""
         st = self.step
         if st is None or st.req.step_id != step_id:
             return
-        self._drop_step(st, now, why, RoundTimeout(why))
+        self._drop_step(st, now, why, error if error is not None else RoundTimeout(why))
 
     def _drop_step(self, st: _Step, now: float, why: str, error: Exception) -> None:
         spec = st.round.spec if st.round is not None else st.spec

@@ -17,13 +17,32 @@ This module owns only the user-facing object; what each stage means for the grou
 from __future__ import annotations
 
 import concurrent.futures as cf
+import math
 from enum import Enum
 from typing import TYPE_CHECKING, Any
+
+from .messages import MAX_WEIGHT
+from .wire import check_gather
 
 if TYPE_CHECKING:  # pragma: no cover
     from .averager import Averager
 
-__all__ = ["StepStage", "StepFuture", "StepControl"]
+__all__ = ["StepStage", "StepFuture", "StepControl", "check_weight"]
+
+
+def check_weight(value: Any) -> float:
+    """A step's weight as a float, or ValueError: finite, > 0 and at most `MAX_WEIGHT` (1e30),
+    the most a PART or GATHER carries (a larger one would be refused when the round sends it)."""
+    try:
+        w = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"weight must be a number, not {type(value).__name__}") from None
+    if not (w > 0.0 and math.isfinite(w)):
+        raise ValueError(f"weight must be a finite number > 0, not {w!r}")
+    if w > MAX_WEIGHT:
+        raise ValueError(f"weight {w:g} is above {MAX_WEIGHT:g}, the most a step's weight may be (peers refuse more); "
+                         "scale the weights of every peer down alike")
+    return w
 
 
 class StepStage(Enum):
@@ -90,10 +109,7 @@ class StepFuture(cf.Future):
     @weight.setter
     def weight(self, value: float) -> None:
         self._check_settable("weight")
-        value = float(value)
-        if not (value > 0.0 and value < float("inf")):
-            raise ValueError("weight must be a finite number > 0")
-        self._weight = value
+        self._weight = check_weight(value)
 
     @property
     def gather(self) -> Any:
@@ -105,7 +121,7 @@ class StepFuture(cf.Future):
         if (value is None) != (self._gather is None):
             raise ValueError("gather must stay None, or stay given, as it was when the step was scheduled "
                              "(matchmaking announced it)")
-        self._gather = value
+        self._gather = check_gather(value)
 
     def _check_settable(self, what: str) -> None:
         if self._triggered or self.done():

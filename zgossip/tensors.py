@@ -25,9 +25,13 @@ _FLOATS = (np.dtype("float16"), np.dtype("float32"), np.dtype("float64"))
 
 
 def as_array(t: Any) -> np.ndarray:
-    """A numpy view of a numpy array or a CPU torch tensor (no copy). Raises TypeError otherwise."""
+    """A plain numpy view of a numpy array or a CPU torch tensor (no copy). Raises TypeError otherwise.
+
+    An ndarray subclass is viewed as a plain ndarray over the same memory (``np.memmap`` is still
+    averaged in place): a subclass may change what reshaping does (``np.matrix.reshape(-1)`` stays
+    2-D), and the protocol must be handed a flat buffer."""
     if isinstance(t, np.ndarray):
-        arr = t
+        arr = t if type(t) is np.ndarray else t.view(np.ndarray)
     elif type(t).__module__.startswith("torch"):
         if t.device.type != "cpu":
             raise TypeError(f"only CPU torch tensors can be averaged (got one on {t.device})")
@@ -62,6 +66,9 @@ class FlatLayout:
         arrays = [as_array(t) for t in tensors]
         if not arrays:
             raise ValueError("need at least one tensor to average")
+        if not any(a.size for a in arrays):
+            raise ValueError(f"the tensors hold no elements (shapes {[a.shape for a in arrays]}): there is nothing "
+                             "to average")
         offsets = [0]
         for a in arrays:
             offsets.append(offsets[-1] + a.size)

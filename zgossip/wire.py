@@ -37,6 +37,8 @@ __all__ = [
     "LANES",
     "lane_of",
     "warm_lanes",
+    "MAX_GATHER_BYTES",
+    "check_gather",
 ]
 
 PROTOCOL_VERSION = 1
@@ -77,6 +79,83 @@ class WireLimits:
     def __post_init__(self) -> None:
         if min(self.max_header_bytes, self.max_frame_bytes, self.max_frames) <= 0:
             raise ValueError("wire limits must be positive")
+
+
+#: the most a step's `gather` value may take packed. It travels in the header of one GATHER message
+#: to every groupmate (all to all), and receivers refuse headers past `WireLimits.max_header_bytes`
+#: (1 MiB): a few scalars are what it is for.
+MAX_GATHER_BYTES = 64 << 10
+_GATHER_DEPTH = 32  # nesting levels a gather value may have
+_INT_RANGE = (-(1 << 63), (1 << 64) - 1)  # what msgpack can pack
+
+
+def check_gather(value: Any, max_bytes: int = MAX_GATHER_BYTES) -> Any:
+    """`value` (a step's ``gather``) as every groupmate will decode it, or TypeError / ValueError
+    naming where in it the problem is. Checked where the user calls, because a value msgpack cannot
+    pack fails only when the round sends it, on the I/O thread, far from the caller.
+
+    Accepted: None, bool, int, float, str, bytes, lists / tuples (they arrive as lists) and dicts
+    with str keys (receivers refuse other keys), nested at most 32 deep. numpy scalars, 0-d numpy
+    arrays and one-element torch tensors become the Python scalar they hold (``.item()``).
+    At most `max_bytes` packed."""
+    out = _plain(value, "gather", 0)
+    try:
+        n = len(msgpack.packb(out, use_bin_type=True))
+    except (TypeError, ValueError, OverflowError) as e:  # pragma: no cover - _plain lets only packable values by
+        raise TypeError(f"gather cannot be sent: {e}") from None
+    if n > max_bytes:
+        raise ValueError(f"gather takes {n} bytes packed, more than the {max_bytes} allowed: it goes to every "
+                         "groupmate in one message header; pass a few scalars and share bulk data otherwise")
+    return out
+
+
+def _plain(v: Any, where: str, depth: int) -> Any:
+    """`v` with numpy / torch scalars as Python scalars and tuples as lists; raises for what cannot travel."""
+    if v is None or type(v) in (bool, float, str, bytes):
+        return v
+    if type(v) is int:
+        if not _INT_RANGE[0] <= v <= _INT_RANGE[1]:
+            raise ValueError(f"{where}: int {v} is out of range (msgpack carries -2**63 .. 2**64-1)")
+        return v
+    if depth >= _GATHER_DEPTH:
+        raise ValueError(f"{where}: nested more than {_GATHER_DEPTH} levels deep")
+    if isinstance(v, (list, tuple)):
+        return [_plain(x, f"{where}[{i}]", depth + 1) for i, x in enumerate(v)]
+    if isinstance(v, dict):
+        out = {}
+        for k, x in v.items():
+            if isinstance(k, np.str_):
+                k = str(k)
+            if type(k) is not str:
+                raise TypeError(f"{where}: key {k!r:.40} is a {type(k).__name__}; keys must be str (peers refuse "
+                                "maps with other keys), e.g. {str(epoch): loss}")
+            out[k] = _plain(x, f"{where}[{k!r:.40}]", depth + 1)
+        return out
+    if isinstance(v, np.generic) or (isinstance(v, np.ndarray) and v.ndim == 0):
+        item = v.item()
+        if isinstance(item, (np.generic, np.ndarray)) or type(item) in (complex,):
+            raise TypeError(f"{where}: numpy {v.dtype} cannot be sent; pass an int, float, str or bytes")
+        return _plain(item, where, depth + 1)
+    if type(v).__module__.startswith("torch") and hasattr(v, "numel") and hasattr(v, "item"):
+        if v.numel() != 1:
+            raise TypeError(f"{where}: a torch tensor of {v.numel()} elements cannot be sent; gather takes "
+                            "scalars (.item()) or lists (.tolist())")
+        return _plain(v.item(), where, depth + 1)
+    if isinstance(v, np.ndarray):
+        raise TypeError(f"{where}: a numpy array of shape {v.shape} cannot be sent; gather takes scalars or "
+                        "lists (.tolist())")
+    if isinstance(v, bool):  # subclasses of the plain types arrive as the plain type
+        return bool(v)
+    if isinstance(v, int):
+        return _plain(int(v), where, depth)
+    if isinstance(v, float):
+        return float(v)
+    if isinstance(v, str):
+        return str(v)
+    if isinstance(v, (bytes, bytearray, memoryview)):
+        return bytes(v)
+    raise TypeError(f"{where}: {type(v).__name__} cannot be sent (gather takes None, bool, int, float, str, bytes, "
+                    "lists and dicts with str keys of these)")
 
 
 def _fail(what: str) -> InvalidMessage:

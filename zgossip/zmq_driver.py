@@ -352,7 +352,11 @@ class ZmqTransport:
         except Exception:
             self.stats["errors"] += 1
             log.exception("zgossip node %s: internal error", self.endpoint)
-        execute(self.node.take_actions(), self, self._owner, self._owner_error)
+        try:
+            execute(self.node.take_actions(), self, self._owner, self._owner_error)
+        except Exception:  # a carrier bug: the actions after it are lost, the I/O thread must live on
+            self.stats["errors"] += 1
+            log.exception("zgossip node %s: internal error carrying out the node's actions", self.endpoint)
 
     def _owner_error(self, e: BaseException) -> None:
         log.error("zgossip: result callback failed", exc_info=e)
@@ -572,8 +576,11 @@ class ZmqTransport:
         """Send `msg` (its payload lent to libzmq, tracked unless `private`: a copy nobody else holds)."""
         if endpoint.startswith(CLIENT_SCHEME):
             return self._to_client(endpoint, msg, batch)
+        frames = self._encode(msg, endpoint, batch)
+        if frames is None:
+            return
+        frames, big = frames
         try:
-            frames, big = self._lent.encode(msg, {} if batch is None else batch)
             sock = self.connections.dealer(endpoint, wire.lane_of(msg.type))
             try:
                 self._lent.send(sock, frames, big, endpoint, msg, track=not private)
@@ -596,6 +603,23 @@ class ZmqTransport:
                                 "failures are only counted in stats['send_errors'])", self.endpoint, endpoint)
                 return
             log.warning("zgossip node %s: could not send %s to %s: %s", self.endpoint, msg.type.name, endpoint, e)
+
+    def _encode(self, msg: wire.Message, endpoint: str, batch: dict | None) -> tuple[Any, bool] | None:
+        """`msg`'s frames (`LentPayloads.encode`), or None when it cannot be encoded: a message the
+        node built that msgpack refuses is a bug of ours (user values are checked at the call, e.g.
+        `wire.check_gather`); it is dropped and counted in stats['send_errors'], logged once per
+        message type and error, and never takes the I/O thread down."""
+        try:
+            return self._lent.encode(msg, {} if batch is None else batch)
+        except Exception as e:
+            self.stats["send_errors"] += 1
+            key = (msg.type.name, f"encode {type(e).__name__}")
+            if key not in self._refusals and len(self._refusals) <= 4096:
+                self._refusals.add(key)
+                log.error("zgossip node %s: could not encode %s for %s, dropped (%s: %s; later such drops are "
+                          "only counted in stats['send_errors'])", self.endpoint, msg.type.name, endpoint,
+                          type(e).__name__, e)
+            return None
 
     def _to_client(self, endpoint: str, msg: wire.Message, batch: dict | None) -> None:
         """Answer a client through our ROUTER, on the connection it opened; queue (bounded) until it
@@ -624,7 +648,10 @@ class ZmqTransport:
             copied = bool(msg.payload) and msg.payload[-1].nbytes >= TRACK_BYTES
             if copied:
                 msg, batch = msg.detached(), None
-            frames, big = self._lent.encode(msg, {} if batch is None else batch)
+            encoded = self._encode(msg, endpoint, batch)
+            if encoded is None:
+                return
+            frames, big = encoded
             frames = (rid, *frames) if isinstance(frames, tuple) else [rid, *frames]
             self._lent.send(self._router, frames, big, endpoint, track=not copied)
             self.stats["sent"] += 1

@@ -1,0 +1,292 @@
+"""Edges of the user API on real sockets: arguments the wire cannot carry are refused at the call
+(never on the I/O thread), the I/O thread survives a message it cannot encode, ndarray subclasses,
+empty tensors, state download checks, and the errors a shut-down averager raises.
+
+Each test guards one bug that once wedged a step, killed the I/O thread or raised the wrong error.
+Every wait is bounded; pure argument checks need no groupmate.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import zgossip
+from harness import FAST
+from zgossip import wire
+from zgossip.messages import MAX_WEIGHT, Gather
+from zgossip.node import StepRequest
+
+
+def _pair(t0, t1, prefix="edge", **kw):
+    a = zgossip.Averager(t0, prefix=prefix, target_group_size=2, seed=1, **{**FAST, **kw})
+    b = zgossip.Averager(t1, prefix=prefix, target_group_size=2, initial_peers=[a.endpoint], seed=2, **{**FAST, **kw})
+    deadline = time.monotonic() + 10
+    while not (a.peers() and b.peers()):
+        assert time.monotonic() < deadline, "the two peers did not meet"
+        time.sleep(0.02)
+    return a, b
+
+
+def _free_for_a_step(avg: zgossip.Averager) -> None:
+    """A refused call must leave nothing queued: the next step is accepted (and then cancelled)."""
+    fut = avg.step(wait=False, timeout=5.0)
+    assert fut.cancel() or fut.exception(10) is not None
+
+
+# ------------------------------------------------------------------ gather
+def test_check_gather_turns_numpy_and_torch_scalars_into_python_ones():
+    g = wire.check_gather({"loss": np.float32(0.5), "n": np.int64(3), "ok": np.bool_(True), "s": np.str_("x"),
+                           "t": torch.tensor(2.5), "t1": torch.tensor([7]), "a0": np.array(1.5),
+                           "seq": (1, np.float64(2.0), [b"raw"])})
+    assert g == {"loss": 0.5, "n": 3, "ok": True, "s": "x", "t": 2.5, "t1": 7, "a0": 1.5, "seq": [1, 2.0, [b"raw"]]}
+    assert type(g["loss"]) is float and type(g["n"]) is int and type(g["ok"]) is bool and type(g["s"]) is str
+    assert wire.check_gather(None) is None
+
+
+@pytest.mark.parametrize("value, error, where", [
+    ({1: 0.5}, TypeError, "key 1 is a int"),
+    ({"a": [0, {2: "x"}]}, TypeError, r"gather\['a'\]\[1\]: key 2"),
+    ({"w": np.zeros(3)}, TypeError, r"gather\['w'\]: a numpy array of shape \(3,\)"),
+    ({"w": torch.zeros(2)}, TypeError, r"gather\['w'\]: a torch tensor of 2 elements"),
+    ([object()], TypeError, r"gather\[0\]: object cannot be sent"),
+    ({"c": np.complex64(1j)}, TypeError, "complex64"),
+    ({"big": 1 << 70}, ValueError, "out of range"),
+    ("x" * (wire.MAX_GATHER_BYTES + 1), ValueError, "bytes packed"),
+])
+def test_check_gather_refuses_what_peers_cannot_decode(value, error, where):
+    with pytest.raises(error, match=where):
+        wire.check_gather(value)
+
+
+def test_check_gather_refuses_deep_nesting():
+    v: list = []
+    for _ in range(40):
+        v = [v]
+    with pytest.raises(ValueError, match="nested"):
+        wire.check_gather(v)
+
+
+def test_a_bad_gather_is_refused_at_the_call_and_queues_nothing():
+    with zgossip.Averager([np.zeros(3, np.float32)], prefix="edge-g", **FAST) as a:
+        for bad in ({1: 0.5}, {"w": np.zeros(3)}, object()):
+            with pytest.raises(TypeError, match="gather"):
+                a.step(wait=False, gather=bad)
+            with pytest.raises(TypeError, match="gather"):
+                a.step(wait=False, gather=bad, require_trigger=True)
+        _free_for_a_step(a)
+        ctl = a.step(wait=False, gather={"loss": 1.0}, require_trigger=True, timeout=5.0)
+        try:
+            with pytest.raises(TypeError, match="key 3"):
+                ctl.gather = {3: 1.0}
+            ctl.gather = {"loss": np.float16(0.25)}
+            assert ctl.gather == {"loss": 0.25} and type(ctl.gather["loss"]) is float
+            with pytest.raises(ValueError, match="above"):
+                ctl.weight = MAX_WEIGHT * 10
+            ctl.weight = MAX_WEIGHT
+            assert ctl.weight == MAX_WEIGHT
+        finally:
+            assert ctl.cancel()
+
+
+def test_numpy_and_torch_gather_values_travel():
+    x, y = np.zeros(3, np.float32), np.ones(3, np.float32)
+    a, b = _pair([x], [y], prefix="edge-gt", allreduce_timeout=5)
+    with a, b:
+        fa = a.step(wait=False, gather={"loss": np.float32(0.5)}, timeout=5)
+        fb = b.step(wait=False, gather={"loss": torch.tensor(1.5), "k": (1, 2)}, timeout=5)
+        ra, rb = fa.result(15), fb.result(15)
+        assert ra.complete and rb.complete
+        want = {a.peer_id: {"loss": 0.5}, b.peer_id: {"loss": 1.5, "k": [1, 2]}}
+        assert ra.gathered == want and rb.gathered == want
+        np.testing.assert_allclose(x, 0.5)
+        assert a.stats["invalid"] == 0 and b.stats["invalid"] == 0
+
+
+def test_a_message_that_cannot_be_encoded_is_a_counted_drop_not_a_dead_io_thread():
+    x, y = np.zeros(3, np.float32), np.full(3, 2.0, np.float32)
+    a, b = _pair([x], [y], prefix="edge-enc", allreduce_timeout=5)
+    with a, b:
+        before = a.stats["send_errors"]
+        # what a bug of ours would send: a message msgpack refuses, built past the checks
+        bad = Gather.trusted(a.peer_id, a.endpoint, "g" * 8, 1.0, object())
+        a.transport.call(lambda now: a.transport.node._send(b.endpoint, bad))
+        deadline = time.monotonic() + 5
+        while a.stats["send_errors"] == before:
+            assert time.monotonic() < deadline, "the refused message was not counted"
+            time.sleep(0.02)
+        assert a.transport._thread.is_alive()
+        fa, fb = a.step(wait=False, timeout=5), b.step(wait=False, timeout=5)
+        assert fa.result(15).complete and fb.result(15).complete
+        np.testing.assert_allclose(x, 1.0)
+
+
+# ------------------------------------------------------------------ round, weight, timeout
+@pytest.mark.parametrize("rnd", [1 << 70, 1 << 62, -5, True, 1.5, "3"])
+def test_round_out_of_range_is_refused_at_the_call(rnd):
+    with zgossip.Averager([np.zeros(3, np.float32)], prefix="edge-r", **FAST) as a:
+        with pytest.raises(ValueError, match="round"):
+            a.step(wait=False, round=rnd)
+        with pytest.raises(ValueError, match="round"):
+            a.step(wait=False, round=rnd, require_trigger=True)
+        _free_for_a_step(a)
+
+
+def test_rounds_in_range_are_accepted():
+    with zgossip.Averager([np.zeros(3, np.float32)], prefix="edge-r2", **FAST) as a:
+        for rnd in (0, np.int64(7), (1 << 62) - 1):
+            fut = a.step(wait=False, round=rnd, timeout=5.0)
+            assert fut.cancel()
+
+
+@pytest.mark.parametrize("weight", [1e31, MAX_WEIGHT * 1.0000001, float("inf"), 0.0, -1.0, "heavy"])
+def test_weight_beyond_what_the_wire_carries_is_refused_at_the_call(weight):
+    with zgossip.Averager([np.zeros(3, np.float32)], prefix="edge-w", **FAST) as a:
+        with pytest.raises(ValueError, match="weight"):
+            a.step(wait=False, weight=weight)
+        with pytest.raises(ValueError, match="weight"):
+            a.step(wait=False, weight=weight, require_trigger=True)
+        _free_for_a_step(a)
+
+
+def test_the_largest_weight_averages():
+    x, y = np.zeros(3, np.float32), np.full(3, 2.0, np.float32)
+    a, b = _pair([x], [y], prefix="edge-w2", allreduce_timeout=5)
+    with a, b:
+        fa, fb = a.step(wait=False, weight=MAX_WEIGHT, timeout=5), b.step(wait=False, weight=MAX_WEIGHT, timeout=5)
+        assert fa.result(15).complete and fb.result(15).complete
+        np.testing.assert_allclose(x, 1.0)
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), float("nan"), -1.0, 1e7, "soon"])
+def test_timeout_must_be_finite_and_bounded(timeout):
+    with zgossip.Averager([np.zeros(3, np.float32)], prefix="edge-t", **FAST) as a:
+        for wait in (True, False):
+            with pytest.raises(ValueError, match="timeout"):
+                a.step(wait=wait, timeout=timeout)
+        with pytest.raises(ValueError, match="timeout"):
+            a.step(wait=False, timeout=timeout, require_trigger=True)
+        _free_for_a_step(a)
+        assert zgossip.averager.MAX_STEP_TIMEOUT == 1e6
+        fut = a.step(wait=False, timeout=zgossip.averager.MAX_STEP_TIMEOUT)
+        assert fut.cancel()
+
+
+# ------------------------------------------------------------------ tensors
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # np.matrix itself
+def test_ndarray_subclasses_are_averaged_as_plain_arrays(tmp_path):
+    ma, mb = np.matrix(np.zeros((2, 2), np.float32)), np.matrix(np.full((2, 2), 2.0, np.float32))
+    a, b = _pair([ma], [mb], prefix="edge-m", allreduce_timeout=3)
+    with a, b:  # a: the in-place (blocking) path; b: the snapshot path
+        out: dict = {}
+        th = threading.Thread(target=lambda: out.setdefault("a", a.step(timeout=3)), daemon=True)
+        th.start()
+        rb = b.step(wait=False, timeout=3).result(15)
+        th.join(15)
+        assert not th.is_alive() and out["a"].complete and rb.complete
+        np.testing.assert_allclose(ma, 1.0)
+        np.testing.assert_allclose(mb, 1.0)
+    ra = np.memmap(tmp_path / "a.bin", np.float32, "w+", shape=(4,))
+    rb_ = np.memmap(tmp_path / "b.bin", np.float32, "w+", shape=(4,))
+    rb_[:] = 4.0
+    a, b = _pair([ra], [rb_], prefix="edge-mm", allreduce_timeout=3)
+    with a, b:
+        fa, fb = a.step(wait=False, timeout=3), b.step(wait=False, timeout=3)
+        assert fa.result(15).complete and fb.result(15).complete
+    np.testing.assert_allclose(ra, 2.0)  # written through the memmap, in place
+    ra.flush()
+    np.testing.assert_allclose(np.fromfile(tmp_path / "a.bin", np.float32), 2.0)
+
+
+def test_a_step_buffer_must_be_flat():
+    with pytest.raises(zgossip.ProtocolError, match="flat"):
+        StepRequest("s", np.zeros((2, 2), np.float32), 1.0, None, 1.0, "layout")
+
+
+def test_tensors_without_elements_are_refused():
+    for ts in ([np.zeros(0, np.float32)], [np.zeros((3, 0), np.float32), np.zeros(0, np.float32)]):
+        with pytest.raises(ValueError, match="no elements"):
+            zgossip.Averager(ts, prefix="edge-e")
+    # an empty tensor beside one with elements is fine
+    with zgossip.Averager([np.zeros(0, np.float32), np.zeros(2, np.float32)], prefix="edge-e") as a:
+        assert a.layout.numel == 2
+
+
+# ------------------------------------------------------------------ state download
+def _wait_donor(receiver: zgossip.Averager, donor: zgossip.Averager) -> None:
+    deadline = time.monotonic() + 10
+    while donor.peer_id not in receiver._ask_node(lambda n: [r.peer_id for r in n.membership.donors()]):
+        assert time.monotonic() < deadline, "the donor was never announced"
+        time.sleep(0.02)
+
+
+def test_state_download_refuses_another_dtype_and_writes_nothing():
+    src = [np.full(4, 70000.0, np.float32), np.ones(2, np.float32)]
+    dst = [np.zeros(4, np.float16), np.zeros(2, np.float32)]
+    with zgossip.Averager(src, prefix="edge-s", **FAST) as a, \
+            zgossip.Averager(dst, prefix="edge-s", initial_peers=[a.endpoint], allow_state_sharing=False, **FAST) as b:
+        _wait_donor(b, a)
+        with pytest.raises(zgossip.ZGossipError, match="tensor 0: peer state has dtype float32, local tensor float16"):
+            b.load_state_from_peers(timeout=10)
+        with pytest.raises(zgossip.ZGossipError, match="dtype"):
+            b.load_state_from_peers(timeout=10, wait=False).result(20)
+        assert not dst[0].any() and not dst[1].any()  # nothing written, not even the matching tensor
+        meta, arrays = b.load_state_from_peers(timeout=10, apply=False)  # without apply: no check, no write
+        assert arrays[0].dtype == np.float32 and not dst[0].any()
+
+
+def test_state_compression_per_tensor_follows_the_real_layout():
+    ts = lambda: [np.linspace(0, 1, 8, dtype=np.float32), np.full(4, 3.0, np.float32)]  # noqa: E731
+    for spec in (["fp16", "none"], {1: "int8"}):
+        zgossip.Averager(ts(), prefix="edge-c", state_compression=spec).shutdown()
+    with pytest.raises(ValueError, match="3 codecs for 2 tensors"):
+        zgossip.Averager(ts(), prefix="edge-c", state_compression=["fp16", "none", "none"])
+    with pytest.raises(ValueError, match="names tensor 2"):
+        zgossip.Averager(ts(), prefix="edge-c", state_compression={2: "fp16"})
+    src, dst = ts(), [np.zeros(8, np.float32), np.zeros(4, np.float32)]
+    with zgossip.Averager(src, prefix="edge-c2", state_compression=["fp16", "none"], **FAST) as a, \
+            zgossip.Averager(dst, prefix="edge-c2", initial_peers=[a.endpoint], allow_state_sharing=False, **FAST) as b:
+        _wait_donor(b, a)
+        b.load_state_from_peers(timeout=10)
+    np.testing.assert_allclose(dst[0], src[0], atol=1e-3)
+    assert np.array_equal(dst[1], src[1])
+
+
+# ------------------------------------------------------------------ shutdown
+def test_a_step_interrupted_by_shutdown_fails_with_averager_closed():
+    a = zgossip.Averager([np.ones(4, np.float32)], prefix="edge-x", matchmaking_time=0.5)
+    fut = a.step(wait=False, timeout=20)
+    time.sleep(0.3)
+    a.shutdown()
+    with pytest.raises(zgossip.AveragerClosed):
+        fut.result(10)
+    b = zgossip.Averager([np.ones(4, np.float32)], prefix="edge-x", matchmaking_time=0.5)
+    err: list = []
+
+    def run() -> None:
+        try:
+            b.step(timeout=20)
+        except Exception as e:
+            err.append(e)
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    time.sleep(0.3)
+    b.shutdown()
+    th.join(10)
+    assert not th.is_alive() and len(err) == 1 and isinstance(err[0], zgossip.AveragerClosed), err
+
+
+def test_a_shut_down_averager_raises_averager_closed_everywhere():
+    a = zgossip.Averager([np.zeros(3, np.float32)], prefix="edge-y")
+    a.shutdown()
+    calls = {"step": lambda: a.step(), "publish": lambda: a.publish(loss=1.0),
+             "allow_state_sharing": lambda: setattr(a, "allow_state_sharing", False),
+             "state_sharing_priority": lambda: setattr(a, "state_sharing_priority", 2.0),
+             "peers": a.peers, "load_state_from_peers": lambda: a.load_state_from_peers(timeout=1)}
+    for name, call in calls.items():
+        with pytest.raises(zgossip.AveragerClosed):
+            call()
