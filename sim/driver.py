@@ -59,7 +59,7 @@ import simpy
 from zgossip import wire
 from zgossip.actions import DownloadDone, DownloadFailed, StepDone, StepFailed, execute
 from zgossip.averager import Averager
-from zgossip.endpoints import listens
+from zgossip.endpoints import listens, reachable
 from zgossip.node import Node, NodeConfig
 
 from .clock import VirtualClock
@@ -67,7 +67,14 @@ from .network import NetworkModel
 from .tcp import TcpTransport
 from .static import StaticTable, StaticView
 
+
 __all__ = ["SimTransport", "SimPeer", "SimCluster", "Crashed"]
+
+
+def _sim_reachable(endpoint: str) -> bool:
+    """The addresses a simulated peer may be told of: ``sim://peerN``, ``client://...``, and
+    ``tcp://HOST:PORT`` (some scenarios name peers so)."""
+    return reachable(endpoint, ("sim", "tcp"))
 
 #: the CPU queue of the testbed's forwarder (`sim.cpu.CpuCosts.switch_byte`); no peer endpoint looks like it
 SWITCH = "<switch>"
@@ -111,6 +118,7 @@ class SimTransport:
             view = StaticView(cl.table, peer_id, self.endpoint_)
         self.owner = owner
         self.node = node = make_node(self.endpoint_, view)
+        node.accept_endpoints(_sim_reachable)  # the simulated network's addresses (and tcp:// ones, as tests use)
         for other in self._known:  # pre-seeded membership, as after a converged gossip
             node.membership.observe(other.peer_id, other.endpoint, cl.env.now)
             other.node.membership.observe(peer_id, self.endpoint_, cl.env.now)

@@ -24,6 +24,10 @@ from .local_ipc import LocalRoutes
 
 __all__ = ["Connections"]
 
+# connect() errors that say the address itself is unusable (not a passing shortage): not retried
+_BAD_ADDRESS = frozenset(getattr(zmq, n) for n in ("EINVAL", "EPROTONOSUPPORT", "ENOCOMPATPROTO", "ENODEV")
+                         if hasattr(zmq, n))
+
 
 class Connections:
     def __init__(self, ctx: zmq.Context, poller: zmq.Poller, routes: LocalRoutes, stats: dict,
@@ -40,11 +44,19 @@ class Connections:
         self._dealers: dict[tuple[str, int], tuple[zmq.Socket, zmq.Socket | None]] = {}  # -> dealer, monitor
         self.monitors: dict[zmq.Socket, str] = {}  # monitor PAIR socket -> the dealer's endpoint
         self.inbound: dict[zmq.Socket, tuple[str, str | None]] = {}  # readable dealer -> (endpoint, peer id)
+        self.refused: dict[str, int] = {}  # endpoint -> errno: addresses libzmq refused (bounded)
 
     def dealer(self, endpoint: str, lane: int = 0) -> zmq.Socket:
+        """The DEALER to `endpoint` on `lane`, opened on first use. Raises ValueError (no key known
+        for it) or zmq.ZMQError (libzmq refused the address); then nothing stays open, and an
+        address libzmq refused for what it is (not for a passing shortage, such as file
+        descriptors) is remembered: later sends to it fail at once, opening nothing."""
         got = self._dealers.get((endpoint, lane))
         if got is not None:
             return got[0]
+        refused = self.refused.get(endpoint)
+        if refused is not None:
+            raise zmq.ZMQError(refused, f"{zmq.strerror(refused)} (refused before: not tried again)")
         server = None
         if self._curve is not None:
             server = self._server_id(endpoint) if self._server_id is not None else None
@@ -52,58 +64,72 @@ class Connections:
                 raise ValueError(f"no public key known for {endpoint}: give it as tcp://HOST:PORT#KEY or in the "
                                  "allow file (KEY tcp://HOST:PORT)")
         sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)  # never drop: payloads are zero-copy, queueing costs no copy
-        sock.setsockopt(zmq.MAXMSGSIZE, self._max_msg)
-        if not self._readable:
-            sock.setsockopt(zmq.RCVHWM, 1)  # nobody reads it: a peer that writes back cannot pile up memory
-        route = self.routes.connect_to(endpoint)
-        if server is not None:
-            if route != endpoint:  # a local Unix socket: authenticated, not encrypted (zgossip.local_auth)
-                sock.setsockopt(zmq.PLAIN_USERNAME, self._curve.keys.peer_id.encode())  # type: ignore[union-attr]
-                sock.setsockopt(zmq.PLAIN_PASSWORD, local_auth.proof(self._curve.keys, server))  # type: ignore[union-attr]
-            else:
-                self._curve.client(sock, server)  # type: ignore[union-attr]
         mon = None
-        if lane == 0:
-            # a dropped connection (the peer's process died) is reported at once, so the protocol
-            # need not wait out its timeouts: messages queued on a dropped connection may be lost.
-            # (Lane 0 is the one every groupmate has; one report per peer is enough.) Failed
-            # handshakes (a refused key, a peer without keys) are reported once in the log.
-            mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_EVENTS)
-            self.monitors[mon] = endpoint
-            self._poller.register(mon, zmq.POLLIN)
-        if self._readable:
-            self.inbound[sock] = (endpoint, server)
-            self._poller.register(sock, zmq.POLLIN)
-        sock.connect(route)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)  # never drop: payloads are zero-copy, queueing costs no copy
+            sock.setsockopt(zmq.MAXMSGSIZE, self._max_msg)
+            if not self._readable:
+                sock.setsockopt(zmq.RCVHWM, 1)  # nobody reads it: a peer that writes back cannot pile up memory
+            route = self.routes.connect_to(endpoint)
+            if server is not None:
+                if route != endpoint:  # a local Unix socket: authenticated, not encrypted (zgossip.local_auth)
+                    sock.setsockopt(zmq.PLAIN_USERNAME, self._curve.keys.peer_id.encode())  # type: ignore[union-attr]
+                    sock.setsockopt(zmq.PLAIN_PASSWORD, local_auth.proof(self._curve.keys, server))  # type: ignore[union-attr]
+                else:
+                    self._curve.client(sock, server)  # type: ignore[union-attr]
+            if lane == 0:
+                # a dropped connection (the peer's process died) is reported at once, so the protocol
+                # need not wait out its timeouts: messages queued on a dropped connection may be lost.
+                # (Lane 0 is the one every groupmate has; one report per peer is enough.) Failed
+                # handshakes (a refused key, a peer without keys) are reported once in the log.
+                mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_EVENTS)
+                self._poller.register(mon, zmq.POLLIN)
+                self.monitors[mon] = endpoint
+            if self._readable:
+                self._poller.register(sock, zmq.POLLIN)
+                self.inbound[sock] = (endpoint, server)
+            sock.connect(route)
+        except BaseException as e:
+            # nothing may stay open for an address we could not connect to: every send to it would
+            # leak a DEALER and its monitor (file descriptors) until libzmq aborts the process
+            self._discard(sock, mon)
+            if isinstance(e, zmq.ZMQError) and e.errno in _BAD_ADDRESS:
+                if len(self.refused) >= 4096:
+                    self.refused.pop(next(iter(self.refused)))
+                self.refused[endpoint] = e.errno
+            raise
         self._stats["connections"] += 1
         if route != endpoint:
             self._stats["local_connections"] += 1
         self._dealers[(endpoint, lane)] = (sock, mon)
         return sock
 
+    def _discard(self, sock: zmq.Socket, mon: zmq.Socket | None) -> None:
+        if sock in self.inbound:
+            self._poller.unregister(sock)
+            del self.inbound[sock]
+        if mon is not None:
+            if mon in self.monitors:
+                self._poller.unregister(mon)
+                del self.monitors[mon]
+            try:
+                sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            mon.close(0)
+        sock.close(0)
+
     def close(self, endpoint: str) -> None:
         """Close every connection to `endpoint` (all lanes); whatever they still queued is dropped.
         The next connection looks for a local socket again (the peer may have restarted)."""
         self.routes.forget(endpoint)
+        self.refused.pop(endpoint, None)  # (a host name that did not resolve may resolve later)
         for lane in range(wire.LANES):
             got = self._dealers.pop((endpoint, lane), None)
             if got is None:
                 continue
-            sock, mon = got
-            if sock in self.inbound:
-                self._poller.unregister(sock)
-                del self.inbound[sock]
-            if mon is not None:
-                self._poller.unregister(mon)
-                self.monitors.pop(mon, None)
-                try:
-                    sock.disable_monitor()
-                except zmq.ZMQError:
-                    pass
-                mon.close(0)
-            sock.close(0)
+            self._discard(*got)
 
     def close_all(self) -> None:
         for ep in {ep for ep, _ in self._dealers}:

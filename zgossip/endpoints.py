@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import logging
 import socket
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
-__all__ = ["check_endpoint", "advertised_host", "advertised", "CLIENT_SCHEME", "client_endpoint", "listens"]
+__all__ = ["check_endpoint", "advertised_host", "advertised", "CLIENT_SCHEME", "client_endpoint", "listens",
+           "reachable", "peer_check"]
 
 #: The endpoint of a peer in client mode (it listens nowhere): ``client://<peer id>``. Peers never
 #: connect to it; they answer such a peer on the connection it opened (`zgossip.zmq_driver`).
@@ -26,6 +27,43 @@ def listens(endpoint: str) -> bool:
     return not endpoint.startswith(CLIENT_SCHEME)
 
 log = logging.getLogger(__name__)
+
+
+def _plain_name(text: str, max_len: int = 200) -> bool:
+    return 0 < len(text) <= max_len and text.isprintable() and not any(c.isspace() for c in text)
+
+
+def reachable(endpoint: Any, schemes: Collection[str] = ("tcp",)) -> bool:
+    """Whether `endpoint`, as a peer sent it, names a place a node may send to: ``client://ID``
+    (answered on the connection that client opened), ``tcp://HOST:PORT`` in `check_endpoint`'s
+    peer form, or ``SCHEME://NAME`` for another scheme `schemes` lists (the simulator's
+    ``sim://peerN``). Anything else -- "nonsense", a port out of range, ``ipc://`` or
+    ``inproc://`` (which would make this process connect to its own sockets) -- is refused: an
+    endpoint comes from the network, and nothing should be opened for it (each connection costs
+    file descriptors)."""
+    if not isinstance(endpoint, str):
+        return False
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep:
+        return False
+    if scheme == "client":
+        return _plain_name(rest, 64)
+    if scheme not in schemes:
+        return False
+    if scheme == "tcp":
+        try:
+            check_endpoint(endpoint)
+        except ValueError:
+            return False
+        return True
+    return _plain_name(rest)
+
+
+def peer_check(own: str, initial_peers: Sequence[str] = ()) -> Callable[[str], bool]:
+    """`reachable` for a node at `own`: TCP, and the schemes it listens on and its initial peers use."""
+    schemes = {"tcp"} | {ep.partition("://")[0] for ep in (own, *initial_peers) if "://" in ep and listens(ep)}
+    frozen = tuple(sorted(schemes))
+    return lambda endpoint: reachable(endpoint, frozen)
 
 
 def check_endpoint(address: Any, what: str = "peer address", listen: bool = False) -> tuple[str, int]:

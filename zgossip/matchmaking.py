@@ -53,6 +53,7 @@ from typing import Callable
 import numpy as np
 
 from . import layouts
+from .droplog import DropLog
 from .errors import GroupNotFound, IllegalTransition, ProtocolError
 from .messages import Abort, Group, Join, JoinAck, JoinNote, Leave, MemberInfo, Message, NoGroup, Redirect
 from .rendezvous import rendezvous_order
@@ -202,6 +203,12 @@ class Matchmaker:
         self._closed: dict[str, str] = {}  # step id -> group id of our steps whose group we formed from notes
         self._met: dict[str, None] = {}  # step ids of peers that were in a group with us lately: their notes are spent
         self.closed_early = 0  # groups this peer formed from notes (stats["closed_early"])
+        self._steps: dict[str, None] = {}  # ids of our recent steps: a GROUP for one we gave up is answered
+        #: whether a member of a GROUP for a step we gave up may be sent the courtesy ABORT: a peer
+        #: we know at that endpoint (the node adds clients it heard from). Nobody else is contacted
+        #: for a GROUP: an outsider's GROUP naming thousands of made-up members opens no connection.
+        self.knows: Callable[[str, str], bool] = lambda peer_id, endpoint: membership.endpoint_of(peer_id) == endpoint
+        self.drops: DropLog | None = None  # the node's: refused input is logged once per source and kind
 
     @property
     def peer_id(self) -> str:
@@ -228,6 +235,9 @@ class Matchmaker:
             ids = ()
         self.join = j = _Join(step_id, key, bandwidth, layout, want, int(gathers), now, now + timeout,
                               desc=layout_desc[:layouts.MAX_CHARS], round=round, view=ids)
+        self._steps[step_id] = None
+        while len(self._steps) > 64:
+            self._steps.pop(next(iter(self._steps)))
         if ids:
             note = JoinNote(self.peer_id, self.endpoint, key=key, step_id=step_id, bandwidth=bandwidth, layout=layout,
                             want=want, gathers=int(gathers), round=round, view=ids)
@@ -412,10 +422,19 @@ class Matchmaker:
         # (perhaps after we moved on from a slow rendezvous peer), and its members wait for us
         current = (j is not None and msg.key == j.key and len(mine) == 1 and members[mine[0]].step_id == j.step_id)
         if not current:
-            # a group for a step we gave up on: tell its members not to wait for us
+            if len(mine) != 1 or members[mine[0]].step_id not in self._steps:
+                # not a group of ours (an honest rendezvous peer sends a GROUP only to its members,
+                # and only with the step they joined with): refused, and nobody is contacted for it
+                self.dropped += 1
+                if self.drops is not None:
+                    self.drops.note(log, f"{msg.sender[:16]} at {msg.endpoint}", "a GROUP for a step this peer never made",
+                                    f"group {msg.group_id[:8]} of {len(members)}")
+                return
+            # a group for a step we gave up on: tell its members not to wait for us -- those we
+            # know (`knows`); any other member excludes us after its part_timeout, as it would a dead one
             abort = Abort(self.peer_id, self.endpoint, group_id=msg.group_id, reason="step no longer active")
             for m in members:
-                if m.peer_id != self.peer_id:
+                if m.peer_id != self.peer_id and self.knows(m.peer_id, m.endpoint):
                     self._send(m.endpoint, abort)
             return
         if len({m.peer_id for m in members}) != len(members):  # a peer's bad data: GroupSpec would refuse it

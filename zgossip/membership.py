@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from .endpoints import listens
+from .endpoints import listens, peer_check
 from .rendezvous import RankingCache
 from .messages import Bye, Gossip, GossipReply, Message
 
@@ -81,6 +81,11 @@ class Membership:
         self.peer_timeout = peer_timeout
         self.max_digest = max_digest
         self.admit: Callable[[str], bool] = lambda peer_id: True  # with keys: is this peer id allowed?
+        # is this endpoint (from the network) one we could ever reach? Entries naming anything else
+        # ("nonsense", a bad port, ipc:// or inproc://) are never entered, so never gossiped on nor
+        # connected to; each is counted here (the node adds them to stats["dropped"])
+        self.endpoint_ok: Callable[[str], bool] = peer_check(endpoint, initial_peers)
+        self.bad_endpoints = 0
         # the node's check of the entries it reads from a peer's info record (bad ones dropped, counted)
         self.clean_info: Callable[[str, dict], dict] = lambda peer_id, info: info
         self.heartbeat = 0
@@ -191,6 +196,10 @@ class Membership:
         """Direct contact from a peer proves it is alive."""
         if peer_id == self.peer_id or not listens(endpoint) or not self.admit(peer_id):
             return
+        rec = self.peers.get(peer_id)
+        if (rec is None or rec.endpoint != endpoint) and not self.endpoint_ok(endpoint):
+            self.bad_endpoints += 1
+            return
         left = self._left.get(peer_id)
         if left is not None:
             if now - left < self.peer_timeout:
@@ -198,7 +207,6 @@ class Membership:
             del self._left[peer_id]
         if endpoint in self.initial_peers:
             self._reached.add(endpoint)
-        rec = self.peers.get(peer_id)
         if rec is None:
             tomb = self._tombstones.pop(peer_id, None)
             hb = tomb[0] if tomb else 0
@@ -248,6 +256,9 @@ class Membership:
             if pid == self.peer_id or not listens(ep) or not self.admit(pid):
                 continue
             rec = self.peers.get(pid)
+            if (rec is None or rec.endpoint != ep) and not self.endpoint_ok(ep):
+                self.bad_endpoints += 1  # (checked once per new endpoint: a known one passed already)
+                continue
             if rec is None:
                 tomb = self._tombstones.get(pid)
                 if tomb is not None and hb <= tomb[0]:

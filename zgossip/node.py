@@ -12,16 +12,16 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from . import announce, autogrid
+from . import announce, autogrid, layouts
 from .actions import Connect, Disconnect, DownloadDone, DownloadFailed, Send, ServeState, StepDone, StepFailed, StepProgress
 from .allreduce import AllReduceRound, RoundOutcome, SpanOutcome
 from .codecs import CodecMap
 from .droplog import DropLog
-from .endpoints import listens
+from .endpoints import client_endpoint, listens, peer_check
 from .errors import IllegalTransition, PeerLost, ProtocolError, RoundTimeout, StepInProgress
 from .grid import MoshpitGrid
 from .linkstats import LinkStats, valid_rate
@@ -66,6 +66,10 @@ class NodeConfig:
     grid_coords: tuple[int, ...] | None = None
     grid_auto: bool = False  # the grid's shape follows the swarm's gossiped size (zgossip.autogrid)
     early_buffer_messages: int = 512  # round messages kept while our GROUP is still on its way
+    # ... and their payload bytes at most (None: twice this peer's tensor bytes, at least four
+    # parts): what groupmates that started first may send us before our GROUP arrives, or while a
+    # held step awaits its trigger, is about one model's worth of parts; more is refused (counted)
+    early_buffer_bytes: int | None = None
     max_state_bytes: int = 1 << 36  # largest state a download accepts
     # state chunks: the unit of transfer and of the digests; part of the state hash peers vote on
     # (zgossip.repair), so it must be equal across the swarm
@@ -103,6 +107,8 @@ class NodeConfig:
             raise ValueError("deadline_slack must be >= 1")
         if self.warm_peers < 0:
             raise ValueError("warm_peers must be >= 0")
+        if self.early_buffer_messages < 0 or (self.early_buffer_bytes is not None and self.early_buffer_bytes < 0):
+            raise ValueError("early_buffer_messages and early_buffer_bytes must be >= 0")
         if self.part_timeout <= 0 or self.allreduce_timeout <= 0:
             raise ValueError("timeouts must be positive")
         if not self.prefix or len(self.prefix) > 200:
@@ -188,6 +194,17 @@ _ROUND_MESSAGES = (Gather, Part, Result, Abort, RescueCall, Rescue, GaveUp)
 _LIMITED = frozenset((Gossip, GossipReply, Join, JoinNote, Leave, StateReq, Bye))
 
 
+def _layout_bytes(desc: str) -> int:
+    """The bytes of the tensors a layout description (`zgossip.layouts`) lists, 0 if it cannot tell."""
+    got = layouts.parse(desc)
+    if got is None or got[2]:
+        return 0
+    try:
+        return sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(code).itemsize for code, shape, _ in got[1])
+    except (TypeError, ValueError):
+        return 0
+
+
 @dataclass
 class _Step:
     req: StepRequest
@@ -249,7 +266,9 @@ class Node:
         self._publish_round()
         self.phase = StepPhase.IDLE
         self.step: _Step | None = None
-        self._early: dict[str, list[Message]] = {}
+        self._early: dict[str, list[Message]] = {}  # group id -> its round messages that came before we could use them
+        self._early_bytes = 0  # their payload bytes
+        self._tensor_bytes = 0  # of the latest step's buffer (or layout): sizes the early buffer
         self._finished: dict[str, bool] = {}  # ids of recent rounds, to answer late rescue calls
         self._gone: dict[str, frozenset[str]] = {}  # recent rounds: endpoints of the members each lost
         # Shutdown: groupmates of recent rounds that have not said DONE may still wait for results
@@ -264,6 +283,15 @@ class Node:
         self._limited_logged: set[str] = set()
         #: refused input is logged once per source and kind (rounds and downloads share it)
         self.drops = DropLog(f"zgossip node {endpoint}")
+        # Endpoints from the network (a message's sender, gossip entries, GROUP members, REDIRECT
+        # targets) that name nothing this node could reach are refused before anything is sent to
+        # them: each send to one would open a connection (file descriptors) for nothing. The
+        # transport says which addresses it can reach (`accept_endpoints`).
+        self.endpoint_ok: Callable[[str], bool] = peer_check(endpoint, initial_peers)
+        self._good_endpoints: set[str] = set()  # endpoints that passed endpoint_ok (bounded)
+        self.accept_endpoints(self.endpoint_ok)
+        self.matchmaker.drops = self.drops
+        self.matchmaker.knows = self._knows
         # self-repair (zgossip.repair): the last verdict, the repair under way
         self.last_verdict: Verdict | None = None
         self._repair: tuple[str, int, str, str] | None = None  # (download req, version, root, our root)
@@ -283,6 +311,44 @@ class Node:
             Done: self._on_done_msg,
             StateReq: self._on_state_req, StateMeta: self._on_state_meta, StateChunk: self._on_state_chunk,
         }
+
+    # ------------------------------------------------------------------ endpoints from the network
+    def accept_endpoints(self, check: Callable[[str], bool]) -> None:
+        """Use `check` (e.g. `zgossip.endpoints.reachable` for the transport's schemes) to decide which
+        endpoints that peers send are addresses at all; the others are dropped and counted."""
+        self.endpoint_ok = check
+        self._good_endpoints.clear()
+        if isinstance(self.membership, Membership):
+            self.membership.endpoint_ok = check
+
+    def _reachable(self, endpoint: str) -> bool:
+        if endpoint in self._good_endpoints:
+            return True
+        if not self.endpoint_ok(endpoint):
+            return False
+        if len(self._good_endpoints) >= 4096:
+            self._good_endpoints.clear()
+        self._good_endpoints.add(endpoint)
+        return True
+
+    def _bad_endpoint(self, msg: Message) -> str | None:
+        """The first endpoint in `msg` that is no address (its sender's, a GROUP member's, a
+        REDIRECT's target), or None. Gossip entries are checked one by one by the membership."""
+        if not self._reachable(msg.endpoint):
+            return msg.endpoint
+        if type(msg) is Group:
+            for m in msg.members:
+                if not self._reachable(m.endpoint):
+                    return m.endpoint
+        elif type(msg) is Redirect and not self._reachable(msg.to_endpoint):
+            return msg.to_endpoint
+        return None
+
+    def _knows(self, peer_id: str, endpoint: str) -> bool:
+        """A peer we know at `endpoint`: in the membership table, or a client that spoke to us."""
+        if listens(endpoint):
+            return self.membership.endpoint_of(peer_id) == endpoint
+        return peer_id in self._clients and endpoint == client_endpoint(peer_id)
 
     # ------------------------------------------------------------------ plumbing
     def _send(self, endpoint: str, msg: Message) -> None:
@@ -412,7 +478,15 @@ class Node:
             self._clients.pop(next(iter(self._clients)))
 
     def _on_gossip(self, msg: Gossip | GossipReply, now: float) -> None:
-        self.membership.on_gossip(msg, now)
+        mem = self.membership
+        bad = getattr(mem, "bad_endpoints", 0)
+        mem.on_gossip(msg, now)
+        refused = getattr(mem, "bad_endpoints", 0) - bad
+        if refused:
+            self.stats["dropped"] += refused
+            self.drops.note(log, f"{msg.sender[:16]} at {msg.endpoint}", "gossip entries whose endpoint is no address",
+                            f"{refused} of {len(msg.peers)} entries, e.g. "
+                            f"{next((e[1] for e in msg.peers if not self._reachable(e[1])), '?')!r:.80}")
         if self.matchmaker.pools:
             self.matchmaker.recheck(now)  # fresher announcements may show the last missing peers elsewhere
 
@@ -466,6 +540,8 @@ class Node:
             self._actions.append(StepFailed(req.step_id, StepInProgress("the previous step is still running")))
             return
         self.step = _Step(req, now, "", buffer=req.buffer, weight=req.weight, gather=req.gather)
+        self._tensor_bytes = req.buffer.nbytes if req.buffer is not None else (
+            _layout_bytes(req.layout_desc) or self._tensor_bytes)
         if req.held and req.begin_at is not None and req.begin_at > now:
             self._move(StepPhase.SCHEDULED)
             self._progress(StepPhase.SCHEDULED)
@@ -544,6 +620,7 @@ class Node:
             raise ProtocolError("a triggered step must keep weight 0 / non-zero and gather None / not None "
                                 "as announced when it was scheduled")
         st.buffer, st.weight, st.gather = buffer, float(weight), gather
+        self._tensor_bytes = buffer.nbytes
         if self.phase is StepPhase.SCHEDULED:
             self._begin_matchmaking(now)
         elif self.phase is StepPhase.GROUPED:
@@ -563,6 +640,12 @@ class Node:
 
     def on_message(self, msg: Message, now: float) -> None:
         self.stats["messages"] += 1
+        bad = self._bad_endpoint(msg)
+        if bad is not None:
+            self.stats["dropped"] += 1
+            self.drops.note(log, f"{msg.sender[:16]} at {msg.endpoint!r:.80}", "messages naming an endpoint that is no address",
+                            f"{msg.type.name} naming {bad!r:.80}")
+            return
         self._dispatch(msg, now)
         self._drain_loopback(now)
 
@@ -862,24 +945,71 @@ class Node:
             else:
                 self.stats["late"] += 1
             return
-        if self.phase is StepPhase.GROUPED and st is not None and st.spec is not None and st.spec.group_id == gid:
+        full = False
+        if (self.phase is StepPhase.GROUPED and st is not None and st.spec is not None and st.spec.group_id == gid
+                and any(m.peer_id == msg.sender for m in st.spec.members)):
             # our group, whose all-reduce waits for our trigger: keep its messages (aborts too) for then
-            early = self._early.setdefault(gid, [])
-            if len(early) < self.config.early_buffer_messages:
-                early.append(msg)
-                if type(msg) is Abort:
-                    self._note_gone(st, [msg.sender], now)
+            kept = self._keep_early(gid, msg)
+            if type(msg) is Abort:
+                self._note_gone(st, [msg.sender], now)
+            if kept or type(msg) is Abort:
                 return
-        if self.phase is StepPhase.MATCHMAKING and type(msg) is not Abort:
+            full = True
+        elif self.phase is StepPhase.MATCHMAKING and type(msg) is not Abort:
             # a groupmate may start before our GROUP message arrives: keep its messages briefly
-            early = self._early.setdefault(gid, [])
-            if len(self._early) <= 4 and len(early) < self.config.early_buffer_messages:
-                early.append(msg)
+            if self._keep_early(gid, msg):
                 return
+            full = True
         self.stats["dropped"] += 1
+        if full:
+            self.drops.note(log, f"{msg.sender[:16]} at {msg.endpoint}", "round messages beyond the early buffer",
+                            f"{msg.type.name} for group {gid[:8]}: the messages kept until our group is known are "
+                            f"bounded by early_buffer_messages={self.config.early_buffer_messages} per group, 4 groups "
+                            f"and {self._early_budget()} bytes (early_buffer_bytes)")
+            return
         # usually benign (a groupmate's late message after we gave the round up): INFO, once per source
         self.drops.note(log, f"{msg.sender[:16]} at {msg.endpoint}", f"{msg.type.name} for a round this node is "
                         "not in", f"group {gid[:8]}", level=logging.INFO)
+
+    def _early_budget(self) -> int:
+        cfg = self.config
+        if cfg.early_buffer_bytes is not None:
+            return cfg.early_buffer_bytes
+        return max(2 * self._tensor_bytes, 4 * cfg.part_size_bytes)
+
+    def _keep_early(self, gid: str, msg: Message) -> bool:
+        """Keep `msg` for group `gid` until we know whether it is ours; False if that would pass the
+        early buffer's bounds (messages per group, 4 groups, bytes in all)."""
+        early = self._early.get(gid)
+        if early is None:
+            if len(self._early) >= 4:
+                return False
+            early = []
+        size = sum(a.nbytes for a in msg.payload)
+        if len(early) >= self.config.early_buffer_messages or self._early_bytes + size > self._early_budget():
+            return False
+        self._early[gid] = early
+        early.append(msg)
+        self._early_bytes += size
+        return True
+
+    def _take_early(self, gid: str) -> list[Message]:
+        msgs = self._early.pop(gid, [])
+        self._early_bytes -= sum(a.nbytes for m in msgs for a in m.payload)
+        return msgs
+
+    def _discard_early(self, keep: str | None = None, ours: str | None = None) -> None:
+        """Discard the early messages of every group but `keep`, unused: those of group `ours` (a
+        round we gave up before it began) are counted late, any other group's dropped (its GROUP
+        never came: an outsider's, or a group we were not put in), each source logged once."""
+        for gid in [g for g in self._early if g != keep]:
+            for msg in self._take_early(gid):
+                if gid == ours:
+                    self.stats["late"] += 1
+                    continue
+                self.stats["dropped"] += 1
+                self.drops.note(log, f"{msg.sender[:16]} at {msg.endpoint}", f"{msg.type.name} for a round this node is "
+                                "not in", f"group {gid[:8]} (kept while our own group was on its way)", level=logging.INFO)
 
     def _feed_round(self, rnd: AllReduceRound, msg: Message, now: float) -> None:
         """Hand `msg` to the running round; what it refused (dropped) or ignored (late) is counted."""
@@ -904,8 +1034,7 @@ class Node:
         if st.buffer is None:  # held, not triggered yet: keep the group, and its early messages, until then
             self._move(StepPhase.GROUPED)
             st.spec = spec
-            for gid in [g for g in self._early if g != spec.group_id]:
-                del self._early[gid]
+            self._discard_early(keep=spec.group_id)
             self._progress(StepPhase.GROUPED)
             return
         self._start_round(spec, now)
@@ -928,10 +1057,10 @@ class Node:
             drops=self.drops,
         )
         st.round.start(now)
-        for msg in self._early.pop(spec.group_id, []):
+        for msg in self._take_early(spec.group_id):
             if st.round is not None and st.round.spec.group_id == spec.group_id:
                 self._feed_round(st.round, msg, now)
-        self._early.clear()
+        self._discard_early()
         for ep in st.downs:  # connections that dropped while we waited for the trigger
             if st.round is not None:
                 st.round.peer_down(ep, now)
@@ -1038,7 +1167,8 @@ class Node:
         self._end_step(StepDone(st.req.step_id, result))
 
     def _end_step(self, action: StepDone | StepFailed) -> None:
+        st = self.step
         self.step = None
-        self._early.clear()
+        self._discard_early(ours=st.spec.group_id if st is not None and st.spec is not None else None)
         self._move(StepPhase.IDLE)
         self._actions.append(action)

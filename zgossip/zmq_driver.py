@@ -48,7 +48,7 @@ from .clock import WALL_CLOCK
 from .connections import Connections
 from .curve import HANDSHAKE_EVENTS, Curve, handshake_failure
 from .cuts import ConnectionCuts
-from .endpoints import CLIENT_SCHEME, advertised, check_endpoint, client_endpoint
+from .endpoints import CLIENT_SCHEME, advertised, check_endpoint, client_endpoint, reachable
 from .identity import AllowList, KeyPair
 from .fast_send import FAST_SEND
 from .local_ipc import LocalRoutes, enabled, local_name
@@ -75,6 +75,12 @@ _BACKLOG_CLIENTS = 64
 _HASH_ELSEWHERE_BYTES = 1 << 16  # state chunks at least this large are hashed off the I/O thread
 _MAX_HASHING = 64  # chunks handed to the hashing threads and not back yet (beyond: hashed inline)
 _HASH_THREADS = max(1, min(4, (os.cpu_count() or 1) - 1))
+
+
+def _tcp_reachable(endpoint: str) -> bool:
+    """A ZeroMQ node connects to ``tcp://HOST:PORT`` only (and answers ``client://`` peers on their
+    own connections); ``ipc://`` and ``inproc://`` named by a peer would point into this host or process."""
+    return reachable(endpoint, ("tcp",))
 
 
 def _hash_and_place(data: np.ndarray, buf: np.ndarray, off: int, length: int, want: bytes) -> tuple[bytes, Any]:
@@ -181,6 +187,7 @@ class ZmqTransport:
 
     def _make_rest(self, peer_id: str, make_node: NodeFactory) -> None:
         self.node = make_node(self.endpoint, None)
+        self.node.accept_endpoints(_tcp_reachable)  # what peers name must be an address we can connect to
         self._cuts = ConnectionCuts(self.stats, self.node.drops, log, self._max_msg)
         self._poller = zmq.Poller()
         self.routes = LocalRoutes(self.endpoint, self._uses_local_sockets())
@@ -602,7 +609,15 @@ class ZmqTransport:
                     log.warning("zgossip node %s: could not send to %s: no connection could be set up (later "
                                 "failures are only counted in stats['send_errors'])", self.endpoint, endpoint)
                 return
-            log.warning("zgossip node %s: could not send %s to %s: %s", self.endpoint, msg.type.name, endpoint, e)
+            # once per endpoint and kind of failure (a peer may name unreachable endpoints by the
+            # thousand, or one may fail every send): the rest only counted in stats["send_errors"]
+            kind = f"send:{getattr(e, 'errno', None) or type(e).__name__}"
+            if (endpoint, kind) in self._refusals or len(self._refusals) > 4096:
+                log.debug("zgossip node %s: could not send %s to %s: %s", self.endpoint, msg.type.name, endpoint, e)
+                return
+            self._refusals.add((endpoint, kind))
+            log.warning("zgossip node %s: could not send %s to %s: %s (logged once per endpoint and error; later "
+                        "failures are only counted in stats['send_errors'])", self.endpoint, msg.type.name, endpoint, e)
 
     def _encode(self, msg: wire.Message, endpoint: str, batch: dict | None) -> tuple[Any, bool] | None:
         """`msg`'s frames (`LentPayloads.encode`), or None when it cannot be encoded: a message the

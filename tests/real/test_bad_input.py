@@ -627,3 +627,121 @@ def test_sending_a_part_opens_the_result_lane_to_that_peer_at_once(pair) -> None
     assert a.stats["connections"] == n  # opened once
     wait_for(lambda: b.stats["dropped"] >= 1, 5, "b to refuse the stray part")  # no such group: a counted drop
     assert_next_round_exact(a, b)
+
+
+# --------------------------------------------------------------------------- endpoints that are no address
+def _open_fds() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_endpoints_that_are_no_address_open_nothing_and_are_counted(pair, ctx, caplog) -> None:
+    """GROUPs naming thousands of members at "nonsense", a gossip digest of made-up peers there,
+    a JOIN from no address and a REDIRECT to ipc://: each used to make the node open a DEALER and
+    a monitor per send that were never closed (until libzmq aborted on "Too many open files").
+    Now each is dropped where it is read, counted, logged once per source, and nothing is opened."""
+    a, b = pair
+    caplog.set_level(logging.WARNING)
+    time.sleep(0.3)  # the pair's own connections are up
+    before, fds0 = a.stats, _open_fds()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(a.endpoint)
+    n_groups = 20
+    for k in range(n_groups):
+        members = [[f"{k:04x}{i:012x}", "nonsense", 1.0, "s", 1] for i in range(500)]
+        sock.send_multipart(frames_of(make_message(MsgType.GROUP, b.peer_id, b.endpoint,
+                                                   {"key": PREFIX, "gid": f"feedface{k:08x}", "members": members,
+                                                    "odd": []})))
+    # members at well-formed addresses, for a step the node never made: nobody is contacted
+    strangers = [[f"ff{i:014x}", f"tcp://10.255.{i // 250}.{i % 250 + 1}:1", 1.0, "s", 1] for i in range(1000)]
+    sock.send_multipart(frames_of(make_message(MsgType.GROUP, b.peer_id, b.endpoint,
+                                               {"key": PREFIX, "gid": "feedfacefeedface", "members": strangers,
+                                                "odd": []})))
+    digest = [[f"bad{i:013x}", "nonsense", 1 << 40, None, {}] for i in range(255)]
+    sock.send_multipart(frames_of(make_message(MsgType.GOSSIP_REPLY, b.peer_id, b.endpoint, {"hb": 1, "peers": digest})))
+    sock.send_multipart(frames_of(make_message(
+        MsgType.JOIN, "0123456789abcdef", "inproc://zeromq.zap.01",
+        {"key": PREFIX, "step": "s", "bw": 1.0, "layout": "L", "hops": 0, "want": 2, "g": 1})))
+    sock.send_multipart(frames_of(make_message(
+        MsgType.REDIRECT, b.peer_id, b.endpoint, {"key": PREFIX, "step": "s", "to_id": "0" * 16, "to_ep": "ipc://@x"})))
+    expected = n_groups + 1 + len(digest) + 1 + 1
+    wait_for(lambda: a.stats["dropped"] >= before["dropped"] + expected, 20, "the node to count every refusal")
+    time.sleep(1.0)  # several gossip ticks: the node's own timers must not try the refused peers either
+    after = a.stats
+    sock.close(0)
+    assert after["dropped"] - before["dropped"] == expected
+    assert after["send_errors"] == before["send_errors"] and after["errors"] == 0
+    assert _open_fds() - fds0 < 16, "sockets were opened for endpoints that are no address"
+    assert a.peers() == [b.peer_id] and b.peers() == [a.peer_id]  # nothing made up was entered or passed on
+    lines = [r.getMessage() for r in caplog.records if "no address" in r.getMessage() or "never made" in r.getMessage()]
+    assert 1 <= len(lines) <= 4, lines  # once per source and kind, not once per message
+    assert_next_round_exact(a, b)
+
+
+def test_a_connection_that_cannot_be_made_leaves_nothing_open() -> None:
+    """The driver's last line: libzmq refusing an address (connect raises after the DEALER and its
+    monitor were made) closes both, and the address is not tried again at each send."""
+    from zgossip.connections import Connections
+    from zgossip.local_ipc import LocalRoutes
+
+    c = zmq.Context()
+    try:
+        poller = zmq.Poller()
+        stats = {"connections": 0, "local_connections": 0}
+        conns = Connections(c, poller, LocalRoutes("tcp://127.0.0.1:1", False), stats)
+        c.socket(zmq.DEALER).close(0)  # the context's own threads and descriptors start with its first socket
+        time.sleep(0.1)
+        fds0 = _open_fds()
+        for _ in range(300):
+            with pytest.raises(zmq.ZMQError):
+                conns.dealer("nonsense", 0)
+            with pytest.raises(zmq.ZMQError):
+                conns.dealer("nonsense", 1)
+        assert _open_fds() - fds0 < 4 and not conns.monitors and not poller.sockets
+        assert "nonsense" in conns.refused and stats["connections"] == 0
+        conns.close("nonsense")  # forgetting a peer forgets that its address failed
+        assert "nonsense" not in conns.refused
+        conns.close_all()
+    finally:
+        c.destroy(linger=0)
+
+
+def test_round_messages_during_matchmaking_are_bounded_and_every_discard_is_counted(ctx, caplog) -> None:
+    """Round messages for groups a node is not (yet) in, sent while it is matchmaking, are kept in
+    case they are its own group's (a groupmate that started first). Made-up groups' messages used
+    to be held uncounted (up to 4 groups x 512 frames of any size) and thrown away silently; now
+    the buffer is bounded by bytes too, what it refuses and what it later discards unused are
+    counted in `dropped`, and the step averages exactly."""
+    kw = dict(KW, target_group_size=3, matchmaking_time=2.0)  # the window waits its whole 2 s for c
+    rng = np.random.default_rng(11)
+    ta, tb = [rng.standard_normal(NUMEL).astype(np.float32)], [rng.standard_normal(NUMEL).astype(np.float32)]
+    caplog.set_level(logging.INFO)
+    with zgossip.Averager(ta, **kw) as a, zgossip.Averager(tb, initial_peers=[a.endpoint], **kw) as b, \
+            zgossip.Averager([np.zeros(NUMEL, np.float32)], initial_peers=[a.endpoint], **kw) as c:
+        wait_for(lambda: len(a.peers()) == 2 and len(b.peers()) == 2 and len(c.peers()) == 2, 10, "three peers to meet")
+        before = a.stats
+        expect = (snapshot(a)[0].astype(np.float64) + snapshot(b)[0]) / 2
+        fa, fb = a.step(wait=False, timeout=10), b.step(wait=False, timeout=10)
+        time.sleep(0.5)  # both inside their 2 s window
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(a.endpoint)
+        sent = 0
+        for g in range(6):  # six made-up groups (four are kept at most), small parts
+            for i in range(2):
+                sock.send_multipart(frames_of(part(b.peer_id, b.endpoint, gid=f"feedface{g:08x}", index=i)))
+                sent += 1
+        # a part larger than the whole early buffer (2 x a's 200 kB of tensors): refused at once
+        sock.send_multipart(frames_of(part(b.peer_id, b.endpoint, gid="feedface00000000", n=150_000, index=5)))
+        sent += 1
+        ra, rb = fa.result(40), fb.result(40)
+        sock.close(0)
+        assert ra.complete and rb.complete
+        np.testing.assert_allclose(snapshot(a)[0], expect, rtol=1e-5, atol=1e-6)
+        wait_for(lambda: a.stats["dropped"] >= before["dropped"] + sent, 10, "every bogus part to be counted")
+        after = a.stats
+        assert after["dropped"] - before["dropped"] == sent and after["errors"] == 0
+        assert any("beyond the early buffer" in r.getMessage() for r in caplog.records)
+        assert any("kept while our own group was on its way" in r.getMessage() for r in caplog.records)

@@ -129,11 +129,47 @@ def test_a_group_for_an_abandoned_step_is_answered_with_abort():
     rv = rendezvous_for(key, ids)
     joiner = next(i for i in ids if i != rv)
     j = Machine(joiner, [rv])
+    j.mm.begin("old", key, 1.0, "L", now=0.0, timeout=5.0)
+    j.mm.cancel(0.1, "gave up")
+    j.out.take()
     members = (M.MemberInfo(pid(rv), ep(rv), 1.0, "x"), M.MemberInfo(pid(joiner), ep(joiner), 1.0, "old"))
-    j.mm.on_group(M.Group(pid(rv), ep(rv), key=key, group_id="g9", members=members), 0.0)
+    j.mm.on_group(M.Group(pid(rv), ep(rv), key=key, group_id="g9", members=members), 0.2)
     [(to, abort)] = j.out.take()
     assert to == ep(rv) and isinstance(abort, M.Abort) and abort.group_id == "g9"
-    assert not j.groups
+    assert not j.groups and j.mm.dropped == 0
+
+
+def test_a_group_of_strangers_contacts_nobody():
+    """The ABORT for a group we gave up is a courtesy to peers we know: an outsider's GROUP that
+    does not hold a step of ours, or names members we never met, opens no connection to them."""
+    key, ids = "k/0", [1, 2]
+    rv = rendezvous_for(key, ids)
+    joiner = next(i for i in ids if i != rv)
+    j = Machine(joiner, [rv])
+    strangers = tuple(M.MemberInfo(f"{90 + i:02d}" * 8, f"tcp://10.9.{i // 250}.{i % 250}:1", 1.0, "s")
+                      for i in range(1000))
+    # not naming us at all (the rendezvous peer sends a GROUP only to its members): refused
+    j.mm.on_group(M.Group(pid(rv), ep(rv), key=key, group_id="g1", members=strangers), 0.0)
+    assert j.out.take() == [] and j.mm.dropped == 1
+    # naming us with a step we never made: refused too
+    me = M.MemberInfo(pid(joiner), ep(joiner), 1.0, "never")
+    j.mm.on_group(M.Group(pid(rv), ep(rv), key=key, group_id="g2", members=strangers + (me,)), 0.0)
+    assert j.out.take() == [] and j.mm.dropped == 2
+    # a step we did make and gave up: only the members we know (at the endpoint we know) hear of it
+    j.mm.begin("old", key, 1.0, "L", now=0.0, timeout=5.0)
+    j.mm.cancel(0.1, "gave up")
+    j.out.take()
+    me = M.MemberInfo(pid(joiner), ep(joiner), 1.0, "old")
+    moved = M.MemberInfo(pid(rv), "tcp://10.7.7.7:1", 1.0, "x")  # a known id at an endpoint we do not know
+    j.mm.on_group(M.Group(pid(rv), ep(rv), key=key, group_id="g3", members=strangers + (me,)), 0.2)
+    assert j.out.take() == []
+    j.mm.on_group(M.Group(pid(rv), ep(rv), key=key, group_id="g4",
+                          members=tuple(sorted((me, moved, *strangers[:3]), key=lambda m: m.peer_id))), 0.2)
+    assert j.out.take() == []
+    rvm = M.MemberInfo(pid(rv), ep(rv), 1.0, "x")
+    j.mm.on_group(M.Group(pid(rv), ep(rv), key=key, group_id="g5",
+                          members=tuple(sorted((me, rvm, *strangers), key=lambda m: m.peer_id))), 0.2)
+    assert [(to, type(m)) for to, m in j.out.take()] == [(ep(rv), M.Abort)]
 
 
 def test_local_misuse_raises():
