@@ -44,8 +44,12 @@ What can go wrong, and what happens (the issue's rules, plus what it left open):
   peer whose model matches nobody else's raises `LayoutMismatch`.
 
 Rounds are keyed by the prefix alone (the core has no per-step key), so peers of
-different epochs could in principle meet in one round; each round is bounded to a
-single matchmaking window and members compare the epochs they gathered, logging a mix.
+different epochs can meet in one round (a peer whose records lagged finishes an epoch the
+others already ended). Each round is bounded to a single matchmaking window, and every
+member gathers every member's epoch: the members at the newest epoch step (together, on
+the same bits), a member behind it does not step and keeps its epoch, marks itself out of
+sync and downloads the state at its next `step` -- so at any epoch number, the peers that
+report it in sync hold the same parameters.
 """
 from __future__ import annotations
 
@@ -471,6 +475,13 @@ class CollaborativeOptimizer(TrainerPeer):
         t2 = self.clock.now()
         if result is not None:
             do_step = self._check_round(result, rnd)
+            if "behind" in rnd:  # no step, no new epoch: these gradients are stale; resynchronise at the next step
+                self.samples, self._epoch_nonfinite, self._acc_stale = 0, 0, True
+                rnd["stepped"] = False
+                self.last_round = rnd
+                self._update_sharing()
+                self._publish()
+                return
         elif expected > 1:
             later = self._view()
             if later.max_epoch > epoch:
@@ -511,9 +522,21 @@ class CollaborativeOptimizer(TrainerPeer):
         rnd["samples"] = total
         for c, why in rnd["excluded"].items():
             log.info("%s: peer %s contributed nothing to epoch %s: %s", self.peer_id[:8], c[:8], rnd["epoch"], why)
+        seen = sorted(e for e in epochs if type(e) is int)
+        if seen and seen[-1] > rnd["epoch"]:
+            # a member that was behind (its records lagged: it finished an epoch the others had already
+            # ended) met a round of a later epoch. Stepping would give its parameters -- of an older epoch
+            # -- the number of the epoch the others hold, with different values: it does not step, keeps
+            # its epoch, and resynchronises (every member sees the same gathered epochs, so the members
+            # at the newest epoch step, together, and only the ones behind hold back)
+            log.warning("%s: the round for epoch %s mixed gradients of epochs %s: this peer was behind, so it "
+                        "does not step; it resynchronises", self.peer_id[:8], rnd["epoch"], seen)
+            rnd["behind"] = seen[-1]
+            self.in_sync = False
+            return False
         if epochs != {rnd["epoch"]}:
-            log.warning("%s: the round for epoch %s mixed gradients of epochs %s", self.peer_id[:8], rnd["epoch"],
-                        sorted(e for e in epochs if isinstance(e, int)))
+            log.warning("%s: the round for epoch %s mixed gradients of epochs %s: stepping (the members behind "
+                        "do not, and resynchronise)", self.peer_id[:8], rnd["epoch"], seen)
         if not result.complete:
             log.warning("%s: the round for epoch %s was partial (lost: %s); stepping, then resynchronising",
                         self.peer_id[:8], rnd["epoch"], ", ".join(p[:8] for p in result.lost) or "none")
@@ -617,6 +640,10 @@ class CollaborativeOptimizer(TrainerPeer):
         do_step = pending.samples > 0
         if result is not None:
             do_step = self._check_round(result, rnd)
+            if "behind" in rnd:  # no step, no new epoch (see _check_round): the next step resynchronises
+                rnd["stepped"] = False
+                rnd["phases"] = {"average": self.clock.now() - t1, "optimizer_step": 0.0}
+                return rnd
         elif rnd["expected_peers"] > 1:
             log.warning("%s: averaging for epoch %d failed (%s); proceeding with local gradients (%d samples) "
                         "and resynchronising afterwards", self.peer_id[:8], pending.epoch, rnd["error"],

@@ -157,15 +157,20 @@ def strategy_for(package: str | None = None) -> type:
                 delay_optimizer_step=delay_optimizer_step, delay_grad_averaging=delay_grad_averaging,
                 delay_state_averaging=delay_state_averaging, offload_optimizer=offload_optimizer,
                 averager_opts=opts, **optimizer_kwargs)
+            self._batch_size_given = batch_size is not None
             self._opt: CollaborativeOptimizer | None = None
+            self._live = False  # `_opt` wraps this fit's optimizer (teardown shuts it down; the next fit builds anew)
             self._raw_optimizer: torch.optim.Optimizer | None = None
+            self._batches = 0  # batches since the last optimizer.step (accumulate_grad_batches > 1)
+            self._last_peers: list[str] = []  # addresses of the run's peers when the previous fit ended
             if verbose:
                 logging.getLogger("zgossip").setLevel(logging.INFO)
 
         # ---------------------------------------------------------------- what users read
         @property
         def zgossip_optimizer(self) -> CollaborativeOptimizer | None:
-            """The `CollaborativeOptimizer` (from the first training batch on)."""
+            """The `CollaborativeOptimizer` (from the first training batch on; after `fit` ends it stays readable,
+            shut down, until the next `fit`'s first batch replaces it)."""
             return self._opt
 
         @property
@@ -179,8 +184,11 @@ def strategy_for(package: str | None = None) -> type:
 
         # ---------------------------------------------------------------- Lightning hooks
         def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-            if self._opt is None:
-                if self._batch_size is None:
+            if not self._live:
+                # every fit: Lightning re-creates the module's optimizer in each `fit`, so a strategy reused for
+                # a second one wraps the new optimizer in a new CollaborativeOptimizer (it joins the swarm again,
+                # downloading its state if the run is ahead); the previous one was shut down by `teardown`
+                if not self._batch_size_given:
                     try:
                         self._batch_size = data_utils.extract_batch_size(batch)
                     except (exceptions.MisconfigurationException, RecursionError) as e:
@@ -188,8 +196,19 @@ def strategy_for(package: str | None = None) -> type:
                             "ZGossipStrategy could not infer the batch size from the first batch: pass "
                             "ZGossipStrategy(batch_size=...)") from e
                     log.info("ZGossipStrategy: local batch size %d (from the first batch)", self._batch_size)
+                self._batches = 0
                 self._start()
+            self._batches += 1
             super().on_train_batch_start(batch, batch_idx)
+
+        def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+            inner = getattr(optimizer, "_optimizer", optimizer)
+            if isinstance(inner, CollaborativeOptimizer) and "batch_size" not in kwargs:
+                # with accumulate_grad_batches=k, Lightning steps once per k batches (the last of an epoch may
+                # hold fewer) and its loss is their mean: the step holds the samples of every batch since the last
+                kwargs["batch_size"] = self._batch_size * max(1, self._batches)
+                self._batches = 0
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
 
         def _start(self) -> None:
             module = self.lightning_module
@@ -212,13 +231,22 @@ def strategy_for(package: str | None = None) -> type:
                     raise exceptions.MisconfigurationException("ZGossipStrategy does not support ReduceLROnPlateau")
                 scheduler = config.scheduler
                 config.scheduler = _SteppedPerGlobalStep(scheduler)
+            # a later fit also tries the peers the previous one trained with (this peer's address changed, so
+            # a first peer, which has no initial peers, would otherwise come back alone)
+            peers = self._initial_peers + [p for p in self._last_peers if p not in self._initial_peers]
             opt = CollaborativeOptimizer(
                 raw, prefix=self._run_id, target_batch_size=self._target_batch_size, batch_size=self._batch_size,
-                scheduler=scheduler, model=module, initial_peers=self._initial_peers,
+                scheduler=scheduler, model=module, initial_peers=peers,
                 listen=self._listen, **self._optimizer_kwargs)
             self._opt = opt
+            self._live = True
             self.optimizers = [opt]
-            joined = f"joined {len(self._initial_peers)} initial peer(s), " if self._initial_peers else ""
+            joined = ""
+            if self._initial_peers:
+                # what the averager actually reached, not what it was given (an initial peer may be down)
+                others = opt.num_peers - 1
+                joined = (f"given {len(self._initial_peers)} initial peer(s), "
+                          + (f"sees {others} other peer(s), " if others else "none reachable yet (training alone), "))
             rank_zero.rank_zero_info(
                 f"ZGossipStrategy: run {self._run_id!r}, {joined}epoch {opt.local_epoch}. Other machines can join "
                 f"with:\n{INITIAL_PEERS_ENV}={opt.endpoint} python ...\nor "
@@ -231,13 +259,25 @@ def strategy_for(package: str | None = None) -> type:
                 return inner.opt.state_dict()
             return super().optimizer_state(optimizer)
 
+        def _run_peer_endpoints(self) -> list[str]:
+            """The addresses of the live peers of this run (best effort: [] if the averager cannot say)."""
+            opt = self._opt
+            try:
+                ids = {p.peer_id for p in opt._view().others()}
+                table = opt.averager._ask_node(lambda node: {i: r.endpoint for i, r in node.membership.peers.items()})
+                return sorted(ep for i, ep in table.items() if i in ids)
+            except Exception:
+                return []
+
         def teardown(self) -> None:
-            if self._opt is not None:
+            if self._opt is not None and self._live:
                 try:
                     self._opt.apply_pending(wait=True)
                 except Exception as e:  # a failed last update must not hide the training's own outcome
                     log.warning("ZGossipStrategy: the last delayed update was not applied: %s", e)
+                self._last_peers = self._run_peer_endpoints()
                 self._opt.shutdown()
+                self._live = False  # the next fit (if any) wraps its own optimizer
                 if self._raw_optimizer is not None:
                     self.optimizers = [self._raw_optimizer]
             super().teardown()

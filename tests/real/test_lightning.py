@@ -156,3 +156,129 @@ def test_trainer_with_zgossip_strategy_three_processes_and_a_late_joiner(tmp_pat
         both = set(digests[x]) & set(digests[y])
         assert len(both) >= at_least, (x, y, sorted(both))
         assert all(digests[x][e] == digests[y][e] for e in both), (x, y, digests[x], digests[y])
+
+
+# one process (Lightning's import costs seconds): a Trainer reused for a second fit, accumulate_grad_batches,
+# and the start message with an initial peer nobody listens at. It prints one JSON line.
+_SINGLE = r'''
+import json, logging, sys, warnings
+import torch
+warnings.filterwarnings("ignore")
+try:
+    import lightning.pytorch as pl
+except ImportError:
+    import pytorch_lightning as pl
+from zgossip.lightning import strategy_for
+
+Strategy = strategy_for(pl.__name__)
+torch.manual_seed(0)
+X = torch.randn(2048, 8)
+Y = (X @ torch.randn(8, 3)).argmax(1)
+
+
+def data():
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y), batch_size=16)
+
+
+class M(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(8, 3)
+
+    def training_step(self, batch, i):
+        return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Watch(pl.Callback):  # per batch: the optimizer Lightning steps, whether the parameters changed
+    def __init__(self, strategy):
+        self.strategy, self.rows, self.prev = strategy, [], None
+
+    def on_train_batch_end(self, trainer, module, *args):
+        p = module.net.weight.detach().clone()
+        opt = self.strategy.zgossip_optimizer
+        self.rows.append([type(trainer.optimizers[0]).__name__, self.prev is not None and not torch.equal(p, self.prev),
+                          id(opt), opt._closed])
+        self.prev = p
+
+
+def trainer(strategy, **kw):
+    return pl.Trainer(strategy=strategy, accelerator="cpu", logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, **kw)
+
+
+fast = dict(gossip_interval=0.05, request_timeout=0.3)
+out = {}
+s = Strategy(target_batch_size=64, run_id="fit-twice", listen="tcp://127.0.0.1:0", averager_opts=fast)
+w = Watch(s)
+t = trainer(s, max_epochs=1, limit_train_batches=12, callbacks=[w])
+m = M()
+t.fit(m, data())
+out["fit1"], out["epoch1"], w.rows, w.prev = w.rows, s.zgossip_optimizer.local_epoch, [], None
+t.fit_loop.max_epochs = 2
+t.fit(m, data())
+out["fit2"], out["epoch2"], out["closed2"] = w.rows, s.zgossip_optimizer.local_epoch, s.zgossip_optimizer._closed
+
+s = Strategy(target_batch_size=64, run_id="accumulate", listen="tcp://127.0.0.1:0", averager_opts=fast)
+t = trainer(s, max_steps=6, accumulate_grad_batches=4)
+t.fit(M(), data())
+out["acc_lightning_steps"], out["acc_epoch"] = t.global_step, s.zgossip_optimizer.local_epoch
+
+lines = []
+handler = logging.Handler()
+handler.emit = lambda r: lines.append(r.getMessage())
+logging.getLogger(pl.__name__).addHandler(handler)
+logging.getLogger(pl.__name__).setLevel(logging.INFO)
+s = Strategy(target_batch_size=64, run_id="nobody", listen="tcp://127.0.0.1:0", averager_opts=fast,
+             initial_peers="tcp://127.0.0.1:1", startup_timeout=0.3)
+trainer(s, max_steps=1).fit(M(), data())
+out["start"] = [x for x in lines if x.startswith("ZGossipStrategy")]
+print(json.dumps(out))
+'''
+
+
+def _run_single() -> dict:
+    import subprocess
+    import sys
+
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("PL_INITIAL_PEERS", None)
+    p = subprocess.run([sys.executable, "-c", _SINGLE], capture_output=True, text=True, timeout=150, env=env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def single() -> dict:
+    return _run_single()
+
+
+def test_a_second_fit_trains_collaboratively_again(single):
+    """A strategy reused for a second `fit` wraps that fit's (re-created) optimizer in a new, open
+    CollaborativeOptimizer: one global step per 64 samples (4 batches of 16) as in the first fit,
+    never a plain optimizer step on every batch after the first fit's optimizer was shut down."""
+    for key in ("fit1", "fit2"):
+        rows = single[key]
+        assert len(rows) == 12
+        assert {r[0] for r in rows} == {"CollaborativeOptimizer"}, (key, rows)
+        assert not any(r[3] for r in rows), (key, "stepped a closed optimizer", rows)
+        assert [i for i, r in enumerate(rows) if r[1]] == [3, 7, 11], (key, rows)
+    assert {r[2] for r in single["fit2"]}.isdisjoint({r[2] for r in single["fit1"]}), "the first fit's optimizer"
+    assert single["epoch1"] == 3 and single["epoch2"] == 3 and single["closed2"]
+
+
+def test_accumulate_grad_batches_counts_every_accumulated_batch(single):
+    """accumulate_grad_batches=4 with batches of 16: each Lightning optimizer step holds 64 samples,
+    so with target_batch_size=64 every one is a global step (counting one batch, it took four)."""
+    assert single["acc_lightning_steps"] == 6
+    assert single["acc_epoch"] == 6, single
+
+
+def test_start_message_says_what_was_reached(single):
+    """An initial peer nobody listens at: the message says it was given, and that none was reached."""
+    (msg,) = single["start"]
+    assert "given 1 initial peer(s), none reachable yet" in msg and "joined" not in msg, msg

@@ -8,12 +8,14 @@ time and one seed gives one run (asserted: the same seed twice gives bit-identic
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from tests.harness import virtual_swarm
 from zgossip.accumulator import Accumulator, Group
 from zgossip.collaborative import CollaborativeOptimizer
 from zgossip.optim import DecentralizedSGD
+from zgossip.trainer import params_digest
 from zgossip.train_demo import Task, evaluate, make_model
 
 
@@ -139,6 +141,68 @@ def test_collaborative_global_batch_in_virtual_time_with_a_late_joiner():
     assert all(e == epochs for e, _, _ in out), [e for e, _, _ in out]
     for _, _, flat in out[1:]:
         np.testing.assert_array_equal(flat, out[0][2])
+
+
+# ---------------------------------------------------------------------------- collaborative, a mixed-epoch round
+@pytest.mark.parametrize("delay", [False, True])
+def test_a_member_behind_in_a_mixed_epoch_round_does_not_step_and_resynchronises(delay):
+    """Rounds are keyed by the prefix alone, so a peer whose records lagged can end an epoch the others
+    already ended and meet them in their next round. Forced here: peer 0 holds epoch 1 and peer 1 epoch 0
+    (same parameters), and both end their epoch at once. Peer 0 (the newest epoch) steps to epoch 2;
+    peer 1 must not step to epoch 1 with parameters peer 0 never held at epoch 1: it keeps epoch 0 and
+    its parameters, marks itself out of sync, and its next step downloads peer 0's state."""
+    task = Task()
+    models = [make_model(0) for _ in range(2)]  # the same initialisation
+    seen: dict[int, dict] = {}
+    done = [False, False]
+
+    def make(i, peers, averager_opts):
+        opt = torch.optim.SGD(models[i].parameters(), lr=0.5)
+        return CollaborativeOptimizer(opt, prefix="mixed", target_batch_size=10_000, batch_size=32,
+                                      matchmaking_time=0.5, target_group_size=2, initial_peers=peers,
+                                      averager_opts=averager_opts, delay_optimizer_step=delay,
+                                      delay_grad_averaging=delay)
+
+    def body(i, opt):
+        clock = opt.clock
+        deadline = clock.now() + 30
+        while opt.num_peers < 2 and clock.now() < deadline:
+            clock.sleep(0.05)
+        if i == 0:  # ahead: it already ended epoch 0 (with no change, so that both hold the same values)
+            opt.local_epoch = 1
+            opt._param_digest = params_digest(opt.params, 1)
+            opt._publish()
+        clock.sleep(0.5)  # the records spread
+        before = _flat(models[i])
+        gen = task.stream(2, i)
+        x, y = task.sample(gen, 32)
+        torch.nn.functional.cross_entropy(models[i](x), y).backward()
+        opt._accumulate(32)
+        opt.zero_grad()
+        opt._finish_epoch(opt._view())  # both end their epoch now: one round, epochs {0, 1}
+        opt.apply_pending(wait=True)
+        seen[i] = {"epoch": opt.local_epoch, "in_sync": opt.in_sync, "changed": not np.array_equal(before, _flat(
+            models[i])), "round": dict(opt.last_round), "flat": _flat(models[i])}
+        if i == 1:  # the next step resynchronises: it downloads peer 0's state
+            x, y = task.sample(gen, 32)
+            torch.nn.functional.cross_entropy(models[i](x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            seen[2] = {"epoch": opt.local_epoch, "in_sync": opt.in_sync, "flat": _flat(models[i])}
+        done[i] = True
+        while not all(done) and clock.now() < deadline:  # peer 0 stays up as the donor
+            clock.sleep(0.05)
+        opt.shutdown()
+
+    virtual_swarm(2, make, body, seed=5)
+    ahead, behind, after = seen[0], seen[1], seen[2]
+    assert ahead["round"]["group_size"] == 2 and behind["round"]["group_size"] == 2, (ahead, behind)
+    assert ahead["epoch"] == 2 and ahead["changed"] and ahead["in_sync"]
+    assert behind["epoch"] == 0 and not behind["changed"] and not behind["in_sync"], behind
+    assert behind["round"]["behind"] == 1 and not behind["round"]["stepped"]
+    # the next step adopted the swarm's state: peer 0's epoch and parameters
+    assert after["epoch"] == 2 and after["in_sync"]
+    np.testing.assert_array_equal(after["flat"], ahead["flat"])
 
 
 # ---------------------------------------------------------------------------- background averaging
