@@ -1047,16 +1047,26 @@ class Node:
         st.released = now
         cfg = self.config
         itemsize = st.buffer.dtype.itemsize
-        st.round = AllReduceRound(
-            spec, st.buffer, st.weight, st.gather, self._send, now,
-            part_elems=max(1, cfg.part_size_bytes // itemsize), part_timeout=cfg.part_timeout,
-            deadline=self.step_deadline(st, now), on_done=self._on_round_done, codec=st.req.codec,
-            linkstats=self.linkstats, part_timeout_floor=cfg.part_timeout_floor, deadline_slack=cfg.deadline_slack,
-            rtt=self.membership.rtt if isinstance(self.membership, Membership) else None,
-            rate_of=self._gossiped_rate,
-            drops=self.drops,
-        )
-        st.round.start(now)
+        try:
+            st.round = AllReduceRound(
+                spec, st.buffer, st.weight, st.gather, self._send, now,
+                part_elems=max(1, cfg.part_size_bytes // itemsize), part_timeout=cfg.part_timeout,
+                deadline=self.step_deadline(st, now), on_done=self._on_round_done, codec=st.req.codec,
+                linkstats=self.linkstats, part_timeout_floor=cfg.part_timeout_floor, deadline_slack=cfg.deadline_slack,
+                rtt=self.membership.rtt if isinstance(self.membership, Membership) else None,
+                rate_of=self._gossiped_rate,
+                drops=self.drops,
+            )
+            st.round.start(now)
+        except (ProtocolError, ValueError) as e:
+            # what the caller's checks let by and the round still refused (a bug, or a GROUP whose
+            # plan we cannot build): the step ends now with that error and the group is told, rather
+            # than the step waiting out its deadline with no round behind it
+            log.error("%s: the round of group %s could not start: %s", self.peer_id[:8], spec.group_id[:8], e)
+            st.round = None
+            st.spec = spec
+            self._drop_step(st, now, f"round could not start: {e}", ProtocolError(f"the round could not start: {e}"))
+            return
         for msg in self._take_early(spec.group_id):
             if st.round is not None and st.round.spec.group_id == spec.group_id:
                 self._feed_round(st.round, msg, now)

@@ -434,3 +434,32 @@ def test_a_member_cut_off_one_way_is_told_it_was_given_up_and_ends_with_its_grou
     covered = sum(b - a for a, b in res[2].updated)
     assert 0 < covered < sc["numel"], covered  # host 0's span stayed as it was on host 2; the rest was averaged
     print("ends", ends, "host 2 averaged", covered / sc["numel"])
+
+
+def test_a_round_that_cannot_start_ends_its_step_at_once_and_tells_the_group(monkeypatch):
+    """A round the node cannot build (a bug, or a plan it refuses) ends its step with that error at
+    once, and the group is told (ABORT) -- not a step waiting out its deadline with no round."""
+    import zgossip.node as node_mod
+    from zgossip.errors import ProtocolError
+
+    cl, peers, weights = _cluster(allreduce_timeout=20.0)
+    real = node_mod.AllReduceRound
+    victim = peers[1]
+
+    def build(spec, *a, **kw):
+        if spec.members[spec.rank].peer_id == victim.peer_id:
+            raise ProtocolError("refusing to build a PART: w out of range")
+        return real(spec, *a, **kw)
+
+    monkeypatch.setattr(node_mod, "AllReduceRound", build)
+    before = [p.tensors[0].copy() for p in peers]
+    t0 = cl.env.now
+    evs = [p.step_tensors(weight=float(w)) for p, w in zip(peers, weights)]
+    cl.run(until=cl.env.all_of(evs))
+    assert isinstance(evs[1].value, StepFailed) and isinstance(evs[1].value.error, ProtocolError)
+    assert cl.env.now - t0 < 5.0  # neither its step nor the others' waited for allreduce_timeout (20 s)
+    assert np.array_equal(victim.tensors[0], before[1])
+    for i in (0, 2, 3):
+        res = evs[i].value.result
+        assert victim.peer_id in res.lost
+        _check_semantics(before, weights, peers[i].tensors[0], i, res)
