@@ -6,6 +6,7 @@ before any transport exists.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 from typing import Any, Callable, Collection, Sequence
@@ -30,7 +31,8 @@ log = logging.getLogger(__name__)
 
 
 def _plain_name(text: str, max_len: int = 200) -> bool:
-    return 0 < len(text) <= max_len and text.isprintable() and not any(c.isspace() for c in text)
+    # isprintable() refuses every Unicode separator but the ASCII space
+    return 0 < len(text) <= max_len and text.isprintable() and " " not in text
 
 
 def reachable(endpoint: Any, schemes: Collection[str] = ("tcp",)) -> bool:
@@ -43,6 +45,13 @@ def reachable(endpoint: Any, schemes: Collection[str] = ("tcp",)) -> bool:
     file descriptors)."""
     if not isinstance(endpoint, str):
         return False
+    return _reachable(endpoint, schemes if type(schemes) is tuple else tuple(schemes))
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _reachable(endpoint: str, schemes: tuple[str, ...]) -> bool:
+    """`reachable`, remembered: every node checks each endpoint it hears of, and the simulator's
+    thousand nodes share one process (bounded: a flood of made-up endpoints only evicts)."""
     scheme, sep, rest = endpoint.partition("://")
     if not sep:
         return False
