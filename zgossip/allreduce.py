@@ -241,6 +241,10 @@ class AllReduceRound:
         # their connection dropped -- nothing still queued for them is of use (`Node.gone`); unlike
         # members we gave up ourselves, which may be alive and still take results queued before
         self.done_with_us: set[int] = set()
+        # rescue calls / requests we could not believe yet (the owner still heard from): (until, sender,
+        # message). A crash's disconnect notice reaches members a few ms apart, so a call can come just
+        # before our own notice: it is decided when the owner is lost to us, or refused at `until`
+        self._deferred: list[tuple[float, int, Message]] = []
         # members that pass no gather data send no GATHER (in large groups that all-to-all would
         # dominate the traffic); their entry is None and their weight is known to the span owners only
         self.gathered: dict[int, Any] = {i: None for i, m in enumerate(spec.members) if not m.sends_gather}
@@ -598,6 +602,8 @@ class AllReduceRound:
                 if s == j:
                     for p in self._unresolved_parts(owner):
                         self._resolve(owner, p, None, None)
+        if first and self._deferred:
+            self._redo_deferred(now, owner=j)
         if j in self.rescue_target or self.plan.num_parts(j) == 0:
             return
         if not rescue:
@@ -789,6 +795,30 @@ class AllReduceRound:
             k = (k + 1) % self.n
         return None
 
+    def _defer(self, j: int, msg: Message, now: float, why: str) -> bool:
+        """Keep a rescue call / request we cannot believe yet, for a grace of a quarter of
+        part_timeout (at most 1 s); True if kept. Not for a substitute that reduces nothing, and
+        not twice (a deferred message comes back here when its grace is over)."""
+        if self.members[j if type(msg) is RescueCall else self.rank].bandwidth <= 0:
+            return False
+        if any(m is msg for _, _, m in self._deferred) or getattr(self, "_expiring", False):
+            return False
+        self._deferred.append((now + min(1.0, 0.25 * self.part_timeout), j, msg))
+        return True
+
+    def _redo_deferred(self, now: float, owner: int | None = None) -> None:
+        """Decide the deferred rescue messages about `owner` (lost to us now), or those whose grace is over."""
+        due = [d for d in self._deferred if (owner is not None and d[2].owner == owner) or (owner is None and d[0] <= now)]
+        if not due:
+            return
+        self._deferred = [d for d in self._deferred if d not in due]
+        self._expiring = True
+        try:
+            for _, j, msg in due:
+                _HANDLERS[type(msg)](self, j, msg, now)
+        finally:
+            self._expiring = False
+
     def _on_rescue_call(self, j: int, msg: RescueCall, now: float) -> None:
         owner = msg.owner
         if owner >= self.n or owner == self.rank:
@@ -798,6 +828,8 @@ class AllReduceRound:
                 self._send(j, Rescue(self.me.peer_id, self.me.endpoint, group_id=self._gid, owner=owner, need=()))
             return
         why = self._implausible_rescue(owner, j, now)
+        if why is not None and self._defer(j, msg, now, why):
+            return
         if why is not None:
             self._send(j, Rescue(self.me.peer_id, self.me.endpoint, group_id=self._gid, owner=owner, need=()))
             return self._bad(j, msg, f"rescue call for span {owner} refused: {why}")
@@ -812,6 +844,8 @@ class AllReduceRound:
         need = frozenset(p for p in msg.need if p < self.plan.num_parts(owner))
         if owner not in self.rescue_target:
             why = self._implausible_rescue(owner, self.rank, now)
+            if why is not None and self._defer(j, msg, now, why):
+                return
             if why is not None:
                 # settle what j asked for as unchanged on its side at once (empty notices), not by its timeout
                 for p in sorted(need):
@@ -848,12 +882,14 @@ class AllReduceRound:
         # in large groups): a silent member is noticed between T and 1.25 T after its last message.
         if self.phase is RoundPhase.DONE:
             return None
-        return min(self.deadline, self._watchdog)
+        return min(self.deadline, self._watchdog, *(d[0] for d in self._deferred))
 
     def on_timer(self, now: float) -> None:
         if self.phase is RoundPhase.DONE:
             return
         self._now = now
+        if self._deferred:
+            self._redo_deferred(now)
         if now >= self.deadline:
             for o in range(self.n):
                 for p in self._unresolved_parts(o):
@@ -955,6 +991,15 @@ class AllReduceRound:
         busy_rescue = any(r.left for r in self.rescues.values())
         if not force and (self.unresolved or waiting_gather or busy_rescue or self.own.left):
             return
+        # what we deferred is moot now: a caller hears we need nothing, a requester gets notices
+        for _, j, msg in self._deferred:
+            if type(msg) is RescueCall:
+                self._send(j, Rescue(self.me.peer_id, self.me.endpoint, group_id=self._gid, owner=msg.owner, need=()))
+            else:
+                for p in sorted(set(msg.need)):
+                    if p < self.plan.num_parts(msg.owner):
+                        self._send(j, self._result(msg.owner, p, (), True, self.buf[:0]))
+        self._deferred = []
         self.phase = transition(self.phase, RoundPhase.DONE, f"round {self._gid}")
         self._on_done(self, now)
 
