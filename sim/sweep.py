@@ -482,8 +482,10 @@ def _mp_context():
 
 def _stop_pool(pool) -> None:
     """Stop every worker now (Ctrl-C or an error): cancel what is queued, terminate what runs."""
-    pool.shutdown(wait=False, cancel_futures=True)
+    # the workers are read first: shutdown() forgets them (Python 3.11 sets _processes to None), and
+    # then none was terminated -- Ctrl-C printed "interrupted" while both workers went on computing
     procs = list((getattr(pool, "_processes", None) or {}).values())  # no public handle before Python 3.14
+    pool.shutdown(wait=False, cancel_futures=True)
     for p in procs:
         if p.is_alive():
             p.terminate()

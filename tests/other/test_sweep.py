@@ -248,3 +248,24 @@ def test_chunks_cover_every_run_once_in_order_and_shrink_to_single_runs(n, worke
     assert all(1 <= s <= 16 for s in sizes)
     assert sizes == sorted(sizes, reverse=True)  # guided: never a larger chunk after a smaller one
     assert sizes[-min(n, workers):] == [1] * min(n, workers)  # the tail is single runs, one per worker
+
+
+def test_stopping_the_pool_terminates_workers_that_are_running():
+    # Ctrl-C on a parallel sweep: the workers must stop, not finish their runs (Python 3.11's
+    # shutdown() forgets the processes, so they are taken first)
+    import concurrent.futures as cf
+    import multiprocessing as mp
+    import time
+
+    from sim.sweep import _stop_pool
+
+    pool = cf.ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"))
+    fut = pool.submit(time.sleep, 60)
+    deadline = time.monotonic() + 30
+    while not fut.running() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    procs = list(pool._processes.values())
+    assert procs and all(p.is_alive() for p in procs)
+    t0 = time.monotonic()
+    _stop_pool(pool)
+    assert not any(p.is_alive() for p in procs) and time.monotonic() - t0 < 15
