@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from typing import Sequence
@@ -351,7 +352,26 @@ def cmd_testbed(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one subcommand. What it refuses, or what fails on bad input (a value of the wrong type
+    or range in a file, a file that cannot be read or written), ends in one line on stderr and exit
+    status 2, Ctrl-C in "interrupted" and 130; ``SIM_TRACEBACK=1`` shows the traceback instead."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        if os.environ.get("SIM_TRACEBACK"):
+            raise
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, TypeError, KeyError, IndexError, OSError, RuntimeError, MemoryError) as e:
+        if os.environ.get("SIM_TRACEBACK"):
+            raise
+        cmd = argv[0] if argv else ""
+        print(f"python -m sim {cmd}: {type(e).__name__}: {e} (SIM_TRACEBACK=1 shows where)", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str]) -> int:
     # subcommands with parsers of their own (argparse's REMAINDER would take their options as ours)
     if argv[:1] == ["calibrate"]:
         from .cpu import main as calibrate_main
@@ -466,8 +486,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     tb.add_argument("--force", action="store_true", help="with --cleanup: also tear down runs still in progress")
     tb.set_defaults(fn=cmd_testbed)
     args = p.parse_args(argv)
-    logging.basicConfig(level=getattr(args, "log_level", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
     try:
+        logging.basicConfig(level=getattr(args, "log_level", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
         return args.fn(args)
     except _UsageError as e:
         print(e, file=sys.stderr)

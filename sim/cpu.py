@@ -262,8 +262,11 @@ def calibrate(quick: bool = False) -> dict:
     nb_small, nb_big = sum(memoryview(f).nbytes for f in f_small), len(f_big[0]) + big.nbytes
     span = nb_big - nb_small
 
-    # the node's own work per message: a gossip digest of 8 peers (the commonest message)
-    node = Node("n" * 16, "tcp://10.0.0.2:5555", NodeConfig(), np.random.default_rng(1))
+    # the node's own work per message: a gossip digest of 8 peers (the commonest message). One source
+    # sends them all, faster than the flood limit lets through: without raising it, most calls timed
+    # the cheap drop (9.3 us a message against 13.6 us handled, measured by a probe)
+    node = Node("n" * 16, "tcp://10.0.0.2:5555", NodeConfig(control_rate=1e9, control_burst=1 << 30),
+                np.random.default_rng(1))
     node.start(0.0)
     peers = [[f"{i:016x}", f"tcp://10.0.1.{i}:5555", 1, None, {}] for i in range(8)]
     hb = iter(range(1, 1 << 30))

@@ -205,7 +205,14 @@ class Scenario:
         _check_keys("[network]", self.network, {f.name for f in fields(NetworkModel) if f.init and f.repr})
         _check_keys("[churn]", self.churn, {f.name for f in fields(Churn) if f.init})
         for f in self.faults:
-            fault_from_dict(f)
+            fault = fault_from_dict(f)
+            # without churn the peers are the first `peers` slots: a fault naming another would only
+            # fail when it fires, after the simulation ran up to it
+            named = [getattr(fault, "peer", None), *(i for side in getattr(fault, "sides", ()) for i in side)]
+            bad = [i for i in named if i is not None and not (0 <= i < self.peers)]
+            if bad and not self.churn:
+                raise ValueError(f"a {f.get('kind')} fault names peer {bad[0]}, but the scenario has peers "
+                                 f"0..{self.peers - 1}")
 
     def to_dict(self) -> dict:
         return asdict(self)

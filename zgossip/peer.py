@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 import numpy as np
+import zmq
 
 from .averager import Averager
 from .errors import ZGossipError
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
                        local_ipc=not args.tcp_only, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                        secret_key=args.key, allowed_keys=args.allow, auxiliary=args.auxiliary,
                        bandwidth=args.bandwidth)
-    except (OSError, ValueError) as e:  # e.g. the metrics port is taken
+    except (OSError, ValueError, zmq.ZMQError) as e:  # e.g. the metrics port is taken, the listen address in use
         print(f"zgossip peer: error: {e}", file=sys.stderr)
         return 2
     log_json = None

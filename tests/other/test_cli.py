@@ -107,6 +107,8 @@ def test_every_command_line_option_has_help():
     ("peers = 4\ngrid = [2, 2]\n[protocol]\ntarget_group = 3\n", "unknown [protocol] setting target_group (valid:"),
     ("peers = 4\ngrid = [2, 2]\n[[faults]]\nkind = \"crash\"\npeer = 1\natt = 1.0\n",
      "unknown field att in a 'crash' fault (valid: kind, peer, at)"),
+    ("peers = 4\ngrid = [2, 2]\n[[faults]]\nkind = \"crash\"\npeer = 99\nat = 1.0\n",
+     "a crash fault names peer 99, but the scenario has peers 0..3"),
 ])
 def test_scenario_errors_are_one_line(tmp_path, text, expect):
     path = tmp_path / "sc.toml"
@@ -118,6 +120,26 @@ def test_scenario_errors_are_one_line(tmp_path, text, expect):
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("python -m sim run: error:"), p.stderr
     assert expect in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("args, text, expect", [
+    (["run"], "peers = 4\ngrid = [2, 2]\n[network]\nloss = 2.0\n", "ValueError: loss must be a probability"),
+    (["run"], "peers = 4\ngrid = [2, 2]\n[network]\ntransfer = \"udp\"\n", "transfer must be 'fifo' or 'tcp'"),
+    (["run"], "peers = 4\ngrid = [2, 2]\n[network]\nlatency = \"abc\"\n", "TypeError: latency must be"),
+    (["sweep", "--serial", "--quiet", "--out", "OUT"], "kind = \"blah\"\n", "python -m sim sweep:"),
+    (["compare"], "{truncated", "python -m sim compare:"),
+])
+def test_bad_values_found_after_loading_are_one_line_too(tmp_path, args, text, expect):
+    """Values that pass the loader's checks and fail later (a wrong type or range deep in the
+    simulator) end in one line and exit 2, not a traceback (found by a probe of every subcommand)."""
+    path = tmp_path / "in.toml"
+    path.write_text(text)
+    argv = [a.replace("OUT", str(tmp_path / "out")) for a in args]
+    p = subprocess.run([sys.executable, "-m", "sim", *argv, str(path)], capture_output=True, text=True,
+                       env=ENV, timeout=120)
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    lines = p.stderr.strip().splitlines()
+    assert lines and "Traceback" not in p.stderr and expect in lines[-1], p.stderr[-2000:]
 
 
 class _Tty(io.StringIO):
