@@ -332,10 +332,12 @@ class StateDownload:
             return
         if why.startswith("holds another state"):
             self._other_state.append(peer)
-        elif bad and not self._active and self._other_state:
-            # the state we adopted has no honest holder left (its donors sent data failing its own
-            # digests): the donors we passed over for holding another state are asked again -- a
-            # hostile donor that answered first must not make the download fail while good ones exist
+        elif not self._active and self._other_state:
+            # the state we adopted has no holder left -- its donors sent data failing its own digests,
+            # died, stalled or refused: the donors we passed over for holding another state are asked
+            # again, and the first to answer is adopted (`on_meta`: restart). A hostile donor that
+            # answered first, or a donor that died mid-download while the others had moved on to a
+            # newer state (donors that keep training), must not make the download fail while others exist
             back = [p for p in self._other_state if p not in self._readmitted]
             self._other_state.clear()
             self._readmitted.update(back)

@@ -327,6 +327,33 @@ def test_a_hostile_donor_answering_first_cannot_make_the_download_fail_while_hon
     assert any("again" in h for h in s.dl.history)
 
 
+def test_a_donor_that_dies_mid_download_hands_over_to_donors_of_another_state():
+    # donors that keep training hold different states: donor 2's is adopted (it answers first), 3 and
+    # 4 are passed over; donor 2 dies after a few chunks. The download starts over with 3 and 4's
+    # state instead of failing with two live donors (found by a probe: StateUnavailable in 0.04 s)
+    s = Swarm({2: 0.0, 3: 0.0, 4: 0.0})
+    d2, _ = s.donors[ep(2)]
+    d2.publish(StateSnapshot.build({"epoch": 6}, [a + 1 for a in STATE], CHUNK))
+    sent = [0]
+
+    def die(e, msg):
+        if e == ep(2) and isinstance(msg, M.StateChunk):
+            sent[0] += 1
+            if sent[0] == 3:
+                s.silent.add(ep(2))
+                s.dl.peer_down(ep(2), 0.1)
+                return None
+        return msg
+
+    s.dl.start(0.0)
+    s.pump(0.1, mutate=die)
+    [(meta, arrays, err)] = s.done
+    assert err is None, err
+    assert meta == {"epoch": 7}
+    check_state(arrays)
+    assert any("connection lost" in h for h in s.dl.history) and any("again" in h for h in s.dl.history)
+
+
 def test_a_small_state_is_spread_over_the_donors_not_taken_by_the_first_to_answer():
     """8 chunks, 4 donors: each is given its share (2), though one donor could hold two windows of
     4 in flight -- before, the donor whose META came first was handed all 8 and the others none."""
