@@ -976,18 +976,26 @@ class Averager:
 
     def _apply_repair(self, act: DownloadDone) -> None:
         version, root = act.repair
-        with self._lock:
-            if self._published != (version, self._steps_begun):
-                log.warning("%s: repaired state of version %d arrived after a newer step began: not applied",
-                            self.peer_id[:8], version)
-                return
-            try:
-                self._write_state(act.meta, act.arrays)
-            except Exception as e:
-                log.error("%s: could not write the repaired state: %s", self.peer_id[:8], e)
-                return
-        log.warning("%s: wrote the swarm's state of version %d (root %s) into this peer's tensors",
-                    self.peer_id[:8], version, root[:8])
+        written = False
+        try:
+            with self._lock:
+                if self._published != (version, self._steps_begun):
+                    log.warning("%s: repaired state of version %d arrived after a newer step began: not applied",
+                                self.peer_id[:8], version)
+                    return
+                try:
+                    self._write_state(act.meta, act.arrays)
+                except Exception as e:
+                    log.error("%s: could not write the repaired state: %s", self.peer_id[:8], e)
+                    return
+                written = True
+            log.warning("%s: wrote the swarm's state of version %d (root %s) into this peer's tensors",
+                        self.peer_id[:8], version, root[:8])
+        finally:
+            # the node counts it and votes with it only if it was written (`Node.repair_written`)
+            if not self._closed:
+                with contextlib.suppress(RuntimeError):
+                    self._transport.call(lambda now: self._transport.node.repair_written(version, root, written, now))
 
     def _write_state(self, meta: Any, arrays: Sequence[np.ndarray]) -> None:
         """Write a repaired state (what `get_current_state` of a majority peer gave). Called under the

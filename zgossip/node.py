@@ -295,6 +295,9 @@ class Node:
         # self-repair (zgossip.repair): the last verdict, the repair under way
         self.last_verdict: Verdict | None = None
         self._repair: tuple[str, int, str, str] | None = None  # (download req, version, root, our root)
+        # a repair downloaded, waiting for the owner to write it (`repair_written`): (version, root,
+        # our root, snapshot, when its download began)
+        self._repair_downloaded: tuple[int, str, str, Any, float] | None = None
         self._outvoted_since: float | None = None
         self._next_vote = 0.0
         self._repair_seq = 0
@@ -720,15 +723,36 @@ class Node:
                             root[:8], err)
                 return
             repair = (version, root)
-            self.stats["repairs"] += 1
-            log.warning("%s: state repaired: version %d now holds the majority's root %s (from %s)",
-                        self.peer_id[:8], version, root[:8],
-                        ", ".join(f"{p[:8]}:{n}" for p, n in sorted(dl.per_donor.items())))
-            if self.state_mark == (version, ours):  # the owner published nothing newer meanwhile
-                assert dl.snapshot is not None
-                self.publish_state(version, dl.snapshot, dl.started)  # serve and vote with the repaired state
+            log.info("%s: state repair downloaded: version %d, the majority's root %s (from %s)",
+                     self.peer_id[:8], version, root[:8],
+                     ", ".join(f"{p[:8]}:{n}" for p, n in sorted(dl.per_donor.items())))
+            # counted, served and voted with only once the owner wrote it (`repair_written`): a repair
+            # it could not write (a step began since) must not be announced as this peer's state
+            self._repair = (dl.req, version, root, ours)
+            self._repair_downloaded = (version, root, ours, dl.snapshot, dl.started)
         self._actions.append(DownloadFailed(dl.req, err) if err is not None
                              else DownloadDone(dl.req, meta, arrays, repair))
+
+    def repair_written(self, version: int, root: str, written: bool, now: float) -> None:
+        """The owner wrote (or could not write) the repair downloaded for (`version`, `root`). Written:
+        counted in `repairs`, and served and voted with if the owner published nothing newer
+        meanwhile. Not written (a newer step had begun, or writing failed): counted in
+        `repair_failures`, and the vote may repair again after a pause."""
+        got = self._repair_downloaded
+        if got is None or got[:2] != (version, root):
+            return
+        self._repair_downloaded = None
+        self._repair = None
+        _, _, ours, snap, started = got
+        if not written:
+            self.stats["repair_failures"] += 1
+            self._next_vote = now + 4 * self.config.gossip_interval
+            return
+        self.stats["repairs"] += 1
+        log.warning("%s: state repaired: version %d now holds the majority's root %s", self.peer_id[:8], version,
+                    root[:8])
+        if self.state_mark == (version, ours):  # the owner published nothing newer meanwhile
+            self.publish_state(version, snap, started)  # serve and vote with the repaired state
 
     # ------------------------------------------------------------------ self-repair (zgossip.repair)
     def state_verdict(self) -> Verdict | None:

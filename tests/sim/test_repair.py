@@ -87,3 +87,25 @@ def test_a_minority_of_liars_forces_no_repair_and_a_liar_serving_bad_chunks_is_c
         assert np.array_equal(a, b)
     # all 4 holders of the honest hash were asked (state_donors=4), the forger too: its first chunk was refused
     assert peers[6].node.donor.chunks_served > 0 and peers[1].node.stats["state_bad_chunks"] == 1
+
+
+def test_a_repair_the_owner_could_not_write_is_neither_counted_nor_announced():
+    """The majority's state arrived but was not written (here writing fails; in the probe, a step had
+    begun since): the peer must not count a repair, nor serve or gossip the majority's root as its
+    own while its tensors still hold the corrupted values -- it counts a failure and votes again."""
+    cl, peers, state = _swarm(3)
+    for p in peers:
+        p.averager.publish_state(1)
+    _corrupt(peers[2])
+    bad_root = peers[2].averager.publish_state(1)
+
+    def refuse(meta, arrays):
+        raise RuntimeError("cannot write now")
+
+    peers[2].averager._write_state = refuse
+    cl.run(until=cl.env.now + 2.0)
+    node = peers[2].node
+    assert node.stats["repairs"] == 0 and node.stats["repair_failures"] >= 1
+    assert node.state_mark == (1, bad_root)  # still gossips the root of what it holds
+    assert peers[2].tensors[0][5, 7] != state[0][5, 7]
+    assert peers[2].averager.state_verdict().action == "repair"
