@@ -283,7 +283,15 @@ class Averager:
             c != NONE for c in self.layout.codecs) else None
         self._codec = self.layout.codec_map(self._residual)
         if state_compression is not None:  # a bad spec fails here, not when serving
-            codecs.resolve(state_compression, self.layout.shapes, self.layout.dtypes)
+            if type(self).get_current_state is Averager.get_current_state:
+                codecs.resolve(state_compression, self.layout.shapes, self.layout.dtypes)
+            elif isinstance(state_compression, str):
+                codecs.check_name(state_compression)
+            elif isinstance(state_compression, (list, tuple)):
+                # a subclass serves more tensors than it averages (`get_current_state`): their count
+                # is known only when it serves, so only the names are checked here
+                for name in state_compression:
+                    codecs.check_name(name)
         self._state_compression = state_compression
         self._in_place = (bool(in_place) and len(self._arrays) == 1 and self.averaging_alpha == 1.0
                           and self._arrays[0].dtype == self.layout.dtype and self._residual is None

@@ -255,6 +255,21 @@ def test_state_compression_per_tensor_follows_the_real_layout():
     assert np.array_equal(dst[1], src[1])
 
 
+def test_state_compression_may_name_the_extra_tensors_a_subclass_serves():
+    # get_current_state may serve more tensors than the averager averages ("override it to serve
+    # more"): their count is known only when serving, so a list one per served tensor is accepted
+    # (names still checked) -- it was refused against the averaged tensors alone (probe)
+    class Extra(zgossip.Averager):
+        def get_current_state(self):
+            meta, arrays = super().get_current_state()
+            return meta, [*arrays, np.arange(3, dtype=np.float32)]
+
+    ts = [np.linspace(0, 1, 8, dtype=np.float32)]
+    Extra(ts, prefix="edge-c3", state_compression=["fp16", "none"]).shutdown()
+    with pytest.raises(ValueError, match="unknown codec"):
+        Extra(ts, prefix="edge-c3", state_compression=["fp16", "zip"])
+
+
 # ------------------------------------------------------------------ shutdown
 def test_a_step_interrupted_by_shutdown_fails_with_averager_closed():
     a = zgossip.Averager([np.ones(4, np.float32)], prefix="edge-x", matchmaking_time=0.5)
