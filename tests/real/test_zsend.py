@@ -2,6 +2,8 @@
 alive exactly as long as libzmq holds it, bad calls raise, and the driver falls back to pyzmq."""
 from __future__ import annotations
 
+import contextlib
+
 import os
 import shutil
 import socket
@@ -152,6 +154,30 @@ def test_driver_falls_back_to_pyzmq():
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
 
 
+@contextlib.contextmanager
+def _stuck_part(x, gid: str = "0" * 16):
+    """A 32 MiB PART (more than one connection's kernel buffers) lent by averager `x`'s transport to
+    a peer that accepts and never reads: yields (transport, that peer's endpoint) once the loan is pending."""
+    from zgossip import wire
+
+    d = x._transport
+    silent = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # accepts, never reads
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    ep = f"tcp://127.0.0.1:{silent.getsockname()[1]}"
+    msg = wire.make_message(wire.MsgType.PART, x.peer_id, x.endpoint,
+                            {"gid": gid, "owner": 0, "part": 0, "w": 1.0, "resc": 0}, (np.ones(8 << 20, np.float32),))
+    try:
+        x._transport.call(lambda now: d.transmit(ep, msg))
+        deadline = time.monotonic() + 5
+        while not d.sends_pending() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert d.sends_pending()
+        yield d, ep
+    finally:
+        silent.close()
+
+
 @pytest.mark.parametrize("path", ["zsend", "pyzmq"])
 def test_settle_sends_drops_what_a_dead_peer_never_took(monkeypatch, path):
     # an in-place step ends with settle_sends: a payload still queued for a peer that does not read
@@ -160,28 +186,12 @@ def test_settle_sends_drops_what_a_dead_peer_never_took(monkeypatch, path):
         pytest.skip("zgossip._zsend not in use here")
     if path == "pyzmq":
         monkeypatch.setattr(fast_send, "zsend", None)  # transports read it when they start
-    from zgossip import Averager, wire
+    from zgossip import Averager
 
-    with Averager([np.zeros(4, np.float32)], prefix="settle") as x:
-        d = x._transport
-        silent = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # accepts, never reads
-        silent.bind(("127.0.0.1", 0))
-        silent.listen()
-        ep = f"tcp://127.0.0.1:{silent.getsockname()[1]}"
-        data = np.ones(8 << 20, np.float32)  # 32 MiB: more than the kernel buffers of one connection
-        msg = wire.make_message(wire.MsgType.PART, x.peer_id, x.endpoint,
-                           {"gid": "0" * 16, "owner": 0, "part": 0, "w": 1.0, "resc": 0}, (data,))
-        try:
-            x._transport.call(lambda now: d.transmit(ep, msg))
-            deadline = time.monotonic() + 5
-            while not d.sends_pending() and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert d.sends_pending()
-            assert d.settle_sends(0.3) == 1  # one peer's sockets reset
-            assert not d.sends_pending()  # and libzmq let go of the bytes
-            assert d.stats["send_errors"] == 0
-        finally:
-            silent.close()
+    with Averager([np.zeros(4, np.float32)], prefix="settle") as x, _stuck_part(x) as (d, _):
+        assert d.settle_sends(0.3) == 1  # one peer's sockets reset
+        assert not d.sends_pending()  # and libzmq let go of the bytes
+        assert d.stats["send_errors"] == 0
 
 
 @pytest.mark.parametrize("path", ["zsend", "pyzmq"])
@@ -193,31 +203,15 @@ def test_settle_sends_does_not_wait_for_a_member_the_round_lost(monkeypatch, pat
         pytest.skip("zgossip._zsend not in use here")
     if path == "pyzmq":
         monkeypatch.setattr(fast_send, "zsend", None)
-    from zgossip import Averager, wire
+    from zgossip import Averager
 
     gid = "1" * 16
-    with Averager([np.zeros(4, np.float32)], prefix="settle-gone") as x:
-        d = x._transport
-        silent = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # accepts, never reads
-        silent.bind(("127.0.0.1", 0))
-        silent.listen()
-        ep = f"tcp://127.0.0.1:{silent.getsockname()[1]}"
+    with Averager([np.zeros(4, np.float32)], prefix="settle-gone") as x, _stuck_part(x, gid) as (d, ep):
         monkeypatch.setattr(d.node, "gone", lambda g: frozenset({ep}) if g == gid else frozenset())
-        data = np.ones(8 << 20, np.float32)
-        msg = wire.make_message(wire.MsgType.PART, x.peer_id, x.endpoint,
-                                {"gid": gid, "owner": 0, "part": 0, "w": 1.0, "resc": 0}, (data,))
-        try:
-            x._transport.call(lambda now: d.transmit(ep, msg))
-            deadline = time.monotonic() + 5
-            while not d.sends_pending() and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert d.sends_pending()
-            t0 = time.monotonic()
-            assert d.settle_sends(5.0, group_id=gid) == 1
-            assert time.monotonic() - t0 < 1.0  # not the 5 s it would wait for a member still in the round
-            assert not d.sends_pending()
-        finally:
-            silent.close()
+        t0 = time.monotonic()
+        assert d.settle_sends(5.0, group_id=gid) == 1
+        assert time.monotonic() - t0 < 1.0  # not the 5 s it would wait for a member still in the round
+        assert not d.sends_pending()
 
 
 def _result(x, gid: str, part: int, data: np.ndarray):
