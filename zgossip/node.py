@@ -192,6 +192,13 @@ _STEP_MOVES = {
 _ROUND_MESSAGES = (Gather, Part, Result, Abort, RescueCall, Rescue, GaveUp)
 #: control messages rate-limited per source (`zgossip.ratelimit`); round data is checked by the round
 _LIMITED = frozenset((Gossip, GossipReply, Join, JoinNote, Leave, StateReq, Bye))
+#: chunk requests of a state download are paced, not dropped, per source: a bucket of chunks
+#: (`CHUNK_RATE` a second, `CHUNK_BURST` at once -- 16 GiB/s of 4 MiB chunks) and a few requests held
+#: back while it is empty (a downloader keeps at most two in flight per donor); only what exceeds
+#: that is dropped (`stats["rate_limited"]`). Under the control limit they were dropped at 50 a
+#: second, and each drop stalled the download for its `chunk_timeout`.
+CHUNK_RATE, CHUNK_BURST = 4096.0, 1024.0
+HELD_CHUNK_REQUESTS, HELD_CHUNK_SOURCES = 4, 256
 
 
 def _layout_bytes(desc: str) -> int:
@@ -281,6 +288,8 @@ class Node:
                       "state_bad_chunks": 0, "state_refetched": 0, "bad_bandwidth": 0, "closed_early": 0}
         self._limits = SourceLimits(max(config.control_rate, 4.0 / config.gossip_interval), config.control_burst)
         self._limited_logged: set[str] = set()
+        self._chunk_limits = SourceLimits(CHUNK_RATE, CHUNK_BURST)
+        self._held_chunks: dict[str, deque[StateReq]] = {}  # source -> chunk requests waiting for its bucket
         #: refused input is logged once per source and kind (rounds and downloads share it)
         self.drops = DropLog(f"zgossip node {endpoint}")
         # Endpoints from the network (a message's sender, gossip entries, GROUP members, REDIRECT
@@ -794,11 +803,27 @@ class Node:
             self.matchmaker.recheck(now)
         self.on_peer_down(msg.endpoint, now)  # gone: a join waiting on it asks the next candidate now
 
+    def _rate_limited(self, msg: Message, what: str) -> None:
+        self.stats["rate_limited"] += 1
+        if msg.sender not in self._limited_logged and len(self._limited_logged) < 4096:
+            self._limited_logged.add(msg.sender)
+            log.warning("zgossip node %s: %s from %s (%s) floods control messages: %s (later drops are only "
+                        "counted in stats['rate_limited'])", self.endpoint, msg.type.name, msg.sender[:16],
+                        msg.endpoint, what)
+
     def _on_state_req(self, msg: StateReq, now: float) -> None:
         if self.membership.share is None:
             self.donor.refuse(msg.req, msg.endpoint, "this peer does not share its state")
         elif msg.count:
-            self.donor.serve_chunks(msg)  # from the snapshot cache: never waits for the tensors
+            held = self._held_chunks.get(msg.sender)
+            if held is None and self._chunk_limits.allow(msg.sender, now, msg.count):
+                self.donor.serve_chunks(msg)  # from the snapshot cache: never waits for the tensors
+            elif held is not None and len(held) >= HELD_CHUNK_REQUESTS or (
+                    held is None and len(self._held_chunks) >= HELD_CHUNK_SOURCES):
+                self._rate_limited(msg, f"dropping chunk requests past {CHUNK_RATE:.0f} chunks/s and "
+                                        f"{HELD_CHUNK_REQUESTS} held back")
+            else:
+                self._held_chunks.setdefault(msg.sender, deque()).append(msg)
         elif self.donor.published is not None:
             self.donor.serve(msg.req, msg.endpoint, self.donor.published)
         else:
@@ -920,27 +945,38 @@ class Node:
             self.step.round.on_timer(now)
         for dl in list(self.downloads.values()):
             dl.on_timer(now)
+        self._serve_held_chunks(now)
         self._check_state(now)
         self._drain_loopback(now)
+
+    def _serve_held_chunks(self, now: float) -> None:
+        """Serve the held-back chunk requests whose source's bucket refilled, oldest first."""
+        for src in list(self._held_chunks):
+            held = self._held_chunks[src]
+            while held and self._chunk_limits.allow(src, now, held[0].count):
+                msg = held.popleft()
+                if self.membership.share is None:
+                    self.donor.refuse(msg.req, msg.endpoint, "this peer does not share its state")
+                else:
+                    self.donor.serve_chunks(msg)
+            if not held:
+                del self._held_chunks[src]
 
     def next_deadline(self) -> float | None:
         times = [self.membership.deadline(), self.matchmaker.deadline(), self._held_deadline()]
         if self.step is not None and self.step.round is not None:
             times.append(self.step.round.next_deadline())
         times += [dl.next_deadline() for dl in self.downloads.values()]
+        times += [self._chunk_limits.ready_at(src, held[0].count) for src, held in self._held_chunks.items()]
         times = [t for t in times if t is not None]
         return min(times) if times else None
 
     # ------------------------------------------------------------------ dispatch
     def _dispatch(self, msg: Message, now: float) -> None:
         if msg.sender != self.peer_id:
-            if type(msg) in _LIMITED and not self._limits.allow(msg.sender, now):
-                self.stats["rate_limited"] += 1
-                if msg.sender not in self._limited_logged and len(self._limited_logged) < 4096:
-                    self._limited_logged.add(msg.sender)
-                    log.warning("zgossip node %s: %s from %s (%s) floods control messages: dropping what exceeds "
-                                "%.0f/s (later drops are only counted in stats['rate_limited'])", self.endpoint,
-                                msg.type.name, msg.sender[:16], msg.endpoint, self._limits.rate)
+            chunks = type(msg) is StateReq and msg.count > 0  # paced by `_on_state_req` instead
+            if type(msg) in _LIMITED and not chunks and not self._limits.allow(msg.sender, now):
+                self._rate_limited(msg, f"dropping what exceeds {self._limits.rate:.0f}/s")
                 return
             self.membership.observe(msg.sender, msg.endpoint, now)
             if not listens(msg.endpoint):

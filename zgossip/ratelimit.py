@@ -25,8 +25,7 @@ class SourceLimits:
         self.rate, self.burst, self.max_sources = float(rate), float(burst), int(max_sources)
         self._buckets: OrderedDict[str, list[float]] = OrderedDict()  # source -> [tokens, last time]
 
-    def allow(self, source: str, now: float) -> bool:
-        """Take one token from `source`'s bucket; False (nothing taken) when it is empty."""
+    def _bucket(self, source: str, now: float) -> list[float]:
         b = self._buckets.get(source)
         if b is None:
             if len(self._buckets) >= self.max_sources:
@@ -35,8 +34,23 @@ class SourceLimits:
         else:
             self._buckets.move_to_end(source)
             b[0] = min(self.burst, b[0] + max(0.0, now - b[1]) * self.rate)
-            b[1] = now
-        if b[0] < 1.0:
+            b[1] = max(b[1], now)
+        return b
+
+    def allow(self, source: str, now: float, cost: float = 1.0) -> bool:
+        """Take `cost` tokens (at most `burst`) from `source`'s bucket; False (nothing taken) when it
+        holds fewer."""
+        b = self._bucket(source, now)
+        cost = min(float(cost), self.burst)
+        if b[0] < cost - 1e-9:  # (refilled exactly to `ready_at` may round a hair short)
             return False
-        b[0] -= 1.0
+        b[0] = max(0.0, b[0] - cost)
         return True
+
+    def ready_at(self, source: str, cost: float = 1.0) -> float:
+        """When `source`'s bucket will hold `cost` tokens (at most `burst`), from what it held when last
+        used (an unknown source: at once, -inf)."""
+        b = self._buckets.get(source)
+        if b is None:
+            return float("-inf")
+        return b[1] + max(0.0, min(float(cost), self.burst) - b[0]) / self.rate

@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 
 DIGEST_BYTES = 16  # per chunk: 128 bits of SHA-256
 MAX_CHUNKS_PER_REQUEST = 256  # a donor queues at most this many chunks for one request
+REQUEST_BYTES = 16 << 20  # a downloader asks for at least this much per request (4 default chunks)
 MAX_DIGEST_BYTES = 16 << 15  # what STATE_META's `hashes` may hold (zgossip.messages): 32768 chunks
 
 
@@ -247,7 +248,7 @@ class StateDownload:
     target_root: str = ""  # accept only this state ("" = the first a best donor offers)
     only: tuple[str, ...] = ()  # ask only these peers ("" = every donor)
     max_donors: int = 4
-    window: int = 4  # chunks per request; a donor keeps at most two requests in flight
+    window: int = 4  # chunks per request (at least; see `_adopt`); a donor keeps at most two requests in flight
     phase: DownloadPhase = DownloadPhase.ASKING
     tried: list[str] = field(default_factory=list)
     history: list[str] = field(default_factory=list)
@@ -270,6 +271,7 @@ class StateDownload:
     _retry: list[int] = field(default_factory=list)  # chunks to ask again, sorted
     _received: int = 0
     _codecs: tuple = ()  # of the adopted state: () = raw
+    _per_request: int = 4  # chunks per request for the adopted state's chunk size (`_adopt`)
     _placing: int = 0  # chunks handed out by `target` and not back through `on_placed` yet
     per_donor: dict[str, int] = field(default_factory=dict)  # chunks received from each donor
     # donors passed over because they hold another state than the adopted one: if every donor of the
@@ -359,8 +361,8 @@ class StateDownload:
         d = self._active.get(peer)
         # a donor's share: the plan split among the donors that answered and those still asked
         share = max(1, -(-len(self._plan) // max(1, len(self._active) + len(self._asked))))
-        while d is not None and len(d.inflight) <= self.window and len(d.inflight) < share:
-            room = min(self.window, share - len(d.inflight))
+        while d is not None and len(d.inflight) <= self._per_request and len(d.inflight) < share:
+            room = min(self._per_request, share - len(d.inflight))
             if self._retry:
                 first, n = self._retry[0], 1
                 while n < min(room, len(self._retry)) and self._retry[n] == first + n:
@@ -443,6 +445,10 @@ class StateDownload:
         self._chunk_bytes, self._hashes, self._plan = msg.chunk_bytes, msg.hashes, plan
         self._bufs = [np.empty(n, dtype=np.uint8) for n in sizes]
         self._fresh, self._retry, self._received, self.per_donor = 0, [], 0, {}
+        # a request covers at least REQUEST_BYTES: small chunks must not mean many small requests (each
+        # one is work for the donor, which paces them, `node.CHUNK_RATE`)
+        self._per_request = max(self.window, min(MAX_CHUNKS_PER_REQUEST,
+                                                 -(-REQUEST_BYTES // max(1, int(msg.chunk_bytes)))))
         self._move(DownloadPhase.STREAMING)
 
     def target(self, msg: StateChunk) -> tuple[np.ndarray, int, int, bytes] | None:

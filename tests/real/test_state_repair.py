@@ -27,7 +27,9 @@ def test_parallel_download_survives_a_donor_killed_mid_transfer():
         procs.start(donor_main, SIZE, CHUNK, [], 0)
         first = procs.recv(0, 30, "donor 0")
         procs.start(donor_main, SIZE, CHUNK, [first["endpoint"]], 0)
-        procs.start(donor_main, SIZE, CHUNK, [first["endpoint"]], 3)  # dies when asked for chunks a 3rd time
+        # dies as soon as it has queued the chunks of its first request (one request covers a donor's
+        # share here: a request asks for at least 16 MiB), most of them still unsent
+        procs.start(donor_main, SIZE, CHUNK, [first["endpoint"]], 1)
         ups = [first, procs.recv(1, 30, "donor 1"), procs.recv(2, 30, "donor 2")]
         with zgossip.Averager([np.zeros(SIZE // 8)], prefix="bench-state", initial_peers=[first["endpoint"]],
                               allow_state_sharing=False, state_chunk_bytes=CHUNK, local_ipc=False, **FAST) as av:

@@ -99,3 +99,23 @@ def test_corrupted_stream_is_rejected_by_checksum():
         assert np.array_equal(got, want)  # fell back to the honest donor
     assert donors[0].node.donor.served == 1  # the corrupt stream was really sent and then refused
     assert new.averager.stats["state_bad_chunks"] == 1
+
+
+def test_a_state_of_many_small_chunks_downloads_without_a_stall():
+    """1,024 chunks of 1 KiB from one donor. Requests used to ask for 4 chunks each, and the donor
+    counted them as control messages (dropped past 80 a second here): the download stalled for
+    chunk_timeout on every drop. Now a request asks for at least 16 MiB (here: 256 chunks, the
+    most one may) and the donor paces chunk requests instead of dropping them."""
+    cfg = {**CFG, "state_chunk_bytes": 1024}
+    cl = SimCluster(seed=3, network=NetworkModel(latency=0.001, bandwidth=1e9))
+    donor = cl.add_peer(NodeConfig(**cfg), tensors=[np.arange(1 << 18, dtype=np.float32)])
+    donor.node.set_state_sharing(0.0)
+    new = cl.add_peer(NodeConfig(**cfg), tensors=None, known=[donor])
+    cl.run(until=cl.env.now + 0.5)
+    t0 = cl.env.now
+    ev = new.load_state(chunk_timeout=2.0)
+    cl.run(until=ev)
+    assert isinstance(ev.value, DownloadDone)
+    assert np.array_equal(ev.value.arrays[0], donor.tensors[0])
+    assert cl.env.now - t0 < 0.5, cl.env.now - t0  # no chunk_timeout (2 s) was waited
+    assert donor.node.stats["rate_limited"] == 0

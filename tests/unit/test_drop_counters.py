@@ -63,3 +63,41 @@ def test_source_limits_forget_the_least_recent_source_first():
     assert lim.allow("a", 0.0) and not lim.allow("a", 0.0)
     assert lim.allow("b", 0.0) and lim.allow("c", 0.0)  # "a" forgotten: a new source starts full
     assert lim.allow("a", 0.0)
+
+
+def test_chunk_requests_are_paced_held_and_only_past_the_hold_dropped():
+    """A state download's chunk requests are not control messages: a donor serves them from a bucket
+    of chunks (CHUNK_RATE a second), holds a few back while it is empty and serves them as it refills,
+    and drops (counted) only what exceeds the hold. Under the control limit (50/s) an honest
+    download of small chunks had requests dropped, each stalling it for its chunk_timeout."""
+    from zgossip.messages import StateChunk, StateReq
+    from zgossip.node import CHUNK_BURST, CHUNK_RATE, HELD_CHUNK_REQUESTS
+    from zgossip.state import StateSnapshot
+
+    n = _node(control_rate=10.0, control_burst=20)
+    n.start(0.0)
+    n.set_state_sharing(0.0)
+    snap = StateSnapshot.build(None, [np.arange(4096, dtype=np.float32)], 16)  # 1,024 chunks of 16 bytes
+    n.publish_state(1, snap, 0.0)
+    n.take_actions()
+
+    def req(first: int) -> StateReq:
+        return StateReq(pid(1), ep(1), req="r", root=snap.root, first=first, count=256)
+
+    def served() -> list[int]:
+        return [a.msg.index for a in n.take_actions() if isinstance(getattr(a, "msg", None), StateChunk)]
+
+    per = int(CHUNK_BURST) // 256  # requests the full bucket serves at once
+    for k in range(per + HELD_CHUNK_REQUESTS + 2):  # far past the control limit's burst of 20 too
+        n.on_message(req((k % 4) * 256), 1.0)
+    assert len(served()) == per * 256
+    assert n.stats["rate_limited"] == 2  # only the two past the hold
+    due = 1.0 + 256 / CHUNK_RATE  # when the bucket holds one more request's chunks
+    assert n.next_deadline() <= due  # the node is woken by then
+    n.on_timer(due - 1e-4)
+    assert served() == []
+    n.on_timer(due)
+    assert len(served()) == 256
+    n.on_timer(due + (HELD_CHUNK_REQUESTS - 1) * 256 / CHUNK_RATE)
+    assert len(served()) == (HELD_CHUNK_REQUESTS - 1) * 256  # the rest of the hold, nothing lost
+    assert not n._held_chunks and n.stats["rate_limited"] == 2
