@@ -172,6 +172,29 @@ def test_log_records_print_above_the_progress_bar_not_into_it():
     assert lines[-2].startswith("[" + "#" * 30 + "] 4/4 rounds")
 
 
+@pytest.mark.parametrize("args, expect", [
+    (["--peers", "0"], "--peers must be at least 2"),
+    (["--peers", "-3"], "--peers must be at least 2"),
+    (["--numel", "0"], "--numel must be at least 1, not 0"),
+    (["--numel", "-5"], "--numel must be at least 1, not -5"),
+    (["--rounds", "-1"], "--rounds must be >= 0, not -1"),
+    (["--grid", "4x4"], "--grid 4x4 has 16 cells but --peers is 8"),
+    (["--grid", "4x"], "--grid takes sizes separated by x, such as 4x2, not '4x'"),
+    (["--grid", "0x4"], "--grid sizes must be at least 1, not '0x4'"),
+    (["--grid=-2x-4"], "--grid sizes must be at least 1, not '-2x-4'"),
+])
+def test_demo_refuses_bad_sizes_in_one_line_before_starting_anything(capsys, args, expect):
+    """Before, these ended in a traceback (a peer process dying at start-up, an IndexError, int('')),
+    or with --rounds -1 in a run of no rounds and exit status 0."""
+    from zgossip import cli
+
+    assert cli.main(["demo", *args]) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("zgossip demo: error: ") and expect in lines[0], err
+    assert out == ""  # refused before any peer process started
+
+
 def test_peer_bandwidth_option():
     import argparse as ap
 
