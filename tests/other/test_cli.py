@@ -195,6 +195,25 @@ def test_demo_refuses_bad_sizes_in_one_line_before_starting_anything(capsys, arg
     assert out == ""  # refused before any peer process started
 
 
+@pytest.mark.parametrize("args, expect", [
+    (["--metrics-port", "70000"], "--metrics-port must be in 0..65535 (0 = a free port), not 70000"),
+    (["--metrics-port", "-1"], "--metrics-port must be in 0..65535 (0 = a free port), not -1"),
+    (["--numel", "-5"], "--numel must be at least 1, not -5"),
+    (["--rounds", "-1"], "--rounds must be >= 0 (0 = run until Ctrl-C), not -1"),
+    (["--interval", "-1"], "--interval must be a finite number of seconds >= 0, not -1.0"),
+    (["--interval", "nan"], "--interval must be a finite number of seconds >= 0, not nan"),
+])
+def test_peer_refuses_bad_numbers_in_one_line_before_starting(capsys, args, expect):
+    """Before, a bad metrics port or --numel -5 ended in a traceback (OverflowError from bind, numpy's
+    ValueError), --rounds -1 in exit 0 without a step and a negative --interval in steps back to back."""
+    from zgossip import cli
+
+    assert cli.main(["peer", "--listen", "tcp://127.0.0.1:0", "--plain", *args]) == 2
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines() == [f"zgossip peer: error: {expect}"], err
+    assert out == ""  # refused before the peer started
+
+
 def test_peer_bandwidth_option():
     import argparse as ap
 
