@@ -142,6 +142,29 @@ def test_bad_values_found_after_loading_are_one_line_too(tmp_path, args, text, e
     assert lines and "Traceback" not in p.stderr and expect in lines[-1], p.stderr[-2000:]
 
 
+def test_compare_refuses_a_simulator_run_and_says_it_wants_a_testbed_run(tmp_path, capsys):
+    """A `python -m sim run --out` file has 'scenario' and 'rounds' like a testbed run; before, compare
+    replayed it against itself and printed ratios of 1.00 as if something had been measured."""
+    import json
+
+    from sim.__main__ import main
+    from sim.scenario import run_scenario
+
+    sim_run = json.loads(run_scenario({"peers": 4, "grid": [2, 2], "rounds": 2, "numel": 16}).to_json())
+    path = tmp_path / "sim_run.json"
+    path.write_text(json.dumps(sim_run))
+    assert main(["compare", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip().splitlines() == [
+        f"python -m sim compare: error: {path} is a simulator run (python -m sim run), not a testbed run; "
+        "expected the testbed run JSON that python -m sim testbed SCENARIO --out RUN.json writes"]
+    # the same rounds with the section a testbed run carries are compared
+    path.write_text(json.dumps({"scenario": sim_run["scenario"], "rounds": sim_run["rounds"],
+                                "peer_bytes": sim_run["peer_bytes"], "testbed": {"steps": []}}))
+    assert main(["compare", str(path)]) == 0
+    assert "overall: measured median step" in capsys.readouterr().out
+
+
 class _Tty(io.StringIO):
     def isatty(self) -> bool:
         return True
