@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -169,9 +170,14 @@ def format_comparison(c: Comparison) -> str:
 
 def main(path: str, skip: int = 0, as_json: bool = False) -> int:
     run = json.loads(Path(path).read_text())
-    if "scenario" not in run or "rounds" not in run:
-        raise SystemExit(f"{path}: not a results file (no 'scenario' and 'rounds'); "
-                         "write one with python -m sim testbed SCENARIO --out RUN.json")
+    # a simulator run (python -m sim run --out) has 'scenario' and 'rounds' too: only a testbed run
+    # has the 'testbed' section (what was measured), and replaying a simulator run compares it with itself
+    if not isinstance(run, dict) or not {"scenario", "rounds", "testbed"} <= set(run):
+        what = ("a simulator run (python -m sim run), not a testbed run" if isinstance(run, dict) and "trace" in run
+                else "not a testbed run (no 'scenario', 'rounds' and 'testbed')")
+        print(f"python -m sim compare: error: {path} is {what}; expected the testbed run JSON that "
+              "python -m sim testbed SCENARIO --out RUN.json writes", file=sys.stderr)
+        return 2
     pred = replay(replay_scenario(run))
     c = compare_runs(run, pred, skip=skip)
     if as_json:

@@ -18,6 +18,7 @@ paper's model) is drawn by the scenario runner, not here.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -30,10 +31,25 @@ from .network import Partition, SlowLink
 __all__ = ["Fault", "Crash", "CrashRejoin", "Pause", "PartitionFault", "Slow", "Churn", "fault_from_dict"]
 
 
+def _check_time(kind: str, name: str, t: float) -> None:
+    # a time before 0 would fire at 0 (`SimFaultContext.at`): a typo, not a wish
+    if not 0 <= t < math.inf:
+        raise ValueError(f"{kind}: {name} must be a time >= 0 seconds, not {t!r}")
+
+
+def _check_window(kind: str, start: float, end: float) -> None:
+    _check_time(kind, "start", start)
+    if not end > start:  # an empty or reversed window would do nothing, or (pause) never resume
+        raise ValueError(f"{kind}: end ({end!r}) must come after start ({start!r})")
+
+
 @dataclass(frozen=True)
 class Crash:
     peer: int
     at: float
+
+    def __post_init__(self) -> None:
+        _check_time("crash", "at", self.at)
 
     def install(self, ctx: "FaultContext") -> None:
         ctx.at(self.at, lambda: ctx.crash(self.peer))
@@ -46,7 +62,8 @@ class CrashRejoin:
     back: float
 
     def __post_init__(self) -> None:
-        if self.back <= self.at:
+        _check_time("crash_rejoin", "at", self.at)
+        if not self.back > self.at:
             raise ValueError("crash_rejoin: back must come after at")
 
     def install(self, ctx: "FaultContext") -> None:
@@ -60,6 +77,9 @@ class Pause:
     start: float
     end: float
 
+    def __post_init__(self) -> None:
+        _check_window("pause", self.start, self.end)
+
     def install(self, ctx: "FaultContext") -> None:
         ctx.at(self.start, lambda: ctx.peer(self.peer).pause())
         ctx.at(self.end, lambda: ctx.peer(self.peer).resume())
@@ -71,6 +91,9 @@ class PartitionFault:
     start: float
     end: float
     one_way: bool = False  # only the first side's traffic to the second is cut
+
+    def __post_init__(self) -> None:
+        _check_window("partition", self.start, self.end)
 
     def install(self, ctx: "FaultContext") -> None:
         a = frozenset(ctx.endpoint(i) for i in self.sides[0])
@@ -85,6 +108,11 @@ class Slow:
     end: float
     factor: float
 
+    def __post_init__(self) -> None:
+        _check_window("slow", self.start, self.end)
+        if not 0 < self.factor < math.inf:  # the link's rate is divided by it
+            raise ValueError(f"slow: factor must be a number > 0, not {self.factor!r}")
+
     def install(self, ctx: "FaultContext") -> None:
         ctx.network.slow_links.append(SlowLink(self.start, self.end, ctx.endpoint(self.peer), self.factor))
 
@@ -94,6 +122,14 @@ class Churn:
     arrival_rate: float = 0.0  # new peers per second
     departure_rate: float = 0.0  # per live peer, per second
     until: float = float("inf")
+
+    def __post_init__(self) -> None:
+        for name in ("arrival_rate", "departure_rate"):
+            rate = getattr(self, name)
+            if not 0 <= rate < math.inf:  # a negative rate was taken as no churn at all
+                raise ValueError(f"churn: {name} must be a finite rate >= 0 per second, not {rate!r}")
+        if not self.until >= 0:
+            raise ValueError(f"churn: until must be a time >= 0 seconds, not {self.until!r}")
 
     def install(self, ctx: "FaultContext") -> None:
         rng = ctx.rng("churn")

@@ -186,6 +186,11 @@ class Scenario:
             raise ValueError("unavailability is a probability")
         if not 0.0 <= self.step_ahead <= 60.0:
             raise ValueError("step_ahead must be in [0, 60] seconds")
+        if not 0.0 <= self.step_timeout <= 1e6:  # the range `step(timeout=)` takes
+            raise ValueError(f"step_timeout must be in [0, 1e6] seconds, not {self.step_timeout!r}")
+        for name in ("round_gap", "bootstrap_time"):
+            if not 0.0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be a finite number of seconds >= 0, not {getattr(self, name)!r}")
         if self.placement not in ("full", "distinct", "random"):
             raise ValueError("placement must be full, distinct or random")
         if self.membership not in ("gossip", "static"):
@@ -201,9 +206,12 @@ class Scenario:
         unknown_profiles = set(self.profiles) - set(PROFILES)
         if unknown_profiles:
             raise ValueError(f"unknown profiles {sorted(unknown_profiles)}; known: {sorted(PROFILES)}")
+        check_profile_fractions(self.profiles)
         _check_keys("[protocol]", self.protocol, {f.name for f in fields(NodeConfig)})
         _check_keys("[network]", self.network, {f.name for f in fields(NetworkModel) if f.init and f.repr})
+        check_network_values(self.network)
         _check_keys("[churn]", self.churn, {f.name for f in fields(Churn) if f.init})
+        Churn(**self.churn)  # its rates' signs, at load rather than when the run installs it
         for f in self.faults:
             fault = fault_from_dict(f)
             # without churn the peers are the first `peers` slots: a fault naming another would only
@@ -225,6 +233,45 @@ def _check_keys(section: str, given: Any, known: set[str]) -> None:
     if bad:
         raise ValueError(f"unknown {section} setting{'s' * (len(bad) > 1)} {', '.join(sorted(bad))} "
                          f"(valid: {', '.join(sorted(known))})")
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_network_values(net: dict) -> None:
+    """Signs and ranges of the [network] numbers, at load: the network model took a negative jitter
+    or bandwidth silently and failed on a negative latency only once a message used it. (A value
+    of the wrong type is left to the model, whose error names the types it takes.)"""
+    lat = net.get("latency")
+    times = {"latency": lat}
+    if isinstance(lat, dict):  # a distribution (`sim.network._sampler`); a normal's mean is clipped at 0
+        times = {f"latency {k}": lat[k] for k in ("value", "low", "high", "median", "std") if k in lat}
+        matrix = lat.get("matrix")
+        if isinstance(matrix, dict):
+            times.update({f"latency matrix[{a}][{b}]": v for a, row in matrix.items() if isinstance(row, dict)
+                          for b, v in row.items()})
+    times["jitter"] = net.get("jitter", 0.0)
+    for name, v in times.items():
+        if _is_number(v) and not 0 <= v < math.inf:
+            raise ValueError(f"[network] {name} must be a finite number of seconds >= 0, not {v!r}")
+    loss = net.get("loss", 0.0)
+    if _is_number(loss) and not 0 <= loss < 1:
+        raise ValueError(f"[network] loss must be a probability in [0, 1), not {loss!r}")
+    bw = net.get("bandwidth")
+    rates = {"bandwidth": bw} if not isinstance(bw, dict) else {f"bandwidth of {k}": v for k, v in bw.items()}
+    for name, v in rates.items():
+        if _is_number(v) and not v > 0:  # leaving it out is the way to say unlimited
+            raise ValueError(f"[network] {name} must be > 0 bytes/s (leave it out for unlimited), not {v!r}")
+
+
+def check_profile_fractions(profiles: dict) -> None:
+    """The `profiles` fractions: each >= 0, and not all 0 (peers draw a profile with these weights)."""
+    for name, w in profiles.items():
+        if not (_is_number(w) and 0 <= w < math.inf):
+            raise ValueError(f"profiles: the fraction of {name} must be a number >= 0, not {w!r}")
+    if profiles and not sum(profiles.values()) > 0:
+        raise ValueError("profiles: the fractions must not all be 0")
 
 
 def load_scenario(path: str | Path) -> Scenario:

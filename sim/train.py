@@ -73,7 +73,7 @@ from zgossip.grid import MoshpitGrid, seed_from
 from .driver import SimCluster, SimPeer
 from .faults import Churn, SimFaultContext, fault_from_dict
 from .network import PROFILES, NetworkModel
-from .scenario import HostSpec
+from .scenario import HostSpec, check_network_values, check_profile_fractions
 
 __all__ = ["TrainScenario", "TrainSpec", "TrainRun", "TrainResult", "run_train", "load_train_scenario",
            "OPTIMIZERS"]
@@ -175,6 +175,9 @@ class TrainScenario:
         bad = set(self.profiles) - set(PROFILES)
         if bad:
             raise ValueError(f"unknown profiles {sorted(bad)}; known: {sorted(PROFILES)}")
+        check_profile_fractions(self.profiles)
+        check_network_values(self.network)
+        Churn(**self.churn)
         bad = set(self.protocol) - _AVERAGER_KEYS
         if bad:
             raise ValueError(f"unknown [protocol] settings for training {sorted(bad)} (known: {sorted(_AVERAGER_KEYS)})")

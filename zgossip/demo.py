@@ -7,6 +7,7 @@ rounds every peer holds the exact global mean, and later rounds keep it there.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import numpy as np
@@ -29,10 +30,31 @@ def _fmt_groups(sizes: list[int]) -> str:
     return "+".join(str(s) for s in sorted(sizes, reverse=True)) or "none"
 
 
-def run(args: argparse.Namespace) -> int:
-    shape = tuple(int(x) for x in args.grid.lower().split("x"))
+def _grid_shape(args: argparse.Namespace) -> tuple[int, ...]:
+    """The grid of `--grid`, once every size given is checked; a ValueError names the flag otherwise."""
+    if args.peers < 2:
+        raise ValueError(f"--peers must be at least 2 (the demo averages in groups of 2 or more), not {args.peers}")
+    if args.numel < 1:
+        raise ValueError(f"--numel must be at least 1, not {args.numel}")
+    if args.rounds < 0:
+        raise ValueError(f"--rounds must be >= 0, not {args.rounds}")
+    try:
+        shape = tuple(int(x) for x in args.grid.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--grid takes sizes separated by x, such as 4x2, not {args.grid!r}") from None
+    if min(shape) < 1:
+        raise ValueError(f"--grid sizes must be at least 1, not {args.grid!r}")
     if int(np.prod(shape)) != args.peers:
-        raise SystemExit(f"--grid {args.grid} has {int(np.prod(shape))} cells but --peers is {args.peers}")
+        raise ValueError(f"--grid {args.grid} has {int(np.prod(shape))} cells but --peers is {args.peers}")
+    return shape
+
+
+def run(args: argparse.Namespace) -> int:
+    try:  # a bad size is the user's typo: one line and exit status 2, like argparse
+        shape = _grid_shape(args)
+    except ValueError as e:
+        print(f"zgossip demo: error: {e}", file=sys.stderr)
+        return 2
     coords = list(np.ndindex(*shape))
     per_peer = [{"grid_coords": c} for c in coords]
     kw = dict(prefix="demo", grid=shape, target_group_size=max(shape), min_group_size=2,

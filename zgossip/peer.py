@@ -100,6 +100,14 @@ def run(args: argparse.Namespace) -> int:
             check_endpoint(ep.partition("#")[0], "--initial-peers address")
         if (args.key is None) != (args.allow is None):
             raise ValueError("--key and --allow go together")
+        if args.numel < 1:
+            raise ValueError(f"--numel must be at least 1, not {args.numel}")
+        if args.rounds < 0:
+            raise ValueError(f"--rounds must be >= 0 (0 = run until Ctrl-C), not {args.rounds}")
+        if not 0 <= args.interval < float("inf"):
+            raise ValueError(f"--interval must be a finite number of seconds >= 0, not {args.interval}")
+        if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be in 0..65535 (0 = a free port), not {args.metrics_port}")
     except ValueError as e:
         print(f"zgossip peer: error: {e}", file=sys.stderr)
         return 2

@@ -109,6 +109,11 @@ def test_every_command_line_option_has_help():
      "unknown field att in a 'crash' fault (valid: kind, peer, at)"),
     ("peers = 4\ngrid = [2, 2]\n[[faults]]\nkind = \"crash\"\npeer = 99\nat = 1.0\n",
      "a crash fault names peer 99, but the scenario has peers 0..3"),
+    ("peers = 4\ngrid = [2, 2]\n[network]\nloss = 2.0\n", "[network] loss must be a probability in [0, 1), not 2.0"),
+    ("peers = 4\ngrid = [2, 2]\n[churn]\narrival_rate = -1.0\n", "churn: arrival_rate must be a finite rate >= 0"),
+    ("peers = 4\ngrid = [2, 2]\n[[faults]]\nkind = \"pause\"\npeer = 1\nstart = 2.0\nend = 1.0\n",
+     "pause: end (1.0) must come after start (2.0)"),
+    ("peers = 4\ngrid = [2, 2]\n[network]\njitter = -0.01\n", "[network] jitter must be a finite number of seconds >= 0"),
 ])
 def test_scenario_errors_are_one_line(tmp_path, text, expect):
     path = tmp_path / "sc.toml"
@@ -123,7 +128,6 @@ def test_scenario_errors_are_one_line(tmp_path, text, expect):
 
 
 @pytest.mark.parametrize("args, text, expect", [
-    (["run"], "peers = 4\ngrid = [2, 2]\n[network]\nloss = 2.0\n", "ValueError: loss must be a probability"),
     (["run"], "peers = 4\ngrid = [2, 2]\n[network]\ntransfer = \"udp\"\n", "transfer must be 'fifo' or 'tcp'"),
     (["run"], "peers = 4\ngrid = [2, 2]\n[network]\nlatency = \"abc\"\n", "TypeError: latency must be"),
     (["sweep", "--serial", "--quiet", "--out", "OUT"], "kind = \"blah\"\n", "python -m sim sweep:"),
@@ -140,6 +144,29 @@ def test_bad_values_found_after_loading_are_one_line_too(tmp_path, args, text, e
     assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
     lines = p.stderr.strip().splitlines()
     assert lines and "Traceback" not in p.stderr and expect in lines[-1], p.stderr[-2000:]
+
+
+def test_compare_refuses_a_simulator_run_and_says_it_wants_a_testbed_run(tmp_path, capsys):
+    """A `python -m sim run --out` file has 'scenario' and 'rounds' like a testbed run; before, compare
+    replayed it against itself and printed ratios of 1.00 as if something had been measured."""
+    import json
+
+    from sim.__main__ import main
+    from sim.scenario import run_scenario
+
+    sim_run = json.loads(run_scenario({"peers": 4, "grid": [2, 2], "rounds": 2, "numel": 16}).to_json())
+    path = tmp_path / "sim_run.json"
+    path.write_text(json.dumps(sim_run))
+    assert main(["compare", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip().splitlines() == [
+        f"python -m sim compare: error: {path} is a simulator run (python -m sim run), not a testbed run; "
+        "expected the testbed run JSON that python -m sim testbed SCENARIO --out RUN.json writes"]
+    # the same rounds with the section a testbed run carries are compared
+    path.write_text(json.dumps({"scenario": sim_run["scenario"], "rounds": sim_run["rounds"],
+                                "peer_bytes": sim_run["peer_bytes"], "testbed": {"steps": []}}))
+    assert main(["compare", str(path)]) == 0
+    assert "overall: measured median step" in capsys.readouterr().out
 
 
 class _Tty(io.StringIO):
@@ -170,6 +197,48 @@ def test_log_records_print_above_the_progress_bar_not_into_it():
     warn = [ln for ln in lines if "dropped PART" in ln]
     assert warn == ["WARNING zgossip.allreduce: dropped PART from x"], lines
     assert lines[-2].startswith("[" + "#" * 30 + "] 4/4 rounds")
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["--peers", "0"], "--peers must be at least 2"),
+    (["--peers", "-3"], "--peers must be at least 2"),
+    (["--numel", "0"], "--numel must be at least 1, not 0"),
+    (["--numel", "-5"], "--numel must be at least 1, not -5"),
+    (["--rounds", "-1"], "--rounds must be >= 0, not -1"),
+    (["--grid", "4x4"], "--grid 4x4 has 16 cells but --peers is 8"),
+    (["--grid", "4x"], "--grid takes sizes separated by x, such as 4x2, not '4x'"),
+    (["--grid", "0x4"], "--grid sizes must be at least 1, not '0x4'"),
+    (["--grid=-2x-4"], "--grid sizes must be at least 1, not '-2x-4'"),
+])
+def test_demo_refuses_bad_sizes_in_one_line_before_starting_anything(capsys, args, expect):
+    """Before, these ended in a traceback (a peer process dying at start-up, an IndexError, int('')),
+    or with --rounds -1 in a run of no rounds and exit status 0."""
+    from zgossip import cli
+
+    assert cli.main(["demo", *args]) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("zgossip demo: error: ") and expect in lines[0], err
+    assert out == ""  # refused before any peer process started
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["--metrics-port", "70000"], "--metrics-port must be in 0..65535 (0 = a free port), not 70000"),
+    (["--metrics-port", "-1"], "--metrics-port must be in 0..65535 (0 = a free port), not -1"),
+    (["--numel", "-5"], "--numel must be at least 1, not -5"),
+    (["--rounds", "-1"], "--rounds must be >= 0 (0 = run until Ctrl-C), not -1"),
+    (["--interval", "-1"], "--interval must be a finite number of seconds >= 0, not -1.0"),
+    (["--interval", "nan"], "--interval must be a finite number of seconds >= 0, not nan"),
+])
+def test_peer_refuses_bad_numbers_in_one_line_before_starting(capsys, args, expect):
+    """Before, a bad metrics port or --numel -5 ended in a traceback (OverflowError from bind, numpy's
+    ValueError), --rounds -1 in exit 0 without a step and a negative --interval in steps back to back."""
+    from zgossip import cli
+
+    assert cli.main(["peer", "--listen", "tcp://127.0.0.1:0", "--plain", *args]) == 2
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines() == [f"zgossip peer: error: {expect}"], err
+    assert out == ""  # refused before the peer started
 
 
 def test_peer_bandwidth_option():

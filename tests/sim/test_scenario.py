@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from sim.scenario import Scenario, load_scenario, run_scenario
@@ -79,6 +78,33 @@ def test_scenario_errors_are_clear(tmp_path):
         Scenario.from_dict({"peers": 20, "grid": [4, 4]})
     with pytest.raises(ValueError, match="unknown profiles"):
         Scenario.from_dict({"profiles": {"satellite": 1.0}})
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"churn": {"arrival_rate": -1.0}}, "churn: arrival_rate must be a finite rate >= 0 per second, not -1.0"),
+    ({"churn": {"departure_rate": -0.1}}, "churn: departure_rate must be a finite rate >= 0 per second, not -0.1"),
+    ({"faults": [{"kind": "pause", "peer": 1, "start": 2.0, "end": 1.0}]}, r"pause: end \(1.0\) must come after start \(2.0\)"),
+    ({"faults": [{"kind": "pause", "peer": 1, "start": 1.0, "end": 1.0}]}, r"pause: end \(1.0\) must come after start"),
+    ({"faults": [{"kind": "partition", "sides": [[0], [1]], "start": 3.0, "end": 1.0}]}, "partition: end"),
+    ({"faults": [{"kind": "slow", "peer": 1, "start": 0.0, "end": 1.0, "factor": 0.0}]}, "slow: factor must be a number > 0"),
+    ({"faults": [{"kind": "crash", "peer": 1, "at": -5.0}]}, "crash: at must be a time >= 0 seconds, not -5.0"),
+    ({"network": {"jitter": -0.01}}, r"\[network\] jitter must be a finite number of seconds >= 0, not -0.01"),
+    ({"network": {"latency": -0.01}}, r"\[network\] latency must be a finite number of seconds >= 0"),
+    ({"network": {"latency": {"dist": "uniform", "low": -1.0, "high": 0.1}}}, r"\[network\] latency low must be"),
+    ({"network": {"loss": -0.5}}, r"\[network\] loss must be a probability in \[0, 1\), not -0.5"),
+    ({"network": {"loss": 1.0}}, r"\[network\] loss must be a probability in \[0, 1\), not 1.0"),
+    ({"network": {"bandwidth": 0}}, r"\[network\] bandwidth must be > 0 bytes/s"),
+    ({"network": {"bandwidth": -5.0}}, r"\[network\] bandwidth must be > 0 bytes/s"),
+    ({"profiles": {"home": -1.0, "datacenter": 2.0}}, "profiles: the fraction of home must be a number >= 0"),
+    ({"step_timeout": -1.0}, r"step_timeout must be in \[0, 1e6\] seconds"),
+    ({"round_gap": -1.0}, "round_gap must be a finite number of seconds >= 0"),
+    ({"bootstrap_time": -1.0}, "bootstrap_time must be a finite number of seconds >= 0"),
+])
+def test_values_of_the_wrong_sign_or_range_are_refused_at_load(extra, message):
+    """Before, these loaded: a negative arrival rate, jitter or bandwidth 0 ran as if absent, a pause
+    ending before it began left the peer paused, and a negative latency failed mid-run ("Negative delay")."""
+    with pytest.raises(ValueError, match=message):
+        Scenario.from_dict({"peers": 4, "grid": [2, 2], **extra})
 
 
 def test_shipped_scenario_file_loads_and_cli_prints_a_table():

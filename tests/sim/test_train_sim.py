@@ -85,6 +85,13 @@ def test_scenario_validation_names_the_problem():
         TrainScenario.from_dict({"rounds": 3})
     with pytest.raises(ValueError, match="do not fit"):
         TrainScenario.from_dict({"peers": 5, "train": {"grid": [2, 2]}})
+    # the [network], [churn] and fault values of the simulator's scenarios, checked alike
+    with pytest.raises(ValueError, match="churn: arrival_rate must be a finite rate >= 0"):
+        TrainScenario.from_dict({"churn": {"arrival_rate": -0.5}})
+    with pytest.raises(ValueError, match=r"\[network\] jitter must be a finite number of seconds >= 0"):
+        TrainScenario.from_dict({"network": {"jitter": -0.01}})
+    with pytest.raises(ValueError, match=r"pause: end \(1.0\) must come after start \(2.0\)"):
+        TrainScenario.from_dict({"faults": [{"kind": "pause", "peer": 1, "start": 2.0, "end": 1.0}]})
 
 
 def test_sweep_kind_train(tmp_path):

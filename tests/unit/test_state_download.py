@@ -121,6 +121,31 @@ def test_a_donor_going_silent_mid_transfer_has_its_chunks_fetched_from_the_other
     assert s.dl.refetched > 0 and "stalled" in s.dl.history[-1] and s.dl.per_donor[pid(3)] == 3
 
 
+def test_a_donor_silent_from_its_first_chunk_is_dropped_like_one_that_stalled_mid_transfer():
+    """Donor 3 answers META, then never sends a chunk: `chunk_timeout` after it was given its
+    windows it is dropped, and what it owed is fetched from the others and counted in `refetched`."""
+    s = Swarm({2: 1.0, 3: 1.0, 4: 1.0})
+
+    def mute_chunks(e, msg):
+        return None if isinstance(msg, M.StateChunk) and e == ep(3) else msg
+
+    s.dl.start(0.0)
+    s.pump(0.1, mutate=mute_chunks)  # METAs answered at 0.1, chunks asked of all three
+    owed = set(s.dl._active[pid(3)].inflight)
+    assert not s.done and owed and pid(3) not in s.dl.per_donor
+    assert s.dl.next_deadline() == 0.1 + 1.0  # its chunk timeout, counted from when it was asked
+    s.dl.on_timer(1.0)
+    assert pid(3) in s.dl._active and s.dl.refetched == 0  # not yet
+    s.dl.on_timer(1.1)
+    assert pid(3) not in s.dl._active and s.dl.history == [f"{pid(3)[:8]}: stalled with {len(owed)} chunks owed for 1s"]
+    s.pump(1.2, mutate=mute_chunks)
+    [(meta, arrays, err)] = s.done
+    assert err is None
+    check_state(arrays)
+    assert s.dl.refetched == len(owed) and s.dl.bad_chunks == 0
+    assert sorted(s.dl.per_donor) == [pid(2), pid(4)] and sum(s.dl.per_donor.values()) == len(s.snap.plan)
+
+
 def test_a_dropped_connection_hands_the_chunks_to_the_others_at_once():
     s = Swarm({2: 1.0, 3: 1.0})
 
