@@ -14,8 +14,9 @@ Codecs (id on the wire, error bound of one round trip ``y = decode(encode(x))``,
 * ``bf16`` (2): the top 16 bits of float32, round to nearest even. ``|y - x| <= max(|x| * 2**-8, 2**-134)``;
   ``|x| >= 3.3961e38`` rounds to inf.
 * ``int8`` (3): blocks of `INT8_BLOCK` (1,024) values share one float32 scale ``max|x| / 127``; each
-  value is ``round(x / scale)`` in [-127, 127]. ``|y - x| <= max|block| / 250`` (half a step, 1/254,
-  plus float32 rounding).
+  value is ``round(x / scale)`` in [-127, 127]. ``|y - x| <= max|block| / 250 + 2**-140`` (half a
+  step, 1/254, plus float32 rounding; a block of values under ~3.7e-37 has a subnormal scale, whose
+  inverse is not finite: its values are divided by the scale instead).
 
 Non-finite values are never turned into finite garbage: fp16/bf16 keep NaN/inf (and turn
 out-of-range values into inf), and an int8 block holding NaN or inf decodes as all NaN. Either
@@ -149,6 +150,9 @@ def _int8_blocks(x: np.ndarray, scales: np.ndarray, q: np.ndarray) -> None:
         inv[bad] = 0
         scale[bad] = np.nan  # decodes the whole block as NaN: the reducer's NaN/inf policy applies
         tmp = x * inv[:, None] if x.dtype == np.float32 else (x * inv[:, None]).astype(np.float32)
+        tiny = np.isinf(inv)  # a subnormal scale has no finite inverse: divide (x * inf made every value +-127)
+        if tiny.any():
+            tmp[tiny] = x[tiny] / scale[tiny, None]
         np.rint(tmp, out=tmp)
         np.clip(tmp, -127, 127, out=tmp)
         tmp[bad] = 0  # (NaN * 0): a bad block's values are 0, its scale NaN
