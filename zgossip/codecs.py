@@ -292,7 +292,12 @@ class CodecMap:
             if feedback and self.residual is not None and c != NONE:
                 r = self.residual[s:e]
                 decode(c, seg, r)
-                np.subtract(xs, r, out=r)
+                with np.errstate(invalid="ignore"):
+                    np.subtract(xs, r, out=r)
+                if not kernels.all_finite(r):
+                    # what the codec could not carry (NaN, inf, out of range; the owner excludes such a
+                    # term) is not owed: a NaN carried would make this range NaN at every later step
+                    r[~np.isfinite(r)] = 0
         return cid, out
 
     def check(self, lo: int, hi: int, cid: int, data: np.ndarray, dtype: np.dtype) -> str | None:

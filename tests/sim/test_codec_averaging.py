@@ -10,7 +10,7 @@ import zgossip
 from harness import TRANSPORTS, make
 from sim import NetworkModel, SimCluster
 from zgossip import codecs as C
-from zgossip.node import DownloadDone, NodeConfig, StepDone
+from zgossip.node import DownloadDone, NodeConfig
 
 # one tensor per codec; parts of 4 KiB cross the tensors' boundaries, so some parts are mixed
 CODECS = ["none", "fp16", "bf16", "int8"]
@@ -117,6 +117,28 @@ def test_error_feedback_time_average_converges_to_the_float32_mean():
     # so the error of the time average falls like 1/T
     assert fed[24] <= 0.6 * fed[12], fed
     assert fed[24] < 0.1 * plain[24], (fed, plain)
+
+
+@pytest.mark.parametrize("codec,bad", [("int8", float("nan")), ("fp16", 1e5)])
+def test_error_feedback_carries_nothing_the_codec_could_not_carry(codec, bad):
+    """One step with a value the codec cannot carry (NaN; fp16's out-of-range 1e5, sent as inf): the
+    owner excludes that sender from the span for that step only. The residual of the block was
+    NaN/inf (x - decode(encode(x))), and added to every later snapshot it kept the peer excluded there
+    for good, with finite data."""
+    rng = np.random.default_rng(5)
+    data = [rng.standard_normal(8192).astype(np.float32) for _ in range(3)]
+    h = make("sim", [[d.copy()] for d in data], target_group_size=3, min_group_size=3, compression=codec,
+             error_feedback=True)
+    for step in range(3):
+        for i in range(3):
+            h.tensors(i)[0][...] = data[i]
+        if step == 0:
+            h.tensors(2)[0][10] = bad
+        res = h.step_all(timeout=3.0)
+        assert all(isinstance(r, zgossip.StepResult) for r in res)
+        assert [r.complete for r in res] == [step > 0] * 3, (step, res)
+        assert np.isfinite(h.peers[2].averager._residual).all()
+    assert all(np.isfinite(h.tensors(i)[0]).all() for i in range(3))
 
 
 @pytest.mark.parametrize("codec", ["fp16", "int8"])
