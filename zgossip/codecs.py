@@ -210,26 +210,29 @@ def _default(dtype: np.dtype) -> int:
 def resolve(compression: Any, shapes: Sequence[tuple[int, ...]], dtypes: Sequence[Any]) -> tuple[int, ...]:
     """The codec id of each tensor. `compression`: None (fp16 tensors as fp16, the rest raw), one
     codec name for every tensor, a sequence of names (one per tensor), a mapping tensor index ->
-    name (others as None gives them), or a callable ``(index, shape, dtype) -> name`` such as `by_size`."""
+    name (others as None gives them), or a callable ``(index, shape, dtype) -> name`` such as `by_size`.
+    An fp16 tensor named bf16 travels as fp16: the same 2 bytes, exact for its values -- bf16 rounds
+    fp16 values above 65408 up to 65536, which an fp16 tensor holds as inf."""
     n = len(shapes)
     base = [_default(d) for d in dtypes]
     if compression is None:
         return tuple(base)
     if isinstance(compression, str):
-        return (check_name(compression),) * n
-    if isinstance(compression, Mapping):
+        out = [check_name(compression)] * n
+    elif isinstance(compression, Mapping):
         out = list(base)
         for k, v in compression.items():
             if not isinstance(k, int) or not 0 <= k < n:
                 raise ValueError(f"compression names tensor {k!r}, but there are {n} tensors")
             out[k] = check_name(v)
-        return tuple(out)
-    if callable(compression):
-        return tuple(check_name(compression(i, tuple(s), np.dtype(d))) for i, (s, d) in enumerate(zip(shapes, dtypes)))
-    names = list(compression)
-    if len(names) != n:
-        raise ValueError(f"compression lists {len(names)} codecs for {n} tensors")
-    return tuple(check_name(v) for v in names)
+    elif callable(compression):
+        out = [check_name(compression(i, tuple(s), np.dtype(d))) for i, (s, d) in enumerate(zip(shapes, dtypes))]
+    else:
+        names = list(compression)
+        if len(names) != n:
+            raise ValueError(f"compression lists {len(names)} codecs for {n} tensors")
+        out = [check_name(v) for v in names]
+    return tuple(FP16 if c == BF16 and b == FP16 else c for c, b in zip(out, base))
 
 
 class CodecMap:

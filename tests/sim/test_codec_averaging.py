@@ -60,6 +60,29 @@ def test_an_fp16_tensor_travels_as_fp16():
     assert np.array_equal(h16.tensors(0)[0], h32.tensors(0)[0].astype(np.float16))
 
 
+@pytest.mark.parametrize("state", [False, True])
+def test_an_fp16_tensor_named_bf16_keeps_its_largest_values_finite(state):
+    """compression="bf16" (or state_compression) over a model with fp16 tensors: bf16 rounded fp16
+    values above 65408 to 65536, which the fp16 tensor then held as inf -- on every member, in a step
+    reported complete (and in a downloaded state). Such a tensor travels as fp16 (exact, 2 bytes too)."""
+    x = np.array([65504, 65440, 1.0, -65504] * 300, np.float16)
+    if state:
+        cl = SimCluster(seed=0, network=NetworkModel(latency=0.001))
+        cfg = dict(prefix="st", gossip_interval=0.05, peer_timeout=3.0, part_size_bytes=4096)
+        donor = cl.add_peer(NodeConfig(**cfg), tensors=[x.copy()], state_compression="bf16")
+        donor.node.set_state_sharing(1.0)
+        new = cl.add_peer(NodeConfig(**cfg), tensors=None, known=[donor])
+        cl.run(until=cl.env.now + 0.5)
+        ev = new.load_state()
+        cl.run(until=ev)
+        assert isinstance(ev.value, DownloadDone) and np.array_equal(ev.value.arrays[0], x)
+        return
+    h = make("sim", [[x.copy()] for _ in range(3)], target_group_size=3, min_group_size=3, compression="bf16")
+    res = h.step_all(timeout=3.0)
+    assert all(isinstance(r, zgossip.StepResult) and r.complete for r in res)
+    assert all(np.array_equal(h.tensors(i)[0], x) for i in range(3))
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_nan_in_a_compressed_part_excludes_its_sender_from_that_span(transport):
     rng = np.random.default_rng(5)

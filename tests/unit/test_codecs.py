@@ -136,6 +136,9 @@ def test_resolve_per_tensor_choices():
     assert C.resolve(None, shapes, dtypes) == (C.NONE, C.NONE, C.FP16)
     assert C.resolve("int8", shapes, dtypes) == (C.INT8,) * 3
     assert C.resolve({1: "bf16"}, shapes, dtypes) == (C.NONE, C.BF16, C.FP16)
+    # bf16 would round an fp16 tensor's values above 65408 to 65536 (inf in fp16): it travels as fp16
+    assert C.resolve("bf16", shapes, dtypes) == (C.BF16, C.BF16, C.FP16)
+    assert C.resolve({2: "bf16"}, shapes, dtypes) == (C.NONE, C.NONE, C.FP16)
     assert C.resolve(["int8", "fp16", "none"], shapes, dtypes) == (C.INT8, C.FP16, C.NONE)
     assert C.resolve(C.by_size(1000), shapes, dtypes) == (C.NONE, C.INT8, C.NONE)
     for bad in ("zip", {5: "int8"}, ["int8"], {0: "nope"}):
