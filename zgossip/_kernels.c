@@ -385,10 +385,18 @@ MULTIARCH static void int8_block(const float *x, Py_ssize_t m, float maxs, unsig
     scale = absmax / 127.0f;
     if (scale > maxs) scale = maxs;
     float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
-    for (Py_ssize_t i = 0; i < m; i++) {
-        float t = rintf(x[i] * inv);
-        t = t < -127.0f ? -127.0f : (t > 127.0f ? 127.0f : t);
-        q[i] = (int8_t)t;
+    if (inv > 3.4028234663852886e38f) { /* a subnormal scale has no finite inverse: divide (codecs._int8_blocks) */
+        for (Py_ssize_t i = 0; i < m; i++) {
+            float t = rintf(x[i] / scale);
+            t = t < -127.0f ? -127.0f : (t > 127.0f ? 127.0f : t);
+            q[i] = (int8_t)t;
+        }
+    } else {
+        for (Py_ssize_t i = 0; i < m; i++) {
+            float t = rintf(x[i] * inv);
+            t = t < -127.0f ? -127.0f : (t > 127.0f ? 127.0f : t);
+            q[i] = (int8_t)t;
+        }
     }
     memcpy(scale_out, &scale, 4);
 }

@@ -14,8 +14,9 @@ Codecs (id on the wire, error bound of one round trip ``y = decode(encode(x))``,
 * ``bf16`` (2): the top 16 bits of float32, round to nearest even. ``|y - x| <= max(|x| * 2**-8, 2**-134)``;
   ``|x| >= 3.3961e38`` rounds to inf.
 * ``int8`` (3): blocks of `INT8_BLOCK` (1,024) values share one float32 scale ``max|x| / 127``; each
-  value is ``round(x / scale)`` in [-127, 127]. ``|y - x| <= max|block| / 250`` (half a step, 1/254,
-  plus float32 rounding).
+  value is ``round(x / scale)`` in [-127, 127]. ``|y - x| <= max|block| / 250 + 2**-140`` (half a
+  step, 1/254, plus float32 rounding; a block of values under ~3.7e-37 has a subnormal scale, whose
+  inverse is not finite: its values are divided by the scale instead).
 
 Non-finite values are never turned into finite garbage: fp16/bf16 keep NaN/inf (and turn
 out-of-range values into inf), and an int8 block holding NaN or inf decodes as all NaN. Either
@@ -149,6 +150,9 @@ def _int8_blocks(x: np.ndarray, scales: np.ndarray, q: np.ndarray) -> None:
         inv[bad] = 0
         scale[bad] = np.nan  # decodes the whole block as NaN: the reducer's NaN/inf policy applies
         tmp = x * inv[:, None] if x.dtype == np.float32 else (x * inv[:, None]).astype(np.float32)
+        tiny = np.isinf(inv)  # a subnormal scale has no finite inverse: divide (x * inf made every value +-127)
+        if tiny.any():
+            tmp[tiny] = x[tiny] / scale[tiny, None]
         np.rint(tmp, out=tmp)
         np.clip(tmp, -127, 127, out=tmp)
         tmp[bad] = 0  # (NaN * 0): a bad block's values are 0, its scale NaN
@@ -206,26 +210,29 @@ def _default(dtype: np.dtype) -> int:
 def resolve(compression: Any, shapes: Sequence[tuple[int, ...]], dtypes: Sequence[Any]) -> tuple[int, ...]:
     """The codec id of each tensor. `compression`: None (fp16 tensors as fp16, the rest raw), one
     codec name for every tensor, a sequence of names (one per tensor), a mapping tensor index ->
-    name (others as None gives them), or a callable ``(index, shape, dtype) -> name`` such as `by_size`."""
+    name (others as None gives them), or a callable ``(index, shape, dtype) -> name`` such as `by_size`.
+    An fp16 tensor named bf16 travels as fp16: the same 2 bytes, exact for its values -- bf16 rounds
+    fp16 values above 65408 up to 65536, which an fp16 tensor holds as inf."""
     n = len(shapes)
     base = [_default(d) for d in dtypes]
     if compression is None:
         return tuple(base)
     if isinstance(compression, str):
-        return (check_name(compression),) * n
-    if isinstance(compression, Mapping):
+        out = [check_name(compression)] * n
+    elif isinstance(compression, Mapping):
         out = list(base)
         for k, v in compression.items():
             if not isinstance(k, int) or not 0 <= k < n:
                 raise ValueError(f"compression names tensor {k!r}, but there are {n} tensors")
             out[k] = check_name(v)
-        return tuple(out)
-    if callable(compression):
-        return tuple(check_name(compression(i, tuple(s), np.dtype(d))) for i, (s, d) in enumerate(zip(shapes, dtypes)))
-    names = list(compression)
-    if len(names) != n:
-        raise ValueError(f"compression lists {len(names)} codecs for {n} tensors")
-    return tuple(check_name(v) for v in names)
+    elif callable(compression):
+        out = [check_name(compression(i, tuple(s), np.dtype(d))) for i, (s, d) in enumerate(zip(shapes, dtypes))]
+    else:
+        names = list(compression)
+        if len(names) != n:
+            raise ValueError(f"compression lists {len(names)} codecs for {n} tensors")
+        out = [check_name(v) for v in names]
+    return tuple(FP16 if c == BF16 and b == FP16 else c for c, b in zip(out, base))
 
 
 class CodecMap:
@@ -288,7 +295,12 @@ class CodecMap:
             if feedback and self.residual is not None and c != NONE:
                 r = self.residual[s:e]
                 decode(c, seg, r)
-                np.subtract(xs, r, out=r)
+                with np.errstate(invalid="ignore"):
+                    np.subtract(xs, r, out=r)
+                if not kernels.all_finite(r):
+                    # what the codec could not carry (NaN, inf, out of range; the owner excludes such a
+                    # term) is not owed: a NaN carried would make this range NaN at every later step
+                    r[~np.isfinite(r)] = 0
         return cid, out
 
     def check(self, lo: int, hi: int, cid: int, data: np.ndarray, dtype: np.dtype) -> str | None:

@@ -10,7 +10,7 @@ import zgossip
 from harness import TRANSPORTS, make
 from sim import NetworkModel, SimCluster
 from zgossip import codecs as C
-from zgossip.node import DownloadDone, NodeConfig, StepDone
+from zgossip.node import DownloadDone, NodeConfig
 
 # one tensor per codec; parts of 4 KiB cross the tensors' boundaries, so some parts are mixed
 CODECS = ["none", "fp16", "bf16", "int8"]
@@ -58,6 +58,29 @@ def test_an_fp16_tensor_travels_as_fp16():
     assert r16[0].bytes_sent * 2 == r32[0].bytes_sent  # half the bytes, as the tensor's own dtype
     # exact: fp16 values travel losslessly, the float32 mean is rounded to fp16 once, as before
     assert np.array_equal(h16.tensors(0)[0], h32.tensors(0)[0].astype(np.float16))
+
+
+@pytest.mark.parametrize("state", [False, True])
+def test_an_fp16_tensor_named_bf16_keeps_its_largest_values_finite(state):
+    """compression="bf16" (or state_compression) over a model with fp16 tensors: bf16 rounded fp16
+    values above 65408 to 65536, which the fp16 tensor then held as inf -- on every member, in a step
+    reported complete (and in a downloaded state). Such a tensor travels as fp16 (exact, 2 bytes too)."""
+    x = np.array([65504, 65440, 1.0, -65504] * 300, np.float16)
+    if state:
+        cl = SimCluster(seed=0, network=NetworkModel(latency=0.001))
+        cfg = dict(prefix="st", gossip_interval=0.05, peer_timeout=3.0, part_size_bytes=4096)
+        donor = cl.add_peer(NodeConfig(**cfg), tensors=[x.copy()], state_compression="bf16")
+        donor.node.set_state_sharing(1.0)
+        new = cl.add_peer(NodeConfig(**cfg), tensors=None, known=[donor])
+        cl.run(until=cl.env.now + 0.5)
+        ev = new.load_state()
+        cl.run(until=ev)
+        assert isinstance(ev.value, DownloadDone) and np.array_equal(ev.value.arrays[0], x)
+        return
+    h = make("sim", [[x.copy()] for _ in range(3)], target_group_size=3, min_group_size=3, compression="bf16")
+    res = h.step_all(timeout=3.0)
+    assert all(isinstance(r, zgossip.StepResult) and r.complete for r in res)
+    assert all(np.array_equal(h.tensors(i)[0], x) for i in range(3))
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -117,6 +140,28 @@ def test_error_feedback_time_average_converges_to_the_float32_mean():
     # so the error of the time average falls like 1/T
     assert fed[24] <= 0.6 * fed[12], fed
     assert fed[24] < 0.1 * plain[24], (fed, plain)
+
+
+@pytest.mark.parametrize("codec,bad", [("int8", float("nan")), ("fp16", 1e5)])
+def test_error_feedback_carries_nothing_the_codec_could_not_carry(codec, bad):
+    """One step with a value the codec cannot carry (NaN; fp16's out-of-range 1e5, sent as inf): the
+    owner excludes that sender from the span for that step only. The residual of the block was
+    NaN/inf (x - decode(encode(x))), and added to every later snapshot it kept the peer excluded there
+    for good, with finite data."""
+    rng = np.random.default_rng(5)
+    data = [rng.standard_normal(8192).astype(np.float32) for _ in range(3)]
+    h = make("sim", [[d.copy()] for d in data], target_group_size=3, min_group_size=3, compression=codec,
+             error_feedback=True)
+    for step in range(3):
+        for i in range(3):
+            h.tensors(i)[0][...] = data[i]
+        if step == 0:
+            h.tensors(2)[0][10] = bad
+        res = h.step_all(timeout=3.0)
+        assert all(isinstance(r, zgossip.StepResult) for r in res)
+        assert [r.complete for r in res] == [step > 0] * 3, (step, res)
+        assert np.isfinite(h.peers[2].averager._residual).all()
+    assert all(np.isfinite(h.tensors(i)[0]).all() for i in range(3))
 
 
 @pytest.mark.parametrize("codec", ["fp16", "int8"])

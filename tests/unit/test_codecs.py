@@ -65,6 +65,30 @@ def test_out_of_range_values_become_inf_not_garbage():
     assert np.isnan(y).all()  # a NaN with only low mantissa bits stays NaN (rounding must not make it inf)
 
 
+@pytest.mark.parametrize("native", [True, False])
+@settings(max_examples=40, deadline=None)
+@given(x=_floats(float(np.float32(4e-37))))
+def test_int8_keeps_its_bound_on_blocks_of_tiny_values(native, x):
+    """A block whose max|x| is under ~3.7e-37 has a subnormal scale with no finite float32 inverse:
+    multiplying by that inverse (inf) turned every nonzero value into +-127 steps (1e-41 beside
+    3e-40 came back as 3e-40), on both paths."""
+    from zgossip import kernels
+
+    if native and not kernels.NATIVE:
+        pytest.skip("C extension not built")
+    saved = kernels._native
+    if not native:
+        kernels._native = None
+    try:
+        y = _round_trip(C.INT8, x)
+    finally:
+        kernels._native = saved
+    err = np.abs(y.astype(np.float64) - x.astype(np.float64))
+    assert (err <= C.error_bound(C.INT8, x)).all()
+    y = _round_trip(C.INT8, np.array([1e-40, 0.0, -3e-40, 1e-41], np.float32))
+    assert np.abs(y[3]) < 1e-40 and y[1] == 0
+
+
 def test_the_bounds_are_tight():
     """Not vacuous: some value of a typical tensor loses close to the whole bound."""
     x = np.random.default_rng(0).standard_normal(1 << 14).astype(np.float32)
@@ -112,6 +136,9 @@ def test_resolve_per_tensor_choices():
     assert C.resolve(None, shapes, dtypes) == (C.NONE, C.NONE, C.FP16)
     assert C.resolve("int8", shapes, dtypes) == (C.INT8,) * 3
     assert C.resolve({1: "bf16"}, shapes, dtypes) == (C.NONE, C.BF16, C.FP16)
+    # bf16 would round an fp16 tensor's values above 65408 to 65536 (inf in fp16): it travels as fp16
+    assert C.resolve("bf16", shapes, dtypes) == (C.BF16, C.BF16, C.FP16)
+    assert C.resolve({2: "bf16"}, shapes, dtypes) == (C.NONE, C.NONE, C.FP16)
     assert C.resolve(["int8", "fp16", "none"], shapes, dtypes) == (C.INT8, C.FP16, C.NONE)
     assert C.resolve(C.by_size(1000), shapes, dtypes) == (C.NONE, C.INT8, C.NONE)
     for bad in ("zip", {5: "int8"}, ["int8"], {0: "nope"}):
@@ -127,6 +154,7 @@ def test_c_and_numpy_paths_give_the_same_bytes(codec, monkeypatch):
     x = np.random.default_rng(4).standard_normal(5000).astype(np.float32) * 100
     x[[3, 2100, 4999]] = [np.inf, -0.0, 1e-42]
     x[1024:2048] = -0.0
+    x[3072:4096] *= np.float32(1e-41)  # a subnormal scale (divided, not multiplied by its inverse)
     x[3000] = 7e4
     n = C.encoded_nbytes(codec, x.size)
     a, b = np.empty(n, np.uint8), np.empty(n, np.uint8)
