@@ -111,7 +111,11 @@ def replay_scenario(run: dict) -> dict:
         # measured it (its frame sizes follow the run's rates), makes it one more serial consumer
         fwd = tb.get("forwarder") or {}
         moved = sum(p.get("rx_bytes", 0) for p in fwd.get("ports", ()))
-        if fwd.get("cpu_seconds") and moved and "switch_byte" not in costs:
+        # (a calibrated profile holds switch_byte 0.0 -- `calibrate` writes every field and measures no
+        # switch -- so 0 means "not given", as a missing key does: testing the key alone left the
+        # forwarder out of every replay on a machine whose profile was written since the field came,
+        # and the forwarder-bound fast8 case read 0.64 instead of ~0.9)
+        if fwd.get("cpu_seconds") and moved and not costs.get("switch_byte"):
             costs["switch_byte"] = fwd["cpu_seconds"] / moved
         sc["cpu"] = {"costs": costs, "cores": int(tb["cpu"]["cores"]), "shared": True}
     return sc

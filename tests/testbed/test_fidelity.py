@@ -72,6 +72,19 @@ def test_replay_uses_the_machine_the_testbed_recorded():
     assert replay_scenario(run)["network"]["tcp"]["congestion_control"] == "cubic"
 
 
+def test_replay_charges_the_forwarder_the_run_recorded_even_with_a_calibrated_profile():
+    """A profile from `python -m sim calibrate` holds switch_byte 0.0 (it measures no switch): the
+    replay must still charge the CPU per byte the run's forwarder spent. It used to test for the key
+    only, so on a machine calibrated since the field came the forwarder was left out."""
+    for costs in ({"handle_msg": 1e-5}, {"handle_msg": 1e-5, "switch_byte": 0.0}):
+        run = {"scenario": case_scenario(QUICK[0], rounds=1),
+               "testbed": {"cpu": {"costs": dict(costs), "cores": 2},
+                           "forwarder": {"cpu_seconds": 2.0, "ports": [{"rx_bytes": 1e9}, {"rx_bytes": 1e9}]}}}
+        assert replay_scenario(run)["cpu"]["costs"]["switch_byte"] == 2.0 / 2e9
+    run["testbed"]["cpu"]["costs"]["switch_byte"] = 3e-9  # a cost given on purpose stands
+    assert replay_scenario(run)["cpu"]["costs"]["switch_byte"] == 3e-9
+
+
 def test_a_lossy_case_is_predicted_by_the_median_of_several_seeds(monkeypatch):
     """One replay of a lossy run is one draw of its losses; the prediction is the median replay of
     `LOSSY_SEEDS` seeds. The simulator's own run stands in for the testbed's here."""
