@@ -161,8 +161,8 @@ class CollaborativeOptimizer(TrainerPeer):
         if delay_optimizer_step and not offload_optimizer:
             raise ValueError("delay_optimizer_step needs offload_optimizer: the optimizer steps its own copy of the "
                              "parameters while the model computes the next batches with the current ones")
-        self.delay_optimizer_step = bool(delay_optimizer_step)
-        self.delay_grad_averaging = bool(delay_grad_averaging)
+        self._delay_optimizer_step = bool(delay_optimizer_step)
+        self._delay_grad_averaging = bool(delay_grad_averaging)
         self.delay_state_averaging = bool(delay_state_averaging)
         # the optimizer steps copies of the parameters; the model's tensors are updated from them between batches
         self._offload = OffloadedParams(optimizer) if offload_optimizer else None
@@ -230,6 +230,32 @@ class CollaborativeOptimizer(TrainerPeer):
         self._acc_stale = True
 
     # ------------------------------------------------------------------ public
+    @property
+    def delay_optimizer_step(self) -> bool:
+        """Fixed at construction: it decides where the gradients accumulate (apart from the round's
+        tensors, or in them) and whether the optimizer steps its own copy of the parameters."""
+        return self._delay_optimizer_step
+
+    @delay_optimizer_step.setter
+    def delay_optimizer_step(self, value: bool) -> None:
+        # switched mid-run, the synchronous path would step on the previous epoch's averaged gradients
+        # (the new ones accumulate elsewhere), or a background step would write the model's own tensors
+        raise AttributeError("delay_optimizer_step is fixed when the CollaborativeOptimizer is made (it decides where "
+                             "gradients accumulate); build a new one to change it")
+
+    @property
+    def delay_grad_averaging(self) -> bool:
+        """Whether the gradient round runs on the worker too; may change between steps (needs
+        ``delay_optimizer_step``)."""
+        return self._delay_grad_averaging
+
+    @delay_grad_averaging.setter
+    def delay_grad_averaging(self, value: bool) -> None:
+        if value and not self._delay_optimizer_step:
+            raise ValueError("delay_grad_averaging needs delay_optimizer_step=True, which is fixed when the "
+                             "CollaborativeOptimizer is made")
+        self._delay_grad_averaging = bool(value)
+
     @property
     def global_progress(self) -> GlobalProgress:
         view = self._view()

@@ -152,6 +152,35 @@ def test_delay_options_are_checked():
                                delay_optimizer_step=True, offload_optimizer=False)
 
 
+@pytest.mark.parametrize("delay", [True, False])
+def test_delay_optimizer_step_cannot_be_switched_mid_run(delay):
+    """It decides where gradients accumulate: switched off after a delayed epoch, the synchronous path
+    stepped on the previous epoch's averaged gradient (a lone peer, SGD lr=1: -2 where -11 was due); switched
+    on, a background step would write the model's own tensors. Refused; delay_grad_averaging may change."""
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = CollaborativeOptimizer(torch.optim.SGD([p], lr=1.0), prefix=f"sw{delay}", target_batch_size=1,
+                                 batch_size=1, delay_optimizer_step=delay, load_state_on_start=False,
+                                 averager_opts=dict(FAST))
+    with opt:
+        p.grad = torch.ones(3)
+        opt.step()
+        opt.apply_pending(wait=True, timeout=10)
+        with pytest.raises(AttributeError, match="fixed"):
+            opt.delay_optimizer_step = not delay
+        assert opt.delay_optimizer_step is delay
+        if delay:
+            opt.delay_grad_averaging = True
+            opt.delay_grad_averaging = False
+        else:
+            with pytest.raises(ValueError, match="needs delay_optimizer_step"):
+                opt.delay_grad_averaging = True
+        opt.zero_grad()
+        p.grad = torch.full((3,), 10.0)
+        opt.step()
+        opt.apply_pending(wait=True, timeout=10)
+        assert p.detach().tolist() == [-11.0] * 3 and opt.local_epoch == 2
+
+
 def test_decentralized_synchronous_rounds_and_bounded_staleness():
     """DecentralizedOptimizer: delay_state_averaging=False applies each round inside the step that started
     it (staleness 0); with max_staleness=1 a round is applied at most one local step after it began."""
