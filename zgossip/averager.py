@@ -577,7 +577,8 @@ class Averager:
             with self._lock:
                 self.layout.check(self._arrays)
             step_id = f"{self.peer_id[:8]}-{next(self._seq)}"
-            fut = StepFuture(self, step_id, held=True, weight=weight, gather=gather, scheduled_time=scheduled_time)
+            fut = StepFuture(self, step_id, held=True, weight=weight, gather=gather, scheduled_time=scheduled_time,
+                             waits=begin_at is not None and begin_at > clock.now())
             self._futures[step_id] = (fut, None, entered)
             req = StepRequest(step_id, None, weight, gather, timeout, self.layout.fingerprint,
                               round, self.layout.description, self._codec, held=True,

@@ -298,3 +298,21 @@ def test_a_scheduled_time_that_is_no_finite_number_is_refused(bad):
     ctls = [p.averager.step(scheduled_time=cl.env.now - 5.0, wait=False, timeout=3.0) for p in peers]
     _wait(cl, ctls)
     assert all(c.result().complete for c in ctls)
+
+
+def test_the_stage_says_scheduled_only_while_matchmaking_waits_for_its_time():
+    """Read before the node reports (its peer paused, as a busy I/O thread would be): a step with no
+    time (require_trigger) or one in the past starts matchmaking at once and read SCHEDULED until the
+    node's report came; only a step whose matchmaking really waits reads SCHEDULED."""
+    cl, peers = _cluster(2)
+    a = peers[0].averager
+    for kw, stage in [(dict(require_trigger=True), StepStage.MATCHMAKING),
+                      (dict(scheduled_time=cl.env.now - 1.0), StepStage.MATCHMAKING),
+                      (dict(scheduled_time=cl.env.now + 5 * MM, require_trigger=True), StepStage.SCHEDULED)]:
+        peers[0].pause()
+        ctl = a.step(wait=False, timeout=3.0, **kw)
+        assert ctl.stage is stage, (kw, ctl.stage)
+        peers[0].resume()
+        cl.run(until=cl.env.now + 0.01)
+        assert ctl.stage is stage, (kw, ctl.stage)
+        assert ctl.cancel() is True
