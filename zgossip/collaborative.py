@@ -630,6 +630,7 @@ class CollaborativeOptimizer(TrainerPeer):
         pending = PendingUpdate(epoch, n, t0)
         self._pending = pending
         round_future: cf.Future | None = None
+        scheduled = self._scheduled  # the pre-scheduled round, if any: _start_round may trigger it
         result, error = None, None
         if expected > 1:
             self._averaging = True
@@ -645,21 +646,35 @@ class CollaborativeOptimizer(TrainerPeer):
                 self._averaging = False
         if self._worker is None:
             self._worker = self.clock.executor("zgossip-delayed-step")
-        pending.future = self._worker.submit(self._delayed_update, pending, rnd, round_future, result, error)
+        fallback = gather if scheduled is not None and round_future is scheduled else None
+        pending.future = self._worker.submit(self._delayed_update, pending, rnd, round_future, result, error,
+                                             fallback)
 
     def _delayed_update(self, pending: PendingUpdate, rnd: dict, round_future: cf.Future | None, result: Any,
-                        error: BaseException | None) -> dict:
-        """On the worker: wait for the round (bounded), check it, step the optimizer's own parameters."""
+                        error: BaseException | None, fallback: dict | None = None) -> dict:
+        """On the worker: wait for the round (bounded), check it, step the optimizer's own parameters.
+        `fallback`: the gathered values of a pre-scheduled round, which falls back to a plain step if it
+        failed before its all-reduce (as `_run_round` does)."""
         t1 = self.clock.now()
         if round_future is not None:
             bound = self.matchmaking_timeout + self.averager.config.allreduce_timeout + 5.0
+            failed = False  # before its bound (a round that timed out is not retried, as in _run_round)
             try:
                 result = self.clock.result(round_future, bound)
             except ZGossipError as e:
-                error = e
+                error, failed = e, True
             except cf.TimeoutError:
                 round_future.cancel()
                 error = RoundTimeout(f"the delayed round did not finish within {bound:.0f}s")
+            if fallback is not None and failed and not getattr(round_future, "reached_allreduce", True):
+                log.info("%s: the pre-scheduled round failed before its all-reduce (%s); averaging with a plain step",
+                         self.peer_id[:8], error)
+                n = pending.samples
+                try:
+                    result, error = self.averager.step(weight=n if n > 0 else _NOTHING, gather=fallback,
+                                                       timeout=self.matchmaking_timeout), None
+                except ZGossipError as e:
+                    error = e
         rnd["seconds"] = self.clock.now() - t1
         rnd["ok"] = result is not None
         rnd["error"] = None if error is None else f"{type(error).__name__}: {error}"

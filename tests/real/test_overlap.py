@@ -273,3 +273,43 @@ def test_delay_state_averaging_downloads_in_the_background_and_adopts_at_a_later
     finally:
         for o in opts:
             o.shutdown()
+
+
+def test_a_delayed_round_whose_pre_scheduled_step_failed_before_its_all_reduce_falls_back_to_a_plain_step():
+    """pre_schedule with delay_grad_averaging: the pre-scheduled step is triggered, then its window closes
+    with nobody else in it (GroupNotFound, before any all-reduce). The synchronous path averaged with a
+    plain step then; the delayed one stepped alone on local gradients and marked itself out of sync,
+    while its peer stepped into the round a moment later. Both now meet in the fallback round."""
+    opts, models = _pair("psfb", delay_optimizer_step=True, delay_grad_averaging=True)
+    task = Task()
+    try:
+        a, b = opts
+        # what _maybe_pre_schedule starts, with a window that closes before peer b steps
+        a._scheduled = a.averager.step(require_trigger=True, timeout=1.2, gather={"ep": 0, "n": 0, "bad": 0},
+                                       wait=False)
+
+        def batch(i: int) -> None:
+            x, y = task.sample(task.stream(7, i), BS)
+            torch.nn.functional.cross_entropy(models[i](x), y).backward()
+
+        def run_b() -> None:
+            time.sleep(1.6)
+            batch(1)
+            b.step()
+            b.apply_pending(wait=True, timeout=20)
+
+        t = threading.Thread(target=run_b)
+        t.start()
+        batch(0)
+        a.step()
+        a.apply_pending(wait=True, timeout=20)
+        t.join(30)
+        assert not t.is_alive()
+        for o in opts:
+            assert o.last_round["ok"] and o.last_round["group_size"] == 2 and o.in_sync, o.last_round
+            assert o.local_epoch == 1
+        for x, y in zip(*(m.parameters() for m in models)):
+            assert torch.equal(x, y)
+    finally:
+        for o in opts:
+            o.shutdown()
