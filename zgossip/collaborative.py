@@ -521,7 +521,13 @@ class CollaborativeOptimizer(TrainerPeer):
                         "and resynchronising afterwards", self.peer_id[:8], epoch, rnd["error"], n)
             self.in_sync = False
         t3 = self.clock.now()
-        self._apply_step(do_step)
+        try:
+            self._apply_step(do_step)
+        except BaseException:
+            # the accumulators now hold this epoch's mean, not a sum: later batches added to it would be
+            # mis-weighted. Drop the epoch's gradients, as a delayed update that raised does
+            self.samples, self._epoch_nonfinite, self._acc_stale = 0, 0, True
+            raise
         rnd["stepped"] = do_step
         # where the time of this step went (the wrapper's overhead over plain averaging, for benchmarks)
         rnd["phases"] = {**self._phases, "prepare": t1 - t0, "average": t2 - t1, "check": t3 - t2,
