@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -70,6 +71,20 @@ __all__ = ["CollaborativeOptimizer", "GlobalProgress"]
 log = logging.getLogger(__name__)
 
 _NOTHING = 1e-9  # the weight of a member that contributes no samples: it receives the mean, adds nothing
+
+
+def _count(name: str, value: Any, least: int) -> int:
+    """A sample count as an int >= `least` (an int, or a float holding one), or ValueError naming it."""
+    n = None
+    if not isinstance(value, (bool, str)):
+        try:
+            n = operator.index(value)  # int, numpy and 0-d torch integers
+        except TypeError:
+            if isinstance(value, float) and value.is_integer():
+                n = int(value)
+    if n is None or n < least:
+        raise ValueError(f"{name} must be a whole number of samples >= {least}, not {value!r}")
+    return n
 
 
 @dataclass(frozen=True)
@@ -149,8 +164,9 @@ class CollaborativeOptimizer(TrainerPeer):
         offload_optimizer: bool | None = None,
         pre_schedule: bool = False,
     ) -> None:
-        if target_batch_size < 1:
-            raise ValueError("target_batch_size must be >= 1")
+        target_batch_size = _count("target_batch_size", target_batch_size, 1)
+        if batch_size is not None:
+            batch_size = _count("batch_size", batch_size, 0)
         if delay_optimizer_step is None:
             delay_optimizer_step = bool(delay_grad_averaging)
         if delay_grad_averaging and not delay_optimizer_step:
@@ -285,8 +301,9 @@ class CollaborativeOptimizer(TrainerPeer):
             with torch.enable_grad():
                 loss = closure()
         bs = batch_size if batch_size is not None else self.batch_size
-        if bs is None or bs < 0:
+        if bs is None:
             raise ValueError("give step() a batch_size (or the constructor a default batch_size)")
+        bs = _count("batch_size", bs, 0)
         if self._download is not None:  # a background resynchronisation (delay_state_averaging)
             if not self._download.done():
                 return loss  # this batch belongs to the model being replaced

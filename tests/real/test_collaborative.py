@@ -435,6 +435,13 @@ def test_errors_are_clear():
     model = make_model(0)
     with pytest.raises(ValueError, match="target_batch_size"):
         CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), prefix="e", target_batch_size=0)
+    # were truncated (1.7 -> 1), taken (True), or refused with a message that does not name the argument
+    for bad in (1.7, float("nan"), float("inf"), "64", True):
+        with pytest.raises(ValueError, match="target_batch_size must be a whole number"):
+            CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), prefix="e", target_batch_size=bad)
+    with pytest.raises(ValueError, match="batch_size must be a whole number"):
+        CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), prefix="e", target_batch_size=8,
+                               batch_size=-1)
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
         CollaborativeOptimizer(object(), prefix="e", target_batch_size=1)  # type: ignore[arg-type]
     opt = CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), prefix="e", target_batch_size=8,
@@ -442,6 +449,10 @@ def test_errors_are_clear():
     with opt:
         with pytest.raises(ValueError, match="batch_size"):
             opt.step()
+        for bad in (2.5, -1, float("nan")):
+            with pytest.raises(ValueError, match="batch_size must be a whole number"):
+                opt.step(batch_size=bad)
+        assert opt.samples == 0
         with pytest.raises(zgossip.StateUnavailable):
             opt.load_state_from_peers(timeout=1.0)
     with pytest.raises(zgossip.ZGossipError, match="shut down"):
