@@ -443,8 +443,8 @@ class Averager:
         become Python ones, and ``result.gathered`` holds what the peers decoded).
 
         Scheduled steps (``scheduled_time`` and/or ``require_trigger``; see README, "Step control"):
-        ``scheduled_time`` is on this averager's ``clock.now()`` scale (for ZeroMQ
-        ``time.monotonic()``, not ``time.time()``). Matchmaking begins ``matchmaking_time`` before
+        ``scheduled_time`` is a finite number on this averager's ``clock.now()`` scale (for ZeroMQ
+        ``time.monotonic()``, not ``time.time()``: an hour or more ahead is refused). Matchmaking begins ``matchmaking_time`` before
         it (at once if that is past); the tensors are snapshotted and the all-reduce begins when the
         returned control is `trigger`-ed, or at ``scheduled_time`` unless ``require_trigger`` (then
         only on trigger), and never before a group formed. ``timeout`` then bounds matchmaking plus
@@ -555,7 +555,17 @@ class Averager:
         clock = self._clock
         begin_at = None
         if scheduled_time is not None:
-            scheduled_time = float(scheduled_time)
+            if isinstance(scheduled_time, (bool, str)):
+                raise ValueError(f"scheduled_time must be a number of seconds on clock.now()'s scale, not "
+                                 f"{type(scheduled_time).__name__}")
+            try:
+                scheduled_time = float(scheduled_time)
+            except (TypeError, ValueError):
+                raise ValueError(f"scheduled_time must be a number of seconds on clock.now()'s scale, not "
+                                 f"{type(scheduled_time).__name__}") from None
+            if not math.isfinite(scheduled_time):
+                raise ValueError(f"scheduled_time must be finite, not {scheduled_time!r}: pass averager.clock.now() "
+                                 "+ delay (a time in the past starts matchmaking at once)")
             if not scheduled_time - entered < 3600.0:
                 raise ValueError(f"scheduled_time is {scheduled_time - entered:.0f}s from now: it is read on this "
                                  "averager's clock.now() scale (monotonic), not time.time(); pass "
@@ -567,7 +577,8 @@ class Averager:
             with self._lock:
                 self.layout.check(self._arrays)
             step_id = f"{self.peer_id[:8]}-{next(self._seq)}"
-            fut = StepFuture(self, step_id, held=True, weight=weight, gather=gather, scheduled_time=scheduled_time)
+            fut = StepFuture(self, step_id, held=True, weight=weight, gather=gather, scheduled_time=scheduled_time,
+                             waits=begin_at is not None and begin_at > clock.now())
             self._futures[step_id] = (fut, None, entered)
             req = StepRequest(step_id, None, weight, gather, timeout, self.layout.fingerprint,
                               round, self.layout.description, self._codec, held=True,

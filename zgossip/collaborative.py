@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -70,6 +71,20 @@ __all__ = ["CollaborativeOptimizer", "GlobalProgress"]
 log = logging.getLogger(__name__)
 
 _NOTHING = 1e-9  # the weight of a member that contributes no samples: it receives the mean, adds nothing
+
+
+def _count(name: str, value: Any, least: int) -> int:
+    """A sample count as an int >= `least` (an int, or a float holding one), or ValueError naming it."""
+    n = None
+    if not isinstance(value, (bool, str)):
+        try:
+            n = operator.index(value)  # int, numpy and 0-d torch integers
+        except TypeError:
+            if isinstance(value, float) and value.is_integer():
+                n = int(value)
+    if n is None or n < least:
+        raise ValueError(f"{name} must be a whole number of samples >= {least}, not {value!r}")
+    return n
 
 
 @dataclass(frozen=True)
@@ -149,8 +164,9 @@ class CollaborativeOptimizer(TrainerPeer):
         offload_optimizer: bool | None = None,
         pre_schedule: bool = False,
     ) -> None:
-        if target_batch_size < 1:
-            raise ValueError("target_batch_size must be >= 1")
+        target_batch_size = _count("target_batch_size", target_batch_size, 1)
+        if batch_size is not None:
+            batch_size = _count("batch_size", batch_size, 0)
         if delay_optimizer_step is None:
             delay_optimizer_step = bool(delay_grad_averaging)
         if delay_grad_averaging and not delay_optimizer_step:
@@ -161,8 +177,8 @@ class CollaborativeOptimizer(TrainerPeer):
         if delay_optimizer_step and not offload_optimizer:
             raise ValueError("delay_optimizer_step needs offload_optimizer: the optimizer steps its own copy of the "
                              "parameters while the model computes the next batches with the current ones")
-        self.delay_optimizer_step = bool(delay_optimizer_step)
-        self.delay_grad_averaging = bool(delay_grad_averaging)
+        self._delay_optimizer_step = bool(delay_optimizer_step)
+        self._delay_grad_averaging = bool(delay_grad_averaging)
         self.delay_state_averaging = bool(delay_state_averaging)
         # the optimizer steps copies of the parameters; the model's tensors are updated from them between batches
         self._offload = OffloadedParams(optimizer) if offload_optimizer else None
@@ -231,6 +247,32 @@ class CollaborativeOptimizer(TrainerPeer):
 
     # ------------------------------------------------------------------ public
     @property
+    def delay_optimizer_step(self) -> bool:
+        """Fixed at construction: it decides where the gradients accumulate (apart from the round's
+        tensors, or in them) and whether the optimizer steps its own copy of the parameters."""
+        return self._delay_optimizer_step
+
+    @delay_optimizer_step.setter
+    def delay_optimizer_step(self, value: bool) -> None:
+        # switched mid-run, the synchronous path would step on the previous epoch's averaged gradients
+        # (the new ones accumulate elsewhere), or a background step would write the model's own tensors
+        raise AttributeError("delay_optimizer_step is fixed when the CollaborativeOptimizer is made (it decides where "
+                             "gradients accumulate); build a new one to change it")
+
+    @property
+    def delay_grad_averaging(self) -> bool:
+        """Whether the gradient round runs on the worker too; may change between steps (needs
+        ``delay_optimizer_step``)."""
+        return self._delay_grad_averaging
+
+    @delay_grad_averaging.setter
+    def delay_grad_averaging(self, value: bool) -> None:
+        if value and not self._delay_optimizer_step:
+            raise ValueError("delay_grad_averaging needs delay_optimizer_step=True, which is fixed when the "
+                             "CollaborativeOptimizer is made")
+        self._delay_grad_averaging = bool(value)
+
+    @property
     def global_progress(self) -> GlobalProgress:
         view = self._view()
         ep = view.max_epoch
@@ -259,8 +301,9 @@ class CollaborativeOptimizer(TrainerPeer):
             with torch.enable_grad():
                 loss = closure()
         bs = batch_size if batch_size is not None else self.batch_size
-        if bs is None or bs < 0:
+        if bs is None:
             raise ValueError("give step() a batch_size (or the constructor a default batch_size)")
+        bs = _count("batch_size", bs, 0)
         if self._download is not None:  # a background resynchronisation (delay_state_averaging)
             if not self._download.done():
                 return loss  # this batch belongs to the model being replaced
@@ -495,7 +538,13 @@ class CollaborativeOptimizer(TrainerPeer):
                         "and resynchronising afterwards", self.peer_id[:8], epoch, rnd["error"], n)
             self.in_sync = False
         t3 = self.clock.now()
-        self._apply_step(do_step)
+        try:
+            self._apply_step(do_step)
+        except BaseException:
+            # the accumulators now hold this epoch's mean, not a sum: later batches added to it would be
+            # mis-weighted. Drop the epoch's gradients, as a delayed update that raised does
+            self.samples, self._epoch_nonfinite, self._acc_stale = 0, 0, True
+            raise
         rnd["stepped"] = do_step
         # where the time of this step went (the wrapper's overhead over plain averaging, for benchmarks)
         rnd["phases"] = {**self._phases, "prepare": t1 - t0, "average": t2 - t1, "check": t3 - t2,
@@ -604,6 +653,7 @@ class CollaborativeOptimizer(TrainerPeer):
         pending = PendingUpdate(epoch, n, t0)
         self._pending = pending
         round_future: cf.Future | None = None
+        scheduled = self._scheduled  # the pre-scheduled round, if any: _start_round may trigger it
         result, error = None, None
         if expected > 1:
             self._averaging = True
@@ -619,21 +669,35 @@ class CollaborativeOptimizer(TrainerPeer):
                 self._averaging = False
         if self._worker is None:
             self._worker = self.clock.executor("zgossip-delayed-step")
-        pending.future = self._worker.submit(self._delayed_update, pending, rnd, round_future, result, error)
+        fallback = gather if scheduled is not None and round_future is scheduled else None
+        pending.future = self._worker.submit(self._delayed_update, pending, rnd, round_future, result, error,
+                                             fallback)
 
     def _delayed_update(self, pending: PendingUpdate, rnd: dict, round_future: cf.Future | None, result: Any,
-                        error: BaseException | None) -> dict:
-        """On the worker: wait for the round (bounded), check it, step the optimizer's own parameters."""
+                        error: BaseException | None, fallback: dict | None = None) -> dict:
+        """On the worker: wait for the round (bounded), check it, step the optimizer's own parameters.
+        `fallback`: the gathered values of a pre-scheduled round, which falls back to a plain step if it
+        failed before its all-reduce (as `_run_round` does)."""
         t1 = self.clock.now()
         if round_future is not None:
             bound = self.matchmaking_timeout + self.averager.config.allreduce_timeout + 5.0
+            failed = False  # before its bound (a round that timed out is not retried, as in _run_round)
             try:
                 result = self.clock.result(round_future, bound)
             except ZGossipError as e:
-                error = e
+                error, failed = e, True
             except cf.TimeoutError:
                 round_future.cancel()
                 error = RoundTimeout(f"the delayed round did not finish within {bound:.0f}s")
+            if fallback is not None and failed and not getattr(round_future, "reached_allreduce", True):
+                log.info("%s: the pre-scheduled round failed before its all-reduce (%s); averaging with a plain step",
+                         self.peer_id[:8], error)
+                n = pending.samples
+                try:
+                    result, error = self.averager.step(weight=n if n > 0 else _NOTHING, gather=fallback,
+                                                       timeout=self.matchmaking_timeout), None
+                except ZGossipError as e:
+                    error = e
         rnd["seconds"] = self.clock.now() - t1
         rnd["ok"] = result is not None
         rnd["error"] = None if error is None else f"{type(error).__name__}: {error}"

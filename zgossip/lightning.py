@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .collaborative import CollaborativeOptimizer
+from .collaborative import CollaborativeOptimizer, _count
 
 __all__ = ["ZGossipStrategy", "strategy_for", "INITIAL_PEERS_ENV"]
 
@@ -122,8 +122,9 @@ def strategy_for(package: str | None = None) -> type:
             **optimizer_kwargs: Any,
         ) -> None:
             super().__init__(device=torch.device("cpu"))
-            if target_batch_size < 1:
-                raise ValueError("target_batch_size must be >= 1")
+            target_batch_size = _count("target_batch_size", target_batch_size, 1)  # refused here, not at the first batch
+            if batch_size is not None:
+                batch_size = _count("batch_size", batch_size, 0)
             if delay_grad_averaging and delay_optimizer_step is False:
                 raise ValueError("delay_grad_averaging needs delay_optimizer_step")
             peers = os.environ.get(INITIAL_PEERS_ENV) or initial_peers

@@ -75,7 +75,7 @@ class StepFuture(cf.Future):
     """
 
     def __init__(self, averager: "Averager", step_id: str, *, held: bool = False, weight: float = 1.0,
-                 gather: Any = None, scheduled_time: float | None = None) -> None:
+                 gather: Any = None, scheduled_time: float | None = None, waits: bool = False) -> None:
         super().__init__()
         self._averager = averager
         self.step_id = step_id
@@ -84,7 +84,9 @@ class StepFuture(cf.Future):
         self._weight = weight
         self._gather = gather
         self._triggered = not held
-        self._phase = StepStage.SCHEDULED if held else StepStage.MATCHMAKING
+        # SCHEDULED only while matchmaking waits for its time (`waits`); a held step with no time, or one in
+        # the past, starts matchmaking at once, as the node will report (a hint until it does)
+        self._phase = StepStage.SCHEDULED if held and waits else StepStage.MATCHMAKING
         self._reached_allreduce = False
         self._lock = averager.clock.lock()  # one trigger at a time (the user's, or the scheduled one)
 

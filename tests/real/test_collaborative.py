@@ -435,6 +435,13 @@ def test_errors_are_clear():
     model = make_model(0)
     with pytest.raises(ValueError, match="target_batch_size"):
         CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), prefix="e", target_batch_size=0)
+    # were truncated (1.7 -> 1), taken (True), or refused with a message that does not name the argument
+    for bad in (1.7, float("nan"), float("inf"), "64", True):
+        with pytest.raises(ValueError, match="target_batch_size must be a whole number"):
+            CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), prefix="e", target_batch_size=bad)
+    with pytest.raises(ValueError, match="batch_size must be a whole number"):
+        CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), prefix="e", target_batch_size=8,
+                               batch_size=-1)
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
         CollaborativeOptimizer(object(), prefix="e", target_batch_size=1)  # type: ignore[arg-type]
     opt = CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), prefix="e", target_batch_size=8,
@@ -442,7 +449,39 @@ def test_errors_are_clear():
     with opt:
         with pytest.raises(ValueError, match="batch_size"):
             opt.step()
+        for bad in (2.5, -1, float("nan")):
+            with pytest.raises(ValueError, match="batch_size must be a whole number"):
+                opt.step(batch_size=bad)
+        assert opt.samples == 0
         with pytest.raises(zgossip.StateUnavailable):
             opt.load_state_from_peers(timeout=1.0)
     with pytest.raises(zgossip.ZGossipError, match="shut down"):
         opt.step(batch_size=1)
+
+
+def test_an_optimizer_step_that_raises_drops_the_epoch_instead_of_mis_weighting_the_next():
+    """The synchronous path divides the accumulated sum into a mean before the optimizer step. When that
+    step raised, the mean stayed in the accumulators with the sample count, and the next epoch added its
+    sums to it: a lone peer with batches of 4 (gradient 1, then 10) stepped by (1 + 40) / 8 = 5.125. The
+    epoch that raised is dropped (as a delayed update that raises drops it): the next step is by 10."""
+    class Boom(torch.optim.SGD):
+        calls = 0
+
+        def step(self, closure: Any = None) -> Any:
+            Boom.calls += 1
+            if Boom.calls == 1:
+                raise RuntimeError("boom")
+            return super().step(closure)
+
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = CollaborativeOptimizer(Boom([p], lr=1.0), prefix="boom", target_batch_size=4, batch_size=4,
+                                 load_state_on_start=False, averager_opts=dict(FAST))
+    with opt:
+        p.grad = torch.ones(1)
+        with pytest.raises(RuntimeError, match="boom"):
+            opt.step()
+        assert opt.local_epoch == 0 and opt.samples == 0
+        opt.zero_grad()
+        p.grad = torch.full((1,), 10.0)
+        opt.step()
+        assert p.item() == -10.0 and opt.local_epoch == 1 and opt.last_round["local_samples"] == 4

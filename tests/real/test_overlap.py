@@ -152,6 +152,35 @@ def test_delay_options_are_checked():
                                delay_optimizer_step=True, offload_optimizer=False)
 
 
+@pytest.mark.parametrize("delay", [True, False])
+def test_delay_optimizer_step_cannot_be_switched_mid_run(delay):
+    """It decides where gradients accumulate: switched off after a delayed epoch, the synchronous path
+    stepped on the previous epoch's averaged gradient (a lone peer, SGD lr=1: -2 where -11 was due); switched
+    on, a background step would write the model's own tensors. Refused; delay_grad_averaging may change."""
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = CollaborativeOptimizer(torch.optim.SGD([p], lr=1.0), prefix=f"sw{delay}", target_batch_size=1,
+                                 batch_size=1, delay_optimizer_step=delay, load_state_on_start=False,
+                                 averager_opts=dict(FAST))
+    with opt:
+        p.grad = torch.ones(3)
+        opt.step()
+        opt.apply_pending(wait=True, timeout=10)
+        with pytest.raises(AttributeError, match="fixed"):
+            opt.delay_optimizer_step = not delay
+        assert opt.delay_optimizer_step is delay
+        if delay:
+            opt.delay_grad_averaging = True
+            opt.delay_grad_averaging = False
+        else:
+            with pytest.raises(ValueError, match="needs delay_optimizer_step"):
+                opt.delay_grad_averaging = True
+        opt.zero_grad()
+        p.grad = torch.full((3,), 10.0)
+        opt.step()
+        opt.apply_pending(wait=True, timeout=10)
+        assert p.detach().tolist() == [-11.0] * 3 and opt.local_epoch == 2
+
+
 def test_decentralized_synchronous_rounds_and_bounded_staleness():
     """DecentralizedOptimizer: delay_state_averaging=False applies each round inside the step that started
     it (staleness 0); with max_staleness=1 a round is applied at most one local step after it began."""
@@ -241,6 +270,46 @@ def test_delay_state_averaging_downloads_in_the_background_and_adopts_at_a_later
         assert b.local_epoch == 3 and b._download is None
         for p, q in zip(models[0].parameters(), models[1].parameters()):
             assert torch.equal(p, q)
+    finally:
+        for o in opts:
+            o.shutdown()
+
+
+def test_a_delayed_round_whose_pre_scheduled_step_failed_before_its_all_reduce_falls_back_to_a_plain_step():
+    """pre_schedule with delay_grad_averaging: the pre-scheduled step is triggered, then its window closes
+    with nobody else in it (GroupNotFound, before any all-reduce). The synchronous path averaged with a
+    plain step then; the delayed one stepped alone on local gradients and marked itself out of sync,
+    while its peer stepped into the round a moment later. Both now meet in the fallback round."""
+    opts, models = _pair("psfb", delay_optimizer_step=True, delay_grad_averaging=True)
+    task = Task()
+    try:
+        a, b = opts
+        # what _maybe_pre_schedule starts, with a window that closes before peer b steps
+        a._scheduled = a.averager.step(require_trigger=True, timeout=1.2, gather={"ep": 0, "n": 0, "bad": 0},
+                                       wait=False)
+
+        def batch(i: int) -> None:
+            x, y = task.sample(task.stream(7, i), BS)
+            torch.nn.functional.cross_entropy(models[i](x), y).backward()
+
+        def run_b() -> None:
+            time.sleep(1.6)
+            batch(1)
+            b.step()
+            b.apply_pending(wait=True, timeout=20)
+
+        t = threading.Thread(target=run_b)
+        t.start()
+        batch(0)
+        a.step()
+        a.apply_pending(wait=True, timeout=20)
+        t.join(30)
+        assert not t.is_alive()
+        for o in opts:
+            assert o.last_round["ok"] and o.last_round["group_size"] == 2 and o.in_sync, o.last_round
+            assert o.local_epoch == 1
+        for x, y in zip(*(m.parameters() for m in models)):
+            assert torch.equal(x, y)
     finally:
         for o in opts:
             o.shutdown()

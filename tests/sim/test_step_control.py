@@ -285,3 +285,34 @@ def test_collaborative_optimizer_pre_schedules_the_round_and_stays_in_sync():
     # waiting -- issue 13, item 4 -- the plain rounds of these 3 peers with target 4 waited out the 0.5 s
     # window; now their pool closes once all 3 joined, so what pre-scheduling hides is a few round trips.)
     assert mean(pre_rounds) < mean(plain_rounds), (mean(pre_rounds), mean(plain_rounds))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), "3", True, [1.0]])
+def test_a_scheduled_time_that_is_no_finite_number_is_refused(bad):
+    """NaN and +inf were refused as "nans/infs from now ... not time.time()", -inf, a str and a bool were
+    taken (the str as a time, True as 1.0 s). Each is a ValueError naming the argument; nothing is queued."""
+    cl, peers = _cluster(2)
+    with pytest.raises(ValueError, match="scheduled_time must be"):
+        peers[0].averager.step(scheduled_time=bad, wait=False)
+    # a time in the past is fine: matchmaking begins at once and the all-reduce as soon as grouped
+    ctls = [p.averager.step(scheduled_time=cl.env.now - 5.0, wait=False, timeout=3.0) for p in peers]
+    _wait(cl, ctls)
+    assert all(c.result().complete for c in ctls)
+
+
+def test_the_stage_says_scheduled_only_while_matchmaking_waits_for_its_time():
+    """Read before the node reports (its peer paused, as a busy I/O thread would be): a step with no
+    time (require_trigger) or one in the past starts matchmaking at once and read SCHEDULED until the
+    node's report came; only a step whose matchmaking really waits reads SCHEDULED."""
+    cl, peers = _cluster(2)
+    a = peers[0].averager
+    for kw, stage in [(dict(require_trigger=True), StepStage.MATCHMAKING),
+                      (dict(scheduled_time=cl.env.now - 1.0), StepStage.MATCHMAKING),
+                      (dict(scheduled_time=cl.env.now + 5 * MM, require_trigger=True), StepStage.SCHEDULED)]:
+        peers[0].pause()
+        ctl = a.step(wait=False, timeout=3.0, **kw)
+        assert ctl.stage is stage, (kw, ctl.stage)
+        peers[0].resume()
+        cl.run(until=cl.env.now + 0.01)
+        assert ctl.stage is stage, (kw, ctl.stage)
+        assert ctl.cancel() is True
