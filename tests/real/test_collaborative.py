@@ -118,8 +118,8 @@ def test_four_processes_reach_identical_parameters_and_a_late_peer_catches_up():
 
 # ---------------------------------------------------------------------------- donor dies mid-download
 def _donor(index: int, conn: Any, seed: int, epoch: int, die_mid_stream: bool, initial: list) -> None:
-    """A peer holding a model drawn from `seed`, declaring `epoch`. With `die_mid_stream`, the first state
-    request it serves sends the metadata and half of the chunks, then the process is SIGKILLed."""
+    """A peer holding a model drawn from `seed`, declaring `epoch`. With `die_mid_stream`, it answers the
+    first chunk request with half the chunks asked for, then the process is SIGKILLed."""
     import signal
 
     torch.set_num_threads(1)
@@ -132,9 +132,12 @@ def _donor(index: int, conn: Any, seed: int, epoch: int, die_mid_stream: bool, i
         def first_request_then_die(self: Any, msg: Any) -> None:
             if served:
                 return  # dying: later chunk requests go unanswered
-            serve_chunks(self, msg)
-            served.append(msg.count)
-            conn.send({"event": "partial", "sent": msg.count, "of": len(self._cache[msg.root].plan)})
+            import dataclasses
+
+            half = dataclasses.replace(msg, count=max(1, msg.count // 2))  # (one request may ask for all)
+            serve_chunks(self, half)
+            served.append(half.count)
+            conn.send({"event": "partial", "sent": half.count, "of": len(self._cache[msg.root].plan)})
             threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
 
         state.StateDonor.serve_chunks = first_request_then_die
