@@ -153,6 +153,11 @@ class _Entry:
     view: tuple[str, ...] = ()
 
 
+def _round_of(entries: list[_Entry]) -> int:
+    """The latest round the entries of a group said they step in (-1: none said)."""
+    return max((e.round for e in entries), default=-1)
+
+
 @dataclass
 class _Pool:
     closes: float
@@ -197,7 +202,8 @@ class Matchmaker:
         self.straggler_grace = straggler_grace
         self.join: _Join | None = None
         self.pools: dict[str, _Pool] = {}
-        self._formed: dict[str, float] = {}  # key -> when a full group last formed early for it
+        #: key -> when a group last formed for it, and the latest round its members said (-1: none said)
+        self._formed: dict[str, tuple[float, int]] = {}
         self._expected = expected
         self._notes: dict[tuple[str, str], tuple[JoinNote, float]] = {}  # (key, sender) -> its note, when it came
         self._closed: dict[str, str] = {}  # step id -> group id of our steps whose group we formed from notes
@@ -585,7 +591,7 @@ class Matchmaker:
                or e.want < size for e in got):
             return False
         pool.entries = [e for e in pool.entries if e.peer_id not in view]
-        self._formed[key] = now
+        self._formed[key] = (now, _round_of(got))  # type: ignore[arg-type]
         self._form(key, got)  # type: ignore[arg-type]
         if not pool.entries:
             self.pools.pop(key, None)
@@ -669,8 +675,15 @@ class Matchmaker:
             if n < self.min_group_size:
                 why = f"window closed with {n} peer(s) for this key (min_group_size={self.min_group_size})" + why_odd
                 # "this round": the group closed shortly before this pool opened (the leftover came
-                # late) or while it was open -- not a group of an earlier round
-                full = self._formed.get(key, float("-inf")) >= pool.opened - self.matchmaking_time / 2
+                # late) or while it was open -- not a group of an earlier round. Time alone cannot
+                # tell: steps of a few ms follow each other closer than that, and a peer that steps
+                # again at once after its group averaged must not be told its round is over (it
+                # failed after one window, its timeout unspent, and the peer coming a moment later
+                # found nobody). So a leftover whose every entry said a later round than the group's
+                # members is a new round's first joiner: it tries another window.
+                at, rnd = self._formed.get(key, (float("-inf"), -1))
+                full = at >= pool.opened - self.matchmaking_time / 2 and not (
+                    rnd >= 0 and all(e.round > rnd for e in entries))
                 if full:
                     # the key's line already filled a group this round: nobody else is coming, so
                     # waiting another window would only burn the joiner's timeout
@@ -680,7 +693,7 @@ class Matchmaker:
             groups = -(-n // self.target_group_size)
             while groups > 1 and n // groups < self.min_group_size:
                 groups -= 1
-            self._formed[key] = now
+            self._formed[key] = (now, _round_of(entries))
             if len(self._formed) > 4096:
                 self._formed.clear()
             if groups == 1 and n > self.target_group_size:

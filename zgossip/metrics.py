@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import logging
 import math
 import re
 import threading
@@ -29,6 +30,15 @@ from .steplog import DURATION_BUCKETS, PHASES, StepRecord
 __all__ = ["MetricsServer", "JsonLinesLog", "render"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+log = logging.getLogger(__name__)
+
+#: a connection that sends no complete request within this many seconds is closed (a scrape
+#: takes milliseconds), and at most this many are served at once; more are closed on accept.
+#: Each connection holds a thread and a file descriptor of the averager's own process: held
+#: forever, ~1,000 idle ones left it no descriptor for its own sockets.
+IDLE_TIMEOUT = 10.0
+MAX_CONNECTIONS = 32
 
 # what the transport and node counters mean (others, e.g. added later, get a generic help line)
 _COUNTER_HELP = {
@@ -79,8 +89,8 @@ class _Text:
         return "\n".join(self.lines) + "\n"
 
 
-def render(averager: Any) -> str:
-    """The averager's metrics as Prometheus text."""
+def render(averager: Any, refused: int | None = None) -> str:
+    """The averager's metrics as Prometheus text; `refused`: connections the endpoint turned away."""
     out = _Text()
     out.family("zgossip_info", "gauge", "This peer: its id, advertised endpoint and prefix (value 1)")
     out.sample("zgossip_info", 1, peer_id=averager.peer_id, endpoint=str(averager.endpoint),
@@ -132,22 +142,65 @@ def render(averager: Any) -> str:
         name = "zgossip_" + re.sub(r"[^a-zA-Z0-9_]", "_", key) + "_total"
         out.family(name, "counter", _COUNTER_HELP.get(key, f"Transport/node counter {key!r}"))
         out.sample(name, value)
+    if refused is not None:
+        out.family("zgossip_metrics_refused_connections_total", "counter",
+                   "Connections to this metrics endpoint closed unserved: over its limit of connections at once")
+        out.sample("zgossip_metrics_refused_connections_total", refused)
     return out.text()
 
 
-class MetricsServer:
-    """``GET /metrics`` for one averager, served from a daemon thread until `close`."""
+class _Server(http.server.ThreadingHTTPServer):
+    """A thread per connection, at most `limit` at once: the others are closed when accepted
+    (counted in `refused`, logged once)."""
 
-    def __init__(self, averager: Any, host: str = "127.0.0.1", port: int = 0) -> None:
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: Any, limit: int) -> None:
+        self._slots = threading.BoundedSemaphore(limit)
+        self.limit, self.refused = limit, 0
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            if self.refused == 1:
+                log.warning("zgossip metrics endpoint %s:%s: more than %d connections at once; closing the "
+                            "others unserved (logged once; counted in zgossip_metrics_refused_connections_total)",
+                            *self.server_address[:2], self.limit)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+class MetricsServer:
+    """``GET /metrics`` for one averager, served from a daemon thread until `close`. A connection
+    gets `idle_timeout` seconds of silence before it is closed, and at most `max_connections` are
+    served at once."""
+
+    def __init__(self, averager: Any, host: str = "127.0.0.1", port: int = 0, *,
+                 idle_timeout: float = IDLE_TIMEOUT, max_connections: int = MAX_CONNECTIONS) -> None:
         ref = weakref.ref(averager)  # the server must not keep a dropped averager alive
+        server: list[_Server] = []
 
         class Handler(http.server.BaseHTTPRequestHandler):
+            timeout = idle_timeout  # http.server sets it on the socket: a silent client is dropped
+
             def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
                 avg = ref()
                 if self.path.split("?", 1)[0] not in ("/metrics", "/") or avg is None:
                     self.send_error(404, "only /metrics is served here")
                     return
-                body = render(avg).encode()
+                body = render(avg, server[0].refused).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", CONTENT_TYPE)
                 self.send_header("Content-Length", str(len(body)))
@@ -157,8 +210,8 @@ class MetricsServer:
             def log_message(self, *args: Any) -> None:  # scrapes are not news
                 pass
 
-        self._server = http.server.ThreadingHTTPServer((host, port), Handler)
-        self._server.daemon_threads = True
+        self._server = _Server((host, port), Handler, max_connections)
+        server.append(self._server)
         h, p = self._server.server_address[:2]
         self.host, self.port = str(h), int(p)
         shown = f"[{self.host}]" if ":" in self.host else self.host

@@ -163,14 +163,29 @@ def _live_peers(avg: Averager) -> int | None:
         return None
 
 
+def _step(avg: Averager, timeout: float) -> None:
+    try:
+        avg.step(timeout=timeout)
+    except ZGossipError:
+        pass  # recorded in the step log like a success (AveragerClosed: we are stopping)
+
+
 def _loop(avg: Averager, args: argparse.Namespace, data: np.ndarray, stop: threading.Event, display: Any) -> None:
     done = 0
     while not stop.is_set() and (args.rounds == 0 or done < args.rounds):
         t0 = time.perf_counter()
-        try:
-            avg.step(timeout=max(5.0, args.interval))
-        except ZGossipError:
-            pass  # recorded in the step log like a success
+        # the blocking (in-place) step runs on a thread of its own: Ctrl-C / SIGTERM only set `stop`,
+        # and waiting in step() here would hold the peer for its matchmaking timeout (--interval, when
+        # longer than 5 s) or, in an all-reduce a groupmate stalls, up to allreduce_timeout more
+        worker = threading.Thread(target=_step, args=(avg, max(5.0, args.interval)), name="zgossip-peer-step",
+                                  daemon=True)
+        worker.start()
+        while worker.is_alive() and not stop.is_set():
+            worker.join(0.1)  # returns as the step ends; a stop is seen within 0.1 s
+        if worker.is_alive():
+            # stopping mid-step: leaving `with avg` shuts the averager down, which fails the step with
+            # AveragerClosed (after delivering what it owes groupmates, at most shutdown_timeout)
+            break
         rec = avg.step_log.recent(1)
         if rec:
             display.step(rec[0], _live_peers(avg), float(data.mean()))

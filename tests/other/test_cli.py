@@ -265,3 +265,34 @@ def test_testbed_benchmarks_check_where_each_process_goes_before_starting_any():
         bench_overlap(peers=2, netns=["a"], listen=["tcp://10.0.0.1:0"])
     with pytest.raises(ValueError, match=r"one per donor and one for the downloader \(3\), not 2"):
         bench_state_download(8, 2, 1, hosts=[{"netns": "a", "listen": "tcp://10.0.0.1:0"}] * 2)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_peer_stops_at_once_on_ctrl_c_or_sigterm_mid_step(sig):
+    """`zgossip peer` turns Ctrl-C and SIGTERM into a stop flag; it used to notice it only once its
+    blocking step() returned: a lone peer with --interval 30 (matchmaking timeout 30 s) took 27 s
+    to exit, and a step in an all-reduce up to allreduce_timeout more. Now the step is dropped (or
+    failed by the shutdown) and the peer exits at once, status 0, without a traceback."""
+    p = subprocess.Popen([sys.executable, "-m", "zgossip.cli", "peer", "--listen", "tcp://127.0.0.1:0", "--plain",
+                          "--numel", "100", "--interval", "30", "--log-level", "WARNING"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True)
+    try:
+        sel = selectors.DefaultSelector()
+        sel.register(p.stdout, selectors.EVENT_READ)
+        seen, deadline = "", time.monotonic() + 60
+        while "others can join" not in seen:
+            assert time.monotonic() < deadline and p.poll() is None, f"never started: {seen}"
+            if sel.select(1.0):
+                seen += p.stdout.readline()
+        time.sleep(1.0)  # its first step is matchmaking now (alone: until its 30 s timeout)
+        t0 = time.monotonic()
+        p.send_signal(sig)
+        out, err = p.communicate(timeout=40)
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate(timeout=30)
+    assert p.returncode == 0, (out, err)
+    assert "Traceback" not in err, err
+    assert took < 5.0, f"exited {took:.1f}s after the signal"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import zgossip
 from zgossip import live
+from zgossip.metrics import MetricsServer
 from zgossip.steplog import StepLog, StepRecord
 
 from harness import FAST
@@ -77,6 +79,34 @@ def test_prometheus_endpoint_reports_the_steps():
         b.shutdown()
     with pytest.raises(OSError):  # the endpoint stops with the averager
         urllib.request.urlopen(url, timeout=2)
+
+
+def test_metrics_endpoint_drops_silent_connections_and_serves_a_bounded_number_at_once():
+    """Each connection to the endpoint holds a thread and a descriptor of the averager's process.
+    They used to be held as long as the client kept the connection silent: ~1,000 idle ones (a
+    port scanner, a stuck client, anyone on metrics_host) left a 1,024-descriptor process unable
+    to open a socket (a new Averager there: ZMQError "Too many open files"). Now a silent one is
+    closed after idle_timeout, and over max_connections they are closed at once, counted."""
+    a = zgossip.Averager([np.ones(10, np.float32)], **dict(FAST, prefix="idle"))
+    srv = MetricsServer(a, idle_timeout=0.5, max_connections=4)
+    socks: list[socket.socket] = []
+    try:
+        base = threading.active_count()
+        socks = [socket.create_connection((srv.host, srv.port), timeout=5) for _ in range(12)]
+        time.sleep(0.2)
+        assert threading.active_count() - base <= 4
+        t0 = time.monotonic()
+        for s in socks:
+            assert s.recv(1) == b""  # closed by the endpoint: over the limit at once, else after 0.5 s
+        assert time.monotonic() - t0 < 3
+        with urllib.request.urlopen(srv.url, timeout=10) as r:  # and scrapes are served again
+            refused = _samples(r.read().decode())[("zgossip_metrics_refused_connections_total", ())]
+        assert 1 <= refused <= 8 and refused == srv._server.refused
+    finally:
+        for s in socks:
+            s.close()
+        srv.close()
+        a.shutdown()
 
 
 def test_step_log_records_failures_and_listeners_see_every_step():

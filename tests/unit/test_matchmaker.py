@@ -327,3 +327,45 @@ def test_notes_of_steps_that_already_averaged_with_us_are_spent():
                            key=lambda m: m.peer_id))
     b.mm.on_group(M.Group(pid(2), ep(2), key=key, group_id="g" * 16, members=members), 0.1)
     assert len(b.groups) == 1 and not b.mm._notes
+
+
+def _join(i: int, key: str, step: str, rnd: int, want: int = 2) -> M.Join:
+    return M.Join(pid(i), ep(i), key=key, step_id=step, bandwidth=1.0, layout="L", hops=0, want=want, gathers=True,
+                  round=rnd)
+
+
+def test_a_lone_joiner_of_the_next_round_right_after_a_group_formed_may_try_again():
+    """Steps of a few ms follow each other within half a window: a peer that steps again at once
+    after its group of round 0 averaged opens the key's next pool right after that group formed.
+    Its window closing alone is no leftover of a full group (it said round 1): it is told to retry,
+    so the groupmate stepping a moment later still finds it. Before, it was refused for good after
+    one window ("left over after the key's full group formed"), its timeout unspent."""
+    key, ids = "k", [1, 2, 3]
+    rv = rendezvous_for(key, ids)
+    a, b = [i for i in ids if i != rv]
+    r = Machine(rv, [a, b])
+    r.mm.on_join(_join(a, key, "a0", 0), 0.0)
+    r.mm.on_join(_join(b, key, "b0", 0), 0.01)
+    assert len(r.out.take(M.Group)) == 2  # round 0's group of 2, formed at once
+    r.out.take()
+    r.mm.on_join(_join(a, key, "a1", 1), 0.02)  # a steps again at once
+    r.mm.on_timer(1.02)
+    [(to, no)] = r.out.take(M.NoGroup)
+    assert to == ep(a) and no.retry and "already formed" not in no.reason
+
+
+def test_a_leftover_of_the_round_whose_full_group_formed_is_refused_for_good():
+    """The case the rule is for: a third joiner of the same round, after that round's group of two
+    filled, has nobody left to wait for."""
+    key, ids = "k", [1, 2, 3, 4]
+    rv = rendezvous_for(key, ids)
+    a, b, c = [i for i in ids if i != rv]
+    r = Machine(rv, [a, b, c])
+    r.mm.on_join(_join(a, key, "a0", 0), 0.0)
+    r.mm.on_join(_join(b, key, "b0", 0), 0.01)
+    assert len(r.out.take(M.Group)) == 2
+    r.out.take()
+    r.mm.on_join(_join(c, key, "c0", 0), 0.05)
+    r.mm.on_timer(1.05)
+    [(to, no)] = r.out.take(M.NoGroup)
+    assert to == ep(c) and not no.retry and "already formed this round" in no.reason
