@@ -18,11 +18,30 @@ ROOT = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONPATH=str(ROOT))
 
 
+def _group_state(pgid: int) -> str:
+    """What every process of a process group is doing, and which signals it blocks and ignores."""
+    rows = []
+    for pid in sorted(int(d) for d in os.listdir("/proc") if d.isdigit()):
+        try:
+            if os.getpgid(pid) != pgid:
+                continue
+            status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                          if ":" in line)
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120]
+        except (OSError, ValueError):
+            continue
+        rows.append(f"{pid} {status.get('State', '?').strip()} blk={status.get('SigBlk', '?').strip()} "
+                    f"ign={status.get('SigIgn', '?').strip()} {cmd}")
+    return "processes of the group: " + "; ".join(rows)
+
+
 def _interrupt(args: list[str], marker: str, wait: float = 90.0) -> tuple[int, str, str]:
     """Start a command in its own process group (as a shell does), wait for `marker` on stdout, then
     press Ctrl-C: SIGINT to the whole group, parent and children alike."""
+    # SIGINT at its default, as a terminal's job has it: a test run started in the background by a
+    # script (`pytest &`) ignores SIGINT, and children inherit that -- the command would never see Ctrl-C
     p = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
-                         start_new_session=True)
+                         start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen = ""
     try:
         sel = selectors.DefaultSelector()
@@ -33,7 +52,10 @@ def _interrupt(args: list[str], marker: str, wait: float = 90.0) -> tuple[int, s
             if sel.select(1.0):
                 seen += p.stdout.readline()
         os.killpg(p.pid, signal.SIGINT)
-        out, err = p.communicate(timeout=30)
+        try:
+            out, err = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running 30 s after Ctrl-C; {_group_state(p.pid)}") from None
         return p.returncode, seen + out, err
     finally:
         if p.poll() is None:
