@@ -224,6 +224,13 @@ class CollaborativeOptimizer(TrainerPeer):
         return self.model_params
 
     @property
+    def param_groups(self) -> list:
+        """The optimizer's param groups; offloaded, with the model's tensors (which hold the gradients) as
+        ``"params"`` and the other entries the optimizer's own (`zgossip.overlap.ModelParamGroup`), so that
+        gradient clipping over ``param_groups`` (Lightning's ``gradient_clip_val``) clips what is accumulated."""
+        return self._offload.model_param_groups if self._offload is not None else self.opt.param_groups
+
+    @property
     def model_params(self) -> list[torch.Tensor]:
         """The tensors the model computes with (the optimizer's own copies when offloaded)."""
         return self._offload.model_params if self._offload is not None else self.params

@@ -158,7 +158,7 @@ def test_trainer_with_zgossip_strategy_three_processes_and_a_late_joiner(tmp_pat
         assert all(digests[x][e] == digests[y][e] for e in both), (x, y, digests[x], digests[y])
 
 
-# one process (Lightning's import costs seconds): a Trainer reused for a second fit, accumulate_grad_batches,
+# one process (Lightning's import costs seconds): a Trainer reused for a second fit, accumulate_grad_batches, clipping with offload_optimizer,
 # and the start message with an initial peer nobody listens at. It prints one JSON line.
 _SINGLE = r'''
 import json, logging, sys, warnings
@@ -227,6 +227,12 @@ t = trainer(s, max_steps=6, accumulate_grad_batches=4)
 t.fit(M(), data())
 out["acc_lightning_steps"], out["acc_epoch"] = t.global_step, s.zgossip_optimizer.local_epoch
 
+s = Strategy(target_batch_size=10**6, run_id="clip", listen="tcp://127.0.0.1:0", averager_opts=fast,
+             offload_optimizer=True)
+trainer(s, max_steps=2, gradient_clip_val=0.001).fit(M(), data())
+o = s.zgossip_optimizer
+out["clipped_norm"] = float(torch.cat([a.reshape(-1) for a in o._acc]).norm() / o.samples)
+
 lines = []
 handler = logging.Handler()
 handler.emit = lambda r: lines.append(r.getMessage())
@@ -276,6 +282,12 @@ def test_accumulate_grad_batches_counts_every_accumulated_batch(single):
     so with target_batch_size=64 every one is a global step (counting one batch, it took four)."""
     assert single["acc_lightning_steps"] == 6
     assert single["acc_epoch"] == 6, single
+
+
+def test_gradient_clipping_clips_the_accumulated_gradients_with_offload_optimizer(single):
+    """gradient_clip_val with offload_optimizer: Lightning clips the gradients of the optimizer's param_groups,
+    which were the optimizer's copies (no .grad): clipping did nothing. Two clipped batches: norm <= 0.001."""
+    assert single["clipped_norm"] <= 0.001 * 1.0001, single["clipped_norm"]
 
 
 def test_start_message_says_what_was_reached(single):
