@@ -133,6 +133,10 @@ class CollaborativeOptimizer(TrainerPeer):
     `zgossip.StepControl`) and trigger it when the target is reached, so the all-reduce begins
     then instead of a matchmaking window later. If the pre-scheduled step fails before its
     trigger (no group in time), the round falls back to a plain step.
+
+    ``local_epoch``: the epoch to start at, when resuming from a checkpoint that saved it with the
+    optimizer's state (the Lightning strategy does): a swarm behind it downloads this peer's state, a
+    swarm ahead of it is downloaded as usual.
     """
 
     kind = "collaborative"
@@ -163,8 +167,10 @@ class CollaborativeOptimizer(TrainerPeer):
         delay_state_averaging: bool = False,
         offload_optimizer: bool | None = None,
         pre_schedule: bool = False,
+        local_epoch: int = 0,
     ) -> None:
         target_batch_size = _count("target_batch_size", target_batch_size, 1)
+        local_epoch = _count("local_epoch", local_epoch, 0)
         if batch_size is not None:
             batch_size = _count("batch_size", batch_size, 0)
         if delay_optimizer_step is None:
@@ -208,7 +214,7 @@ class CollaborativeOptimizer(TrainerPeer):
         super().__init__(optimizer, prefix=prefix, scheduler=scheduler, model=model, initial_peers=initial_peers,
                          listen=listen, averager_opts=opts, load_state_on_start=load_state_on_start,
                          startup_timeout=startup_timeout, load_state_timeout=load_state_timeout,
-                         state_chunk_timeout=state_chunk_timeout)
+                         state_chunk_timeout=state_chunk_timeout, local_epoch=local_epoch)
         self._started = True  # from now on, delay_state_averaging downloads in the background
 
     # ------------------------------------------------------------------ TrainerPeer hooks

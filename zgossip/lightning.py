@@ -36,6 +36,7 @@ __all__ = ["ZGossipStrategy", "strategy_for", "INITIAL_PEERS_ENV"]
 log = logging.getLogger(__name__)
 
 INITIAL_PEERS_ENV = "PL_INITIAL_PEERS"  # as HivemindStrategy: comma-separated initial peers
+EPOCH_KEY = "zgossip_local_epoch"  # the swarm's global step, saved beside the optimizer's state in a checkpoint
 
 
 def _import(package: str | None) -> Any:
@@ -164,6 +165,7 @@ def strategy_for(package: str | None = None) -> type:
             self._raw_optimizer: torch.optim.Optimizer | None = None
             self._batches = 0  # batches since the last optimizer.step (accumulate_grad_batches > 1)
             self._last_peers: list[str] = []  # addresses of the run's peers when the previous fit ended
+            self._restored_epoch = 0  # the global step of the checkpoint this fit resumes from (0: none)
             if verbose:
                 logging.getLogger("zgossip").setLevel(logging.INFO)
 
@@ -238,7 +240,8 @@ def strategy_for(package: str | None = None) -> type:
             opt = CollaborativeOptimizer(
                 raw, prefix=self._run_id, target_batch_size=self._target_batch_size, batch_size=self._batch_size,
                 scheduler=scheduler, model=module, initial_peers=peers,
-                listen=self._listen, **self._optimizer_kwargs)
+                listen=self._listen, local_epoch=self._restored_epoch, **self._optimizer_kwargs)
+            self._restored_epoch = 0
             self._opt = opt
             self._live = True
             self.optimizers = [opt]
@@ -255,10 +258,23 @@ def strategy_for(package: str | None = None) -> type:
 
         def optimizer_state(self, optimizer: Any) -> dict:
             inner = getattr(optimizer, "_optimizer", optimizer)
+            if inner is not None and inner is self._raw_optimizer and self._opt is not None:
+                inner = self._opt  # after `fit` (teardown gave Lightning its optimizer back): the one it wrapped
             if isinstance(inner, CollaborativeOptimizer):
                 inner.apply_pending(wait=True)  # a checkpoint holds the newest parameters
-                return inner.opt.state_dict()
+                # and the global step they belong to (as hivemind's Optimizer.state_dict): a resumed fit starts
+                # there, not at 0, where a fresh peer's initial parameters could win the digest vote over them
+                return {**inner.opt.state_dict(), EPOCH_KEY: inner.local_epoch}
             return super().optimizer_state(optimizer)
+
+        def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+            states = []
+            for state in checkpoint["optimizer_states"]:
+                if isinstance(state, dict) and EPOCH_KEY in state:
+                    state = dict(state)
+                    self._restored_epoch = _count(EPOCH_KEY, state.pop(EPOCH_KEY), 0)  # the next `_start` takes it
+                states.append(state)
+            super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
 
         def _run_peer_endpoints(self) -> list[str]:
             """The addresses of the live peers of this run (best effort: [] if the averager cannot say)."""

@@ -111,6 +111,7 @@ class TrainerPeer:
         startup_timeout: float | None = None,
         load_state_timeout: float = 60.0,
         state_chunk_timeout: float = 5.0,
+        local_epoch: int = 0,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -131,7 +132,7 @@ class TrainerPeer:
                             "step it yourself, or use an epoch-based scheduler")
         self.scheduler = scheduler
         self._check_packable()
-        self.local_epoch = 0
+        self.local_epoch = local_epoch  # a resumed run's (checkpoint), else 0: compared with the swarm's on joining
         self.in_sync = True
         self.nonfinite_batches = 0
         self.load_state_timeout = float(load_state_timeout)

@@ -159,7 +159,7 @@ def test_trainer_with_zgossip_strategy_three_processes_and_a_late_joiner(tmp_pat
 
 
 # one process (Lightning's import costs seconds): a Trainer reused for a second fit, accumulate_grad_batches, clipping with offload_optimizer,
-# and the start message with an initial peer nobody listens at. It prints one JSON line.
+# a checkpoint and a resumed fit, and the start message with an initial peer nobody listens at. It prints one JSON line.
 _SINGLE = r'''
 import json, logging, sys, warnings
 import torch
@@ -233,6 +233,31 @@ trainer(s, max_steps=2, gradient_clip_val=0.001).fit(M(), data())
 o = s.zgossip_optimizer
 out["clipped_norm"] = float(torch.cat([a.reshape(-1) for a in o._acc]).norm() / o.samples)
 
+import os, tempfile  # noqa: E401
+ckdir = tempfile.mkdtemp()
+
+
+class Save(pl.Callback):  # a checkpoint in the middle of a fit, after the 8th batch (2 global steps)
+    def on_train_batch_end(self, trainer, module, outputs, batch, i):
+        if i == 7:
+            trainer.save_checkpoint(os.path.join(ckdir, "mid.ckpt"))
+
+
+class First(pl.Callback):  # the global step the resumed fit starts at
+    def on_train_batch_end(self, trainer, module, *args):
+        out.setdefault("resumed_first", trainer.strategy.zgossip_optimizer.local_epoch)
+
+
+s = Strategy(target_batch_size=64, run_id="ckpt", listen="tcp://127.0.0.1:0", averager_opts=fast)
+t = trainer(s, max_steps=12, callbacks=[Save()])
+t.fit(M(), data())
+t.save_checkpoint(os.path.join(ckdir, "end.ckpt"))
+out["saved"] = [torch.load(os.path.join(ckdir, n), weights_only=False)["optimizer_states"][0].get("zgossip_local_epoch")
+                for n in ("mid.ckpt", "end.ckpt")]
+s = Strategy(target_batch_size=64, run_id="ckpt", listen="tcp://127.0.0.1:0", averager_opts=fast)
+trainer(s, max_steps=16, callbacks=[First()]).fit(M(), data(), ckpt_path=os.path.join(ckdir, "end.ckpt"))
+out["resumed_end"] = s.zgossip_optimizer.local_epoch
+
 lines = []
 handler = logging.Handler()
 handler.emit = lambda r: lines.append(r.getMessage())
@@ -288,6 +313,14 @@ def test_gradient_clipping_clips_the_accumulated_gradients_with_offload_optimize
     """gradient_clip_val with offload_optimizer: Lightning clips the gradients of the optimizer's param_groups,
     which were the optimizer's copies (no .grad): clipping did nothing. Two clipped batches: norm <= 0.001."""
     assert single["clipped_norm"] <= 0.001 * 1.0001, single["clipped_norm"]
+
+
+def test_a_checkpoint_holds_the_global_step_and_a_resumed_fit_starts_there(single):
+    """The swarm's global step travels in the checkpoint beside the optimizer's state (saved in the middle of a
+    fit and after it): resumed, the strategy starts at it (it restarted at 0: a resumed swarm lost its step
+    count, and a fresh peer at 0 could win the parameter-digest vote over the checkpoint's parameters)."""
+    assert single["saved"] == [2, 3], single
+    assert single["resumed_first"] == 3 and single["resumed_end"] == 4, single
 
 
 def test_start_message_says_what_was_reached(single):
