@@ -219,6 +219,15 @@ class TrainerPeer:
             raise LayoutMismatch(f"cannot load the donor's state: {diff or 'it holds too few tensors'}. "
                                  "Every peer of a run must build the same model.")
         extra = unpack_state(meta["extra"], arrays[n:])
+        # torch refuses optimizer state of other param groups, but only once the parameters were written: check first
+        mine = [len(g["params"]) for g in self.opt.param_groups]
+        groups = extra.get("opt", {}).get("param_groups") if isinstance(extra, dict) else None
+        theirs = [len(g.get("params", ())) for g in groups] if isinstance(groups, list) and all(
+            isinstance(g, dict) for g in groups) else None
+        if theirs != mine:
+            raise LayoutMismatch(f"cannot load the donor's optimizer state: its param groups hold {theirs} tensors, "
+                                 f"this optimizer's {mine}. Every peer of a run must build the same optimizer "
+                                 "(the same param groups, in the same order).")
         epoch = int(meta["epoch"])
         with self._lock:
             with torch.no_grad():

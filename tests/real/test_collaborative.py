@@ -326,6 +326,31 @@ def test_mismatched_model_raises_naming_the_tensor_and_is_never_averaged_with():
             o.shutdown()
 
 
+
+def test_a_joiner_with_other_param_groups_is_refused_before_anything_is_written():
+    """The same model with its optimizer's param groups split differently: torch refused the donor's optimizer
+    state (a bare ValueError) only after the donor's parameters were copied in: a partial state. Now checked
+    first: LayoutMismatch naming the groups, and the joiner's parameters untouched."""
+    ma, mb = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+    with torch.no_grad():
+        mb.weight.fill_(7.0)
+    a = CollaborativeOptimizer(torch.optim.Adam(ma.parameters(), lr=0.1), prefix="groups", target_batch_size=1,
+                               batch_size=1, model=ma, averager_opts=dict(FAST))
+    try:
+        for _ in range(2):  # alone: a global step per batch
+            ma(torch.randn(3, 4)).sum().backward()
+            a.step()
+            a.zero_grad()
+        assert a.local_epoch == 2
+        split = torch.optim.Adam([{"params": [mb.weight]}, {"params": [mb.bias], "weight_decay": 0.1}], lr=0.1)
+        with pytest.raises(LayoutMismatch, match=r"param groups hold \[2\] tensors, this optimizer's \[1, 1\]"):
+            CollaborativeOptimizer(split, prefix="groups", target_batch_size=1, batch_size=1, model=mb,
+                                   initial_peers=[a.endpoint], averager_opts=dict(FAST))
+        assert (mb.weight == 7.0).all()
+    finally:
+        a.shutdown()
+
+
 def test_nan_gradients_are_dropped_reported_and_do_not_poison_the_swarm(caplog):
     models = [make_model(0) for _ in range(3)]
     opts = _peers(3, models, "nan")
