@@ -579,8 +579,13 @@ class CollaborativeOptimizer(TrainerPeer):
             if type(n) in (int, float) and n > 0:
                 total += n
             epochs.add(ep)
-            if c != self.peer_id and (not n or bad):
+            if c != self.peer_id and not n:
                 rnd["excluded"][c] = f"{bad} batch(es) with NaN/inf gradients dropped" if bad else "no samples"
+            elif c != self.peer_id and bad:
+                # its finite batches are in the mean: it is no excluded peer, it dropped some of its batches
+                rnd.setdefault("dropped", {})[c] = bad
+                log.info("%s: peer %s dropped %s batch(es) with NaN/inf gradients in epoch %s (it contributed %s "
+                         "samples)", self.peer_id[:8], c[:8], bad, rnd["epoch"], n)
         rnd["samples"] = total
         for c, why in rnd["excluded"].items():
             log.info("%s: peer %s contributed nothing to epoch %s: %s", self.peer_id[:8], c[:8], rnd["epoch"], why)

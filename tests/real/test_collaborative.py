@@ -375,6 +375,48 @@ def test_nan_gradients_are_dropped_reported_and_do_not_poison_the_swarm(caplog):
             o.shutdown()
 
 
+
+def test_a_peer_that_dropped_some_batches_is_reported_as_such_not_as_contributing_nothing():
+    """Peer A: a finite batch of 10 then a NaN one (dropped); peer B: 30 samples. The mean holds A's 10
+    (-(10*1 + 30*3)/40 = -2.5 with SGD lr=1): B's round said A "contributed nothing" (`excluded`) all the same.
+    Now `excluded` names only peers with no samples, and `dropped` says how many batches A dropped."""
+    models = [torch.nn.Linear(4, 1, bias=False) for _ in range(2)]
+    opts: list = []
+    try:
+        for m in models:
+            with torch.no_grad():
+                m.weight.zero_()
+            opts.append(CollaborativeOptimizer(torch.optim.SGD(m.parameters(), lr=1.0), prefix="dropped", model=m,
+                                               target_batch_size=40, matchmaking_time=0.5, target_group_size=2,
+                                               initial_peers=[opts[0].endpoint] if opts else [],
+                                               averager_opts=dict(FAST)))
+        _see_each_other(opts, 2)
+        time.sleep(0.3)
+
+        def peer(i: int, batches: list) -> None:
+            for value, bs in batches:
+                models[i].weight.grad = torch.full((1, 4), value)
+                opts[i].step(batch_size=bs)
+            deadline = time.monotonic() + 20
+            while opts[i].local_epoch < 1 and time.monotonic() < deadline:  # poll without samples: follow the round
+                time.sleep(0.01)
+                opts[i].step(batch_size=0)
+
+        a = threading.Thread(target=peer, args=(0, [(1.0, 10), (float("nan"), 10)]))
+        a.start()
+        time.sleep(0.3)
+        peer(1, [(3.0, 30)])
+        a.join(25)
+        for m in models:
+            assert torch.allclose(m.weight.detach(), torch.full((1, 4), -2.5))
+        rnd = opts[1].last_round
+        assert rnd["samples"] == 40 and rnd["excluded"] == {}, rnd
+        assert rnd["dropped"] == {opts[0].peer_id: 1}, rnd
+    finally:
+        for o in opts:
+            o.shutdown()
+
+
 class _Saboteur(CollaborativeOptimizer):
     """Sends NaN without flagging it (bypasses the local check)."""
 
