@@ -164,6 +164,7 @@ def strategy_for(package: str | None = None) -> type:
             self._live = False  # `_opt` wraps this fit's optimizer (teardown shuts it down; the next fit builds anew)
             self._raw_optimizer: torch.optim.Optimizer | None = None
             self._batches = 0  # batches since the last optimizer.step (accumulate_grad_batches > 1)
+            self._samples = 0  # their samples
             self._last_peers: list[str] = []  # addresses of the run's peers when the previous fit ended
             self._restored_epoch = 0  # the global step of the checkpoint this fit resumes from (0: none)
             if verbose:
@@ -186,22 +187,29 @@ def strategy_for(package: str | None = None) -> type:
             return self._opt.num_peers if self._opt is not None else 1
 
         # ---------------------------------------------------------------- Lightning hooks
+        def _infer_batch_size(self, batch: Any) -> int:
+            try:
+                return data_utils.extract_batch_size(batch)
+            except (exceptions.MisconfigurationException, RecursionError) as e:
+                raise exceptions.MisconfigurationException(
+                    "ZGossipStrategy could not infer the batch size from a batch: pass "
+                    "ZGossipStrategy(batch_size=...)") from e
+
         def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
             if not self._live:
                 # every fit: Lightning re-creates the module's optimizer in each `fit`, so a strategy reused for
                 # a second one wraps the new optimizer in a new CollaborativeOptimizer (it joins the swarm again,
                 # downloading its state if the run is ahead); the previous one was shut down by `teardown`
                 if not self._batch_size_given:
-                    try:
-                        self._batch_size = data_utils.extract_batch_size(batch)
-                    except (exceptions.MisconfigurationException, RecursionError) as e:
-                        raise exceptions.MisconfigurationException(
-                            "ZGossipStrategy could not infer the batch size from the first batch: pass "
-                            "ZGossipStrategy(batch_size=...)") from e
+                    self._batch_size = self._infer_batch_size(batch)
                     log.info("ZGossipStrategy: local batch size %d (from the first batch)", self._batch_size)
                 self._batches = 0
+                self._samples = 0
                 self._start()
             self._batches += 1
+            # inferred, every batch counts its own size: the last batch of an epoch is often smaller, and counted
+            # as a full one it was over-weighted in the mean and swelled the global batch's count
+            self._samples += self._batch_size if self._batch_size_given else self._infer_batch_size(batch)
             super().on_train_batch_start(batch, batch_idx)
 
         def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -209,8 +217,8 @@ def strategy_for(package: str | None = None) -> type:
             if isinstance(inner, CollaborativeOptimizer) and "batch_size" not in kwargs:
                 # with accumulate_grad_batches=k, Lightning steps once per k batches (the last of an epoch may
                 # hold fewer) and its loss is their mean: the step holds the samples of every batch since the last
-                kwargs["batch_size"] = self._batch_size * max(1, self._batches)
-                self._batches = 0
+                kwargs["batch_size"] = self._samples if self._batches else self._batch_size
+                self._batches = self._samples = 0
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
         def _start(self) -> None:

@@ -159,7 +159,7 @@ def test_trainer_with_zgossip_strategy_three_processes_and_a_late_joiner(tmp_pat
 
 
 # one process (Lightning's import costs seconds): a Trainer reused for a second fit, accumulate_grad_batches, clipping with offload_optimizer,
-# a checkpoint and a resumed fit, and the start message with an initial peer nobody listens at. It prints one JSON line.
+# a smaller last batch, a checkpoint and a resumed fit, and the start message with an initial peer nobody listens at. It prints one JSON line.
 _SINGLE = r'''
 import json, logging, sys, warnings
 import torch
@@ -232,6 +232,12 @@ s = Strategy(target_batch_size=10**6, run_id="clip", listen="tcp://127.0.0.1:0",
 trainer(s, max_steps=2, gradient_clip_val=0.001).fit(M(), data())
 o = s.zgossip_optimizer
 out["clipped_norm"] = float(torch.cat([a.reshape(-1) for a in o._acc]).norm() / o.samples)
+
+# 40 samples in batches of 16: 16, 16, 8. Three epochs are 120 samples: two global steps of 48, 8 left over
+s = Strategy(target_batch_size=48, run_id="partial", listen="tcp://127.0.0.1:0", averager_opts=fast)
+trainer(s, max_epochs=3).fit(M(), torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X[:40], Y[:40]),
+                                                              batch_size=16))
+out["partial"] = [s.zgossip_optimizer.local_epoch, s.zgossip_optimizer.samples]
 
 import os, tempfile  # noqa: E401
 ckdir = tempfile.mkdtemp()
@@ -313,6 +319,13 @@ def test_gradient_clipping_clips_the_accumulated_gradients_with_offload_optimize
     """gradient_clip_val with offload_optimizer: Lightning clips the gradients of the optimizer's param_groups,
     which were the optimizer's copies (no .grad): clipping did nothing. Two clipped batches: norm <= 0.001."""
     assert single["clipped_norm"] <= 0.001 * 1.0001, single["clipped_norm"]
+
+
+def test_an_inferred_batch_size_counts_the_smaller_last_batch_of_an_epoch_as_it_is(single):
+    """Batches of 16, 16, 8 per epoch, target 48: the 8-sample batch was counted as 16 (the first batch's size),
+    so every epoch of 40 samples made a global step (3 where 120 samples make 2) and its gradient was
+    over-weighted in the mean. Inferred per batch: 2 global steps, 8 samples held toward the third."""
+    assert single["partial"] == [2, 8], single["partial"]
 
 
 def test_a_checkpoint_holds_the_global_step_and_a_resumed_fit_starts_there(single):
