@@ -323,6 +323,12 @@ class TrainerPeer:
         return self.opt.param_groups
 
     @property
+    def defaults(self) -> dict:
+        """The wrapped optimizer's defaults (read by code that inspects optimizers, e.g. Lightning's
+        ``LearningRateMonitor``: ``"betas" in optimizer.defaults``)."""
+        return self.opt.defaults
+
+    @property
     def num_peers(self) -> int:
         """Live peers training this run with the same model, this one included."""
         return self._view().num_peers

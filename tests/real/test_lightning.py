@@ -159,7 +159,7 @@ def test_trainer_with_zgossip_strategy_three_processes_and_a_late_joiner(tmp_pat
 
 
 # one process (Lightning's import costs seconds): a Trainer reused for a second fit, accumulate_grad_batches, clipping with offload_optimizer,
-# a smaller last batch, a checkpoint and a resumed fit, and the start message with an initial peer nobody listens at. It prints one JSON line.
+# a smaller last batch, a checkpoint and a resumed fit, LearningRateMonitor, and the start message with an initial peer nobody listens at. It prints one JSON line.
 _SINGLE = r'''
 import json, logging, sys, warnings
 import torch
@@ -264,6 +264,13 @@ s = Strategy(target_batch_size=64, run_id="ckpt", listen="tcp://127.0.0.1:0", av
 trainer(s, max_steps=16, callbacks=[First()]).fit(M(), data(), ckpt_path=os.path.join(ckdir, "end.ckpt"))
 out["resumed_end"] = s.zgossip_optimizer.local_epoch
 
+CSVLogger = __import__(pl.__name__ + ".loggers", fromlist=["CSVLogger"]).CSVLogger  # LearningRateMonitor needs one
+s = Strategy(target_batch_size=64, run_id="lrmonitor", listen="tcp://127.0.0.1:0", averager_opts=fast)
+lrm = pl.callbacks.LearningRateMonitor("step")
+pl.Trainer(strategy=s, accelerator="cpu", logger=CSVLogger(ckdir), enable_checkpointing=False, enable_progress_bar=False,
+           enable_model_summary=False, max_steps=3, log_every_n_steps=1, callbacks=[lrm]).fit(M(), data())
+out["lrs"] = {k: v for k, v in lrm.lrs.items()}
+
 lines = []
 handler = logging.Handler()
 handler.emit = lambda r: lines.append(r.getMessage())
@@ -334,6 +341,12 @@ def test_a_checkpoint_holds_the_global_step_and_a_resumed_fit_starts_there(singl
     count, and a fresh peer at 0 could win the parameter-digest vote over the checkpoint's parameters)."""
     assert single["saved"] == [2, 3], single
     assert single["resumed_first"] == 3 and single["resumed_end"] == 4, single
+
+
+def test_learning_rate_monitor_reads_the_optimizer(single):
+    """Lightning's LearningRateMonitor reads ``optimizer.defaults`` of the optimizer Lightning steps: the
+    CollaborativeOptimizer had none, and the first training batch raised AttributeError."""
+    assert single["lrs"] and all(v and set(v) == {0.1} for v in single["lrs"].values()), single["lrs"]
 
 
 def test_start_message_says_what_was_reached(single):
