@@ -264,6 +264,14 @@ def strategy_for(package: str | None = None) -> type:
                 f"with:\n{INITIAL_PEERS_ENV}={opt.endpoint} python ...\nor "
                 f"ZGossipStrategy(initial_peers='{opt.endpoint}')")
 
+        def on_validation_start(self) -> None:
+            # validation in the middle of a fit evaluates the newest parameters, not those an update in flight
+            # (delay_optimizer_step) is replacing: a checkpoint saved after it (ModelCheckpoint on a validation
+            # metric) applies that update, and would hold parameters other than the ones the metric measured
+            if self._opt is not None and self._live:
+                self._opt.apply_pending(wait=True)
+            super().on_validation_start()
+
         def optimizer_state(self, optimizer: Any) -> dict:
             inner = getattr(optimizer, "_optimizer", optimizer)
             if inner is not None and inner is self._raw_optimizer and self._opt is not None:

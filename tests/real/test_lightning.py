@@ -159,7 +159,7 @@ def test_trainer_with_zgossip_strategy_three_processes_and_a_late_joiner(tmp_pat
 
 
 # one process (Lightning's import costs seconds): a Trainer reused for a second fit, accumulate_grad_batches, clipping with offload_optimizer,
-# a smaller last batch, a checkpoint and a resumed fit, LearningRateMonitor, and the start message with an initial peer nobody listens at. It prints one JSON line.
+# validation with delay_optimizer_step, a smaller last batch, a checkpoint and a resumed fit, LearningRateMonitor, and the start message with an initial peer nobody listens at. It prints one JSON line.
 _SINGLE = r'''
 import json, logging, sys, warnings
 import torch
@@ -232,6 +232,17 @@ s = Strategy(target_batch_size=10**6, run_id="clip", listen="tcp://127.0.0.1:0",
 trainer(s, max_steps=2, gradient_clip_val=0.001).fit(M(), data())
 o = s.zgossip_optimizer
 out["clipped_norm"] = float(torch.cat([a.reshape(-1) for a in o._acc]).norm() / o.samples)
+
+class V(M):  # the parameters its validation sees
+    def validation_step(self, batch, i):
+        self.seen = self.net.weight.detach().clone()
+
+
+s = Strategy(target_batch_size=64, run_id="validate", listen="tcp://127.0.0.1:0", averager_opts=fast,
+             delay_optimizer_step=True)
+v = V()
+trainer(s, max_epochs=1, limit_train_batches=8, limit_val_batches=1, num_sanity_val_steps=0).fit(v, data(), data())
+out["validated"] = [torch.equal(v.seen, v.net.weight.detach()), s.zgossip_optimizer.local_epoch]
 
 # 40 samples in batches of 16: 16, 16, 8. Three epochs are 120 samples: two global steps of 48, 8 left over
 s = Strategy(target_batch_size=48, run_id="partial", listen="tcp://127.0.0.1:0", averager_opts=fast)
@@ -341,6 +352,13 @@ def test_a_checkpoint_holds_the_global_step_and_a_resumed_fit_starts_there(singl
     count, and a fresh peer at 0 could win the parameter-digest vote over the checkpoint's parameters)."""
     assert single["saved"] == [2, 3], single
     assert single["resumed_first"] == 3 and single["resumed_end"] == 4, single
+
+
+def test_validation_during_fit_sees_the_update_in_flight_applied(single):
+    """delay_optimizer_step: the 8th batch ends global step 2 in the background; validation follows at once. It
+    evaluated the parameters of global step 1 (the update is applied at the next step), while a checkpoint saved
+    after it (ModelCheckpoint on a validation metric) applies the update: the metric measured other parameters."""
+    assert single["validated"] == [True, 2], single["validated"]
 
 
 def test_learning_rate_monitor_reads_the_optimizer(single):
