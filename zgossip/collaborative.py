@@ -65,6 +65,7 @@ from .errors import RoundTimeout, ZGossipError
 from .overlap import OffloadedParams, PendingUpdate
 from .progress import SwarmView
 from .trainer import SchedulerLike, TrainerPeer, first_nonfinite, params_digest
+from .training_state import LayoutMismatch
 
 __all__ = ["CollaborativeOptimizer", "GlobalProgress"]
 
@@ -800,6 +801,8 @@ class CollaborativeOptimizer(TrainerPeer):
             self._apply_state(meta, arrays)
             log.info("%s: adopted the state downloaded in the background: epoch %d -> %d", self.peer_id[:8],
                      before, self.local_epoch)
+        except LayoutMismatch:
+            raise  # another model or optimizer: no retry can fix it (the synchronous path raises it too)
         except ZGossipError as e:
             self._next_sync_try = self.clock.now() + max(1.0, 5 * self._gossip_interval)
             log.warning("%s: background state download failed: %s; training on and retrying later",

@@ -347,6 +347,25 @@ def test_a_joiner_with_other_param_groups_is_refused_before_anything_is_written(
             CollaborativeOptimizer(split, prefix="groups", target_batch_size=1, batch_size=1, model=mb,
                                    initial_peers=[a.endpoint], averager_opts=dict(FAST))
         assert (mb.weight == 7.0).all()
+        # downloading in the background (delay_state_averaging), the step that adopts the state raises it too:
+        # it was logged as a failed download and retried every second, for ever
+        late = CollaborativeOptimizer(split, prefix="groups", target_batch_size=1, batch_size=1, model=mb,
+                                      initial_peers=[a.endpoint], averager_opts=dict(FAST), startup_timeout=0,
+                                      delay_state_averaging=True)
+        try:
+            deadline = time.monotonic() + 10
+            while late.num_peers < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            with pytest.raises(LayoutMismatch, match="param groups"):
+                while time.monotonic() < deadline:
+                    mb(torch.randn(3, 4)).sum().backward()
+                    late.step()
+                    late.zero_grad()
+                    time.sleep(0.02)
+            assert late.local_epoch == 0 and (mb.weight == 7.0).all()
+        finally:
+            late.shutdown()
     finally:
         a.shutdown()
 
