@@ -232,6 +232,11 @@ def strategy_for(package: str | None = None) -> type:
             raw = getattr(raw, "_optimizer", raw)  # unwrap a LightningOptimizer
             self._raw_optimizer = raw
             scheduler = self._scheduler_fn
+            if scheduler is not None and self.lr_scheduler_configs:
+                # Lightning would go on stepping the module's (at every local batch or epoch) on the same optimizer
+                raise exceptions.MisconfigurationException(
+                    "ZGossipStrategy(scheduler_fn=...) and a scheduler from configure_optimizers would both change "
+                    "the learning rate: pass one (the module's also steps once per global step)")
             if scheduler is None and self.lr_scheduler_configs:
                 # the module's scheduler steps once per global step, inside the optimizer, and travels with the
                 # state a newcomer downloads; Lightning's own calls to it do nothing

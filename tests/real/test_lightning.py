@@ -159,7 +159,7 @@ def test_trainer_with_zgossip_strategy_three_processes_and_a_late_joiner(tmp_pat
 
 
 # one process (Lightning's import costs seconds): a Trainer reused for a second fit, accumulate_grad_batches, clipping with offload_optimizer,
-# validation with delay_optimizer_step, a smaller last batch, a checkpoint and a resumed fit, LearningRateMonitor, and the start message with an initial peer nobody listens at. It prints one JSON line.
+# scheduler_fn with a module scheduler, validation with delay_optimizer_step, a smaller last batch, a checkpoint and a resumed fit, LearningRateMonitor, and the start message with an initial peer nobody listens at. It prints one JSON line.
 _SINGLE = r'''
 import json, logging, sys, warnings
 import torch
@@ -232,6 +232,23 @@ s = Strategy(target_batch_size=10**6, run_id="clip", listen="tcp://127.0.0.1:0",
 trainer(s, max_steps=2, gradient_clip_val=0.001).fit(M(), data())
 o = s.zgossip_optimizer
 out["clipped_norm"] = float(torch.cat([a.reshape(-1) for a in o._acc]).norm() / o.samples)
+
+class Scheduled(M):
+    def configure_optimizers(self):
+        o = torch.optim.SGD(self.parameters(), lr=0.1)
+        return {"optimizer": o, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(o, 1, 0.5),
+                                                 "interval": "step"}}
+
+
+import functools  # noqa: E402
+s = Strategy(target_batch_size=64, run_id="two-schedulers", listen="tcp://127.0.0.1:0", averager_opts=fast,
+             scheduler_fn=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.9))
+try:
+    trainer(s, max_steps=8).fit(Scheduled(), data())
+    out["two_schedulers"] = ["no error", s.zgossip_optimizer.param_groups[0]["lr"]]
+except Exception as e:
+    out["two_schedulers"] = [type(e).__name__, str(e)]
+
 
 class V(M):  # the parameters its validation sees
     def validation_step(self, batch, i):
@@ -359,6 +376,13 @@ def test_validation_during_fit_sees_the_update_in_flight_applied(single):
     evaluated the parameters of global step 1 (the update is applied at the next step), while a checkpoint saved
     after it (ModelCheckpoint on a validation metric) applies the update: the metric measured other parameters."""
     assert single["validated"] == [True, 2], single["validated"]
+
+
+def test_scheduler_fn_and_a_module_scheduler_together_are_refused(single):
+    """Both: Lightning stepped the module's StepLR(1, 0.5) at every local batch while scheduler_fn's stepped per global
+    step, on the same optimizer (lr 0.0003 after 8 batches, 0.081 due from scheduler_fn alone). Refused, saying so."""
+    kind, msg = single["two_schedulers"]
+    assert kind == "MisconfigurationException" and "scheduler_fn" in msg and "configure_optimizers" in msg, msg
 
 
 def test_learning_rate_monitor_reads_the_optimizer(single):
