@@ -65,6 +65,7 @@ from .errors import RoundTimeout, ZGossipError
 from .overlap import OffloadedParams, PendingUpdate
 from .progress import SwarmView
 from .trainer import SchedulerLike, TrainerPeer, first_nonfinite, params_digest
+from .training_state import LayoutMismatch
 
 __all__ = ["CollaborativeOptimizer", "GlobalProgress"]
 
@@ -133,6 +134,10 @@ class CollaborativeOptimizer(TrainerPeer):
     `zgossip.StepControl`) and trigger it when the target is reached, so the all-reduce begins
     then instead of a matchmaking window later. If the pre-scheduled step fails before its
     trigger (no group in time), the round falls back to a plain step.
+
+    ``local_epoch``: the epoch to start at, when resuming from a checkpoint that saved it with the
+    optimizer's state (the Lightning strategy does): a swarm behind it downloads this peer's state, a
+    swarm ahead of it is downloaded as usual.
     """
 
     kind = "collaborative"
@@ -163,8 +168,10 @@ class CollaborativeOptimizer(TrainerPeer):
         delay_state_averaging: bool = False,
         offload_optimizer: bool | None = None,
         pre_schedule: bool = False,
+        local_epoch: int = 0,
     ) -> None:
         target_batch_size = _count("target_batch_size", target_batch_size, 1)
+        local_epoch = _count("local_epoch", local_epoch, 0)
         if batch_size is not None:
             batch_size = _count("batch_size", batch_size, 0)
         if delay_optimizer_step is None:
@@ -208,7 +215,7 @@ class CollaborativeOptimizer(TrainerPeer):
         super().__init__(optimizer, prefix=prefix, scheduler=scheduler, model=model, initial_peers=initial_peers,
                          listen=listen, averager_opts=opts, load_state_on_start=load_state_on_start,
                          startup_timeout=startup_timeout, load_state_timeout=load_state_timeout,
-                         state_chunk_timeout=state_chunk_timeout)
+                         state_chunk_timeout=state_chunk_timeout, local_epoch=local_epoch)
         self._started = True  # from now on, delay_state_averaging downloads in the background
 
     # ------------------------------------------------------------------ TrainerPeer hooks
@@ -222,6 +229,13 @@ class CollaborativeOptimizer(TrainerPeer):
 
     def _model_tensors(self) -> list[torch.Tensor]:
         return self.model_params
+
+    @property
+    def param_groups(self) -> list:
+        """The optimizer's param groups; offloaded, with the model's tensors (which hold the gradients) as
+        ``"params"`` and the other entries the optimizer's own (`zgossip.overlap.ModelParamGroup`), so that
+        gradient clipping over ``param_groups`` (Lightning's ``gradient_clip_val``) clips what is accumulated."""
+        return self._offload.model_param_groups if self._offload is not None else self.opt.param_groups
 
     @property
     def model_params(self) -> list[torch.Tensor]:
@@ -566,8 +580,13 @@ class CollaborativeOptimizer(TrainerPeer):
             if type(n) in (int, float) and n > 0:
                 total += n
             epochs.add(ep)
-            if c != self.peer_id and (not n or bad):
+            if c != self.peer_id and not n:
                 rnd["excluded"][c] = f"{bad} batch(es) with NaN/inf gradients dropped" if bad else "no samples"
+            elif c != self.peer_id and bad:
+                # its finite batches are in the mean: it is no excluded peer, it dropped some of its batches
+                rnd.setdefault("dropped", {})[c] = bad
+                log.info("%s: peer %s dropped %s batch(es) with NaN/inf gradients in epoch %s (it contributed %s "
+                         "samples)", self.peer_id[:8], c[:8], bad, rnd["epoch"], n)
         rnd["samples"] = total
         for c, why in rnd["excluded"].items():
             log.info("%s: peer %s contributed nothing to epoch %s: %s", self.peer_id[:8], c[:8], rnd["epoch"], why)
@@ -782,6 +801,8 @@ class CollaborativeOptimizer(TrainerPeer):
             self._apply_state(meta, arrays)
             log.info("%s: adopted the state downloaded in the background: epoch %d -> %d", self.peer_id[:8],
                      before, self.local_epoch)
+        except LayoutMismatch:
+            raise  # another model or optimizer: no retry can fix it (the synchronous path raises it too)
         except ZGossipError as e:
             self._next_sync_try = self.clock.now() + max(1.0, 5 * self._gossip_interval)
             log.warning("%s: background state download failed: %s; training on and retrying later",

@@ -36,6 +36,7 @@ __all__ = ["ZGossipStrategy", "strategy_for", "INITIAL_PEERS_ENV"]
 log = logging.getLogger(__name__)
 
 INITIAL_PEERS_ENV = "PL_INITIAL_PEERS"  # as HivemindStrategy: comma-separated initial peers
+EPOCH_KEY = "zgossip_local_epoch"  # the swarm's global step, saved beside the optimizer's state in a checkpoint
 
 
 def _import(package: str | None) -> Any:
@@ -163,7 +164,9 @@ def strategy_for(package: str | None = None) -> type:
             self._live = False  # `_opt` wraps this fit's optimizer (teardown shuts it down; the next fit builds anew)
             self._raw_optimizer: torch.optim.Optimizer | None = None
             self._batches = 0  # batches since the last optimizer.step (accumulate_grad_batches > 1)
+            self._samples = 0  # their samples
             self._last_peers: list[str] = []  # addresses of the run's peers when the previous fit ended
+            self._restored_epoch = 0  # the global step of the checkpoint this fit resumes from (0: none)
             if verbose:
                 logging.getLogger("zgossip").setLevel(logging.INFO)
 
@@ -184,22 +187,29 @@ def strategy_for(package: str | None = None) -> type:
             return self._opt.num_peers if self._opt is not None else 1
 
         # ---------------------------------------------------------------- Lightning hooks
+        def _infer_batch_size(self, batch: Any) -> int:
+            try:
+                return data_utils.extract_batch_size(batch)
+            except (exceptions.MisconfigurationException, RecursionError) as e:
+                raise exceptions.MisconfigurationException(
+                    "ZGossipStrategy could not infer the batch size from a batch: pass "
+                    "ZGossipStrategy(batch_size=...)") from e
+
         def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
             if not self._live:
                 # every fit: Lightning re-creates the module's optimizer in each `fit`, so a strategy reused for
                 # a second one wraps the new optimizer in a new CollaborativeOptimizer (it joins the swarm again,
                 # downloading its state if the run is ahead); the previous one was shut down by `teardown`
                 if not self._batch_size_given:
-                    try:
-                        self._batch_size = data_utils.extract_batch_size(batch)
-                    except (exceptions.MisconfigurationException, RecursionError) as e:
-                        raise exceptions.MisconfigurationException(
-                            "ZGossipStrategy could not infer the batch size from the first batch: pass "
-                            "ZGossipStrategy(batch_size=...)") from e
+                    self._batch_size = self._infer_batch_size(batch)
                     log.info("ZGossipStrategy: local batch size %d (from the first batch)", self._batch_size)
                 self._batches = 0
+                self._samples = 0
                 self._start()
             self._batches += 1
+            # inferred, every batch counts its own size: the last batch of an epoch is often smaller, and counted
+            # as a full one it was over-weighted in the mean and swelled the global batch's count
+            self._samples += self._batch_size if self._batch_size_given else self._infer_batch_size(batch)
             super().on_train_batch_start(batch, batch_idx)
 
         def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -207,8 +217,8 @@ def strategy_for(package: str | None = None) -> type:
             if isinstance(inner, CollaborativeOptimizer) and "batch_size" not in kwargs:
                 # with accumulate_grad_batches=k, Lightning steps once per k batches (the last of an epoch may
                 # hold fewer) and its loss is their mean: the step holds the samples of every batch since the last
-                kwargs["batch_size"] = self._batch_size * max(1, self._batches)
-                self._batches = 0
+                kwargs["batch_size"] = self._samples if self._batches else self._batch_size
+                self._batches = self._samples = 0
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
         def _start(self) -> None:
@@ -222,6 +232,11 @@ def strategy_for(package: str | None = None) -> type:
             raw = getattr(raw, "_optimizer", raw)  # unwrap a LightningOptimizer
             self._raw_optimizer = raw
             scheduler = self._scheduler_fn
+            if scheduler is not None and self.lr_scheduler_configs:
+                # Lightning would go on stepping the module's (at every local batch or epoch) on the same optimizer
+                raise exceptions.MisconfigurationException(
+                    "ZGossipStrategy(scheduler_fn=...) and a scheduler from configure_optimizers would both change "
+                    "the learning rate: pass one (the module's also steps once per global step)")
             if scheduler is None and self.lr_scheduler_configs:
                 # the module's scheduler steps once per global step, inside the optimizer, and travels with the
                 # state a newcomer downloads; Lightning's own calls to it do nothing
@@ -238,7 +253,8 @@ def strategy_for(package: str | None = None) -> type:
             opt = CollaborativeOptimizer(
                 raw, prefix=self._run_id, target_batch_size=self._target_batch_size, batch_size=self._batch_size,
                 scheduler=scheduler, model=module, initial_peers=peers,
-                listen=self._listen, **self._optimizer_kwargs)
+                listen=self._listen, local_epoch=self._restored_epoch, **self._optimizer_kwargs)
+            self._restored_epoch = 0
             self._opt = opt
             self._live = True
             self.optimizers = [opt]
@@ -253,12 +269,33 @@ def strategy_for(package: str | None = None) -> type:
                 f"with:\n{INITIAL_PEERS_ENV}={opt.endpoint} python ...\nor "
                 f"ZGossipStrategy(initial_peers='{opt.endpoint}')")
 
+        def on_validation_start(self) -> None:
+            # validation in the middle of a fit evaluates the newest parameters, not those an update in flight
+            # (delay_optimizer_step) is replacing: a checkpoint saved after it (ModelCheckpoint on a validation
+            # metric) applies that update, and would hold parameters other than the ones the metric measured
+            if self._opt is not None and self._live:
+                self._opt.apply_pending(wait=True)
+            super().on_validation_start()
+
         def optimizer_state(self, optimizer: Any) -> dict:
             inner = getattr(optimizer, "_optimizer", optimizer)
+            if inner is not None and inner is self._raw_optimizer and self._opt is not None:
+                inner = self._opt  # after `fit` (teardown gave Lightning its optimizer back): the one it wrapped
             if isinstance(inner, CollaborativeOptimizer):
                 inner.apply_pending(wait=True)  # a checkpoint holds the newest parameters
-                return inner.opt.state_dict()
+                # and the global step they belong to (as hivemind's Optimizer.state_dict): a resumed fit starts
+                # there, not at 0, where a fresh peer's initial parameters could win the digest vote over them
+                return {**inner.opt.state_dict(), EPOCH_KEY: inner.local_epoch}
             return super().optimizer_state(optimizer)
+
+        def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+            states = []
+            for state in checkpoint["optimizer_states"]:
+                if isinstance(state, dict) and EPOCH_KEY in state:
+                    state = dict(state)
+                    self._restored_epoch = _count(EPOCH_KEY, state.pop(EPOCH_KEY), 0)  # the next `_start` takes it
+                states.append(state)
+            super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
 
         def _run_peer_endpoints(self) -> list[str]:
             """The addresses of the live peers of this run (best effort: [] if the averager cannot say)."""

@@ -20,12 +20,48 @@ executor and commits the result itself (`zgossip.collaborative`).
 from __future__ import annotations
 
 import concurrent.futures as cf
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
-__all__ = ["OffloadedParams", "PendingUpdate"]
+__all__ = ["OffloadedParams", "PendingUpdate", "ModelParamGroup"]
+
+
+class ModelParamGroup(MutableMapping):
+    """One of the optimizer's param groups as the model sees it: ``"params"`` are the model's tensors
+    (which hold ``.grad``), every other entry (``lr``, ``weight_decay``...) is the optimizer's own,
+    read and written through. Code that walks ``param_groups`` for the gradients (Lightning's gradient
+    clipping, ``clip_grad_norm_`` over the groups' params) finds them there, not on the copies the
+    optimizer steps, whose ``.grad`` is None; a scheduler or a user setting ``lr`` still reaches the
+    optimizer."""
+
+    def __init__(self, group: dict, params: list) -> None:
+        self._group = group
+        self._params = params
+
+    def __getitem__(self, key: str) -> Any:
+        return self._params if key == "params" else self._group[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key == "params":
+            raise KeyError("the parameters of an offloaded optimizer's group are fixed")
+        self._group[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        if key == "params":
+            raise KeyError("the parameters of an offloaded optimizer's group are fixed")
+        del self._group[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._group)
+
+    def __len__(self) -> int:
+        return len(self._group)
+
+    def __repr__(self) -> str:
+        return f"ModelParamGroup({dict(self)!r})"
 
 
 class OffloadedParams:
@@ -40,8 +76,11 @@ class OffloadedParams:
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.model_params: list[torch.Tensor] = []
         self.masters: list[torch.Tensor] = []
+        self._optimizer = optimizer
+        self._model_groups: list[list[torch.Tensor]] = []  # the model's tensors, group by group
         for group in optimizer.param_groups:
             swapped = []
+            self._model_groups.append(list(group["params"]))
             for p in group["params"]:
                 m = p.detach().clone().requires_grad_(p.requires_grad)
                 state = optimizer.state.pop(p, None)
@@ -51,6 +90,12 @@ class OffloadedParams:
                 self.masters.append(m)
                 swapped.append(m)
             group["params"] = swapped
+
+    @property
+    def model_param_groups(self) -> list[ModelParamGroup]:
+        """The optimizer's param groups with the model's tensors as ``"params"`` (looked up afresh: loading
+        an optimizer state dict replaces the group dicts)."""
+        return [ModelParamGroup(g, ps) for g, ps in zip(self._optimizer.param_groups, self._model_groups)]
 
     def copy_to_model(self) -> None:
         """Overwrite the model's tensors with the optimizer's (call between batches)."""

@@ -111,6 +111,7 @@ class TrainerPeer:
         startup_timeout: float | None = None,
         load_state_timeout: float = 60.0,
         state_chunk_timeout: float = 5.0,
+        local_epoch: int = 0,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -131,7 +132,7 @@ class TrainerPeer:
                             "step it yourself, or use an epoch-based scheduler")
         self.scheduler = scheduler
         self._check_packable()
-        self.local_epoch = 0
+        self.local_epoch = local_epoch  # a resumed run's (checkpoint), else 0: compared with the swarm's on joining
         self.in_sync = True
         self.nonfinite_batches = 0
         self.load_state_timeout = float(load_state_timeout)
@@ -218,6 +219,15 @@ class TrainerPeer:
             raise LayoutMismatch(f"cannot load the donor's state: {diff or 'it holds too few tensors'}. "
                                  "Every peer of a run must build the same model.")
         extra = unpack_state(meta["extra"], arrays[n:])
+        # torch refuses optimizer state of other param groups, but only once the parameters were written: check first
+        mine = [len(g["params"]) for g in self.opt.param_groups]
+        groups = extra.get("opt", {}).get("param_groups") if isinstance(extra, dict) else None
+        theirs = [len(g.get("params", ())) for g in groups] if isinstance(groups, list) and all(
+            isinstance(g, dict) for g in groups) else None
+        if theirs != mine:
+            raise LayoutMismatch(f"cannot load the donor's optimizer state: its param groups hold {theirs} tensors, "
+                                 f"this optimizer's {mine}. Every peer of a run must build the same optimizer "
+                                 "(the same param groups, in the same order).")
         epoch = int(meta["epoch"])
         with self._lock:
             with torch.no_grad():
@@ -311,6 +321,12 @@ class TrainerPeer:
     @property
     def param_groups(self) -> list[dict]:
         return self.opt.param_groups
+
+    @property
+    def defaults(self) -> dict:
+        """The wrapped optimizer's defaults (read by code that inspects optimizers, e.g. Lightning's
+        ``LearningRateMonitor``: ``"betas" in optimizer.defaults``)."""
+        return self.opt.defaults
 
     @property
     def num_peers(self) -> int:

@@ -326,6 +326,50 @@ def test_mismatched_model_raises_naming_the_tensor_and_is_never_averaged_with():
             o.shutdown()
 
 
+
+def test_a_joiner_with_other_param_groups_is_refused_before_anything_is_written():
+    """The same model with its optimizer's param groups split differently: torch refused the donor's optimizer
+    state (a bare ValueError) only after the donor's parameters were copied in: a partial state. Now checked
+    first: LayoutMismatch naming the groups, and the joiner's parameters untouched."""
+    ma, mb = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+    with torch.no_grad():
+        mb.weight.fill_(7.0)
+    a = CollaborativeOptimizer(torch.optim.Adam(ma.parameters(), lr=0.1), prefix="groups", target_batch_size=1,
+                               batch_size=1, model=ma, averager_opts=dict(FAST))
+    try:
+        for _ in range(2):  # alone: a global step per batch
+            ma(torch.randn(3, 4)).sum().backward()
+            a.step()
+            a.zero_grad()
+        assert a.local_epoch == 2
+        split = torch.optim.Adam([{"params": [mb.weight]}, {"params": [mb.bias], "weight_decay": 0.1}], lr=0.1)
+        with pytest.raises(LayoutMismatch, match=r"param groups hold \[2\] tensors, this optimizer's \[1, 1\]"):
+            CollaborativeOptimizer(split, prefix="groups", target_batch_size=1, batch_size=1, model=mb,
+                                   initial_peers=[a.endpoint], averager_opts=dict(FAST))
+        assert (mb.weight == 7.0).all()
+        # downloading in the background (delay_state_averaging), the step that adopts the state raises it too:
+        # it was logged as a failed download and retried every second, for ever
+        late = CollaborativeOptimizer(split, prefix="groups", target_batch_size=1, batch_size=1, model=mb,
+                                      initial_peers=[a.endpoint], averager_opts=dict(FAST), startup_timeout=0,
+                                      delay_state_averaging=True)
+        try:
+            deadline = time.monotonic() + 10
+            while late.num_peers < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            with pytest.raises(LayoutMismatch, match="param groups"):
+                while time.monotonic() < deadline:
+                    mb(torch.randn(3, 4)).sum().backward()
+                    late.step()
+                    late.zero_grad()
+                    time.sleep(0.02)
+            assert late.local_epoch == 0 and (mb.weight == 7.0).all()
+        finally:
+            late.shutdown()
+    finally:
+        a.shutdown()
+
+
 def test_nan_gradients_are_dropped_reported_and_do_not_poison_the_swarm(caplog):
     models = [make_model(0) for _ in range(3)]
     opts = _peers(3, models, "nan")
@@ -345,6 +389,48 @@ def test_nan_gradients_are_dropped_reported_and_do_not_poison_the_swarm(caplog):
                 assert torch.isfinite(p).all()
         for a, b, c in zip(*(m.parameters() for m in models)):
             assert torch.equal(a, b) and torch.equal(a, c)  # the bad peer still received the mean
+    finally:
+        for o in opts:
+            o.shutdown()
+
+
+
+def test_a_peer_that_dropped_some_batches_is_reported_as_such_not_as_contributing_nothing():
+    """Peer A: a finite batch of 10 then a NaN one (dropped); peer B: 30 samples. The mean holds A's 10
+    (-(10*1 + 30*3)/40 = -2.5 with SGD lr=1): B's round said A "contributed nothing" (`excluded`) all the same.
+    Now `excluded` names only peers with no samples, and `dropped` says how many batches A dropped."""
+    models = [torch.nn.Linear(4, 1, bias=False) for _ in range(2)]
+    opts: list = []
+    try:
+        for m in models:
+            with torch.no_grad():
+                m.weight.zero_()
+            opts.append(CollaborativeOptimizer(torch.optim.SGD(m.parameters(), lr=1.0), prefix="dropped", model=m,
+                                               target_batch_size=40, matchmaking_time=0.5, target_group_size=2,
+                                               initial_peers=[opts[0].endpoint] if opts else [],
+                                               averager_opts=dict(FAST)))
+        _see_each_other(opts, 2)
+        time.sleep(0.3)
+
+        def peer(i: int, batches: list) -> None:
+            for value, bs in batches:
+                models[i].weight.grad = torch.full((1, 4), value)
+                opts[i].step(batch_size=bs)
+            deadline = time.monotonic() + 20
+            while opts[i].local_epoch < 1 and time.monotonic() < deadline:  # poll without samples: follow the round
+                time.sleep(0.01)
+                opts[i].step(batch_size=0)
+
+        a = threading.Thread(target=peer, args=(0, [(1.0, 10), (float("nan"), 10)]))
+        a.start()
+        time.sleep(0.3)
+        peer(1, [(3.0, 30)])
+        a.join(25)
+        for m in models:
+            assert torch.allclose(m.weight.detach(), torch.full((1, 4), -2.5))
+        rnd = opts[1].last_round
+        assert rnd["samples"] == 40 and rnd["excluded"] == {}, rnd
+        assert rnd["dropped"] == {opts[0].peer_id: 1}, rnd
     finally:
         for o in opts:
             o.shutdown()

@@ -158,8 +158,8 @@ def test_trainer_with_zgossip_strategy_three_processes_and_a_late_joiner(tmp_pat
         assert all(digests[x][e] == digests[y][e] for e in both), (x, y, digests[x], digests[y])
 
 
-# one process (Lightning's import costs seconds): a Trainer reused for a second fit, accumulate_grad_batches,
-# and the start message with an initial peer nobody listens at. It prints one JSON line.
+# one process (Lightning's import costs seconds): a Trainer reused for a second fit, accumulate_grad_batches, clipping with offload_optimizer,
+# scheduler_fn with a module scheduler, validation with delay_optimizer_step, a smaller last batch, a checkpoint and a resumed fit, LearningRateMonitor, and the start message with an initial peer nobody listens at. It prints one JSON line.
 _SINGLE = r'''
 import json, logging, sys, warnings
 import torch
@@ -227,6 +227,78 @@ t = trainer(s, max_steps=6, accumulate_grad_batches=4)
 t.fit(M(), data())
 out["acc_lightning_steps"], out["acc_epoch"] = t.global_step, s.zgossip_optimizer.local_epoch
 
+s = Strategy(target_batch_size=10**6, run_id="clip", listen="tcp://127.0.0.1:0", averager_opts=fast,
+             offload_optimizer=True)
+trainer(s, max_steps=2, gradient_clip_val=0.001).fit(M(), data())
+o = s.zgossip_optimizer
+out["clipped_norm"] = float(torch.cat([a.reshape(-1) for a in o._acc]).norm() / o.samples)
+
+class Scheduled(M):
+    def configure_optimizers(self):
+        o = torch.optim.SGD(self.parameters(), lr=0.1)
+        return {"optimizer": o, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(o, 1, 0.5),
+                                                 "interval": "step"}}
+
+
+import functools  # noqa: E402
+s = Strategy(target_batch_size=64, run_id="two-schedulers", listen="tcp://127.0.0.1:0", averager_opts=fast,
+             scheduler_fn=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.9))
+try:
+    trainer(s, max_steps=8).fit(Scheduled(), data())
+    out["two_schedulers"] = ["no error", s.zgossip_optimizer.param_groups[0]["lr"]]
+except Exception as e:
+    out["two_schedulers"] = [type(e).__name__, str(e)]
+
+
+class V(M):  # the parameters its validation sees
+    def validation_step(self, batch, i):
+        self.seen = self.net.weight.detach().clone()
+
+
+s = Strategy(target_batch_size=64, run_id="validate", listen="tcp://127.0.0.1:0", averager_opts=fast,
+             delay_optimizer_step=True)
+v = V()
+trainer(s, max_epochs=1, limit_train_batches=8, limit_val_batches=1, num_sanity_val_steps=0).fit(v, data(), data())
+out["validated"] = [torch.equal(v.seen, v.net.weight.detach()), s.zgossip_optimizer.local_epoch]
+
+# 40 samples in batches of 16: 16, 16, 8. Three epochs are 120 samples: two global steps of 48, 8 left over
+s = Strategy(target_batch_size=48, run_id="partial", listen="tcp://127.0.0.1:0", averager_opts=fast)
+trainer(s, max_epochs=3).fit(M(), torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X[:40], Y[:40]),
+                                                              batch_size=16))
+out["partial"] = [s.zgossip_optimizer.local_epoch, s.zgossip_optimizer.samples]
+
+import os, tempfile  # noqa: E401
+ckdir = tempfile.mkdtemp()
+
+
+class Save(pl.Callback):  # a checkpoint in the middle of a fit, after the 8th batch (2 global steps)
+    def on_train_batch_end(self, trainer, module, outputs, batch, i):
+        if i == 7:
+            trainer.save_checkpoint(os.path.join(ckdir, "mid.ckpt"))
+
+
+class First(pl.Callback):  # the global step the resumed fit starts at
+    def on_train_batch_end(self, trainer, module, *args):
+        out.setdefault("resumed_first", trainer.strategy.zgossip_optimizer.local_epoch)
+
+
+s = Strategy(target_batch_size=64, run_id="ckpt", listen="tcp://127.0.0.1:0", averager_opts=fast)
+t = trainer(s, max_steps=12, callbacks=[Save()])
+t.fit(M(), data())
+t.save_checkpoint(os.path.join(ckdir, "end.ckpt"))
+out["saved"] = [torch.load(os.path.join(ckdir, n), weights_only=False)["optimizer_states"][0].get("zgossip_local_epoch")
+                for n in ("mid.ckpt", "end.ckpt")]
+s = Strategy(target_batch_size=64, run_id="ckpt", listen="tcp://127.0.0.1:0", averager_opts=fast)
+trainer(s, max_steps=16, callbacks=[First()]).fit(M(), data(), ckpt_path=os.path.join(ckdir, "end.ckpt"))
+out["resumed_end"] = s.zgossip_optimizer.local_epoch
+
+CSVLogger = __import__(pl.__name__ + ".loggers", fromlist=["CSVLogger"]).CSVLogger  # LearningRateMonitor needs one
+s = Strategy(target_batch_size=64, run_id="lrmonitor", listen="tcp://127.0.0.1:0", averager_opts=fast)
+lrm = pl.callbacks.LearningRateMonitor("step")
+pl.Trainer(strategy=s, accelerator="cpu", logger=CSVLogger(ckdir), enable_checkpointing=False, enable_progress_bar=False,
+           enable_model_summary=False, max_steps=3, log_every_n_steps=1, callbacks=[lrm]).fit(M(), data())
+out["lrs"] = {k: v for k, v in lrm.lrs.items()}
+
 lines = []
 handler = logging.Handler()
 handler.emit = lambda r: lines.append(r.getMessage())
@@ -276,6 +348,47 @@ def test_accumulate_grad_batches_counts_every_accumulated_batch(single):
     so with target_batch_size=64 every one is a global step (counting one batch, it took four)."""
     assert single["acc_lightning_steps"] == 6
     assert single["acc_epoch"] == 6, single
+
+
+def test_gradient_clipping_clips_the_accumulated_gradients_with_offload_optimizer(single):
+    """gradient_clip_val with offload_optimizer: Lightning clips the gradients of the optimizer's param_groups,
+    which were the optimizer's copies (no .grad): clipping did nothing. Two clipped batches: norm <= 0.001."""
+    assert single["clipped_norm"] <= 0.001 * 1.0001, single["clipped_norm"]
+
+
+def test_an_inferred_batch_size_counts_the_smaller_last_batch_of_an_epoch_as_it_is(single):
+    """Batches of 16, 16, 8 per epoch, target 48: the 8-sample batch was counted as 16 (the first batch's size),
+    so every epoch of 40 samples made a global step (3 where 120 samples make 2) and its gradient was
+    over-weighted in the mean. Inferred per batch: 2 global steps, 8 samples held toward the third."""
+    assert single["partial"] == [2, 8], single["partial"]
+
+
+def test_a_checkpoint_holds_the_global_step_and_a_resumed_fit_starts_there(single):
+    """The swarm's global step travels in the checkpoint beside the optimizer's state (saved in the middle of a
+    fit and after it): resumed, the strategy starts at it (it restarted at 0: a resumed swarm lost its step
+    count, and a fresh peer at 0 could win the parameter-digest vote over the checkpoint's parameters)."""
+    assert single["saved"] == [2, 3], single
+    assert single["resumed_first"] == 3 and single["resumed_end"] == 4, single
+
+
+def test_validation_during_fit_sees_the_update_in_flight_applied(single):
+    """delay_optimizer_step: the 8th batch ends global step 2 in the background; validation follows at once. It
+    evaluated the parameters of global step 1 (the update is applied at the next step), while a checkpoint saved
+    after it (ModelCheckpoint on a validation metric) applies the update: the metric measured other parameters."""
+    assert single["validated"] == [True, 2], single["validated"]
+
+
+def test_scheduler_fn_and_a_module_scheduler_together_are_refused(single):
+    """Both: Lightning stepped the module's StepLR(1, 0.5) at every local batch while scheduler_fn's stepped per global
+    step, on the same optimizer (lr 0.0003 after 8 batches, 0.081 due from scheduler_fn alone). Refused, saying so."""
+    kind, msg = single["two_schedulers"]
+    assert kind == "MisconfigurationException" and "scheduler_fn" in msg and "configure_optimizers" in msg, msg
+
+
+def test_learning_rate_monitor_reads_the_optimizer(single):
+    """Lightning's LearningRateMonitor reads ``optimizer.defaults`` of the optimizer Lightning steps: the
+    CollaborativeOptimizer had none, and the first training batch raised AttributeError."""
+    assert single["lrs"] and all(v and set(v) == {0.1} for v in single["lrs"].values()), single["lrs"]
 
 
 def test_start_message_says_what_was_reached(single):

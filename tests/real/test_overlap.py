@@ -181,6 +181,35 @@ def test_delay_optimizer_step_cannot_be_switched_mid_run(delay):
         assert p.detach().tolist() == [-11.0] * 3 and opt.local_epoch == 2
 
 
+
+def test_offloaded_param_groups_hold_the_model_tensors_so_clipping_over_them_clips_the_gradients():
+    """Lightning clips (gradient_clip_val) the gradients of ``optimizer.param_groups``' params. Offloaded, those
+    were the optimizer's copies, whose .grad is None: clipping did nothing and the accumulated gradient kept its
+    norm (785 where 0.001 was asked, in the Lightning example). The groups now hold the model's tensors; their
+    other entries stay the optimizer's (lr written through, and still after loading a state dict)."""
+    p = torch.nn.Parameter(torch.zeros(4))
+    inner = torch.optim.SGD([p], lr=1.0)
+    opt = CollaborativeOptimizer(inner, prefix="clip", target_batch_size=8, batch_size=4, offload_optimizer=True,
+                                 load_state_on_start=False, averager_opts=dict(FAST))
+    with opt:
+        (group,) = opt.param_groups
+        assert group["params"] == [p] and group["lr"] == 1.0
+        p.grad = torch.full((4,), 100.0)
+        torch.nn.utils.clip_grad_norm_([q for g in opt.param_groups for q in g["params"]], 1.0)
+        opt.step()
+        group["lr"] = 0.5
+        assert inner.param_groups[0]["lr"] == 0.5
+        opt.zero_grad()
+        p.grad = torch.full((4,), 100.0)
+        torch.nn.utils.clip_grad_norm_([q for g in opt.param_groups for q in g["params"]], 1.0)
+        opt.step()  # 8 samples: one step with the mean clipped gradient (0.5 each), lr 0.5
+        assert opt.local_epoch == 1
+        assert torch.allclose(p.detach(), torch.full((4,), -0.25))
+        inner.load_state_dict(inner.state_dict())  # new group dicts: the view follows them
+        opt.param_groups[0]["lr"] = 0.25
+        assert inner.param_groups[0]["lr"] == 0.25 and opt.param_groups[0]["params"] == [p]
+
+
 def test_decentralized_synchronous_rounds_and_bounded_staleness():
     """DecentralizedOptimizer: delay_state_averaging=False applies each round inside the step that started
     it (staleness 0); with max_staleness=1 a round is applied at most one local step after it began."""
