@@ -619,7 +619,7 @@ def _write_parquet(path: Path, csv_path: Path) -> bool:
 
 
 def read_table(out: str | Path) -> tuple[dict, list[dict]]:
-    """(the sweep's description, its results.csv rows with numbers parsed back), for plots and tables."""
+    """(the sweep's description, its results.csv rows with numbers and booleans parsed back), for plots and tables."""
     out = Path(out)
     desc = json.loads((out / "sweep.json").read_text())
     rows = []
@@ -632,6 +632,8 @@ def read_table(out: str | Path) -> tuple[dict, list[dict]]:
 def _parse(v: str) -> Any:
     if v == "":
         return None
+    if v in ("True", "False"):  # a boolean axis value (`_text` writes Python's spelling)
+        return v == "True"
     for conv in (int, float):
         try:
             return conv(v)

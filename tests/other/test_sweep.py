@@ -210,6 +210,20 @@ def test_plot_draws_the_standard_figures(tmp_path):
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
 
 
+def test_a_boolean_axis_reads_back_as_booleans_and_plots(tmp_path):
+    # results.csv spells a boolean "True"/"False": read back as strings, they matched no axis value,
+    # so the heatmap failed ('"True"' is not in list) and the curves were left out
+    pytest.importorskip("matplotlib")
+    from sim.plot import plot_results
+
+    s = _small(tmp_path, SMALL.replace("unavailability = [0.0, 0.25]", "encode = [true, false]"))
+    run_sweep(s, tmp_path / "out", workers=0, quiet=True)
+    _, rows = read_table(tmp_path / "out")
+    assert {r["encode"] for r in rows} == {True, False} and all(type(r["encode"]) is bool for r in rows)
+    paths = plot_results(tmp_path / "out")
+    assert "rounds_to_eps.png" in [p.name for p in paths]
+
+
 TINY_MOSHPIT = """
 name = "tiny"
 kind = "moshpit"
