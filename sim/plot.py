@@ -101,6 +101,8 @@ def metric_vs_rounds(desc: dict, rows: list[dict], metric: str = "mse", lines: s
             if not pr:
                 continue
             x, y = _curves(pr, metric)
+            if not np.isfinite(y).any():  # no value at all (e.g. no live peer): nothing to draw on a log scale
+                continue
             y = _floor(metric, y)
             color = f"C{i % 10}"
             ax.plot(x, np.nanmedian(y, axis=0), color=color, label=_label(value) if lines else None)

@@ -4,12 +4,14 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
 import uuid
+import warnings
 from pathlib import Path
 
 import pytest
@@ -222,6 +224,23 @@ def test_a_boolean_axis_reads_back_as_booleans_and_plots(tmp_path):
     assert {r["encode"] for r in rows} == {True, False} and all(type(r["encode"]) is bool for r in rows)
     paths = plot_results(tmp_path / "out")
     assert "rounds_to_eps.png" in [p.name for p in paths]
+
+
+def test_plot_draws_a_sweep_whose_metric_is_nan_throughout(tmp_path):
+    # every peer crashed before round 1: mse is NaN in every row; the all-NaN curves on a log
+    # scale made matplotlib fail ("Data cannot be log-scaled because all values are <= 0")
+    pytest.importorskip("matplotlib")
+    from sim.plot import plot_results
+
+    crashes = ", ".join(f'{{kind = "crash", peer = {i}, at = 0.0}}' for i in range(8))
+    s = _small(tmp_path, SMALL.replace("bootstrap_time = 0.0", f"bootstrap_time = 0.5\nfaults = [{crashes}]"))
+    run_sweep(s, tmp_path / "out", workers=0, quiet=True)
+    _, rows = read_table(tmp_path / "out")
+    assert rows and all(math.isnan(r["mse"]) for r in rows)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # numpy's "All-NaN slice"
+        paths = plot_results(tmp_path / "out")
+    assert sorted(p.name for p in paths) == ["bytes_vs_accuracy.png", "metric_vs_rounds.png", "rounds_to_eps.png"]
 
 
 TINY_MOSHPIT = """
