@@ -451,7 +451,7 @@ def _main(argv: list[str]) -> int:
     pl = sub.add_parser("plot", help="draw a sweep's standard figures (PNG)")
     pl.add_argument("results", help="a sweep's results folder")
     pl.add_argument("--out", help="folder for the PNGs (default: RESULTS/plots)")
-    pl.add_argument("--metric", help="metric column (default: the sweep's [plot] metric, else mse)")
+    pl.add_argument("--metric", help="metric column (default: the sweep's [plot] metric, else mse; loss for a train sweep)")
     pl.add_argument("--eps", type=float, help="threshold of the rounds-to-eps heatmap (default: [plot] eps, else 1e-9)")
     pl.add_argument("--heatmap", nargs=2, metavar=("X", "Y"), help="the heatmap's two axes")
     pl.set_defaults(fn=lambda a: __import__("sim.plot", fromlist=["main"]).cmd_plot(a))

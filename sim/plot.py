@@ -1,6 +1,6 @@
 """The standard figures of a sweep, drawn from its results folder (``python -m sim plot RESULTS``).
 
-* ``metric_vs_rounds.png`` — the metric (default MSE) against rounds: one panel per
+* ``metric_vs_rounds.png`` — the metric (default MSE; ``loss`` for a train sweep) against rounds: one panel per
   combination of the other axes, one line per value of the ``lines`` axis (the sweep's
   ``[plot] lines``, else its last axis); the line is the median over seeds, the band
   the range over seeds.
@@ -27,6 +27,8 @@ from .sweep import canonical, read_table, rounds_to_eps
 __all__ = ["plot_results", "metric_vs_rounds", "rounds_to_eps_heatmap", "bytes_vs_accuracy", "cmd_plot"]
 
 _MAX_PANELS = 16
+# the metric drawn when neither the caller nor the sweep's [plot] names one: a train sweep has no MSE
+_DEFAULT_METRIC = {"train": "loss"}
 
 
 def _label(v: Any) -> str:
@@ -198,7 +200,10 @@ def plot_results(results: str | Path, out: str | Path | None = None, *, metric: 
     out.mkdir(parents=True, exist_ok=True)
     desc, rows = read_table(results)
     cfg = desc.get("plot", {})
-    metric = metric or cfg.get("metric", "mse")
+    metric = metric or cfg.get("metric") or _DEFAULT_METRIC.get(desc.get("kind"), "mse")
+    if rows and metric not in rows[0]:
+        columns = [c for c in rows[0] if c not in (*desc["axes"], "seed", "run_seed", "key", "round")]
+        raise ValueError(f"{results}: no metric {metric!r} in results.csv; its metrics: {', '.join(columns)}")
     eps = eps if eps is not None else float(cfg.get("eps", 1e-9))
     figs = {"metric_vs_rounds.png": metric_vs_rounds(desc, rows, metric)}
     if len(heatmap or cfg.get("heatmap") or _varying(desc)) >= 2:
