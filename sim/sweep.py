@@ -50,7 +50,8 @@ Every run is one task, and its result depends only on its resolved scenario:
 
 Executors: ``workers=0`` runs serially in this process; the default runs on all
 local cores (a process pool whose workers ignore SIGINT, so Ctrl-C reaches only this
-process, which stops them); ``cluster=ADDRESS`` (or a `distributed.Client` /
+process, which stops them; a worker whose parent died without stopping it, as on SIGTERM or SIGKILL,
+leaves within a second); ``cluster=ADDRESS`` (or a `distributed.Client` /
 `LocalCluster`) submits to an existing Dask cluster (the ``zgossip[cluster]`` extra).
 Runs are batched into chunks so short round-level runs do not drown in IPC.
 """
@@ -390,6 +391,15 @@ def _run_chunk(kind_name: str, code: str, items: list[tuple[str, dict]],
 def _worker_init() -> None:
     # Ctrl-C in a terminal signals the whole process group: only the parent handles it (and stops us)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # a parent that dies without stopping us (SIGTERM, SIGKILL, the OOM killer) leaves a pool worker
+    # waiting for work forever: each worker leaves once its parent is gone
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="exit-with-parent", daemon=True).start()
+
+
+def _exit_with_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
 
 
 # ---------------------------------------------------------------------------------------- executors

@@ -171,6 +171,49 @@ def test_ctrl_c_keeps_finished_runs_and_stops_every_worker(tmp_path):
     assert leftovers() == []
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_workers_leave_when_the_sweep_is_killed(tmp_path, sig):
+    """SIGTERM or SIGKILL to the command alone (a batch scheduler, `kill`, the OOM killer): it runs no
+    clean-up, and its pool workers were left behind for good, waiting for work that never came."""
+    path = tmp_path / "long.toml"
+    path.write_text('kind = "moshpit"\nseeds = 400\n[base]\ncap = 200\n[axes]\nn = [1024]\np = [0.01]\n'
+                    'method = ["moshpit", "random"]\n')
+    out = tmp_path / "out"
+    marker = f"ZGOSSIP_SWEEP_TEST_{uuid.uuid4().hex}"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **{marker: "1"})
+
+    def ours() -> list[int]:
+        pids = []
+        for d in Path("/proc").iterdir():
+            try:
+                if d.name.isdigit() and marker.encode() in (d / "environ").read_bytes():
+                    pids.append(int(d.name))
+            except OSError:
+                pass
+        return pids
+
+    proc = subprocess.Popen([sys.executable, "-m", "sim", "sweep", str(path), "--out", str(out), "--workers", "2",
+                             "--quiet"], cwd=ROOT, env=env, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(list((out / "runs").glob("*.json"))) < 2:
+            assert proc.poll() is None
+            time.sleep(0.05)
+        assert len(ours()) >= 3  # the command and its two workers
+        os.kill(proc.pid, sig)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while ours() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = ours()
+    finally:
+        for pid in ours():  # only what this test started (its marker is in their environment)
+            os.kill(pid, signal.SIGKILL)
+    assert left == []
+    assert all(json.loads(f.read_text())["result"]["rounds"][-1]["round"] == 200 for f in (out / "runs").iterdir()
+               if f.suffix == ".json")
+
+
 def test_a_failing_point_is_reported_with_its_scenario_and_the_others_finish(tmp_path):
     s = _small(tmp_path, SMALL.replace("unavailability = [0.0, 0.25]", "peers = [8, 100]"))
     err = io.StringIO()
