@@ -199,8 +199,17 @@ def cmd_moshpit(args: argparse.Namespace) -> int:
         rng = np.random.default_rng(args.seed)
         values = rng.standard_normal(args.peers)
         method = "moshpit" if grid else "random"
+        # the round-level model's names: "random" (cells may repeat) is its "iid"; "full" fills the
+        # cells in grid order, as the message level (`sim.scenario.place_peers`) does
+        placement, coords = {"random": "iid"}.get(args.placement, args.placement), None
+        if grid and placement == "full":
+            cells = int(np.prod(grid))
+            if args.peers > cells:
+                raise ValueError(f"{args.peers} peers do not fit {cells} grid cells with placement=full")
+            coords = np.array(list(np.ndindex(*grid))[:args.peers], dtype=np.int64).reshape(args.peers, len(grid))
+            placement = "distinct"
         swarm = RoundLevelSwarm(values, method, rng, p_unavailable=args.dropout, group_size=args.group_size,
-                                grid=tuple(grid), placement=args.placement)
+                                grid=tuple(grid), coords=coords, placement=placement)
         rows, walls = [], []
         show = None if args.json else _progress()
         for r in range(args.rounds):
