@@ -21,7 +21,8 @@ A sweep file (TOML) names a base scenario, axes of values and seeds:
     eps = 1e-9
     heatmap = ["unavailability", "protocol.target_group_size"]
 
-A *point* is one combination of axis values; a *run* is a point with one seed index.
+A *point* is one combination of axis values; a *run* is a point with one seed index. A sweep
+holds at most ``MAX_RUNS`` (10^6) runs; a larger grid is refused when it is loaded.
 Every run is one task, and its result depends only on its resolved scenario:
 
 * **Seeds.** ``kind = "scenario"`` (and ``"train"``): the run's scenario seed is the first 63 bits of
@@ -79,6 +80,7 @@ __all__ = ["Sweep", "Run", "SweepOutcome", "load_sweep", "run_sweep", "read_tabl
            "code_version", "run_seed", "KINDS"]
 
 SWEEPS_DIR = Path(__file__).resolve().parent / "sweeps"
+MAX_RUNS = 1_000_000  # runs in one sweep (points x seeds): more is refused at load
 _ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -312,6 +314,13 @@ class Sweep:
             raise ValueError("the seed comes from the sweep (`seed`, `seeds`), not from an axis or the base")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ValueError("seeds must be a positive count or a list of distinct seed indices")
+        # counted before any run is built: listing 10^7 runs took minutes and gigabytes before the
+        # first one ran, and the store (a file per run) is no place for that many
+        total = math.prod(len(v) for v in self.axes.values()) * len(self.seeds)
+        if total > MAX_RUNS:
+            sizes = " x ".join(f"{len(v)} {a}" for a, v in self.axes.items())
+            raise ValueError(f"this sweep has {total:,} runs ({sizes or 'one point'} x {len(self.seeds)} seeds), more "
+                             f"than the {MAX_RUNS:,} one sweep holds: split it into several sweeps")
 
     def points(self) -> list[dict]:
         names = list(self.axes)

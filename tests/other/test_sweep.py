@@ -84,6 +84,26 @@ def test_key_depends_on_scenario_and_code_version(tmp_path, monkeypatch):
     assert status == "error" and "code version" in text
 
 
+def test_a_grid_too_large_for_one_sweep_is_refused_at_once(tmp_path, capsys):
+    # 40^4 points x 10 seeds: listing the runs took minutes and gigabytes before any ran
+    axes = "\n".join(f"protocol.{k} = [{', '.join(str(0.1 * (i + 1)) for i in range(40))}]"
+                     for k in ("gossip_interval", "peer_timeout", "matchmaking_time", "part_timeout"))
+    path = tmp_path / "huge.toml"
+    path.write_text(f'kind = "scenario"\nseeds = 10\n[axes]\n{axes}\n')
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="25,600,000 runs .*40 protocol.gossip_interval.* split it"):
+        load_sweep(path)
+    assert time.monotonic() - t0 < 5
+    s = _small(tmp_path)  # 4 points: a --seeds override counts too
+    with pytest.raises(ValueError, match="more than the 1,000,000"):
+        dataclasses.replace(s, seeds=list(range(sw.MAX_RUNS // 4 + 1)))
+    from sim.__main__ import main
+
+    assert main(["sweep", str(path), "--out", str(tmp_path / "out"), "--quiet"]) == 2
+    assert "split it into several sweeps" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_serial_processes_and_local_dask_cluster_give_byte_identical_files(tmp_path):
     distributed = pytest.importorskip("distributed")
     s = _small(tmp_path)
