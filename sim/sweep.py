@@ -34,8 +34,8 @@ Every run is one task, and its result depends only on its resolved scenario:
   restart start from the same values and the sweep reproduces `moshpit_table` exactly.
 * **Store.** ``OUT/runs/<key>.json`` holds one run: kind, code version, resolved
   scenario and result. ``key`` is blake2b of (kind, resolved scenario, code version),
-  so a re-run computes only the keys that are missing, and two sweeps sharing a run
-  share its file. Files are written to a temporary name and renamed, so Ctrl-C never
+  so a re-run computes only the keys that are missing (or whose file cannot be read), and
+  two sweeps sharing a run share its file. Files are written to a temporary name and renamed, so Ctrl-C never
   leaves half a run. A failed run is not stored (a re-run retries it); it is listed
   in ``OUT/failures.json`` and printed to stderr with its scenario.
 * **Code version.** A hash of every ``.py/.c/.h`` source under ``sim/`` and
@@ -712,12 +712,23 @@ def run_sweep(sweep: Sweep, out: str | Path, *, workers: int | None = None, clus
     store.mkdir(parents=True, exist_ok=True)
     stream = stream or sys.stderr
     runs = sweep.runs()
-    have = {p.stem for p in store.glob("*.json")}
+    stored = {p.stem for p in store.glob("*.json")}
+    lines: dict[str, str] = {}  # key -> the run's CSV lines
+    damaged: list[str] = []
+    for key in dict.fromkeys(r.key for r in runs if r.key in stored):
+        path = store / f"{key}.json"
+        try:
+            lines[key] = _metric_lines(sweep.kind, json.loads(path.read_text())["result"])
+        except (ValueError, KeyError, TypeError):  # cut short or edited (a copy interrupted): run it again
+            damaged.append(path.name)
+    if damaged:
+        stream.write(f"{len(damaged)} stored run file(s) in {store} cannot be read and are run again: "
+                     f"{', '.join(damaged[:3])}{', ...' if len(damaged) > 3 else ''}\n")
+    have = set(lines)
     by_key = {r.key: r for r in runs if r.key not in have}  # two runs with one scenario run once
     todo = list(by_key.values())
-    reused = len({r.key for r in runs} & have)
+    reused = len(have)
     failures: list[dict] = []
-    lines: dict[str, str] = {}  # key -> the run's CSV lines
     prog = Progress(len(runs), len(runs) - sum(r.key in by_key for r in runs), stream, quiet)
     computed = 0
 
@@ -752,10 +763,6 @@ def run_sweep(sweep: Sweep, out: str | Path, *, workers: int | None = None, clus
             _execute_processes(sweep.kind, todo, min(n, len(todo)), done, prog.show, store)
     prog.show(final=True)
 
-    for r in runs:
-        path = store / f"{r.key}.json"
-        if r.key not in lines and path.exists():
-            lines[r.key] = _metric_lines(sweep.kind, json.loads(path.read_text())["result"])
     failures.sort(key=lambda f: f["index"])
     _write_atomic(out / "results.csv", _table_text(sweep, runs, lines).encode())
     _write_parquet(out / "results.parquet", out / "results.csv")

@@ -145,6 +145,22 @@ def test_interrupted_sweep_resumes_and_computes_only_the_rest(tmp_path):
     assert run_sweep(s, out, workers=0, quiet=True).computed == 0
 
 
+def test_a_damaged_run_file_is_run_again_not_a_failure_of_every_resume(tmp_path):
+    # a run file cut short (a copy of the results interrupted, a full disk) failed every later
+    # resume with a bare JSONDecodeError naming no file, and was never recomputed
+    s = _small(tmp_path)
+    out = tmp_path / "out"
+    run_sweep(s, out, workers=0, quiet=True)
+    whole = _files(out)
+    key = s.runs()[3].key
+    (out / "runs" / f"{key}.json").write_text('{"kind": "scen')
+    err = io.StringIO()
+    res = run_sweep(s, out, workers=0, quiet=True, stream=err)
+    assert (res.computed, res.reused, res.failures) == (1, 7, [])
+    assert f"{key}.json" in err.getvalue() and "run again" in err.getvalue()
+    assert _files(out) == whole
+
+
 def test_ctrl_c_keeps_finished_runs_and_stops_every_worker(tmp_path):
     """SIGINT to the command (as a terminal's Ctrl-C, to the whole process group): exit 130, the
     finished runs are whole files, no worker is left behind."""
