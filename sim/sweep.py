@@ -33,7 +33,7 @@ Every run is one task, and its result depends only on its resolved scenario:
   generator from (seed, N, restart, p, method)), so methods and dropout rates of one
   restart start from the same values and the sweep reproduces `moshpit_table` exactly.
 * **Store.** ``OUT/runs/<key>.json`` holds one run: kind, code version, resolved
-  scenario and result. ``key`` is blake2b of (kind, resolved scenario, code version),
+  scenario (with the CPU and TCP profiles it names read in, see `_inline_profiles`) and result. ``key`` is blake2b of (kind, resolved scenario, code version),
   so a re-run computes only the keys that are missing (or whose file cannot be read), and
   two sweeps sharing a run share its file. Files are written to a temporary name and renamed, so Ctrl-C never
   leaves half a run. A failed run is not stored (a re-run retries it); it is listed
@@ -332,6 +332,8 @@ class Sweep:
             spec = copy.deepcopy(self.base)
             for name, value in point.items():
                 _set_path(spec, name, value)
+            if self.kind != "moshpit":
+                spec = _inline_profiles(spec)
             for k in self.seeds:
                 s = kind.seeded(spec, self.seed, point, k)
                 key = _blake(canonical({"kind": self.kind, "spec": s, "code": code}), 16).hex()
@@ -341,6 +343,28 @@ class Sweep:
     def describe(self) -> dict:
         return {"name": self.name, "kind": self.kind, "seed": self.seed, "seeds": self.seeds, "base": self.base,
                 "axes": self.axes, "plot": self.plot, "code": code_version()}
+
+
+def _inline_profiles(spec: dict) -> dict:
+    """The spec with the `python -m sim calibrate` profiles it names read in: ``cpu`` (a path, "auto"
+    = this machine's, or a table with ``profile``) becomes ``{costs = the profile's cpu section, ...}``
+    and ``[network] tcp = {profile = PATH}`` the profile's tcp settings under the given ones. A run's
+    key then hashes the numbers it runs with -- with the file's name only, a recalibrated profile
+    reused every stored run -- and a worker on another machine runs what the parent read."""
+    from .cpu import default_profile_path, load_profile
+
+    cpu = spec.get("cpu")
+    if isinstance(cpu, str) or (isinstance(cpu, dict) and "costs" not in cpu):
+        value = {"profile": cpu} if isinstance(cpu, str) else dict(cpu)
+        prof = value.pop("profile", "auto")
+        data = load_profile(default_profile_path(create=True) if prof == "auto" else prof)
+        spec = {**spec, "cpu": {**value, "costs": data["cpu"]}}
+    tcp = spec.get("network", {}).get("tcp") if isinstance(spec.get("network"), dict) else None
+    if isinstance(tcp, dict) and tcp.get("profile") is not None:
+        given = {k: v for k, v in tcp.items() if k != "profile"}
+        sysctls = json.loads(Path(tcp["profile"]).read_text()).get("tcp", {})
+        spec = {**spec, "network": {**spec["network"], "tcp": {**sysctls, **given}}}
+    return spec
 
 
 _SWEEP_KEYS = {"name", "kind", "seed", "seeds", "scenario", "base", "axes", "plot"}

@@ -145,6 +145,30 @@ def test_interrupted_sweep_resumes_and_computes_only_the_rest(tmp_path):
     assert run_sweep(s, out, workers=0, quiet=True).computed == 0
 
 
+def test_a_recalibrated_profile_is_a_new_run_not_a_stale_reuse(tmp_path):
+    # the key hashed `cpu = "prof.json"` (the name), so a resume after recalibrating reused the
+    # runs made with the old numbers; a Dask worker elsewhere would have read its own file
+    prof = tmp_path / "prof.json"
+    prof.write_text(json.dumps({"cpu": {"handle_msg": 1e-4, "decode_byte": 1e-9}, "tcp": {"init_cwnd": 4}}))
+    text = SMALL.replace("bootstrap_time = 0.0", f'bootstrap_time = 0.0\ncpu = "{prof}"\n'
+                         f'network = {{ transfer = "tcp", tcp = {{ profile = "{prof}", mss = 1000 }} }}')
+    s = _small(tmp_path, text)
+    spec = s.runs()[0].spec
+    assert spec["cpu"] == {"costs": {"handle_msg": 1e-4, "decode_byte": 1e-9}}
+    assert spec["network"]["tcp"] == {"init_cwnd": 4, "mss": 1000}
+    first = run_sweep(s, tmp_path / "out", workers=0, quiet=True)
+    assert first.computed == 8
+    _, before = read_table(tmp_path / "out")
+    prof.write_text(json.dumps({"cpu": {"handle_msg": 1e-2, "decode_byte": 1e-7}, "tcp": {"init_cwnd": 4}}))
+    again = run_sweep(s, tmp_path / "out", workers=0, quiet=True)
+    assert (again.computed, again.reused) == (8, 0)
+    _, after = read_table(tmp_path / "out")
+    assert [r["sim_seconds"] for r in after] != [r["sim_seconds"] for r in before]
+    # the inlined costs run exactly as the file did
+    fresh = run_sweep(s, tmp_path / "fresh", workers=0, quiet=True)
+    assert fresh.computed == 8 and read_table(tmp_path / "fresh")[1] == after
+
+
 def test_a_damaged_run_file_is_run_again_not_a_failure_of_every_resume(tmp_path):
     # a run file cut short (a copy of the results interrupted, a full disk) failed every later
     # resume with a bare JSONDecodeError naming no file, and was never recomputed
