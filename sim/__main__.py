@@ -230,8 +230,11 @@ def cmd_moshpit(args: argparse.Namespace) -> int:
 
     from .scenario import run_scenario
 
+    # distinct cells on a grid the peers fill are every cell: the grid order (full) is the same swarm up to
+    # the peers' names; "random" (cells may repeat) stays random
+    full = grid and np.prod(grid) == args.peers and args.placement == "distinct"
     sc = {"peers": args.peers, "grid": grid, "rounds": args.rounds, "seed": args.seed, "numel": args.numel,
-          "unavailability": args.dropout, "placement": "full" if grid and np.prod(grid) == args.peers else args.placement,
+          "unavailability": args.dropout, "placement": "full" if full else args.placement,
           "membership": "static", "encode": False, "bootstrap_time": 0.0,
           "protocol": {"target_group_size": args.group_size, "gossip_interval": 60.0, "peer_timeout": 600.0}}
     res = run_scenario(sc, progress=None if args.json else _progress())

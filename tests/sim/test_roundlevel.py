@@ -375,3 +375,20 @@ def test_cli_round_level_takes_every_placement_it_offers(capsys, placement):
         assert rounds[-1]["mse"] < 1e-25
     assert sim_main(argv[:4] + ["20"] + argv[5:]) == (2 if placement == "full" else 0)  # 20 peers, 16 cells
     capsys.readouterr()
+
+
+def test_cli_message_level_keeps_random_placement_on_a_grid_the_peers_fill(capsys):
+    # with peers == cells (the default 1,024 on 32x32) `--placement random` was replaced by full,
+    # so i.i.d. coordinates (overfull lines) could not be run at message level from the CLI
+    import json
+
+    from sim.__main__ import main as sim_main
+
+    argv = ["moshpit", "--peers", "16", "--grid", "4x4", "--group-size", "4", "--rounds", "2", "--json"]
+    out = {}
+    for placement in ("full", "distinct", "random"):
+        assert sim_main(argv + ["--placement", placement]) == 0
+        out[placement] = json.loads(capsys.readouterr().out)
+    assert out["random"]["scenario"]["placement"] == "random"
+    assert out["random"]["rounds"] != out["full"]["rounds"]
+    assert out["distinct"]["rounds"] == out["full"]["rounds"]  # every cell taken: the same swarm
