@@ -421,18 +421,33 @@ def _run_chunk(kind_name: str, code: str, items: list[tuple[str, dict]],
     return out
 
 
-def _worker_init() -> None:
+def _worker_init(sweep_pid: int) -> None:
     # Ctrl-C in a terminal signals the whole process group: only the parent handles it (and stops us)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # a parent that dies without stopping us (SIGTERM, SIGKILL, the OOM killer) leaves a pool worker
-    # waiting for work forever: each worker leaves once its parent is gone
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="exit-with-parent", daemon=True).start()
+    # a sweep process that dies without stopping us (SIGTERM, SIGKILL, the OOM killer) leaves a pool
+    # worker waiting for work forever: each worker leaves once that process is gone. It is watched by
+    # its pid, not as our parent: under forkserver the parent is the server, which lives on as long
+    # as its children do
+    threading.Thread(target=_exit_with, args=(sweep_pid,), name="exit-with-sweep", daemon=True).start()
 
 
-def _exit_with_parent(parent: int) -> None:
-    while os.getppid() == parent:
+def _exit_with(pid: int) -> None:
+    while _alive(pid):
         time.sleep(0.5)
     os._exit(1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # killed but not yet reaped by its own parent (a zombie): gone all the same
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 # ---------------------------------------------------------------------------------------- executors
@@ -484,7 +499,8 @@ def _execute_processes(kind: str, runs: list[Run], workers: int, done: Done, tic
     ctx = _mp_context()
     preload: threading.Thread | None = None
     code = code_version()
-    pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init)
+    pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init,
+                                  initargs=(os.getpid(),))
     try:
         queue = iter(_chunks(runs, workers))
         pending: set = set()

@@ -231,10 +231,18 @@ def test_ctrl_c_keeps_finished_runs_and_stops_every_worker(tmp_path):
     assert leftovers() == []
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_workers_leave_when_the_sweep_is_killed(tmp_path, sig):
+_THREADED_SWEEP = ("import sys, threading, time\n"
+                   "threading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n"
+                   "from sim.sweep import load_sweep, run_sweep\n"
+                   "run_sweep(load_sweep(sys.argv[1]), sys.argv[2], workers=2, quiet=True)\n")
+
+
+@pytest.mark.parametrize("sig,threaded", [(signal.SIGTERM, False), (signal.SIGKILL, False), (signal.SIGKILL, True)])
+def test_workers_leave_when_the_sweep_is_killed(tmp_path, sig, threaded):
     """SIGTERM or SIGKILL to the command alone (a batch scheduler, `kill`, the OOM killer): it runs no
-    clean-up, and its pool workers were left behind for good, waiting for work that never came."""
+    clean-up, and its pool workers were left behind for good, waiting for work that never came.
+    ``threaded``: a parent with a thread (a Jupyter kernel) starts its workers from a forkserver,
+    which lives as long as they do."""
     path = tmp_path / "long.toml"
     path.write_text('kind = "moshpit"\nseeds = 400\n[base]\ncap = 200\n[axes]\nn = [1024]\np = [0.01]\n'
                     'method = ["moshpit", "random"]\n')
@@ -252,14 +260,16 @@ def test_workers_leave_when_the_sweep_is_killed(tmp_path, sig):
                 pass
         return pids
 
-    proc = subprocess.Popen([sys.executable, "-m", "sim", "sweep", str(path), "--out", str(out), "--workers", "2",
-                             "--quiet"], cwd=ROOT, env=env, stderr=subprocess.DEVNULL, start_new_session=True)
+    cmd = (["-c", _THREADED_SWEEP, str(path), str(out)] if threaded else
+           ["-m", "sim", "sweep", str(path), "--out", str(out), "--workers", "2", "--quiet"])
+    proc = subprocess.Popen([sys.executable, *cmd], cwd=ROOT, env=env, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and len(list((out / "runs").glob("*.json"))) < 2:
             assert proc.poll() is None
             time.sleep(0.05)
-        assert len(ours()) >= 3  # the command and its two workers
+        assert len(ours()) >= 3  # the command and its two workers (and a forkserver)
         os.kill(proc.pid, sig)
         proc.wait(timeout=30)
         deadline = time.monotonic() + 10
