@@ -190,9 +190,14 @@ def bytes_vs_accuracy(desc: dict, rows: list[dict], metric: str = "mse"):
 def plot_results(results: str | Path, out: str | Path | None = None, *, metric: str | None = None,
                  eps: float | None = None, heatmap: Sequence[str] | None = None) -> list[Path]:
     """Draw the standard figures of a sweep's results folder into ``out`` (default RESULTS/plots)."""
+    import sys
+
     import matplotlib
 
-    matplotlib.use("Agg")  # files only: no display needed
+    if "matplotlib.pyplot" not in sys.modules:
+        matplotlib.use("Agg")  # files only: no display needed
+    # else (a notebook, a session drawing figures of its own) its backend stays: switching left a
+    # notebook on Agg, where the user's later figures no longer showed inline
     import matplotlib.pyplot as plt
 
     results = Path(results)

@@ -325,6 +325,26 @@ def test_plot_draws_the_standard_figures(tmp_path):
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
 
 
+def test_plot_results_in_a_notebook_keeps_its_backend_and_figures(tmp_path):
+    # plot_results called matplotlib.use("Agg") unconditionally: a notebook was left on Agg, so the
+    # user's later figures no longer showed inline
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib_inline")
+    run_sweep(_small(tmp_path), tmp_path / "out", workers=0, quiet=True)
+    code = ("import sys, matplotlib\n"
+            "matplotlib.use('module://matplotlib_inline.backend_inline')\n"
+            "import matplotlib.pyplot as plt\n"
+            "mine = plt.figure()\n"
+            "from sim.plot import plot_results\n"
+            "paths = plot_results(sys.argv[1])\n"
+            "print(matplotlib.get_backend(), plt.fignum_exists(mine.number), plt.get_fignums() == [mine.number], "
+            "len(paths))\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["module://matplotlib_inline.backend_inline", "True", "True", "3"]
+
+
 def test_a_boolean_axis_reads_back_as_booleans_and_plots(tmp_path):
     # results.csv spells a boolean "True"/"False": read back as strings, they matched no axis value,
     # so the heatmap failed ('"True"' is not in list) and the curves were left out
