@@ -199,8 +199,17 @@ def cmd_moshpit(args: argparse.Namespace) -> int:
         rng = np.random.default_rng(args.seed)
         values = rng.standard_normal(args.peers)
         method = "moshpit" if grid else "random"
+        # the round-level model's names: "random" (cells may repeat) is its "iid"; "full" fills the
+        # cells in grid order, as the message level (`sim.scenario.place_peers`) does
+        placement, coords = {"random": "iid"}.get(args.placement, args.placement), None
+        if grid and placement == "full":
+            cells = int(np.prod(grid))
+            if args.peers > cells:
+                raise ValueError(f"{args.peers} peers do not fit {cells} grid cells with placement=full")
+            coords = np.array(list(np.ndindex(*grid))[:args.peers], dtype=np.int64).reshape(args.peers, len(grid))
+            placement = "distinct"
         swarm = RoundLevelSwarm(values, method, rng, p_unavailable=args.dropout, group_size=args.group_size,
-                                grid=tuple(grid), placement=args.placement)
+                                grid=tuple(grid), coords=coords, placement=placement)
         rows, walls = [], []
         show = None if args.json else _progress()
         for r in range(args.rounds):
@@ -221,8 +230,11 @@ def cmd_moshpit(args: argparse.Namespace) -> int:
 
     from .scenario import run_scenario
 
+    # distinct cells on a grid the peers fill are every cell: the grid order (full) is the same swarm up to
+    # the peers' names; "random" (cells may repeat) stays random
+    full = grid and np.prod(grid) == args.peers and args.placement == "distinct"
     sc = {"peers": args.peers, "grid": grid, "rounds": args.rounds, "seed": args.seed, "numel": args.numel,
-          "unavailability": args.dropout, "placement": "full" if grid and np.prod(grid) == args.peers else args.placement,
+          "unavailability": args.dropout, "placement": "full" if full else args.placement,
           "membership": "static", "encode": False, "bootstrap_time": 0.0,
           "protocol": {"target_group_size": args.group_size, "gossip_interval": 60.0, "peer_timeout": 600.0}}
     res = run_scenario(sc, progress=None if args.json else _progress())
@@ -451,7 +463,7 @@ def _main(argv: list[str]) -> int:
     pl = sub.add_parser("plot", help="draw a sweep's standard figures (PNG)")
     pl.add_argument("results", help="a sweep's results folder")
     pl.add_argument("--out", help="folder for the PNGs (default: RESULTS/plots)")
-    pl.add_argument("--metric", help="metric column (default: the sweep's [plot] metric, else mse)")
+    pl.add_argument("--metric", help="metric column (default: the sweep's [plot] metric, else mse; loss for a train sweep)")
     pl.add_argument("--eps", type=float, help="threshold of the rounds-to-eps heatmap (default: [plot] eps, else 1e-9)")
     pl.add_argument("--heatmap", nargs=2, metavar=("X", "Y"), help="the heatmap's two axes")
     pl.set_defaults(fn=lambda a: __import__("sim.plot", fromlist=["main"]).cmd_plot(a))

@@ -61,7 +61,8 @@ def _memory_child(n: int, side: int) -> None:
     from .scenario import run_scenario
 
     t0 = time.perf_counter()
-    res = run_scenario({"peers": n, "grid": [side, n // side], "rounds": 1, "seed": 0, "membership": "static",
+    # side x ceil(n / side) cells hold every peer (side x n // side held fewer when n is no multiple of side)
+    res = run_scenario({"peers": n, "grid": [side, -(-n // side)], "rounds": 1, "seed": 0, "membership": "static",
                         "encode": False, "bootstrap_time": 0.0, "placement": "full",
                         "protocol": {"target_group_size": 32}})
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,6 +1,6 @@
 """The standard figures of a sweep, drawn from its results folder (``python -m sim plot RESULTS``).
 
-* ``metric_vs_rounds.png`` — the metric (default MSE) against rounds: one panel per
+* ``metric_vs_rounds.png`` — the metric (default MSE; ``loss`` for a train sweep) against rounds: one panel per
   combination of the other axes, one line per value of the ``lines`` axis (the sweep's
   ``[plot] lines``, else its last axis); the line is the median over seeds, the band
   the range over seeds.
@@ -27,6 +27,8 @@ from .sweep import canonical, read_table, rounds_to_eps
 __all__ = ["plot_results", "metric_vs_rounds", "rounds_to_eps_heatmap", "bytes_vs_accuracy", "cmd_plot"]
 
 _MAX_PANELS = 16
+# the metric drawn when neither the caller nor the sweep's [plot] names one: a train sweep has no MSE
+_DEFAULT_METRIC = {"train": "loss"}
 
 
 def _label(v: Any) -> str:
@@ -101,6 +103,8 @@ def metric_vs_rounds(desc: dict, rows: list[dict], metric: str = "mse", lines: s
             if not pr:
                 continue
             x, y = _curves(pr, metric)
+            if not np.isfinite(y).any():  # no value at all (e.g. no live peer): nothing to draw on a log scale
+                continue
             y = _floor(metric, y)
             color = f"C{i % 10}"
             ax.plot(x, np.nanmedian(y, axis=0), color=color, label=_label(value) if lines else None)
@@ -186,9 +190,14 @@ def bytes_vs_accuracy(desc: dict, rows: list[dict], metric: str = "mse"):
 def plot_results(results: str | Path, out: str | Path | None = None, *, metric: str | None = None,
                  eps: float | None = None, heatmap: Sequence[str] | None = None) -> list[Path]:
     """Draw the standard figures of a sweep's results folder into ``out`` (default RESULTS/plots)."""
+    import sys
+
     import matplotlib
 
-    matplotlib.use("Agg")  # files only: no display needed
+    if "matplotlib.pyplot" not in sys.modules:
+        matplotlib.use("Agg")  # files only: no display needed
+    # else (a notebook, a session drawing figures of its own) its backend stays: switching left a
+    # notebook on Agg, where the user's later figures no longer showed inline
     import matplotlib.pyplot as plt
 
     results = Path(results)
@@ -196,7 +205,10 @@ def plot_results(results: str | Path, out: str | Path | None = None, *, metric: 
     out.mkdir(parents=True, exist_ok=True)
     desc, rows = read_table(results)
     cfg = desc.get("plot", {})
-    metric = metric or cfg.get("metric", "mse")
+    metric = metric or cfg.get("metric") or _DEFAULT_METRIC.get(desc.get("kind"), "mse")
+    if rows and metric not in rows[0]:
+        columns = [c for c in rows[0] if c not in (*desc["axes"], "seed", "run_seed", "key", "round")]
+        raise ValueError(f"{results}: no metric {metric!r} in results.csv; its metrics: {', '.join(columns)}")
     eps = eps if eps is not None else float(cfg.get("eps", 1e-9))
     figs = {"metric_vs_rounds.png": metric_vs_rounds(desc, rows, metric)}
     if len(heatmap or cfg.get("heatmap") or _varying(desc)) >= 2:

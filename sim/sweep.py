@@ -21,7 +21,8 @@ A sweep file (TOML) names a base scenario, axes of values and seeds:
     eps = 1e-9
     heatmap = ["unavailability", "protocol.target_group_size"]
 
-A *point* is one combination of axis values; a *run* is a point with one seed index.
+A *point* is one combination of axis values; a *run* is a point with one seed index. A sweep
+holds at most ``MAX_RUNS`` (10^6) runs; a larger grid is refused when it is loaded.
 Every run is one task, and its result depends only on its resolved scenario:
 
 * **Seeds.** ``kind = "scenario"`` (and ``"train"``): the run's scenario seed is the first 63 bits of
@@ -32,9 +33,9 @@ Every run is one task, and its result depends only on its resolved scenario:
   generator from (seed, N, restart, p, method)), so methods and dropout rates of one
   restart start from the same values and the sweep reproduces `moshpit_table` exactly.
 * **Store.** ``OUT/runs/<key>.json`` holds one run: kind, code version, resolved
-  scenario and result. ``key`` is blake2b of (kind, resolved scenario, code version),
-  so a re-run computes only the keys that are missing, and two sweeps sharing a run
-  share its file. Files are written to a temporary name and renamed, so Ctrl-C never
+  scenario (with the CPU and TCP profiles it names read in, see `_inline_profiles`) and result. ``key`` is blake2b of (kind, resolved scenario, code version),
+  so a re-run computes only the keys that are missing (or whose file cannot be read), and
+  two sweeps sharing a run share its file. Files are written to a temporary name and renamed, so Ctrl-C never
   leaves half a run. A failed run is not stored (a re-run retries it); it is listed
   in ``OUT/failures.json`` and printed to stderr with its scenario.
 * **Code version.** A hash of every ``.py/.c/.h`` source under ``sim/`` and
@@ -50,7 +51,8 @@ Every run is one task, and its result depends only on its resolved scenario:
 
 Executors: ``workers=0`` runs serially in this process; the default runs on all
 local cores (a process pool whose workers ignore SIGINT, so Ctrl-C reaches only this
-process, which stops them); ``cluster=ADDRESS`` (or a `distributed.Client` /
+process, which stops them; a worker whose parent died without stopping it, as on SIGTERM or SIGKILL,
+leaves within a second); ``cluster=ADDRESS`` (or a `distributed.Client` /
 `LocalCluster`) submits to an existing Dask cluster (the ``zgossip[cluster]`` extra).
 Runs are batched into chunks so short round-level runs do not drown in IPC.
 """
@@ -78,6 +80,7 @@ __all__ = ["Sweep", "Run", "SweepOutcome", "load_sweep", "run_sweep", "read_tabl
            "code_version", "run_seed", "KINDS"]
 
 SWEEPS_DIR = Path(__file__).resolve().parent / "sweeps"
+MAX_RUNS = 1_000_000  # runs in one sweep (points x seeds): more is refused at load
 _ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -311,6 +314,13 @@ class Sweep:
             raise ValueError("the seed comes from the sweep (`seed`, `seeds`), not from an axis or the base")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ValueError("seeds must be a positive count or a list of distinct seed indices")
+        # counted before any run is built: listing 10^7 runs took minutes and gigabytes before the
+        # first one ran, and the store (a file per run) is no place for that many
+        total = math.prod(len(v) for v in self.axes.values()) * len(self.seeds)
+        if total > MAX_RUNS:
+            sizes = " x ".join(f"{len(v)} {a}" for a, v in self.axes.items())
+            raise ValueError(f"this sweep has {total:,} runs ({sizes or 'one point'} x {len(self.seeds)} seeds), more "
+                             f"than the {MAX_RUNS:,} one sweep holds: split it into several sweeps")
 
     def points(self) -> list[dict]:
         names = list(self.axes)
@@ -322,6 +332,8 @@ class Sweep:
             spec = copy.deepcopy(self.base)
             for name, value in point.items():
                 _set_path(spec, name, value)
+            if self.kind != "moshpit":
+                spec = _inline_profiles(spec)
             for k in self.seeds:
                 s = kind.seeded(spec, self.seed, point, k)
                 key = _blake(canonical({"kind": self.kind, "spec": s, "code": code}), 16).hex()
@@ -331,6 +343,28 @@ class Sweep:
     def describe(self) -> dict:
         return {"name": self.name, "kind": self.kind, "seed": self.seed, "seeds": self.seeds, "base": self.base,
                 "axes": self.axes, "plot": self.plot, "code": code_version()}
+
+
+def _inline_profiles(spec: dict) -> dict:
+    """The spec with the `python -m sim calibrate` profiles it names read in: ``cpu`` (a path, "auto"
+    = this machine's, or a table with ``profile``) becomes ``{costs = the profile's cpu section, ...}``
+    and ``[network] tcp = {profile = PATH}`` the profile's tcp settings under the given ones. A run's
+    key then hashes the numbers it runs with -- with the file's name only, a recalibrated profile
+    reused every stored run -- and a worker on another machine runs what the parent read."""
+    from .cpu import default_profile_path, load_profile
+
+    cpu = spec.get("cpu")
+    if isinstance(cpu, str) or (isinstance(cpu, dict) and "costs" not in cpu):
+        value = {"profile": cpu} if isinstance(cpu, str) else dict(cpu)
+        prof = value.pop("profile", "auto")
+        data = load_profile(default_profile_path(create=True) if prof == "auto" else prof)
+        spec = {**spec, "cpu": {**value, "costs": data["cpu"]}}
+    tcp = spec.get("network", {}).get("tcp") if isinstance(spec.get("network"), dict) else None
+    if isinstance(tcp, dict) and tcp.get("profile") is not None:
+        given = {k: v for k, v in tcp.items() if k != "profile"}
+        sysctls = json.loads(Path(tcp["profile"]).read_text()).get("tcp", {})
+        spec = {**spec, "network": {**spec["network"], "tcp": {**sysctls, **given}}}
+    return spec
 
 
 _SWEEP_KEYS = {"name", "kind", "seed", "seeds", "scenario", "base", "axes", "plot"}
@@ -387,9 +421,33 @@ def _run_chunk(kind_name: str, code: str, items: list[tuple[str, dict]],
     return out
 
 
-def _worker_init() -> None:
+def _worker_init(sweep_pid: int) -> None:
     # Ctrl-C in a terminal signals the whole process group: only the parent handles it (and stops us)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # a sweep process that dies without stopping us (SIGTERM, SIGKILL, the OOM killer) leaves a pool
+    # worker waiting for work forever: each worker leaves once that process is gone. It is watched by
+    # its pid, not as our parent: under forkserver the parent is the server, which lives on as long
+    # as its children do
+    threading.Thread(target=_exit_with, args=(sweep_pid,), name="exit-with-sweep", daemon=True).start()
+
+
+def _exit_with(pid: int) -> None:
+    while _alive(pid):
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # killed but not yet reaped by its own parent (a zombie): gone all the same
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 # ---------------------------------------------------------------------------------------- executors
@@ -441,7 +499,8 @@ def _execute_processes(kind: str, runs: list[Run], workers: int, done: Done, tic
     ctx = _mp_context()
     preload: threading.Thread | None = None
     code = code_version()
-    pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init)
+    pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init,
+                                  initargs=(os.getpid(),))
     try:
         queue = iter(_chunks(runs, workers))
         pending: set = set()
@@ -619,7 +678,7 @@ def _write_parquet(path: Path, csv_path: Path) -> bool:
 
 
 def read_table(out: str | Path) -> tuple[dict, list[dict]]:
-    """(the sweep's description, its results.csv rows with numbers parsed back), for plots and tables."""
+    """(the sweep's description, its results.csv rows with numbers and booleans parsed back), for plots and tables."""
     out = Path(out)
     desc = json.loads((out / "sweep.json").read_text())
     rows = []
@@ -632,6 +691,8 @@ def read_table(out: str | Path) -> tuple[dict, list[dict]]:
 def _parse(v: str) -> Any:
     if v == "":
         return None
+    if v in ("True", "False"):  # a boolean axis value (`_text` writes Python's spelling)
+        return v == "True"
     for conv in (int, float):
         try:
             return conv(v)
@@ -691,12 +752,23 @@ def run_sweep(sweep: Sweep, out: str | Path, *, workers: int | None = None, clus
     store.mkdir(parents=True, exist_ok=True)
     stream = stream or sys.stderr
     runs = sweep.runs()
-    have = {p.stem for p in store.glob("*.json")}
+    stored = {p.stem for p in store.glob("*.json")}
+    lines: dict[str, str] = {}  # key -> the run's CSV lines
+    damaged: list[str] = []
+    for key in dict.fromkeys(r.key for r in runs if r.key in stored):
+        path = store / f"{key}.json"
+        try:
+            lines[key] = _metric_lines(sweep.kind, json.loads(path.read_text())["result"])
+        except (ValueError, KeyError, TypeError):  # cut short or edited (a copy interrupted): run it again
+            damaged.append(path.name)
+    if damaged:
+        stream.write(f"{len(damaged)} stored run file(s) in {store} cannot be read and are run again: "
+                     f"{', '.join(damaged[:3])}{', ...' if len(damaged) > 3 else ''}\n")
+    have = set(lines)
     by_key = {r.key: r for r in runs if r.key not in have}  # two runs with one scenario run once
     todo = list(by_key.values())
-    reused = len({r.key for r in runs} & have)
+    reused = len(have)
     failures: list[dict] = []
-    lines: dict[str, str] = {}  # key -> the run's CSV lines
     prog = Progress(len(runs), len(runs) - sum(r.key in by_key for r in runs), stream, quiet)
     computed = 0
 
@@ -731,10 +803,6 @@ def run_sweep(sweep: Sweep, out: str | Path, *, workers: int | None = None, clus
             _execute_processes(sweep.kind, todo, min(n, len(todo)), done, prog.show, store)
     prog.show(final=True)
 
-    for r in runs:
-        path = store / f"{r.key}.json"
-        if r.key not in lines and path.exists():
-            lines[r.key] = _metric_lines(sweep.kind, json.loads(path.read_text())["result"])
     failures.sort(key=lambda f: f["index"])
     _write_atomic(out / "results.csv", _table_text(sweep, runs, lines).encode())
     _write_parquet(out / "results.parquet", out / "results.csv")

@@ -4,12 +4,14 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
 import uuid
+import warnings
 from pathlib import Path
 
 import pytest
@@ -82,6 +84,26 @@ def test_key_depends_on_scenario_and_code_version(tmp_path, monkeypatch):
     assert status == "error" and "code version" in text
 
 
+def test_a_grid_too_large_for_one_sweep_is_refused_at_once(tmp_path, capsys):
+    # 40^4 points x 10 seeds: listing the runs took minutes and gigabytes before any ran
+    axes = "\n".join(f"protocol.{k} = [{', '.join(str(0.1 * (i + 1)) for i in range(40))}]"
+                     for k in ("gossip_interval", "peer_timeout", "matchmaking_time", "part_timeout"))
+    path = tmp_path / "huge.toml"
+    path.write_text(f'kind = "scenario"\nseeds = 10\n[axes]\n{axes}\n')
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="25,600,000 runs .*40 protocol.gossip_interval.* split it"):
+        load_sweep(path)
+    assert time.monotonic() - t0 < 5
+    s = _small(tmp_path)  # 4 points: a --seeds override counts too
+    with pytest.raises(ValueError, match="more than the 1,000,000"):
+        dataclasses.replace(s, seeds=list(range(sw.MAX_RUNS // 4 + 1)))
+    from sim.__main__ import main
+
+    assert main(["sweep", str(path), "--out", str(tmp_path / "out"), "--quiet"]) == 2
+    assert "split it into several sweeps" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_serial_processes_and_local_dask_cluster_give_byte_identical_files(tmp_path):
     distributed = pytest.importorskip("distributed")
     s = _small(tmp_path)
@@ -121,6 +143,46 @@ def test_interrupted_sweep_resumes_and_computes_only_the_rest(tmp_path):
     assert full.computed == 8
     assert _files(out) == _files(tmp_path / "whole")
     assert run_sweep(s, out, workers=0, quiet=True).computed == 0
+
+
+def test_a_recalibrated_profile_is_a_new_run_not_a_stale_reuse(tmp_path):
+    # the key hashed `cpu = "prof.json"` (the name), so a resume after recalibrating reused the
+    # runs made with the old numbers; a Dask worker elsewhere would have read its own file
+    prof = tmp_path / "prof.json"
+    prof.write_text(json.dumps({"cpu": {"handle_msg": 1e-4, "decode_byte": 1e-9}, "tcp": {"init_cwnd": 4}}))
+    text = SMALL.replace("bootstrap_time = 0.0", f'bootstrap_time = 0.0\ncpu = "{prof}"\n'
+                         f'network = {{ transfer = "tcp", tcp = {{ profile = "{prof}", mss = 1000 }} }}')
+    s = _small(tmp_path, text)
+    spec = s.runs()[0].spec
+    assert spec["cpu"] == {"costs": {"handle_msg": 1e-4, "decode_byte": 1e-9}}
+    assert spec["network"]["tcp"] == {"init_cwnd": 4, "mss": 1000}
+    first = run_sweep(s, tmp_path / "out", workers=0, quiet=True)
+    assert first.computed == 8
+    _, before = read_table(tmp_path / "out")
+    prof.write_text(json.dumps({"cpu": {"handle_msg": 1e-2, "decode_byte": 1e-7}, "tcp": {"init_cwnd": 4}}))
+    again = run_sweep(s, tmp_path / "out", workers=0, quiet=True)
+    assert (again.computed, again.reused) == (8, 0)
+    _, after = read_table(tmp_path / "out")
+    assert [r["sim_seconds"] for r in after] != [r["sim_seconds"] for r in before]
+    # the inlined costs run exactly as the file did
+    fresh = run_sweep(s, tmp_path / "fresh", workers=0, quiet=True)
+    assert fresh.computed == 8 and read_table(tmp_path / "fresh")[1] == after
+
+
+def test_a_damaged_run_file_is_run_again_not_a_failure_of_every_resume(tmp_path):
+    # a run file cut short (a copy of the results interrupted, a full disk) failed every later
+    # resume with a bare JSONDecodeError naming no file, and was never recomputed
+    s = _small(tmp_path)
+    out = tmp_path / "out"
+    run_sweep(s, out, workers=0, quiet=True)
+    whole = _files(out)
+    key = s.runs()[3].key
+    (out / "runs" / f"{key}.json").write_text('{"kind": "scen')
+    err = io.StringIO()
+    res = run_sweep(s, out, workers=0, quiet=True, stream=err)
+    assert (res.computed, res.reused, res.failures) == (1, 7, [])
+    assert f"{key}.json" in err.getvalue() and "run again" in err.getvalue()
+    assert _files(out) == whole
 
 
 def test_ctrl_c_keeps_finished_runs_and_stops_every_worker(tmp_path):
@@ -169,6 +231,59 @@ def test_ctrl_c_keeps_finished_runs_and_stops_every_worker(tmp_path):
     assert leftovers() == []
 
 
+_THREADED_SWEEP = ("import sys, threading, time\n"
+                   "threading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n"
+                   "from sim.sweep import load_sweep, run_sweep\n"
+                   "run_sweep(load_sweep(sys.argv[1]), sys.argv[2], workers=2, quiet=True)\n")
+
+
+@pytest.mark.parametrize("sig,threaded", [(signal.SIGTERM, False), (signal.SIGKILL, False), (signal.SIGKILL, True)])
+def test_workers_leave_when_the_sweep_is_killed(tmp_path, sig, threaded):
+    """SIGTERM or SIGKILL to the command alone (a batch scheduler, `kill`, the OOM killer): it runs no
+    clean-up, and its pool workers were left behind for good, waiting for work that never came.
+    ``threaded``: a parent with a thread (a Jupyter kernel) starts its workers from a forkserver,
+    which lives as long as they do."""
+    path = tmp_path / "long.toml"
+    path.write_text('kind = "moshpit"\nseeds = 400\n[base]\ncap = 200\n[axes]\nn = [1024]\np = [0.01]\n'
+                    'method = ["moshpit", "random"]\n')
+    out = tmp_path / "out"
+    marker = f"ZGOSSIP_SWEEP_TEST_{uuid.uuid4().hex}"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **{marker: "1"})
+
+    def ours() -> list[int]:
+        pids = []
+        for d in Path("/proc").iterdir():
+            try:
+                if d.name.isdigit() and marker.encode() in (d / "environ").read_bytes():
+                    pids.append(int(d.name))
+            except OSError:
+                pass
+        return pids
+
+    cmd = (["-c", _THREADED_SWEEP, str(path), str(out)] if threaded else
+           ["-m", "sim", "sweep", str(path), "--out", str(out), "--workers", "2", "--quiet"])
+    proc = subprocess.Popen([sys.executable, *cmd], cwd=ROOT, env=env, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(list((out / "runs").glob("*.json"))) < 2:
+            assert proc.poll() is None
+            time.sleep(0.05)
+        assert len(ours()) >= 3  # the command and its two workers (and a forkserver)
+        os.kill(proc.pid, sig)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while ours() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = ours()
+    finally:
+        for pid in ours():  # only what this test started (its marker is in their environment)
+            os.kill(pid, signal.SIGKILL)
+    assert left == []
+    assert all(json.loads(f.read_text())["result"]["rounds"][-1]["round"] == 200 for f in (out / "runs").iterdir()
+               if f.suffix == ".json")
+
+
 def test_a_failing_point_is_reported_with_its_scenario_and_the_others_finish(tmp_path):
     s = _small(tmp_path, SMALL.replace("unavailability = [0.0, 0.25]", "peers = [8, 100]"))
     err = io.StringIO()
@@ -208,6 +323,57 @@ def test_plot_draws_the_standard_figures(tmp_path):
     paths = plot_results(tmp_path / "out")
     assert sorted(p.name for p in paths) == ["bytes_vs_accuracy.png", "metric_vs_rounds.png", "rounds_to_eps.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+
+
+def test_plot_results_in_a_notebook_keeps_its_backend_and_figures(tmp_path):
+    # plot_results called matplotlib.use("Agg") unconditionally: a notebook was left on Agg, so the
+    # user's later figures no longer showed inline
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib_inline")
+    run_sweep(_small(tmp_path), tmp_path / "out", workers=0, quiet=True)
+    code = ("import sys, matplotlib\n"
+            "matplotlib.use('module://matplotlib_inline.backend_inline')\n"
+            "import matplotlib.pyplot as plt\n"
+            "mine = plt.figure()\n"
+            "from sim.plot import plot_results\n"
+            "paths = plot_results(sys.argv[1])\n"
+            "print(matplotlib.get_backend(), plt.fignum_exists(mine.number), plt.get_fignums() == [mine.number], "
+            "len(paths))\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["module://matplotlib_inline.backend_inline", "True", "True", "3"]
+
+
+def test_a_boolean_axis_reads_back_as_booleans_and_plots(tmp_path):
+    # results.csv spells a boolean "True"/"False": read back as strings, they matched no axis value,
+    # so the heatmap failed ('"True"' is not in list) and the curves were left out
+    pytest.importorskip("matplotlib")
+    from sim.plot import plot_results
+
+    s = _small(tmp_path, SMALL.replace("unavailability = [0.0, 0.25]", "encode = [true, false]"))
+    run_sweep(s, tmp_path / "out", workers=0, quiet=True)
+    _, rows = read_table(tmp_path / "out")
+    assert {r["encode"] for r in rows} == {True, False} and all(type(r["encode"]) is bool for r in rows)
+    paths = plot_results(tmp_path / "out")
+    assert "rounds_to_eps.png" in [p.name for p in paths]
+
+
+def test_plot_draws_a_sweep_whose_metric_is_nan_throughout(tmp_path):
+    # every peer crashed before round 1: mse is NaN in every row; the all-NaN curves on a log
+    # scale made matplotlib fail ("Data cannot be log-scaled because all values are <= 0")
+    pytest.importorskip("matplotlib")
+    from sim.plot import plot_results
+
+    crashes = ", ".join(f'{{kind = "crash", peer = {i}, at = 0.0}}' for i in range(8))
+    s = _small(tmp_path, SMALL.replace("bootstrap_time = 0.0", f"bootstrap_time = 0.5\nfaults = [{crashes}]"))
+    run_sweep(s, tmp_path / "out", workers=0, quiet=True)
+    _, rows = read_table(tmp_path / "out")
+    assert rows and all(math.isnan(r["mse"]) for r in rows)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # numpy's "All-NaN slice"
+        paths = plot_results(tmp_path / "out")
+    assert sorted(p.name for p in paths) == ["bytes_vs_accuracy.png", "metric_vs_rounds.png", "rounds_to_eps.png"]
 
 
 TINY_MOSHPIT = """

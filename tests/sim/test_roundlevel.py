@@ -356,3 +356,39 @@ def test_distinct_indices_are_distinct_and_uniform(m):
     assert np.abs(counts - expected).max() < 6 * np.sqrt(expected)  # ~6 sigma: uniform over indices
     first = np.bincount(vals[: 5000 * min(4, m)].reshape(5000, -1)[:, 0], minlength=m)  # rank 0 alone is uniform too
     assert np.abs(first - 5000 / m).max() < 6 * np.sqrt(5000 / m)
+
+
+@pytest.mark.parametrize("placement", ["full", "distinct", "random"])
+def test_cli_round_level_takes_every_placement_it_offers(capsys, placement):
+    # `python -m sim moshpit --level round --placement random|full` failed: the round-level model
+    # names them "iid" and (grid order) coordinates, and refused the CLI's names
+    import json
+
+    from sim.__main__ import main as sim_main
+
+    argv = ["moshpit", "--level", "round", "--peers", "16", "--grid", "4x4", "--group-size", "4", "--rounds", "2",
+            "--placement", placement, "--json"]
+    assert sim_main(argv) == 0
+    rounds = json.loads(capsys.readouterr().out)["rounds"]
+    assert len(rounds) == 2
+    if placement != "random":  # a full 4x4 grid in lines of 4: exact after d = 2 rounds
+        assert rounds[-1]["mse"] < 1e-25
+    assert sim_main(argv[:4] + ["20"] + argv[5:]) == (2 if placement == "full" else 0)  # 20 peers, 16 cells
+    capsys.readouterr()
+
+
+def test_cli_message_level_keeps_random_placement_on_a_grid_the_peers_fill(capsys):
+    # with peers == cells (the default 1,024 on 32x32) `--placement random` was replaced by full,
+    # so i.i.d. coordinates (overfull lines) could not be run at message level from the CLI
+    import json
+
+    from sim.__main__ import main as sim_main
+
+    argv = ["moshpit", "--peers", "16", "--grid", "4x4", "--group-size", "4", "--rounds", "2", "--json"]
+    out = {}
+    for placement in ("full", "distinct", "random"):
+        assert sim_main(argv + ["--placement", placement]) == 0
+        out[placement] = json.loads(capsys.readouterr().out)
+    assert out["random"]["scenario"]["placement"] == "random"
+    assert out["random"]["rounds"] != out["full"]["rounds"]
+    assert out["distinct"]["rounds"] == out["full"]["rounds"]  # every cell taken: the same swarm

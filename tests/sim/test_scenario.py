@@ -133,3 +133,13 @@ def test_the_compression_scenarios_reach_every_peer_on_both_harnesses():
         res[codec] = run_scenario(d).rounds[0]
     assert res["none"]["max_abs"] < 1e-6 < res["int8"]["max_abs"]
     assert 0.2 < res["int8"]["bytes_sent_mean"] / res["none"]["bytes_sent_mean"] < 0.3
+
+
+def test_bench_memory_run_takes_a_peer_count_that_is_no_square(capsys):
+    # `python -m sim bench --memory-peers 20000` gave a 141 x 141 grid (19,881 cells) for 20,000
+    # peers and reported "memory run failed: ... do not fit" after the whole speed benchmark
+    from sim.bench import _memory_child
+
+    _memory_child(10, round(10 ** 0.5))  # what main() passes: the side is the rounded square root
+    out = json.loads(capsys.readouterr().out)
+    assert out["peers"] == 10 and out["succeeded"] == 10

@@ -106,6 +106,16 @@ def test_sweep_kind_train(tmp_path):
     assert all(r["live"] == 4 and r["loss"] > 0 for r in rows)
     assert [r["round"] for r in rows if r["train.optimizer"] == "gossip"] == [0, 2, 4]
 
+    # `python -m sim plot` on it: a train sweep has no mse column, so the default metric is the loss
+    # (it was mse, and plotting failed with KeyError: 'mse' unless --metric loss was given)
+    pytest.importorskip("matplotlib")
+    from sim.plot import plot_results
+
+    paths = plot_results(tmp_path / "t")
+    assert "metric_vs_rounds.png" in [p.name for p in paths]
+    with pytest.raises(ValueError, match="no metric 'mse'.*loss"):
+        plot_results(tmp_path / "t", metric="mse")
+
 
 def test_cli_train(tmp_path):
     sc = tmp_path / "s.json"
