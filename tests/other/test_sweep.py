@@ -215,20 +215,22 @@ def test_ctrl_c_keeps_finished_runs_and_stops_every_worker(tmp_path):
     for f in files:
         assert f.suffix == ".json" and json.loads(f.read_text())["result"]["rounds"][-1]["round"] == 200
 
-    def leftovers() -> list[int]:
-        pids = []
-        for d in Path("/proc").iterdir():
-            try:
-                if d.name.isdigit() and marker.encode() in (d / "environ").read_bytes():
-                    pids.append(int(d.name))
-            except OSError:
-                pass
-        return pids
-
     deadline = time.monotonic() + 10
-    while leftovers() and time.monotonic() < deadline:
+    while _marked(marker) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert leftovers() == []
+    assert _marked(marker) == []
+
+
+def _marked(marker: str) -> list[int]:
+    """The processes whose environment holds `marker` (a test's own, inherited by what it starts)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and marker.encode() in (d / "environ").read_bytes():
+                pids.append(int(d.name))
+        except OSError:
+            pass
+    return pids
 
 
 _THREADED_SWEEP = ("import sys, threading, time\n"
@@ -251,14 +253,7 @@ def test_workers_leave_when_the_sweep_is_killed(tmp_path, sig, threaded):
     env = dict(os.environ, PYTHONPATH=str(ROOT), **{marker: "1"})
 
     def ours() -> list[int]:
-        pids = []
-        for d in Path("/proc").iterdir():
-            try:
-                if d.name.isdigit() and marker.encode() in (d / "environ").read_bytes():
-                    pids.append(int(d.name))
-            except OSError:
-                pass
-        return pids
+        return _marked(marker)
 
     cmd = (["-c", _THREADED_SWEEP, str(path), str(out)] if threaded else
            ["-m", "sim", "sweep", str(path), "--out", str(out), "--workers", "2", "--quiet"])
