@@ -116,7 +116,7 @@ def metric_vs_rounds(desc: dict, rows: list[dict], metric: str = "mse", lines: s
     for ax in axs:
         ax.set_xlabel("round")
     axs[0].set_ylabel(f"{metric} (median, range over {len(desc['seeds'])} seeds)")
-    if lines:
+    if lines and axs[0].get_legend_handles_labels()[0]:  # (no curve drawn: no legend, and no warning)
         axs[0].legend(title=lines, fontsize=8)
     fig.tight_layout()
     return fig
