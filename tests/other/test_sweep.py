@@ -185,15 +185,22 @@ def test_a_damaged_run_file_is_run_again_not_a_failure_of_every_resume(tmp_path)
     assert _files(out) == whole
 
 
-def test_ctrl_c_keeps_finished_runs_and_stops_every_worker(tmp_path):
-    """SIGINT to the command (as a terminal's Ctrl-C, to the whole process group): exit 130, the
-    finished runs are whole files, no worker is left behind."""
+def _long_sweep(tmp_path: Path) -> tuple[Path, Path, str, dict]:
+    """A sweep file that runs for minutes, its output folder, and an environment holding a marker
+    that every process it starts inherits (`_marked` finds them)."""
     path = tmp_path / "long.toml"
     path.write_text('kind = "moshpit"\nseeds = 400\n[base]\ncap = 200\n[axes]\nn = [1024]\np = [0.01]\n'
                     'method = ["moshpit", "random"]\n')
     out = tmp_path / "out"
     marker = f"ZGOSSIP_SWEEP_TEST_{uuid.uuid4().hex}"
     env = dict(os.environ, PYTHONPATH=str(ROOT), **{marker: "1"})
+    return path, out, marker, env
+
+
+def test_ctrl_c_keeps_finished_runs_and_stops_every_worker(tmp_path):
+    """SIGINT to the command (as a terminal's Ctrl-C, to the whole process group): exit 130, the
+    finished runs are whole files, no worker is left behind."""
+    path, out, marker, env = _long_sweep(tmp_path)
     proc = subprocess.Popen([sys.executable, "-m", "sim", "sweep", str(path), "--out", str(out), "--workers", "2",
                              "--quiet"], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -245,12 +252,7 @@ def test_workers_leave_when_the_sweep_is_killed(tmp_path, sig, threaded):
     clean-up, and its pool workers were left behind for good, waiting for work that never came.
     ``threaded``: a parent with a thread (a Jupyter kernel) starts its workers from a forkserver,
     which lives as long as they do."""
-    path = tmp_path / "long.toml"
-    path.write_text('kind = "moshpit"\nseeds = 400\n[base]\ncap = 200\n[axes]\nn = [1024]\np = [0.01]\n'
-                    'method = ["moshpit", "random"]\n')
-    out = tmp_path / "out"
-    marker = f"ZGOSSIP_SWEEP_TEST_{uuid.uuid4().hex}"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), **{marker: "1"})
+    path, out, marker, env = _long_sweep(tmp_path)
 
     def ours() -> list[int]:
         return _marked(marker)
