@@ -10,6 +10,8 @@ __all__ = ["main"]
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zgossip", description="Decentralized tensor averaging over ZeroMQ.")
+    parser.add_argument("--version", action="version", version=_version(),
+                        help="print zgossip's version and those of what it runs on (Python, pyzmq, libzmq), then exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     from . import bench, bench_state, bench_train, demo, peer, train_demo
@@ -33,6 +35,18 @@ def main(argv: list[str] | None = None) -> int:
         # exit status for SIGINT (128 + 2)
         print(file=sys.stderr)
         return 130
+
+
+def _version() -> str:
+    """One line for bug reports: zgossip's version, and the Python, pyzmq and libzmq it runs on."""
+    import platform
+
+    import zmq
+
+    from . import __version__
+
+    return (f"zgossip {__version__} (Python {platform.python_version()}, pyzmq {zmq.pyzmq_version()}, "
+            f"libzmq {zmq.zmq_version()})")
 
 
 def _keygen(args: argparse.Namespace) -> int:

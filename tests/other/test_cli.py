@@ -318,3 +318,16 @@ def test_peer_stops_at_once_on_ctrl_c_or_sigterm_mid_step(sig):
     assert p.returncode == 0, (out, err)
     assert "Traceback" not in err, err
     assert took < 5.0, f"exited {took:.1f}s after the signal"
+
+
+def test_version_names_zgossip_and_what_it_runs_on_and_python_m_runs_the_command():
+    import zmq
+
+    import zgossip
+
+    out = subprocess.run([sys.executable, "-m", "zgossip", "--version"], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr
+    line = out.stdout.strip()
+    assert line.startswith(f"zgossip {zgossip.__version__} ("), line
+    assert f"pyzmq {zmq.pyzmq_version()}" in line and f"libzmq {zmq.zmq_version()}" in line, line

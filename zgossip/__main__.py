@@ -1,0 +1,7 @@
+"""``python -m zgossip ...``: the same as the ``zgossip`` command (for environments where the
+console script is not on PATH)."""
+import sys
+
+from .cli import main
+
+sys.exit(main())
