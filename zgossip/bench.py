@@ -87,6 +87,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .cliargs import nonnegative_int, positive_float, positive_int
 from .machine import cpu_seconds, machine, machine_busy_seconds, machine_line, paths_line
 from .swarm import LocalSwarm, peer_data
 
@@ -98,11 +99,11 @@ MIN_MATCHMAKING_STEPS = 10
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--peers", type=int, default=None, help="local peer processes (default 4; 8 with --matchmaking)")
-    p.add_argument("--numel", type=int, default=None,
+    p.add_argument("--peers", type=positive_int, default=None, help="local peer processes (default 4; 8 with --matchmaking)")
+    p.add_argument("--numel", type=positive_int, default=None,
                    help="float32 elements per peer (default 16777216 = 64 MiB; 1024 with --matchmaking)")
-    p.add_argument("--reps", type=int, default=7, help=f"timed repetitions (default 7, at least {MIN_REPS})")
-    p.add_argument("--part-size", type=int, default=None, metavar="BYTES",
+    p.add_argument("--reps", type=positive_int, default=7, help=f"timed repetitions (default 7, at least {MIN_REPS})")
+    p.add_argument("--part-size", type=positive_int, default=None, metavar="BYTES",
                    help="zgossip part_size_bytes (default: the Averager's default)")
     p.add_argument("--vs", choices=["gloo"], default=None, help="also time torch.distributed all_reduce on the same data")
     p.add_argument("--vs-checkout", default=None, metavar="DIR",
@@ -119,15 +120,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="wire codec of the averaged tensor (zgossip.codecs); other than none, an uncompressed "
                         "swarm steps side by side and the paired ratios compressed/uncompressed are reported")
     p.add_argument("--matchmaking", action="store_true", help="benchmark matchmaking latency instead of the all-reduce")
-    p.add_argument("--target-group-size", type=int, default=None, metavar="T",
+    p.add_argument("--target-group-size", type=positive_int, default=None, metavar="T",
                    help="with --matchmaking: the peers' target_group_size (default: --peers); larger than --peers "
                         "times a swarm smaller than its target")
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
     p.add_argument("--curve", action="store_true",
                    help="peers with CURVE keys (authenticated, encrypted); the all-reduce bench also runs the same "
                         "swarm without keys and prints the ratio")
-    p.add_argument("--seed", type=int, default=0, help="seed of the peers' random tensors (default 0)")
-    p.add_argument("--timeout", type=float, default=120.0, help="bound on each step and each wait, in seconds")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the peers' random tensors (default 0)")
+    p.add_argument("--timeout", type=positive_float, default=120.0, help="bound on each step and each wait, in seconds")
 
 
 # ---------------------------------------------------------------------------- helpers

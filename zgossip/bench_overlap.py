@@ -25,9 +25,11 @@ import json
 import multiprocessing as mp
 import os
 import statistics
+import sys
 import time
 from typing import Any
 
+from .cliargs import nonnegative_float, positive_int
 from .swarm import stop_children
 
 __all__ = ["add_arguments", "run", "bench_overlap", "machine_line", "report"]
@@ -227,16 +229,19 @@ def bench_overlap(peers: int = 2, reps: int = 5, epochs: int = 20, hidden: int =
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--overlap-epochs", type=int, default=20, help="global steps per repetition (default 20)")
-    p.add_argument("--hidden", type=int, default=512, help="MLP width (default 512: 0.53M parameters)")
-    p.add_argument("--overlap-batch", type=int, default=256, help="samples per local batch (default 256)")
-    p.add_argument("--accel-ms", type=float, default=0.0,
+    p.add_argument("--overlap-epochs", type=positive_int, default=20, help="global steps per repetition (default 20)")
+    p.add_argument("--hidden", type=positive_int, default=512, help="MLP width (default 512: 0.53M parameters)")
+    p.add_argument("--overlap-batch", type=positive_int, default=256, help="samples per local batch (default 256)")
+    p.add_argument("--accel-ms", type=nonnegative_float, default=0.0,
                    help="add this many ms of waiting to each batch's compute, standing in for an accelerator "
                         "(the CPU is free meanwhile, as while a GPU computes); 0: CPU compute only")
 
 
 def run(args: argparse.Namespace) -> int:
     peers = args.peers if args.peers != 4 else 2  # bench-train's default is 4 processes; overlap defaults to 2
+    if peers < 2:
+        print("zgossip bench-train --overlap: need --peers >= 2 (processes that average together)", file=sys.stderr)
+        return 2
     res = bench_overlap(peers=peers, reps=args.reps, epochs=args.overlap_epochs, hidden=args.hidden,
                         inputs=args.hidden, batch=args.overlap_batch, timeout=args.timeout, accel_ms=args.accel_ms)
     if args.json:

@@ -26,6 +26,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .cliargs import nonnegative_float, positive_float, positive_int
 from .machine import cpu_seconds, machine_busy_seconds, machine_line
 
 __all__ = ["add_arguments", "run", "bench_state_download", "donor_main", "hash_cost", "report_lines"]
@@ -226,17 +227,17 @@ def bench_state_download(size_mib: int, donors: int, reps: int, chunk_bytes: int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--size-mib", type=int, default=1024, help="state size in MiB (default 1024)")
-    p.add_argument("--donors", type=int, default=4, help="donors of the parallel download (default 4); 1 is always timed too")
-    p.add_argument("--reps", type=int, default=3, help="repetitions of each (ABBA order; default 3)")
-    p.add_argument("--chunk-mib", type=float, default=4.0, help="state chunk size in MiB (default 4)")
-    p.add_argument("--donor-uplink-mbps", type=float, default=0.0, metavar="MB/S",
+    p.add_argument("--size-mib", type=positive_int, default=1024, help="state size in MiB (default 1024)")
+    p.add_argument("--donors", type=positive_int, default=4, help="donors of the parallel download (default 4); 1 is always timed too")
+    p.add_argument("--reps", type=positive_int, default=3, help="repetitions of each (ABBA order; default 3)")
+    p.add_argument("--chunk-mib", type=positive_float, default=4.0, help="state chunk size in MiB (default 4)")
+    p.add_argument("--donor-uplink-mbps", type=nonnegative_float, default=0.0, metavar="MB/S",
                    help="emulate donors whose upload is this many MB/s (paced in the donor process; default: "
                         "unlimited, i.e. loopback at whatever the CPUs allow)")
     p.add_argument("--ipc", action="store_true", help="peers on one host use Unix sockets (default: TCP loopback)")
     p.add_argument("--hash-only", action="store_true", help="only measure the cost of hashing a 64 MiB state")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--timeout", type=float, default=120.0, help="bound on every wait, in seconds")
+    p.add_argument("--timeout", type=positive_float, default=120.0, help="bound on every wait, in seconds")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -36,6 +36,7 @@ import sys
 import time
 from typing import Any, Sequence
 
+from .cliargs import positive_float, positive_int
 from .swarm import stop_children
 
 __all__ = ["add_arguments", "run", "bench_train", "PARAMS"]
@@ -278,10 +279,10 @@ def bench_train(peers: int = 4, reps: int = 7, batch: int = 8, timeout: float = 
 
 # ---------------------------------------------------------------------------- CLI
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--peers", type=int, default=4, help="local processes on each side (default 4)")
-    p.add_argument("--reps", type=int, default=7, help="timed repetitions after 2 warm-ups (default 7, at least 3)")
-    p.add_argument("--batch", type=int, default=8, help="samples per local batch (default 8; not timed)")
-    p.add_argument("--timeout", type=float, default=120.0, help="bound on each wait, in seconds")
+    p.add_argument("--peers", type=positive_int, default=4, help="local processes on each side (default 4)")
+    p.add_argument("--reps", type=positive_int, default=7, help="timed repetitions after 2 warm-ups (default 7, at least 3)")
+    p.add_argument("--batch", type=positive_int, default=8, help="samples per local batch (default 8; not timed)")
+    p.add_argument("--timeout", type=positive_float, default=120.0, help="bound on each wait, in seconds")
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
     p.add_argument("--overlap", action="store_true",
                    help="instead: global steps/s with and without delay_optimizer_step (zgossip.bench_overlap; "

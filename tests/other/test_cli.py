@@ -331,3 +331,40 @@ def test_version_names_zgossip_and_what_it_runs_on_and_python_m_runs_the_command
     line = out.stdout.strip()
     assert line.startswith(f"zgossip {zgossip.__version__} ("), line
     assert f"pyzmq {zmq.pyzmq_version()}" in line and f"libzmq {zmq.zmq_version()}" in line, line
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["bench", "--timeout", "0"], "argument --timeout: must be a finite number > 0, got '0'"),
+    (["bench", "--timeout", "nan"], "argument --timeout: must be a finite number > 0, got 'nan'"),
+    (["bench", "--part-size", "0"], "argument --part-size: must be a whole number >= 1, got '0'"),
+    (["bench", "--seed", "-1"], "argument --seed: must be a whole number >= 0, got '-1'"),
+    (["bench-state", "--chunk-mib", "0"], "argument --chunk-mib: must be a finite number > 0, got '0'"),
+    (["bench-state", "--donor-uplink-mbps", "-1"], "argument --donor-uplink-mbps: must be a finite number >= 0, got '-1'"),
+    (["bench-state", "--timeout", "-1"], "argument --timeout: must be a finite number > 0, got '-1'"),
+    (["bench-train", "--batch", "0"], "argument --batch: must be a whole number >= 1, got '0'"),
+    (["bench-train", "--timeout", "inf"], "argument --timeout: must be a finite number > 0, got 'inf'"),
+    (["bench-train", "--accel-ms", "-5"], "argument --accel-ms: must be a finite number >= 0, got '-5'"),
+    (["bench-train", "--overlap-epochs", "0"], "argument --overlap-epochs: must be a whole number >= 1, got '0'"),
+])
+def test_benchmarks_refuse_bad_numbers_in_one_line_before_starting(capsys, argv, expect):
+    """Before, a zero or negative --timeout ended in a TimeoutError traceback from the start-up wait,
+    --batch 0 in one from a dying child process, and --chunk-mib 0, a negative --donor-uplink-mbps or
+    --accel-ms ran as if they meant something."""
+    from zgossip import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines()[-1] == f"zgossip {argv[0]}: error: {expect}", err
+    assert out == ""
+
+
+def test_bench_train_overlap_refuses_a_single_process(capsys):
+    """Before, --overlap --peers 1 ran a repetition and failed with a RuntimeError traceback."""
+    from zgossip import cli
+
+    assert cli.main(["bench-train", "--overlap", "--peers", "1"]) == 2
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines() == ["zgossip bench-train --overlap: need --peers >= 2 (processes that average together)"]
+    assert out == ""
