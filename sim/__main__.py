@@ -27,6 +27,8 @@ from typing import Sequence
 
 import numpy as np
 
+from zgossip.cliargs import nonnegative_int, positive_int
+
 __all__ = ["main"]
 
 
@@ -445,13 +447,13 @@ def _main(argv: list[str]) -> int:
     t.set_defaults(fn=cmd_table)
     c = sub.add_parser("compare", help="replay a testbed run in the simulator: measured vs predicted per round")
     c.add_argument("run", help="results JSON written by `python -m sim testbed SCENARIO --out RUN.json`")
-    c.add_argument("--skip", type=int, default=0, help="leave this many leading rounds out of the overall figures")
+    c.add_argument("--skip", type=nonnegative_int, default=0, help="leave this many leading rounds out of the overall figures")
     c.add_argument("--json", action="store_true", help="print the comparison as JSON")
     c.set_defaults(fn=lambda a: __import__("sim.compare", fromlist=["run_cli"]).run_cli(a))
     fi = sub.add_parser("fidelity", help="testbed vs simulator over a matrix of network cases (root)")
     fi.add_argument("--quick", action="store_true", help="only the small case the test suite runs")
     fi.add_argument("--cases", default="", help="comma-separated case names (default: all)")
-    fi.add_argument("--rounds", type=int, default=6, help="steps per case (the median is reported; default 6, so the first round -- connection set-up and slow start -- is not half of the median)")
+    fi.add_argument("--rounds", type=positive_int, default=6, help="steps per case (the median is reported; default 6, so the first round -- connection set-up and slow start -- is not half of the median)")
     fi.add_argument("--seed", type=int, default=1, help="seed of every case (default 1)")
     fi.add_argument("--out", help="write every case's runs and the table as JSON here")
     fi.set_defaults(fn=lambda a: __import__("sim.fidelity", fromlist=["main"]).main(a))

@@ -24,6 +24,8 @@ import json
 import sys
 from typing import Any, Callable, Sequence
 
+from zgossip.cliargs import nonnegative_float, positive_float, positive_int
+
 __all__ = ["overlap_on_testbed", "state_on_testbed", "main", "state_main"]
 
 
@@ -77,14 +79,14 @@ def state_on_testbed(size_mib: int = 256, donors: int = 4, donor_mbit: float = 2
 def state_main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sim state",
                                 description="zgossip bench-state with each donor and the downloader on a shaped host")
-    p.add_argument("--size-mib", type=int, default=256, help="state size in MiB (default 256)")
-    p.add_argument("--donors", type=int, default=4, help="donors of the parallel download (default 4)")
-    p.add_argument("--donor-mbit", type=float, default=200.0, help="each donor's up and down rate (default 200)")
-    p.add_argument("--downloader-mbit", type=float, default=1000.0, help="the downloader's rate (default 1000)")
-    p.add_argument("--latency-ms", type=float, default=5.0, help="each host's one-way latency to the switch")
-    p.add_argument("--reps", type=int, default=3, help="repetitions of each (ABBA order; default 3)")
-    p.add_argument("--chunk-mib", type=float, default=4.0, help="state chunk size in MiB (default 4)")
-    p.add_argument("--timeout", type=float, default=300.0, help="bound on every wait, in seconds")
+    p.add_argument("--size-mib", type=positive_int, default=256, help="state size in MiB (default 256)")
+    p.add_argument("--donors", type=positive_int, default=4, help="donors of the parallel download (default 4)")
+    p.add_argument("--donor-mbit", type=positive_float, default=200.0, help="each donor's up and down rate (default 200)")
+    p.add_argument("--downloader-mbit", type=positive_float, default=1000.0, help="the downloader's rate (default 1000)")
+    p.add_argument("--latency-ms", type=nonnegative_float, default=5.0, help="each host's one-way latency to the switch")
+    p.add_argument("--reps", type=positive_int, default=3, help="repetitions of each (ABBA order; default 3)")
+    p.add_argument("--chunk-mib", type=positive_float, default=4.0, help="state chunk size in MiB (default 4)")
+    p.add_argument("--timeout", type=positive_float, default=300.0, help="bound on every wait, in seconds")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     if args.donors < 2 or args.size_mib < 1 or args.reps < 1:
@@ -117,19 +119,21 @@ def state_main(argv: Sequence[str] | None = None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sim overlap", description=__doc__.split("\n\n")[1])
-    p.add_argument("--peers", type=int, default=2, help="processes, one per testbed host (default 2)")
-    p.add_argument("--mbit", type=float, default=100.0, help="each host's up and down rate (default 100)")
-    p.add_argument("--latency-ms", type=float, default=5.0, help="each host's one-way latency to the switch")
-    p.add_argument("--reps", type=int, default=5, help="repetitions of each (sync / overlap alternating; default 5)")
-    p.add_argument("--epochs", type=int, default=20, help="global steps per repetition (default 20)")
-    p.add_argument("--hidden", type=int, default=512, help="MLP width (default 512: 0.53M parameters)")
-    p.add_argument("--batch", type=int, default=16, help="samples per local batch (default 16)")
-    p.add_argument("--accel-ms", type=float, default=150.0,
+    p.add_argument("--peers", type=positive_int, default=2, help="processes, one per testbed host (default 2)")
+    p.add_argument("--mbit", type=positive_float, default=100.0, help="each host's up and down rate (default 100)")
+    p.add_argument("--latency-ms", type=nonnegative_float, default=5.0, help="each host's one-way latency to the switch")
+    p.add_argument("--reps", type=positive_int, default=5, help="repetitions of each (sync / overlap alternating; default 5)")
+    p.add_argument("--epochs", type=positive_int, default=20, help="global steps per repetition (default 20)")
+    p.add_argument("--hidden", type=positive_int, default=512, help="MLP width (default 512: 0.53M parameters)")
+    p.add_argument("--batch", type=positive_int, default=16, help="samples per local batch (default 16)")
+    p.add_argument("--accel-ms", type=nonnegative_float, default=150.0,
                    help="ms per batch during which this CPU is free, standing in for an accelerator's compute "
                         "(default 150: about a round of 0.53M float32 parameters between two 100 Mbit hosts)")
-    p.add_argument("--timeout", type=float, default=120.0, help="bound on every wait, in seconds")
+    p.add_argument("--timeout", type=positive_float, default=120.0, help="bound on every wait, in seconds")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
+    if args.peers < 2:
+        p.error("need --peers >= 2 (processes that average together)")
     from .testbed import TestbedUnavailable
 
     try:

@@ -368,3 +368,26 @@ def test_bench_train_overlap_refuses_a_single_process(capsys):
     out, err = capsys.readouterr()
     assert err.strip().splitlines() == ["zgossip bench-train --overlap: need --peers >= 2 (processes that average together)"]
     assert out == ""
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["compare", "--skip", "-1", "run.json"], "python -m sim compare: error: argument --skip: must be a whole number >= 0, got '-1'"),
+    (["fidelity", "--rounds", "0"], "python -m sim fidelity: error: argument --rounds: must be a whole number >= 1, got '0'"),
+    (["state", "--timeout", "0"], "python -m sim state: error: argument --timeout: must be a finite number > 0, got '0'"),
+    (["state", "--chunk-mib", "0"], "python -m sim state: error: argument --chunk-mib: must be a finite number > 0, got '0'"),
+    (["overlap", "--peers", "1"], "python -m sim overlap: error: need --peers >= 2 (processes that average together)"),
+    (["overlap", "--batch", "0"], "python -m sim overlap: error: argument --batch: must be a whole number >= 1, got '0'"),
+    (["overlap", "--latency-ms", "-1"], "python -m sim overlap: error: argument --latency-ms: must be a finite number >= 0, got '-1'"),
+])
+def test_simulator_commands_refuse_bad_numbers_before_building_a_testbed(capsys, argv, expect):
+    """Before, compare --skip -1 printed figures for 'rounds -1+', fidelity --rounds 0 measured nothing
+    and reported '0 of 1 cases', and state/overlap built a testbed and then failed with a TimeoutError
+    or RuntimeError (a zero timeout, one process, an empty batch)."""
+    from sim.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines()[-1] == expect, err
+    assert out == ""
