@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 
-__all__ = ["positive_int", "nonnegative_int", "positive_float", "nonnegative_float"]
+__all__ = ["positive_int", "nonnegative_int", "positive_float", "nonnegative_float", "log_level"]
 
 
 def _int(text: str, low: int, what: str) -> int:
@@ -44,3 +44,14 @@ def positive_float(text: str) -> float:
 
 def nonnegative_float(text: str) -> float:
     return _float(text, False)
+
+
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level(text: str) -> str:
+    """A logging level by name, in any case (``info`` -> ``INFO``)."""
+    name = text.strip().upper()
+    if name not in _LEVELS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(_LEVELS)}, got {text!r}")
+    return name

@@ -22,8 +22,10 @@ import hashlib
 import multiprocessing as mp
 import os
 import time
+import sys
 from typing import Any
 
+from .cliargs import log_level, nonnegative_float, positive_float, positive_int
 from .swarm import start_child, stop_children
 
 __all__ = ["add_arguments", "run", "Task", "make_model", "train_peer"]
@@ -167,17 +169,24 @@ def single_process_reference(cfg: dict) -> tuple[float, float]:
 
 
 # ---------------------------------------------------------------------------- CLI
+def _late_at(text: str) -> int:
+    v = int(text) if text.strip().lstrip("-").isdigit() else None
+    if v is None or v < -1:
+        raise argparse.ArgumentTypeError(f"must be an epoch >= 0, or -1 for no late joiner, got {text!r}")
+    return v
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--peers", type=int, default=3, help="peers that start together (default 3)")
-    p.add_argument("--late-at", type=int, default=5, help="epoch at which one more peer joins (default 5; -1: none)")
-    p.add_argument("--epochs", type=int, default=25, help="global steps to train (default 25)")
-    p.add_argument("--target-batch-size", type=int, default=512, help="samples per global step (default 512)")
-    p.add_argument("--batch-size", type=int, default=32, help="samples per local batch (default 32)")
-    p.add_argument("--lr", type=float, default=0.01, help="Adam learning rate (default 0.01)")
-    p.add_argument("--step-delay", type=float, default=0.01,
+    p.add_argument("--peers", type=positive_int, default=3, help="peers that start together (default 3)")
+    p.add_argument("--late-at", type=_late_at, default=5, help="epoch at which one more peer joins (default 5; -1: none)")
+    p.add_argument("--epochs", type=positive_int, default=25, help="global steps to train (default 25)")
+    p.add_argument("--target-batch-size", type=positive_int, default=512, help="samples per global step (default 512)")
+    p.add_argument("--batch-size", type=positive_int, default=32, help="samples per local batch (default 32)")
+    p.add_argument("--lr", type=positive_float, default=0.01, help="Adam learning rate (default 0.01)")
+    p.add_argument("--step-delay", type=nonnegative_float, default=0.01,
                    help="seconds each local step sleeps, standing in for a bigger model (default 0.01)")
     p.add_argument("--seed", type=int, default=0, help="data seed")
-    p.add_argument("--log-level", default="WARNING", help="logging level of the peer processes (DEBUG, INFO, WARNING, ...; default WARNING)")
+    p.add_argument("--log-level", type=log_level, default="WARNING", help="logging level of the peer processes (DEBUG, INFO, WARNING, ...; default WARNING)")
 
 
 class _Peers:
@@ -198,9 +207,14 @@ class _Peers:
         return len(self.procs) - 1
 
     def recv(self, k: int, timeout: float) -> dict:
-        if not self.conns[k].poll(timeout):
-            raise TimeoutError(f"peer {k} said nothing for {timeout}s")
-        return self.conns[k].recv()
+        try:
+            if not self.conns[k].poll(timeout):
+                raise TimeoutError(f"peer {k} said nothing for {timeout}s")
+            return self.conns[k].recv()
+        except (EOFError, OSError):
+            p = self.procs[k]
+            p.join(1.0)
+            raise RuntimeError(f"peer process {k} exited (exit code {p.exitcode}); its error is printed above") from None
 
     def close(self, timeout: float = 10.0) -> None:
         stop_children(self.conns, self.procs, "stop", timeout)
@@ -213,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
     late_at = args.late_at if 0 <= args.late_at < args.epochs else -1
     n = args.peers + (1 if late_at >= 0 else 0)
     cfg = dict(epochs=args.epochs, target_batch_size=args.target_batch_size, batch_size=args.batch_size, lr=args.lr,
-               data_seed=args.seed, step_delay=args.step_delay, log_level=args.log_level, target_group_size=n,
+               data_seed=args.seed, step_delay=args.step_delay, log_level=args.log_level, target_group_size=max(2, n),
                matchmaking_time=1.0, averager_opts=dict(gossip_interval=0.05, peer_timeout=3.0), time_limit=240.0,
                linger=60.0, wait_for_go=True)
     print(f"zgossip train-demo: {args.peers} local peer processes train a 16-64-4 MLP on a synthetic "
@@ -275,5 +289,8 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         peers.close(timeout=1.0)  # Ctrl-C: training peers read "stop" only after their run, don't wait for it
         raise
+    except (RuntimeError, TimeoutError) as e:
+        print(f"zgossip train-demo: error: {e}", file=sys.stderr)
+        return 1
     finally:
         peers.close()

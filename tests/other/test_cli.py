@@ -391,3 +391,65 @@ def test_simulator_commands_refuse_bad_numbers_before_building_a_testbed(capsys,
     out, err = capsys.readouterr()
     assert err.strip().splitlines()[-1] == expect, err
     assert out == ""
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["--target-batch-size", "0"], "argument --target-batch-size: must be a whole number >= 1, got '0'"),
+    (["--batch-size", "0"], "argument --batch-size: must be a whole number >= 1, got '0'"),
+    (["--lr", "nan"], "argument --lr: must be a finite number > 0, got 'nan'"),
+    (["--step-delay", "-1"], "argument --step-delay: must be a finite number >= 0, got '-1'"),
+    (["--late-at", "-5"], "argument --late-at: must be an epoch >= 0, or -1 for no late joiner, got '-5'"),
+    (["--log-level", "FOO"], "argument --log-level: must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL, got 'FOO'"),
+])
+def test_train_demo_refuses_bad_values_in_one_line(capsys, args, expect):
+    """Before, --target-batch-size 0 and --lr nan killed the peer processes and the command ended in an
+    EOFError traceback, --batch-size 0 hung for minutes (no batch ever counted), and --log-level FOO
+    ended in a ValueError traceback (the same for `zgossip peer` and `zgossip demo`)."""
+    from zgossip import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train-demo", *args])
+    assert e.value.code == 2
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines()[-1] == f"zgossip train-demo: error: {expect}", err
+    assert out == ""
+
+
+@pytest.mark.parametrize("command", ["peer", "demo"])
+def test_log_level_is_checked_and_case_free(command, capsys):
+    from zgossip import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main([command, "--log-level", "loud"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith("got 'loud'")
+    from zgossip.cliargs import log_level
+
+    assert log_level("info") == "INFO" and log_level(" Debug ") == "DEBUG"
+
+
+def test_train_demo_runs_with_one_peer_and_names_a_peer_process_that_died():
+    """`train-demo --peers 1` asked for groups of one, below the averager's minimum of two: the peer
+    process died at start-up (ValueError) and the command ended in an EOFError traceback."""
+    p = subprocess.run([sys.executable, "-m", "zgossip", "train-demo", "--peers", "1", "--epochs", "1", "--late-at", "-1"],
+                       capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "all peers hold identical parameters" in p.stdout and "Traceback" not in p.stderr
+    # and a peer process that dies is named in one line, not met with EOFError
+    import multiprocessing as mp
+
+    from zgossip.train_demo import _Peers
+
+    peers = _Peers()
+    parent, child = peers.ctx.Pipe()
+    proc = peers.ctx.Process(target=sys.exit, args=(3,))
+    proc.start()
+    child.close()
+    peers.procs.append(proc)
+    peers.conns.append(parent)
+    try:
+        with pytest.raises(RuntimeError, match=r"peer process 0 exited \(exit code 3\)"):
+            peers.recv(0, 30)
+    finally:
+        proc.join(5)
+        assert not proc.is_alive() and isinstance(proc, mp.process.BaseProcess)
