@@ -442,7 +442,7 @@ def _main(argv: list[str]) -> int:
     t.add_argument("--quick", action="store_true", help="3 restarts instead of 10")
     t.add_argument("--json", action="store_true", help="print the table as JSON")
     t.add_argument("--out", help="the sweep's results folder (default: results/moshpit_table-RESTARTS)")
-    t.add_argument("--workers", type=int, default=None, help="local processes (default: one per core)")
+    t.add_argument("--workers", type=positive_int, default=None, help="local processes (default: one per core)")
     t.add_argument("--serial", action="store_true", help="run in this process, one run after another")
     t.set_defaults(fn=cmd_table)
     c = sub.add_parser("compare", help="replay a testbed run in the simulator: measured vs predicted per round")

@@ -73,8 +73,10 @@ def _memory_child(n: int, side: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
+    from zgossip.cliargs import positive_int
+
     ap = argparse.ArgumentParser(prog="python -m sim bench")
-    ap.add_argument("--memory-peers", type=int, default=16384,
+    ap.add_argument("--memory-peers", type=positive_int, default=16384,
                     help="peers of the message-level run whose peak memory is measured (default 16384)")
     ap.add_argument("--skip-memory", action="store_true", help="skip the memory measurement (the slowest part)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")

@@ -44,6 +44,7 @@ from typing import Sequence
 
 import numpy as np
 
+from zgossip.cliargs import positive_int
 from zgossip.grid import seed_from
 
 from .roundlevel import Method, RoundLevelSwarm
@@ -211,8 +212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="3 restarts instead of 10")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     ap.add_argument("--extra", action="store_true", help="also run the moshpit-fill and moshpit-iid variants")
-    ap.add_argument("--restarts", type=int, default=None)
-    ap.add_argument("--cap", type=int, default=50)
+    ap.add_argument("--restarts", type=positive_int, default=None)
+    ap.add_argument("--cap", type=positive_int, default=50)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--message-level", action="store_true",
                     help="run Moshpit on the real protocol (SimPy, message level) for N=1024, p in {0, 0.01}")

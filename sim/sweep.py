@@ -76,6 +76,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from zgossip.cliargs import positive_int
+
 __all__ = ["Sweep", "Run", "SweepOutcome", "load_sweep", "run_sweep", "read_table", "rounds_to_eps",
            "code_version", "run_seed", "KINDS"]
 
@@ -824,13 +826,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def add_arguments(ap) -> None:
     ap.add_argument("sweep", help="a sweep file (TOML), e.g. sim/sweeps/moshpit_table.toml")
     ap.add_argument("--out", help="results folder (default: results/<sweep name>)")
-    ap.add_argument("--workers", type=int, default=None, help="local processes (default: one per core)")
+    ap.add_argument("--workers", type=positive_int, default=None, help="local processes (default: one per core)")
     ap.add_argument("--serial", action="store_true", help="run in this process, one run after another")
     ap.add_argument("--cluster", help="address of an existing Dask scheduler, e.g. tcp://10.0.0.5:8786")
-    ap.add_argument("--seeds", type=int, help="override the sweep's seeds with 0..N-1")
+    ap.add_argument("--seeds", type=positive_int, help="override the sweep's seeds with 0..N-1")
     ap.add_argument("--plot", action="store_true", help="draw the standard figures into OUT/plots")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
-    ap.add_argument("--bench", type=int, metavar="REPS",
+    ap.add_argument("--bench", type=positive_int, metavar="REPS",
                     help="benchmark: REPS repetitions of --serial, all cores and the machine's two-process "
                          "ceiling, side by side (fresh temporary results folders; prints the medians)")
 

@@ -453,3 +453,37 @@ def test_train_demo_runs_with_one_peer_and_names_a_peer_process_that_died():
     finally:
         proc.join(5)
         assert not proc.is_alive() and isinstance(proc, mp.process.BaseProcess)
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["sweep", "sim/sweeps/message_level.toml", "--workers", "0"], "python -m sim sweep: error: argument --workers: must be a whole number >= 1, got '0'"),
+    (["sweep", "sim/sweeps/message_level.toml", "--bench", "0"], "python -m sim sweep: error: argument --bench: must be a whole number >= 1, got '0'"),
+    (["sweep", "sim/sweeps/message_level.toml", "--bench", "-1"], "python -m sim sweep: error: argument --bench: must be a whole number >= 1, got '-1'"),
+    (["bench", "--memory-peers", "0"], "python -m sim bench: error: argument --memory-peers: must be a whole number >= 1, got '0'"),
+    (["table", "--workers", "0"], "python -m sim table: error: argument --workers: must be a whole number >= 1, got '0'"),
+])
+def test_sweep_table_and_bench_refuse_counts_below_one(capsys, argv, expect):
+    """Before, sweep --bench 0 ran the whole sweep instead of a benchmark (0 read as 'not given'),
+    --bench -1 ended in an IndexError, --workers 0 silently meant the default, and
+    bench --memory-peers 0 printed a ZeroDivisionError and exited 0."""
+    from sim.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == expect
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["--cap", "0"], "argument --cap: must be a whole number >= 1, got '0'"),
+    (["--restarts", "0"], "argument --restarts: must be a whole number >= 1, got '0'"),
+])
+def test_moshpit_table_refuses_an_empty_experiment(capsys, argv, expect):
+    """Before, --cap 0 ended in numpy's 'argmax of an empty sequence' traceback and --restarts 0
+    printed a table of nan."""
+    from sim.moshpit import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"python -m sim.moshpit: error: {expect}"
