@@ -203,6 +203,8 @@ class Scenario:
         cells = int(np.prod(self.grid)) if self.grid else 1
         if self.grid and self.placement in ("full", "distinct") and self.peers > cells:
             raise ValueError(f"{self.peers} peers do not fit {cells} grid cells with placement={self.placement}")
+        if self.grid and self.placement == "full" and 0 < self.peers < cells:
+            _check_full_placement(self.peers, tuple(int(g) for g in self.grid))
         unknown_profiles = set(self.profiles) - set(PROFILES)
         if unknown_profiles:
             raise ValueError(f"unknown profiles {sorted(unknown_profiles)}; known: {sorted(PROFILES)}")
@@ -309,6 +311,31 @@ class ScenarioResult:
         for r in self.rounds:
             w.writerow([json.dumps(r[c], sort_keys=True) if isinstance(r[c], (dict, list)) else r[c] for c in cols])
         return out.getvalue()
+
+
+def _check_full_placement(peers: int, grid: tuple[int, ...]) -> None:
+    """placement = "full" puts peer i in the i-th cell in grid order. With fewer peers than cells a peer
+    can be the only one in its line of some dimension: it then finds no group in every round along that
+    dimension (a 4-peer scenario on the default 4 x 4 grid failed every other round, all four peers,
+    after waiting out the matchmaking window). Refused, naming a grid that fits."""
+    cells = list(np.ndindex(*grid))[:peers]
+    for d in range(len(grid)):
+        lines = Counter(c[:d] + c[d + 1:] for c in cells)
+        alone = sum(1 for n in lines.values() if n == 1)
+        if alone:
+            raise ValueError(
+                f"placement = \"full\" puts {peers} peers in the first {peers} of the {int(np.prod(grid))} cells of "
+                f"grid = {list(grid)}: {alone} of them would be alone along dimension {d} and find no group in "
+                f"every round along it; give a grid with as many cells as peers (e.g. grid = {_fitting_grid(peers)}), "
+                "grid = [] (one group key) or placement = \"distinct\"")
+
+
+def _fitting_grid(peers: int) -> list[int]:
+    """The most square two-dimensional grid of exactly `peers` cells (one dimension if `peers` is prime)."""
+    a = int(math.isqrt(peers))
+    while a > 1 and peers % a:
+        a -= 1
+    return [peers] if a <= 1 else [peers // a, a]
 
 
 def place_peers(grid: MoshpitGrid, count: int, placement: str, rng: np.random.Generator) -> list[tuple]:

@@ -143,3 +143,22 @@ def test_bench_memory_run_takes_a_peer_count_that_is_no_square(capsys):
     _memory_child(10, round(10 ** 0.5))  # what main() passes: the side is the rounded square root
     out = json.loads(capsys.readouterr().out)
     assert out["peers"] == 10 and out["succeeded"] == 10
+
+
+def test_full_placement_that_leaves_a_peer_alone_along_a_dimension_is_refused_at_load():
+    """`peers = 4` on the default 4 x 4 grid put all four peers in one row: every round along the
+    other dimension each peer was alone, and all four failed with GroupNotFound after the whole
+    matchmaking window (4.6 s of 9), silently. Refused, naming a grid that fits."""
+    from sim.scenario import Scenario
+
+    with pytest.raises(ValueError, match=r"4 of them would be alone along dimension 0.*grid = \[2, 2\]"):
+        Scenario.from_dict({"peers": 4, "numel": 4})
+    with pytest.raises(ValueError, match=r"e\.g\. grid = \[5\]"):
+        Scenario.from_dict({"peers": 5, "numel": 4, "grid": [3, 3]})
+    # fine: every peer has a partner along both dimensions, or the cells are not filled in order
+    Scenario.from_dict({"peers": 8, "numel": 4})  # rows 0 and 1 of 4 x 4
+    Scenario.from_dict({"peers": 4, "numel": 4, "placement": "distinct"})
+    Scenario.from_dict({"peers": 4, "numel": 4, "grid": [2, 2]})
+    Scenario.from_dict({"peers": 4, "numel": 4, "grid": []})
+    res = run_scenario({"peers": 4, "numel": 4, "rounds": 2, "grid": [2, 2]})
+    assert [r["succeeded"] for r in res.rounds] == [4, 4]
