@@ -63,6 +63,11 @@ class Connections:
             if server is None:
                 raise ValueError(f"no public key known for {endpoint}: give it as tcp://HOST:PORT#KEY or in the "
                                  "allow file (KEY tcp://HOST:PORT)")
+            if server not in self._curve.allowed:
+                # a key not on the list gets nothing, whoever names it (a lying GROUP or REDIRECT, a
+                # revoked groupmate): CURVE would encrypt our tensors for that key alone
+                raise ValueError(f"the key expected at {endpoint} ({server[:16]}) is not on the allow list: "
+                                 "nothing is sent there")
         sock = self._ctx.socket(zmq.DEALER)
         mon = None
         try:

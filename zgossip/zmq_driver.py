@@ -599,7 +599,8 @@ class ZmqTransport:
                 self.connections.dealer(endpoint, lane)
         except (zmq.ZMQError, ValueError, OSError) as e:
             self.stats["send_errors"] += 1
-            if self.curve is not None and isinstance(e, ValueError) and "no public key" in str(e):
+            if self.curve is not None and isinstance(e, ValueError) and (
+                    "no public key" in str(e) or "not on the allow list" in str(e)):
                 self.curve.once(("nokey", endpoint), f"could not send to {endpoint}: {e}")
                 return
             if "temporarily unavailable" in str(e) or getattr(e, "errno", None) == zmq.EAGAIN:

@@ -526,6 +526,51 @@ def test_hostile_allowed_peer_protocol_data(case, caplog):
         refusals_logged_once(2)
 
 
+def test_a_lying_group_sends_nothing_to_a_key_not_on_the_allow_list(caplog):
+    """An allowed rendezvous peer adds to its GROUP a member whose key nobody allows, at an endpoint
+    that key really listens on: the honest members send it nothing (CURVE would have encrypted their
+    tensors for that key alone), count and log the refusal once, and average among themselves."""
+    from zgossip.messages import MemberInfo
+    from zgossip.rendezvous import rendezvous_order
+
+    while True:  # the hostile peer (the fourth) must be the rendezvous peer of the swarm's key
+        keys = [KeyPair.generate() for _ in range(4)]
+        if rendezvous_order([k.peer_id for k in keys], "sec")[0] == keys[3].peer_id:
+            break
+    outsider = KeyPair.generate()
+    spy = zmq.Context.instance().socket(zmq.ROUTER)
+    spy.linger = 0
+    spy.curve_server = True
+    spy.curve_secretkey, spy.curve_publickey = outsider.secret.encode(), outsider.public.encode()
+    spy_ep = f"tcp://127.0.0.1:{spy.bind_to_random_port('tcp://127.0.0.1')}"
+    try:
+        # the third peer never steps: the others cannot close their group from notes, so the GROUP counts
+        with _swarm(4, keys=keys, allow=[k.public for k in keys], values=[0, 1, 2, 3], min_group_size=2,
+                    local_ipc=False) as avs:
+            honest, evil = avs[:2], avs[3]
+
+            def mutate(ep, msg):
+                if msg.type is wire.MsgType.GROUP:
+                    extra = MemberInfo(outsider.peer_id, spy_ep, 100.0, "f" * 16, 1)
+                    msg = dataclasses.replace(msg, members=msg.members + (extra,))
+                return [(ep, msg)]
+
+            _hostile_transmit(evil, mutate)
+            assert _wait(lambda: all(len(a.peers()) == 3 for a in avs))
+            caplog.set_level(logging.WARNING, logger="zgossip.curve")
+            res = _step_all(honest + [evil])
+            for a, r in zip(honest, res):
+                assert not isinstance(r, Exception), r
+                assert outsider.peer_id in r.members and set(r.contributors) == {x.peer_id for x in honest}
+                assert np.array_equal(_tensor(a), np.full(NUMEL, 0.5, np.float32))
+                assert a.stats["send_errors"] > 0
+            assert spy.poll(300) == 0  # not one message reached the outsider's key
+            lines = [r.getMessage() for r in caplog.records if "not on the allow list" in r.getMessage()]
+            assert len(lines) == len(honest) and all(spy_ep in m for m in lines), lines
+    finally:
+        spy.close(0)
+
+
 # ------------------------------------------------------------------ the command line
 def test_keygen_and_peer_command_with_keys(tmp_path, capsys):
     """`zgossip keygen` writes private key files; two `zgossip peer --key --allow` processes average,
