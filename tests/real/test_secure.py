@@ -6,6 +6,7 @@ import concurrent.futures as cf
 import contextlib
 import dataclasses
 import logging
+import re
 import select
 import socket
 import threading
@@ -82,6 +83,50 @@ def test_keygen_file_is_private_and_loads(tmp_path):
         load_key(tmp_path / "k")
     with pytest.raises(ValueError, match="exists"):
         write_key_file(tmp_path / "k")
+
+
+def test_a_bad_key_file_is_a_clear_error_that_never_shows_the_secret(tmp_path, capsys):
+    """Each malformed key file is a ValueError naming the file (`zgossip peer`: one line, exit status 2),
+    and no message echoes the secret; a quoted key may be followed by a comment."""
+    from zgossip import cli
+
+    kp, other = write_key_file(tmp_path / "good"), KeyPair.generate()
+
+    def key_file(name, text=None, data=None):
+        path = tmp_path / name
+        path.write_bytes(data) if data is not None else path.write_text(text)
+        path.chmod(0o600)
+        return path
+
+    (tmp_path / "dir").mkdir(mode=0o700)
+    bad = {
+        "dir": (tmp_path / "dir", "not a file"),
+        "binary": (key_file("binary", data=b"\xff\xfe garbage"), "cannot read key file"),
+        # a secret one character short (a bad copy): its length is shown, never its characters
+        "short": (key_file("short", f'public-key = "{kp.public}"\nsecret-key = "{kp.secret[:-1]}"\n'),
+                  "invalid secret key (39 characters)"),
+        # the lines of two key pairs mixed up: every handshake would fail, reported only by the other end
+        "mixed": (key_file("mixed", f'public-key = "{other.public}"\nsecret-key = "{kp.secret}"\n'),
+                  "different key pairs"),
+    }
+    allow = tmp_path / "allow"
+    allow.write_text(kp.public + "\n")
+    for name, (path, want) in bad.items():
+        with pytest.raises(ValueError, match=re.escape(want)) as e:
+            load_key(path)
+        assert str(path) in str(e.value) and kp.secret[:8] not in str(e.value), (name, e.value)
+        assert cli.main(["peer", "--key", str(path), "--allow", str(allow), "--listen", "tcp://127.0.0.1:0",
+                         "--rounds", "1", "--plain"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("zgossip peer: error: ") and want in err and kp.secret[:8] not in err, (name, err)
+        assert "Traceback" not in err
+    with pytest.raises(ValueError, match="different key pairs"):
+        KeyPair(other.public, kp.secret)
+    with pytest.raises(ValueError) as e:
+        KeyPair(kp.public, kp.secret + "x")
+    assert kp.secret not in str(e.value)
+    commented = key_file("commented", f'public-key = "{kp.public}"  # host a\nsecret-key = "{kp.secret}" # mine\n')
+    assert load_key(commented) == kp
 
 
 def test_mixed_configuration_is_refused_at_construction():
