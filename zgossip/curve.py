@@ -42,6 +42,12 @@ class Curve:
         self.allowed.ids.add(keys.peer_id)  # a node always accepts itself (restarts on the same key)
         self._told: dict[str, str] = {}  # endpoint -> peer id, from that peer's own messages
         self._given = {**{ep: pid for ep, pid in allowed.endpoints.items()}, **known}  # endpoint -> peer id
+        # the one endpoint each peer is last said to be at, in `_told` / `_vouched`: a peer claims one
+        # endpoint at a time, so both tables stay as small as the allow list however many endpoints
+        # an allowed peer names (one per message used to be kept for ever)
+        self._told_at: dict[str, str] = {}
+        self._vouched: dict[str, str] = {}  # endpoint -> peer id, as an allowed peer named it (`vouched`)
+        self._vouched_at: dict[str, str] = {}
         self.logged: set[tuple[str, str]] = set()
 
     # ---------------------------------------------------------------- sockets
@@ -59,7 +65,8 @@ class Curve:
     # ---------------------------------------------------------------- keys of endpoints
     def peer_at(self, endpoint: str, membership_lookup: Callable[[str], str | None]) -> str | None:
         """The peer id (= key) expected at `endpoint`, or None when no source names one."""
-        pid = self._told.get(endpoint) or self._given.get(endpoint) or membership_lookup(endpoint)
+        pid = (self._told.get(endpoint) or self._given.get(endpoint) or self._vouched.get(endpoint)
+               or membership_lookup(endpoint))
         return pid if pid is not None and public_key_of(pid) is not None else None
 
     def vouched(self, msg) -> None:
@@ -75,14 +82,19 @@ class Curve:
         else:
             return
         for pid, ep in pairs:
-            if ep not in self._told and public_key_of(pid) is not None:
-                self._given[ep] = pid
+            if public_key_of(pid) is None or pid == self.keys.peer_id:
+                continue
+            if pid not in self.allowed:  # never connected to (`connections`): nothing to remember for it
+                self.once(("named", pid), f"{msg.sender[:16]} named peer {pid[:16]} at {ep}, whose key is not on the "
+                                          "allow list: nothing is sent to it")
+            elif ep not in self._told:
+                _place(self._vouched, self._vouched_at, pid, ep)
 
     def heard(self, peer_id: str, endpoint: str) -> bool:
         """An authenticated message from `peer_id` claims `endpoint`; True when that changes the key
         known for it (then connections opened with the old key must be closed)."""
         old = self._told.get(endpoint)
-        self._told[endpoint] = peer_id
+        _place(self._told, self._told_at, peer_id, endpoint)
         return old is not None and old != peer_id
 
     # ---------------------------------------------------------------- messages
@@ -101,6 +113,16 @@ class Curve:
             return
         self.logged.add(key)
         log.log(level, "zgossip node %s: %s", self.name, text)
+
+
+def _place(table: dict[str, str], at: dict[str, str], peer_id: str, endpoint: str) -> None:
+    """`table[endpoint] = peer_id`, dropping the endpoint `peer_id` was at before (`at`) if it still
+    names that peer."""
+    before = at.get(peer_id)
+    if before is not None and before != endpoint and table.get(before) == peer_id:
+        del table[before]
+    at[peer_id] = endpoint
+    table[endpoint] = peer_id
 
 
 def handshake_failure(event: dict, keyed: bool) -> tuple[str, str]:

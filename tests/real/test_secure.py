@@ -428,6 +428,38 @@ def test_hostile_raw_messages_change_nothing(case, caplog):
         evil.close(0)
 
 
+def test_endpoints_an_allowed_peer_names_are_remembered_once_per_peer():
+    """Each endpoint an allowed peer claimed for itself, or named for a GROUP member, used to be kept
+    for ever (a key for each): one peer sending messages with ever new endpoints grew a node's memory
+    without bound. Now one endpoint per peer id is kept, and none for keys off the allow list."""
+    keys = [KeyPair.generate() for _ in range(3)]
+    with _swarm(2, keys=keys, allow=[k.public for k in keys]) as avs:
+        victim, curve = avs[0], avs[0].transport.curve
+        evil = _raw_dealer(victim.endpoint, keys[2], keys[0].public)
+        me, n = keys[2].peer_id, 3000
+        strangers = [KeyPair.generate().peer_id for _ in range(50)]
+        before = victim.stats["received"]
+        try:
+            for i in range(n):
+                ep = f"tcp://10.{(i >> 8) & 255}.{i & 255}.1:{1000 + i}"
+                if i % 10:
+                    evil.send_multipart([_header(wire.MsgType.GOSSIP, me, ep, {"hb": i, "peers": []})])
+                else:  # a GROUP for no step of the victim's, naming allowed and unknown keys at new endpoints
+                    members = [[pid, f"tcp://10.9.{j}.{i % 250}:{2000 + i}", 1.0, "ab" * 8, 1]
+                               for j, pid in enumerate([avs[1].peer_id] + strangers)]
+                    evil.send_multipart([_header(wire.MsgType.GROUP, me, ep, {"key": "sec", "gid": f"{i:016x}",
+                                                                               "members": members})])
+            assert _wait(lambda: victim.stats["received"] >= before + n, 20.0)
+            vouched = len(curve._given) + len(getattr(curve, "_vouched", {}))  # the victim was given none
+            assert len(curve._told) <= 3 and vouched <= 1, (len(curve._told), vouched)
+        finally:
+            evil.close(0)
+        # the honest peer is still reached at its own endpoint, which it claims itself
+        assert curve.peer_at(avs[1].endpoint, lambda ep: None) == avs[1].peer_id
+        res = _step_all(avs)
+        assert all(not isinstance(r, Exception) for r in res), res
+
+
 def test_oversize_on_the_keyed_local_socket_is_counted_by_key(caplog):
     """The local Unix socket of a node with keys is a second ROUTER (PLAIN + key proof): a frame over
     the limit cut there is counted and logged once, naming the connection's key."""
@@ -603,7 +635,7 @@ def test_a_lying_group_sends_nothing_to_a_key_not_on_the_allow_list(caplog):
             _hostile_transmit(evil, mutate)
             assert _wait(lambda: all(len(a.peers()) == 3 for a in avs))
             caplog.set_level(logging.WARNING, logger="zgossip.curve")
-            res = _step_all(honest + [evil])
+            res = _step_all(honest)  # the hostile peer only forms the group (its own view has no outsider)
             for a, r in zip(honest, res):
                 assert not isinstance(r, Exception), r
                 assert outsider.peer_id in r.members and set(r.contributors) == {x.peer_id for x in honest}
