@@ -22,6 +22,7 @@ from typing import Callable
 
 import zmq
 
+from .droplog import OncePer
 from .identity import AllowList, KeyPair, public_key_of
 
 __all__ = ["Curve"]
@@ -48,7 +49,7 @@ class Curve:
         self._told_at: dict[str, str] = {}
         self._vouched: dict[str, str] = {}  # endpoint -> peer id, as an allowed peer named it (`vouched`)
         self._vouched_at: dict[str, str] = {}
-        self.logged: set[tuple[str, str]] = set()
+        self._once = OncePer(log, f"zgossip node {name}")
 
     # ---------------------------------------------------------------- sockets
     def server(self, sock: zmq.Socket, domain: str) -> None:
@@ -85,8 +86,8 @@ class Curve:
             if public_key_of(pid) is None or pid == self.keys.peer_id:
                 continue
             if pid not in self.allowed:  # never connected to (`connections`): nothing to remember for it
-                self.once(("named", pid), f"{msg.sender[:16]} named peer {pid[:16]} at {ep}, whose key is not on the "
-                                          "allow list: nothing is sent to it")
+                self.once(("named", msg.sender), f"{msg.sender[:16]} named peer {pid[:16]} at {ep}, whose key is not "
+                                                 "on the allow list: nothing is sent to it (logged once per sender)")
             elif ep not in self._told:
                 _place(self._vouched, self._vouched_at, pid, ep)
 
@@ -105,14 +106,15 @@ class Curve:
         self.stats["unauthenticated"] += 1
         why = ("revoked key" if user_id == sender else
                f"sender {sender[:16]} on a connection authenticated as {str(user_id)[:16]}")
-        self.once(("msg", str(user_id)), f"dropped a message from {source}: {why} (later ones are only counted)")
+        self.once(("msg", str(user_id)), f"dropped a message from {source}: {why} (later ones are only counted)",
+                  counter="unauthenticated")
         return False
 
-    def once(self, key: tuple[str, str], text: str, level: int = logging.WARNING) -> None:
-        if key in self.logged or len(self.logged) > 4096:
-            return
-        self.logged.add(key)
-        log.log(level, "zgossip node %s: %s", self.name, text)
+    def once(self, key: tuple[str, str], text: str, level: int = logging.WARNING, counter: str = "send_errors") -> None:
+        """Log `text` the first time for `key` = (kind, place); a bounded number of places per kind
+        (`droplog.OncePer`: one peer may make us try thousands)."""
+        if self._once.first(key[1], key[0], counter):
+            log.log(level, "zgossip node %s: %s", self.name, text)
 
 
 def _place(table: dict[str, str], at: dict[str, str], peer_id: str, endpoint: str) -> None:

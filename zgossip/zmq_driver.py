@@ -48,6 +48,7 @@ from .clock import WALL_CLOCK
 from .connections import Connections
 from .curve import HANDSHAKE_EVENTS, Curve, handshake_failure
 from .cuts import ConnectionCuts
+from .droplog import OncePer
 from .endpoints import CLIENT_SCHEME, advertised, check_endpoint, client_endpoint, reachable
 from .identity import AllowList, KeyPair
 from .fast_send import FAST_SEND
@@ -116,7 +117,8 @@ class ZmqTransport:
         self.curve: Curve | None = None
         self._replies: dict[str, bytes] = {}  # client peer id -> routing id of its connection to our ROUTER
         self._backlog: dict[str, collections.deque] = {}  # client peer id -> messages waiting for it to connect
-        self._refusals: set[tuple[str, str]] = set()  # (where, kind) of failed handshakes already logged
+        # (where, kind) of failed handshakes and sends already logged (a bounded number per kind)
+        self._refusals = OncePer(log, "zgossip node")
 
     def start(self, peer_id: str, make_node: NodeFactory, owner: Owner) -> None:
         tune_malloc()
@@ -187,6 +189,7 @@ class ZmqTransport:
 
     def _make_rest(self, peer_id: str, make_node: NodeFactory) -> None:
         self.node = make_node(self.endpoint, None)
+        self._refusals.owner = f"zgossip node {self.endpoint}"
         self.node.accept_endpoints(_tcp_reachable)  # what peers name must be an address we can connect to
         self._cuts = ConnectionCuts(self.stats, self.node.drops, log, self._max_msg)
         self._poller = zmq.Poller()
@@ -568,9 +571,8 @@ class ZmqTransport:
     def _handshake_failed(self, where: str, event: dict) -> None:
         self.stats["handshake_failures"] += 1
         kind, text = handshake_failure(event, self.curve is not None)
-        if (where, kind) in self._refusals or len(self._refusals) > 4096:
+        if not self._refusals.first(where, kind, "handshake_failures"):
             return
-        self._refusals.add((where, kind))
         log.error("zgossip node %s: connection with %s refused: %s (logged once; counted in "
                   "stats['handshake_failures'])", self.endpoint, where, text)
 
@@ -605,18 +607,16 @@ class ZmqTransport:
                 return
             if "temporarily unavailable" in str(e) or getattr(e, "errno", None) == zmq.EAGAIN:
                 # no connection came up (e.g. the peer refuses our key, or speaks no CURVE): once per peer
-                if (endpoint, "eagain") not in self._refusals:
-                    self._refusals.add((endpoint, "eagain"))
+                if self._refusals.first(endpoint, "eagain", "send_errors"):
                     log.warning("zgossip node %s: could not send to %s: no connection could be set up (later "
                                 "failures are only counted in stats['send_errors'])", self.endpoint, endpoint)
                 return
             # once per endpoint and kind of failure (a peer may name unreachable endpoints by the
             # thousand, or one may fail every send): the rest only counted in stats["send_errors"]
             kind = f"send:{getattr(e, 'errno', None) or type(e).__name__}"
-            if (endpoint, kind) in self._refusals or len(self._refusals) > 4096:
+            if not self._refusals.first(endpoint, kind, "send_errors"):
                 log.debug("zgossip node %s: could not send %s to %s: %s", self.endpoint, msg.type.name, endpoint, e)
                 return
-            self._refusals.add((endpoint, kind))
             log.warning("zgossip node %s: could not send %s to %s: %s (logged once per endpoint and error; later "
                         "failures are only counted in stats['send_errors'])", self.endpoint, msg.type.name, endpoint, e)
 
@@ -630,8 +630,7 @@ class ZmqTransport:
         except Exception as e:
             self.stats["send_errors"] += 1
             key = (msg.type.name, f"encode {type(e).__name__}")
-            if key not in self._refusals and len(self._refusals) <= 4096:
-                self._refusals.add(key)
+            if self._refusals.first(*key, "send_errors"):
                 log.error("zgossip node %s: could not encode %s for %s, dropped (%s: %s; later such drops are "
                           "only counted in stats['send_errors'])", self.endpoint, msg.type.name, endpoint,
                           type(e).__name__, e)

@@ -460,6 +460,34 @@ def test_endpoints_an_allowed_peer_names_are_remembered_once_per_peer():
         assert all(not isinstance(r, Exception) for r in res), res
 
 
+def test_group_flood_with_made_up_endpoints_does_not_silence_later_refusals(caplog):
+    """One allowed peer sends 5,000 GROUPs for steps the victim never made, each claiming a new
+    endpoint: each is dropped and counted, a bounded number is logged, and a later refusal of
+    another kind from another peer is still logged (it was only counted once 4,096 lines were out)."""
+    keys = [KeyPair.generate() for _ in range(3)]
+    with _swarm(1, keys=keys, allow=[k.public for k in keys]) as avs:
+        victim = avs[0]
+        evil = _raw_dealer(victim.endpoint, keys[1], keys[0].public)
+        other = _raw_dealer(victim.endpoint, keys[2], keys[0].public)
+        me, n = keys[1].peer_id, 5000
+        members = [[me, "tcp://127.0.0.1:9", 1.0, "ab" * 8, 1]]
+        caplog.set_level(logging.WARNING)
+        try:
+            for i in range(n):
+                evil.send_multipart([_header(wire.MsgType.GROUP, me, f"tcp://10.0.{(i >> 8) & 255}.{i & 255}:{1000 + i}",
+                                             {"key": "sec", "gid": f"{i:016x}", "members": members})])
+            assert _wait(lambda: victim.stats["dropped"] >= n, 20.0)
+            other.send_multipart([_header(wire.MsgType.GOSSIP, keys[2].peer_id, "tcp://127.0.0.1:9",
+                                          {"hb": 1, "peers": []}, version=99)])
+            assert _wait(lambda: victim.stats["invalid"] == 1)
+        finally:
+            evil.close(0)
+            other.close(0)
+        lines = [r.getMessage() for r in caplog.records]
+        assert sum("a GROUP for a step this peer never made" in m for m in lines) <= 64, len(lines)
+        assert any("an invalid message" in m and keys[2].peer_id in m for m in lines)
+
+
 def test_oversize_on_the_keyed_local_socket_is_counted_by_key(caplog):
     """The local Unix socket of a node with keys is a second ROUTER (PLAIN + key proof): a frame over
     the limit cut there is counted and logged once, naming the connection's key."""
