@@ -468,6 +468,8 @@ class ZmqTransport:
             if sock is self._router and msg.endpoint.startswith(CLIENT_SCHEME) and wire.lane_of(msg.type) == 0:
                 if msg.endpoint != client_endpoint(msg.sender):
                     self.stats["invalid"] += 1
+                    self.node.drops.note(log, msg.sender, "a message whose client endpoint is not its sender's",
+                                         f"{msg.endpoint[:80]!r}", counter="invalid")
                     continue
                 self._client_seen(msg.sender, rid)
             if fresh:  # without keys: the peer id and endpoint it claims

@@ -272,7 +272,8 @@ def _header(mtype, sender, endpoint, body, meta=(), version=wire.PROTOCOL_VERSIO
     return msgpack.packb([version, int(mtype), sender, endpoint, body, list(meta)], use_bin_type=True)
 
 
-RAW_CASES = ["wrong_version", "truncated", "oversize", "garbage", "impersonation", "replay", "gossip_flood", "join_flood"]
+RAW_CASES = ["wrong_version", "truncated", "oversize", "garbage", "impersonation", "replay", "gossip_flood", "join_flood",
+             "client_endpoint"]
 
 
 class _RecordingProxy:
@@ -375,6 +376,9 @@ def test_hostile_raw_messages_change_nothing(case, caplog):
             failures = victim.stats["handshake_failures"]
             proxy.replay()
             assert _wait(lambda: victim.stats["handshake_failures"] > failures, 5.0)
+        elif case == "client_endpoint":
+            # in its own name, but as the client (no listening socket) another peer is
+            evil.send_multipart([_header(wire.MsgType.GOSSIP, me, "client://" + avs[1].peer_id, gossip)])
         elif case == "gossip_flood":
             for i in range(3000):
                 evil.send_multipart([_header(wire.MsgType.GOSSIP, me, ep, {"hb": i, "peers": []})])
@@ -389,8 +393,11 @@ def test_hostile_raw_messages_change_nothing(case, caplog):
             assert set(r.members) == {x.peer_id for x in avs}
             assert np.array_equal(_tensor(a), np.full(NUMEL, 1.0, np.float32))
         after = victim.stats
-        if case in ("wrong_version", "truncated", "garbage"):
+        if case in ("wrong_version", "truncated", "garbage", "client_endpoint"):
             assert after["invalid"] > before["invalid"]
+        if case == "client_endpoint":  # counted, and logged once naming the sender
+            lines = [r.getMessage() for r in caplog.records if "client endpoint is not its sender" in r.getMessage()]
+            assert len(lines) == 1 and me in lines[0], lines
         if case == "replay":
             # the connection it opened was refused in the handshake; no message of it was read (the
             # receive count moved only with the honest peers' traffic, which the round above needed)
