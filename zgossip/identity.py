@@ -263,9 +263,10 @@ class AllowList:
         if isinstance(spec, (str, os.PathLike)) and not is_key(spec):
             path = Path(spec)
             try:
-                return cls.parse(path.read_text(), str(path))
-            except OSError as e:
+                text = path.read_text()
+            except (OSError, UnicodeDecodeError) as e:
                 raise ValueError(f"cannot read allow file {path}: {e}") from None
+            return cls.parse(text, str(path))
         if isinstance(spec, str):
             spec = [spec]
         return cls.parse("\n".join(spec))

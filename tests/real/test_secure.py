@@ -125,6 +125,9 @@ def test_a_bad_key_file_is_a_clear_error_that_never_shows_the_secret(tmp_path, c
     with pytest.raises(ValueError) as e:
         KeyPair(kp.public, kp.secret + "x")
     assert kp.secret not in str(e.value)
+    (tmp_path / "binary.allow").write_bytes(b"\xff\xfe garbage")
+    with pytest.raises(ValueError, match="cannot read allow file .*binary.allow"):
+        AllowList.of(tmp_path / "binary.allow")
     commented = key_file("commented", f'public-key = "{kp.public}"  # host a\nsecret-key = "{kp.secret}" # mine\n')
     assert load_key(commented) == kp
 
