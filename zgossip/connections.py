@@ -88,7 +88,12 @@ class Connections:
                 # need not wait out its timeouts: messages queued on a dropped connection may be lost.
                 # (Lane 0 is the one every groupmate has; one report per peer is enough.) Failed
                 # handshakes (a refused key, a peer without keys) are reported once in the log.
-                mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_EVENTS)
+                events = zmq.EVENT_DISCONNECTED | HANDSHAKE_EVENTS
+                if server is not None and route == endpoint:
+                    # over CURVE, a server that hangs up mid-handshake could not open our HELLO: it
+                    # holds another key than the one we were given for it (`curve.handshake_failure`)
+                    events |= zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                mon = sock.get_monitor_socket(events)
                 self._poller.register(mon, zmq.POLLIN)
                 self.monitors[mon] = endpoint
             if self._readable:

@@ -137,5 +137,9 @@ def handshake_failure(event: dict, keyed: bool) -> tuple[str, str]:
                                           "or run the whole swarm without keys"))
     if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         return "auth", "the peer refused this peer's key (it is not on that peer's allow list)"
+    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # (seen only on our CURVE connections)
+        return "hung up", ("the peer there hung up during the CURVE handshake: most likely it holds another key "
+                           "than the one this peer was given for that address (check the #KEY of the initial peer "
+                           "or the allow file's line), or it stopped at that moment")
     return "handshake", f"handshake failed (event {event['event']:#x}, value {event['value']:#x}): " \
                         "a wrong key for that endpoint, or not a zgossip peer"

@@ -211,6 +211,26 @@ def test_revoked_key_is_dropped_and_forgotten():
             assert np.array_equal(_tensor(a), np.full(NUMEL, 0.5, np.float32))
 
 
+def test_an_initial_peer_given_with_the_wrong_key_is_reported_by_the_joiner(caplog):
+    """The joiner was given another allowed peer's key for its initial peer's address: the CURVE
+    handshake fails at the listener, which used to be the only end that said so; the joiner (whose
+    configuration is wrong) retried for ever with nothing in its log."""
+    a, b, c = (KeyPair.generate() for _ in range(3))
+    allow = [a.public, b.public, c.public]
+    with caplog.at_level(logging.ERROR):
+        first = zgossip.Averager([np.zeros(NUMEL, np.float32)], secret_key=a, allowed_keys=allow, local_ipc=False, **KW)
+        joiner = zgossip.Averager([np.zeros(NUMEL, np.float32)], secret_key=b, allowed_keys=allow, local_ipc=False,
+                                  initial_peers=[f"{first.endpoint}#{c.public}"], **KW)
+        try:
+            assert _wait(lambda: joiner.stats["handshake_failures"] > 0)
+            assert joiner.peers() == [] and first.peers() == []
+        finally:
+            joiner.shutdown(timeout=1.0)
+            first.shutdown(timeout=1.0)
+    lines = [r.getMessage() for r in caplog.records if "hung up during the CURVE handshake" in r.getMessage()]
+    assert len(lines) == 1 and joiner.endpoint in lines[0] and first.endpoint in lines[0], lines
+
+
 def test_mixed_swarm_is_refused_with_a_clear_error(caplog):
     kp = KeyPair.generate()
     with caplog.at_level(logging.ERROR):
