@@ -133,11 +133,36 @@ class ZmqTransport:
         self._router = self._router_monitor = None
         self._local = self._local_monitor = None  # with keys: the PLAIN router on the local socket
         self._zap_domain = None
-        if self.client_mode:
-            self.endpoint = client_endpoint(peer_id)
-        else:
-            self._bind()
-        self._make_rest(peer_id, make_node)
+        self._thread: threading.Thread | None = None
+        try:
+            if self.client_mode:
+                self.endpoint = client_endpoint(peer_id)
+            else:
+                self._bind()
+            self._make_rest(peer_id, make_node)
+        except BaseException:
+            if self._thread is None:  # (once it runs, the I/O thread closes everything as it ends)
+                self._abandon_start()
+            raise
+
+    def _abandon_start(self) -> None:
+        """Close what a start that failed before its I/O thread ran had opened (the listen address
+        taken, say): its sockets, and its ZAP domain, which kept the ZAP handler thread and its
+        gate for ever (each failed Averager(...) left one to two descriptors open)."""
+        for r, m in ((self._router, self._router_monitor), (self._local, self._local_monitor)):
+            if r is not None:
+                if m is not None:
+                    r.disable_monitor()
+                    m.close(0)
+                r.close(0)
+        for name in ("_wake_in", "_wake_out"):
+            sock = self.__dict__.get(name)
+            if sock is not None:
+                sock.close(0)
+        if self._zap_domain is not None:
+            from . import zap
+
+            zap.unregister(self._ctx, self._zap_domain)
 
     def _new_router(self) -> zmq.Socket:
         r = self._ctx.socket(zmq.ROUTER)

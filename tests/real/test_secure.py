@@ -143,6 +143,33 @@ def test_mixed_configuration_is_refused_at_construction():
         zgossip.Averager([np.zeros(4, np.float32)], prefix="x", secret_key=kp)
 
 
+def test_a_start_that_fails_leaves_no_socket_nor_zap_gate_behind():
+    """Averager(...) on a listen address already taken raises; each such attempt used to leave its
+    ROUTER, monitor and ZAP gate open (one to two descriptors each, and the ZAP handler thread)."""
+    import os
+
+    from zgossip import zap
+
+    kp = KeyPair.generate()
+    taken = socket.create_server(("127.0.0.1", 0))
+    listen = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+
+    def attempt():
+        with pytest.raises(zmq.ZMQError):
+            zgossip.Averager([np.zeros(4, np.float32)], prefix="x", listen=listen, secret_key=kp,
+                             allowed_keys=[kp.public])
+
+    try:
+        attempt()  # the process-wide ZeroMQ context may open its own descriptors on first use
+        fds = len(os.listdir("/proc/self/fd"))
+        for _ in range(4):  # (0.2 s each: the ZAP handler thread ends with its last gate)
+            attempt()
+        assert len(os.listdir("/proc/self/fd")) <= fds
+        assert not any(h.gates for h in zap._handlers.values())
+    finally:
+        taken.close()
+
+
 # ------------------------------------------------------------------ allowed peers average
 @pytest.mark.parametrize("local_ipc", [True, False], ids=["unix", "tcp"])
 def test_allowed_peers_average_with_curve(local_ipc):
