@@ -671,6 +671,13 @@ class ZmqTransport:
         if self._router is None:
             self.stats["unreachable"] += 1
             return
+        if self.curve is not None and pid not in self.curve.allowed:
+            # a key off the list gets nothing (`connections`), and could never connect to collect it:
+            # nothing is queued for it either (a lying GROUP could name many such clients)
+            self.stats["send_errors"] += 1
+            self.curve.once(("nokey", endpoint), f"could not send to {endpoint[:80]}: that client's key is not on "
+                                                 "the allow list: nothing is sent there")
+            return
         if rid is None:
             q = self._backlog.get(pid)
             if q is None:

@@ -699,7 +699,7 @@ def test_a_lying_group_sends_nothing_to_a_key_not_on_the_allow_list(caplog):
         keys = [KeyPair.generate() for _ in range(4)]
         if rendezvous_order([k.peer_id for k in keys], "sec")[0] == keys[3].peer_id:
             break
-    outsider = KeyPair.generate()
+    outsider, client = KeyPair.generate(), KeyPair.generate()
     spy = zmq.Context.instance().socket(zmq.ROUTER)
     spy.linger = 0
     spy.curve_server = True
@@ -713,8 +713,9 @@ def test_a_lying_group_sends_nothing_to_a_key_not_on_the_allow_list(caplog):
 
             def mutate(ep, msg):
                 if msg.type is wire.MsgType.GROUP:
-                    extra = MemberInfo(outsider.peer_id, spy_ep, 100.0, "f" * 16, 1)
-                    msg = dataclasses.replace(msg, members=msg.members + (extra,))
+                    extra = (MemberInfo(outsider.peer_id, spy_ep, 100.0, "f" * 16, 1),  # and as a client:
+                             MemberInfo(client.peer_id, "client://" + client.peer_id, 0.0, "e" * 16, 1))
+                    msg = dataclasses.replace(msg, members=msg.members + extra)
                 return [(ep, msg)]
 
             _hostile_transmit(evil, mutate)
@@ -723,12 +724,17 @@ def test_a_lying_group_sends_nothing_to_a_key_not_on_the_allow_list(caplog):
             res = _step_all(honest)  # the hostile peer only forms the group (its own view has no outsider)
             for a, r in zip(honest, res):
                 assert not isinstance(r, Exception), r
-                assert outsider.peer_id in r.members and set(r.contributors) == {x.peer_id for x in honest}
+                assert {outsider.peer_id, client.peer_id} <= set(r.members)
+                assert set(r.contributors) == {x.peer_id for x in honest}
                 assert np.array_equal(_tensor(a), np.full(NUMEL, 0.5, np.float32))
                 assert a.stats["send_errors"] > 0
             assert spy.poll(300) == 0  # not one message reached the outsider's key
+            # nor is anything kept for the outsider named as a client (its key could never connect)
+            assert all(client.peer_id not in a.transport._backlog for a in honest)
             lines = [r.getMessage() for r in caplog.records if "not on the allow list" in r.getMessage()]
-            assert len(lines) == len(honest) and all(spy_ep in m for m in lines), lines
+            named = [m for m in lines if "named peer" in m and spy_ep in m]  # once per node and sender
+            clients = [m for m in lines if "client's key is not on the allow list" in m]
+            assert len(named) == len(clients) == len(honest) and len(lines) == 2 * len(honest), lines
     finally:
         spy.close(0)
 
