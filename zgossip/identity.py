@@ -163,6 +163,10 @@ def load_key(source: Any) -> KeyPair:
     try:
         mode = path.stat().st_mode
     except OSError as e:
+        if isinstance(source, str) and is_key(source):
+            # a key itself (a secret key, most likely) where a file was expected: never echo it
+            raise ValueError("the key file given is 40 Z85 characters, a key itself rather than a path: pass the "
+                             "path of a key file (`zgossip keygen FILE`) or identity.KeyPair(public, secret)") from None
         raise ValueError(f"cannot read key file {path}: {e}") from None
     if not stat.S_ISREG(mode):
         raise ValueError(f"cannot read key file {path}: not a file (write one with `zgossip keygen FILE`)")

@@ -120,6 +120,12 @@ def test_a_bad_key_file_is_a_clear_error_that_never_shows_the_secret(tmp_path, c
         err = capsys.readouterr().err
         assert err.startswith("zgossip peer: error: ") and want in err and kp.secret[:8] not in err, (name, err)
         assert "Traceback" not in err
+    # the secret itself passed where its file was expected (from an environment variable, say)
+    with pytest.raises(ValueError, match="a key itself rather than a path") as e:
+        zgossip.Averager([np.zeros(4, np.float32)], prefix="x", secret_key=kp.secret, allowed_keys=[kp.public])
+    assert kp.secret not in str(e.value)
+    assert cli.main(["peer", "--key", kp.secret, "--allow", str(allow), "--listen", "tcp://127.0.0.1:0"]) == 2
+    assert kp.secret not in capsys.readouterr().err
     with pytest.raises(ValueError, match="different key pairs"):
         KeyPair(other.public, kp.secret)
     with pytest.raises(ValueError) as e:
