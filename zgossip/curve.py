@@ -57,6 +57,7 @@ class Curve:
         sock.setsockopt(zmq.CURVE_SECRETKEY, self.keys.secret.encode())
         sock.setsockopt(zmq.CURVE_PUBLICKEY, self.keys.public.encode())
         sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no ZAP handler (a bug, a shutdown): refuse, never admit all
 
     def client(self, sock: zmq.Socket, server_id: str) -> None:
         sock.setsockopt(zmq.CURVE_SERVERKEY, public_key_of(server_id).encode())  # type: ignore[union-attr]

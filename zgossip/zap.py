@@ -96,7 +96,16 @@ class _Handler:
                 if not sock.poll(200):
                     continue
                 frames = sock.recv_multipart()
-                sock.send_multipart(self._answer(frames))
+                try:
+                    answer = self._answer(frames)
+                except Exception:
+                    # a bug here must neither admit that key nor end the thread: without a handler
+                    # libzmq would admit every key (and the connections' messages, with no user id,
+                    # would all be dropped as unauthenticated)
+                    log.exception("zgossip ZAP handler: internal error; the connection was refused")
+                    answer = [frames[0] if frames else b"1.0", frames[1] if len(frames) > 1 else b"", b"500",
+                              b"internal error", b"", b""]
+                sock.send_multipart(answer)
         except zmq.ContextTerminated:
             pass
         finally:

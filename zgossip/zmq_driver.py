@@ -198,6 +198,7 @@ class ZmqTransport:
                 self._local = r = self._new_router()
                 r.setsockopt(zmq.PLAIN_SERVER, 1)
                 r.setsockopt(zmq.ZAP_DOMAIN, self._zap_domain.encode())  # type: ignore[union-attr]
+                r.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # (as `curve.Curve.server`)
                 self._local_monitor = r.get_monitor_socket(_ROUTER_EVENTS)
             try:
                 r.bind("ipc://@" + local)

@@ -551,6 +551,40 @@ def test_group_flood_with_made_up_endpoints_does_not_silence_later_refusals(capl
         assert any("an invalid message" in m and keys[2].peer_id in m for m in lines)
 
 
+def test_a_zap_handler_error_refuses_that_connection_and_the_handler_lives_on(monkeypatch, caplog):
+    """An exception in the ZAP handler used to end its thread; libzmq then admitted every key without
+    asking, and every message after that, allowed peers' too, was dropped as unauthenticated (no user
+    id). Now that one connection is refused, the error logged, and the next allowed peer gets in."""
+    from zgossip import zap
+
+    keys = [KeyPair.generate() for _ in range(3)]
+    with _swarm(1, keys=keys[:2], allow=[k.public for k in keys[:2]]) as avs:
+        victim = avs[0]
+        real_admit = zap.Gate.admit
+
+        def broken(self, client_key, address):
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr(zap.Gate, "admit", broken)
+        hello = {"hb": 1, "peers": []}
+        first = _raw_dealer(victim.endpoint, keys[2], keys[0].public)
+        try:
+            first.send_multipart([_header(wire.MsgType.GOSSIP, keys[2].peer_id, "tcp://127.0.0.1:9", hello)])
+            assert _wait(lambda: victim.stats["handshake_failures"] > 0)
+        finally:
+            first.close(0)
+        monkeypatch.setattr(zap.Gate, "admit", real_admit)
+        assert all(h.thread.is_alive() for h in zap._handlers.values())
+        good = _raw_dealer(victim.endpoint, keys[1], keys[0].public)
+        try:
+            good.send_multipart([_header(wire.MsgType.GOSSIP, keys[1].peer_id, "tcp://127.0.0.1:9", hello)])
+            assert _wait(lambda: victim.stats["received"] >= 1)
+        finally:
+            good.close(0)
+        assert victim.stats["unauthenticated"] == 0 and victim.stats["received"] == 1
+        assert any("ZAP handler: internal error" in r.getMessage() for r in caplog.records)
+
+
 def test_oversize_on_the_keyed_local_socket_is_counted_by_key(caplog):
     """The local Unix socket of a node with keys is a second ROUTER (PLAIN + key proof): a frame over
     the limit cut there is counted and logged once, naming the connection's key."""
