@@ -34,6 +34,12 @@ __all__ = ["Announcement", "tag", "may_join", "ROUND", "TAGS"]
 
 ROUND, TAGS = "zg.round", "zg.prefix"
 
+#: the largest round an announcement may name (half the wire's `messages.MAX_ROUND`): peers adopt
+#: the highest round announced, so a liar naming one near the limit would carry every peer past
+#: it, after which no JOIN could be built and the swarm never averaged again. Honest swarms count
+#: one round per step: they never come near 2**61.
+MAX_ANNOUNCED_ROUND = 1 << 61
+
 
 def tag(text: str, size: int = 6) -> str:
     """A short, PYTHONHASHSEED-independent digest of `text` (prefixes: 6 bytes; keys: 4, which
@@ -57,7 +63,7 @@ class Announcement:
         """The announcement in a peer's gossiped record, or None if it holds none readable (a
         peer's record is untrusted input: anything malformed reads as "announced nothing")."""
         r, t = info.get(ROUND), info.get(TAGS)
-        if type(r) is not int or type(t) is not str:
+        if type(r) is not int or type(t) is not str or not 0 <= r <= MAX_ANNOUNCED_ROUND:
             return None
         return _parse(cls, r, t)
 

@@ -63,6 +63,11 @@ class Connections:
             if server is None:
                 raise ValueError(f"no public key known for {endpoint}: give it as tcp://HOST:PORT#KEY or in the "
                                  "allow file (KEY tcp://HOST:PORT)")
+            if server not in self._curve.allowed:
+                # a key not on the list gets nothing, whoever names it (a lying GROUP or REDIRECT, a
+                # revoked groupmate): CURVE would encrypt our tensors for that key alone
+                raise ValueError(f"the key expected at {endpoint} ({server[:16]}) is not on the allow list: "
+                                 "nothing is sent there")
         sock = self._ctx.socket(zmq.DEALER)
         mon = None
         try:
@@ -83,7 +88,12 @@ class Connections:
                 # need not wait out its timeouts: messages queued on a dropped connection may be lost.
                 # (Lane 0 is the one every groupmate has; one report per peer is enough.) Failed
                 # handshakes (a refused key, a peer without keys) are reported once in the log.
-                mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_EVENTS)
+                events = zmq.EVENT_DISCONNECTED | HANDSHAKE_EVENTS
+                if server is not None and route == endpoint:
+                    # over CURVE, a server that hangs up mid-handshake could not open our HELLO: it
+                    # holds another key than the one we were given for it (`curve.handshake_failure`)
+                    events |= zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                mon = sock.get_monitor_socket(events)
                 self._poller.register(mon, zmq.POLLIN)
                 self.monitors[mon] = endpoint
             if self._readable:

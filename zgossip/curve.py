@@ -22,6 +22,7 @@ from typing import Callable
 
 import zmq
 
+from .droplog import OncePer
 from .identity import AllowList, KeyPair, public_key_of
 
 __all__ = ["Curve"]
@@ -42,7 +43,13 @@ class Curve:
         self.allowed.ids.add(keys.peer_id)  # a node always accepts itself (restarts on the same key)
         self._told: dict[str, str] = {}  # endpoint -> peer id, from that peer's own messages
         self._given = {**{ep: pid for ep, pid in allowed.endpoints.items()}, **known}  # endpoint -> peer id
-        self.logged: set[tuple[str, str]] = set()
+        # the one endpoint each peer is last said to be at, in `_told` / `_vouched`: a peer claims one
+        # endpoint at a time, so both tables stay as small as the allow list however many endpoints
+        # an allowed peer names (one per message used to be kept for ever)
+        self._told_at: dict[str, str] = {}
+        self._vouched: dict[str, str] = {}  # endpoint -> peer id, as an allowed peer named it (`vouched`)
+        self._vouched_at: dict[str, str] = {}
+        self._once = OncePer(log, f"zgossip node {name}")
 
     # ---------------------------------------------------------------- sockets
     def server(self, sock: zmq.Socket, domain: str) -> None:
@@ -50,6 +57,7 @@ class Curve:
         sock.setsockopt(zmq.CURVE_SECRETKEY, self.keys.secret.encode())
         sock.setsockopt(zmq.CURVE_PUBLICKEY, self.keys.public.encode())
         sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no ZAP handler (a bug, a shutdown): refuse, never admit all
 
     def client(self, sock: zmq.Socket, server_id: str) -> None:
         sock.setsockopt(zmq.CURVE_SERVERKEY, public_key_of(server_id).encode())  # type: ignore[union-attr]
@@ -59,7 +67,8 @@ class Curve:
     # ---------------------------------------------------------------- keys of endpoints
     def peer_at(self, endpoint: str, membership_lookup: Callable[[str], str | None]) -> str | None:
         """The peer id (= key) expected at `endpoint`, or None when no source names one."""
-        pid = self._told.get(endpoint) or self._given.get(endpoint) or membership_lookup(endpoint)
+        pid = (self._told.get(endpoint) or self._given.get(endpoint) or self._vouched.get(endpoint)
+               or membership_lookup(endpoint))
         return pid if pid is not None and public_key_of(pid) is not None else None
 
     def vouched(self, msg) -> None:
@@ -75,14 +84,19 @@ class Curve:
         else:
             return
         for pid, ep in pairs:
-            if ep not in self._told and public_key_of(pid) is not None:
-                self._given[ep] = pid
+            if public_key_of(pid) is None or pid == self.keys.peer_id:
+                continue
+            if pid not in self.allowed:  # never connected to (`connections`): nothing to remember for it
+                self.once(("named", msg.sender), f"{msg.sender[:16]} named peer {pid[:16]} at {ep}, whose key is not "
+                                                 "on the allow list: nothing is sent to it (logged once per sender)")
+            elif ep not in self._told:
+                _place(self._vouched, self._vouched_at, pid, ep)
 
     def heard(self, peer_id: str, endpoint: str) -> bool:
         """An authenticated message from `peer_id` claims `endpoint`; True when that changes the key
         known for it (then connections opened with the old key must be closed)."""
         old = self._told.get(endpoint)
-        self._told[endpoint] = peer_id
+        _place(self._told, self._told_at, peer_id, endpoint)
         return old is not None and old != peer_id
 
     # ---------------------------------------------------------------- messages
@@ -93,14 +107,25 @@ class Curve:
         self.stats["unauthenticated"] += 1
         why = ("revoked key" if user_id == sender else
                f"sender {sender[:16]} on a connection authenticated as {str(user_id)[:16]}")
-        self.once(("msg", str(user_id)), f"dropped a message from {source}: {why} (later ones are only counted)")
+        self.once(("msg", str(user_id)), f"dropped a message from {source}: {why} (later ones are only counted)",
+                  counter="unauthenticated")
         return False
 
-    def once(self, key: tuple[str, str], text: str, level: int = logging.WARNING) -> None:
-        if key in self.logged or len(self.logged) > 4096:
-            return
-        self.logged.add(key)
-        log.log(level, "zgossip node %s: %s", self.name, text)
+    def once(self, key: tuple[str, str], text: str, level: int = logging.WARNING, counter: str = "send_errors") -> None:
+        """Log `text` the first time for `key` = (kind, place); a bounded number of places per kind
+        (`droplog.OncePer`: one peer may make us try thousands)."""
+        if self._once.first(key[1], key[0], counter):
+            log.log(level, "zgossip node %s: %s", self.name, text)
+
+
+def _place(table: dict[str, str], at: dict[str, str], peer_id: str, endpoint: str) -> None:
+    """`table[endpoint] = peer_id`, dropping the endpoint `peer_id` was at before (`at`) if it still
+    names that peer."""
+    before = at.get(peer_id)
+    if before is not None and before != endpoint and table.get(before) == peer_id:
+        del table[before]
+    at[peer_id] = endpoint
+    table[endpoint] = peer_id
 
 
 def handshake_failure(event: dict, keyed: bool) -> tuple[str, str]:
@@ -113,5 +138,9 @@ def handshake_failure(event: dict, keyed: bool) -> tuple[str, str]:
                                           "or run the whole swarm without keys"))
     if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         return "auth", "the peer refused this peer's key (it is not on that peer's allow list)"
+    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # (seen only on our CURVE connections)
+        return "hung up", ("the peer there hung up during the CURVE handshake: most likely it holds another key "
+                           "than the one this peer was given for that address (check the #KEY of the initial peer "
+                           "or the allow file's line), or it stopped at that moment")
     return "handshake", f"handshake failed (event {event['event']:#x}, value {event['value']:#x}): " \
                         "a wrong key for that endpoint, or not a zgossip peer"

@@ -21,7 +21,8 @@ Files (all plain text, ``#`` starts a comment):
 
 * an initial peer with a key: ``tcp://HOST:PORT#<Z85 public key>``.
 
-Nothing here imports pyzmq (`generate` does, when called): ``import zgossip`` stays light.
+Nothing here imports pyzmq at import time (`KeyPair` does when one is made or generated, to check
+that its public key is its secret's): ``import zgossip`` stays light.
 """
 from __future__ import annotations
 
@@ -88,9 +89,12 @@ def is_key(text: Any) -> bool:
     return True
 
 
-def _check_key(text: Any, what: str) -> str:
+def _check_key(text: Any, what: str, secret: bool = False) -> str:
     if not is_key(text):
-        raise ValueError(f"invalid {what} {text!r:.60}: expected 40 Z85 characters (as `zgossip keygen` writes)")
+        # a secret is never echoed (an exception message ends up in logs and terminals): only its length
+        shown = (f"({len(text)} characters)" if isinstance(text, str) else f"(a {type(text).__name__})") if secret \
+            else f"{text!r:.60}"
+        raise ValueError(f"invalid {what} {shown}: expected 40 Z85 characters (as `zgossip keygen` writes)")
     return text
 
 
@@ -118,7 +122,13 @@ class KeyPair:
 
     def __post_init__(self) -> None:
         _check_key(self.public, "public key")
-        _check_key(self.secret, "secret key")
+        _check_key(self.secret, "secret key", secret=True)
+        import zmq  # only here: the public key of a secret is libzmq's curve25519
+
+        if zmq.curve_public(self.secret.encode()).decode() != self.public:
+            # else every handshake of this peer fails, and only the other end says so ("a wrong key")
+            raise ValueError(f"the secret key is not the one of public key {self.public}: the two belong to "
+                             "different key pairs (write a fresh pair with `zgossip keygen FILE`)")
 
     @property
     def peer_id(self) -> str:
@@ -137,7 +147,10 @@ def _fields(text: str) -> dict[str, str]:
     for line in text.splitlines():
         k, eq, v = line.partition("=")
         if eq and not k.strip().startswith("#"):
-            out[k.strip()] = v.strip().strip('"')
+            v = v.strip()
+            if v.startswith('"') and '"' in v[1:]:
+                v = v[1:v.index('"', 1)]  # a quoted value (as keygen writes) may be followed by a comment
+            out[k.strip()] = v.strip('"')
     return out
 
 
@@ -150,15 +163,28 @@ def load_key(source: Any) -> KeyPair:
     try:
         mode = path.stat().st_mode
     except OSError as e:
+        if isinstance(source, str) and is_key(source):
+            # a key itself (a secret key, most likely) where a file was expected: never echo it
+            raise ValueError("the key file given is 40 Z85 characters, a key itself rather than a path: pass the "
+                             "path of a key file (`zgossip keygen FILE`) or identity.KeyPair(public, secret)") from None
         raise ValueError(f"cannot read key file {path}: {e}") from None
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"cannot read key file {path}: not a file (write one with `zgossip keygen FILE`)")
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         warnings.warn(f"key file {path} is readable by others (mode {stat.S_IMODE(mode):o}): anyone who reads it can "
                       f"join the swarm as this peer; run `chmod 600 {path}`", KeyFileWarning, stacklevel=2)
-    f = _fields(path.read_text())
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read key file {path}: {e}") from None
+    f = _fields(text)
     if "secret-key" not in f or "public-key" not in f:
         raise ValueError(f"{path} is not a zgossip key file (needs 'public-key = ...' and 'secret-key = ...' lines; "
                          "write one with `zgossip keygen FILE`)")
-    return KeyPair(f["public-key"], f["secret-key"])
+    try:
+        return KeyPair(f["public-key"], f["secret-key"])
+    except ValueError as e:
+        raise ValueError(f"key file {path}: {e}") from None
 
 
 def write_key_file(path: Any, keys: KeyPair | None = None, overwrite: bool = False) -> KeyPair:
@@ -241,9 +267,10 @@ class AllowList:
         if isinstance(spec, (str, os.PathLike)) and not is_key(spec):
             path = Path(spec)
             try:
-                return cls.parse(path.read_text(), str(path))
-            except OSError as e:
+                text = path.read_text()
+            except (OSError, UnicodeDecodeError) as e:
                 raise ValueError(f"cannot read allow file {path}: {e}") from None
+            return cls.parse(text, str(path))
         if isinstance(spec, str):
             spec = [spec]
         return cls.parse("\n".join(spec))

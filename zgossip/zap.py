@@ -28,6 +28,7 @@ import threading
 import zmq
 
 from . import local_auth
+from .droplog import OncePer
 from .identity import AllowList, KeyPair
 
 __all__ = ["Gate", "register", "unregister"]
@@ -42,7 +43,9 @@ class Gate:
 
     def __init__(self, allowed: AllowList, name: str, stats: dict, keys: KeyPair | None = None) -> None:
         self.allowed, self.name, self.stats, self.keys = allowed, name, stats, keys
-        self.logged: set[str] = set()
+        # one line per refused key, for a bounded number of keys (anyone can make fresh keys by the
+        # thousand; a single cap over all of them let such a flood silence every later refusal)
+        self._once = OncePer(log, f"zgossip node {name}")
 
     def admit(self, client_key: bytes, address: str) -> str | None:
         """The peer id for an allowed key; None (after counting, and logging once) otherwise."""
@@ -68,8 +71,8 @@ class Gate:
 
     def _refuse(self, key: str, text: str) -> None:
         self.stats["refused"] = self.stats.get("refused", 0) + 1
-        if key not in self.logged and len(self.logged) < 4096:
-            self.logged.add(key)
+        kind = f"refused connection ({key.partition(':')[0] if ':' in key else 'key'})"
+        if self._once.first(key, kind, "refused"):
             log.warning("zgossip node %s: %s (further attempts are only counted in stats['refused'])",
                         self.name, text)
         return None
@@ -93,7 +96,16 @@ class _Handler:
                 if not sock.poll(200):
                     continue
                 frames = sock.recv_multipart()
-                sock.send_multipart(self._answer(frames))
+                try:
+                    answer = self._answer(frames)
+                except Exception:
+                    # a bug here must neither admit that key nor end the thread: without a handler
+                    # libzmq would admit every key (and the connections' messages, with no user id,
+                    # would all be dropped as unauthenticated)
+                    log.exception("zgossip ZAP handler: internal error; the connection was refused")
+                    answer = [frames[0] if frames else b"1.0", frames[1] if len(frames) > 1 else b"", b"500",
+                              b"internal error", b"", b""]
+                sock.send_multipart(answer)
         except zmq.ContextTerminated:
             pass
         finally:

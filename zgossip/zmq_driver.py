@@ -48,6 +48,7 @@ from .clock import WALL_CLOCK
 from .connections import Connections
 from .curve import HANDSHAKE_EVENTS, Curve, handshake_failure
 from .cuts import ConnectionCuts
+from .droplog import OncePer
 from .endpoints import CLIENT_SCHEME, advertised, check_endpoint, client_endpoint, reachable
 from .identity import AllowList, KeyPair
 from .fast_send import FAST_SEND
@@ -116,7 +117,8 @@ class ZmqTransport:
         self.curve: Curve | None = None
         self._replies: dict[str, bytes] = {}  # client peer id -> routing id of its connection to our ROUTER
         self._backlog: dict[str, collections.deque] = {}  # client peer id -> messages waiting for it to connect
-        self._refusals: set[tuple[str, str]] = set()  # (where, kind) of failed handshakes already logged
+        # (where, kind) of failed handshakes and sends already logged (a bounded number per kind)
+        self._refusals = OncePer(log, "zgossip node")
 
     def start(self, peer_id: str, make_node: NodeFactory, owner: Owner) -> None:
         tune_malloc()
@@ -131,11 +133,36 @@ class ZmqTransport:
         self._router = self._router_monitor = None
         self._local = self._local_monitor = None  # with keys: the PLAIN router on the local socket
         self._zap_domain = None
-        if self.client_mode:
-            self.endpoint = client_endpoint(peer_id)
-        else:
-            self._bind()
-        self._make_rest(peer_id, make_node)
+        self._thread: threading.Thread | None = None
+        try:
+            if self.client_mode:
+                self.endpoint = client_endpoint(peer_id)
+            else:
+                self._bind()
+            self._make_rest(peer_id, make_node)
+        except BaseException:
+            if self._thread is None:  # (once it runs, the I/O thread closes everything as it ends)
+                self._abandon_start()
+            raise
+
+    def _abandon_start(self) -> None:
+        """Close what a start that failed before its I/O thread ran had opened (the listen address
+        taken, say): its sockets, and its ZAP domain, which kept the ZAP handler thread and its
+        gate for ever (each failed Averager(...) left one to two descriptors open)."""
+        for r, m in ((self._router, self._router_monitor), (self._local, self._local_monitor)):
+            if r is not None:
+                if m is not None:
+                    r.disable_monitor()
+                    m.close(0)
+                r.close(0)
+        for name in ("_wake_in", "_wake_out"):
+            sock = self.__dict__.get(name)
+            if sock is not None:
+                sock.close(0)
+        if self._zap_domain is not None:
+            from . import zap
+
+            zap.unregister(self._ctx, self._zap_domain)
 
     def _new_router(self) -> zmq.Socket:
         r = self._ctx.socket(zmq.ROUTER)
@@ -171,6 +198,7 @@ class ZmqTransport:
                 self._local = r = self._new_router()
                 r.setsockopt(zmq.PLAIN_SERVER, 1)
                 r.setsockopt(zmq.ZAP_DOMAIN, self._zap_domain.encode())  # type: ignore[union-attr]
+                r.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # (as `curve.Curve.server`)
                 self._local_monitor = r.get_monitor_socket(_ROUTER_EVENTS)
             try:
                 r.bind("ipc://@" + local)
@@ -187,6 +215,7 @@ class ZmqTransport:
 
     def _make_rest(self, peer_id: str, make_node: NodeFactory) -> None:
         self.node = make_node(self.endpoint, None)
+        self._refusals.owner = f"zgossip node {self.endpoint}"
         self.node.accept_endpoints(_tcp_reachable)  # what peers name must be an address we can connect to
         self._cuts = ConnectionCuts(self.stats, self.node.drops, log, self._max_msg)
         self._poller = zmq.Poller()
@@ -465,6 +494,8 @@ class ZmqTransport:
             if sock is self._router and msg.endpoint.startswith(CLIENT_SCHEME) and wire.lane_of(msg.type) == 0:
                 if msg.endpoint != client_endpoint(msg.sender):
                     self.stats["invalid"] += 1
+                    self.node.drops.note(log, msg.sender, "a message whose client endpoint is not its sender's",
+                                         f"{msg.endpoint[:80]!r}", counter="invalid")
                     continue
                 self._client_seen(msg.sender, rid)
             if fresh:  # without keys: the peer id and endpoint it claims
@@ -568,9 +599,8 @@ class ZmqTransport:
     def _handshake_failed(self, where: str, event: dict) -> None:
         self.stats["handshake_failures"] += 1
         kind, text = handshake_failure(event, self.curve is not None)
-        if (where, kind) in self._refusals or len(self._refusals) > 4096:
+        if not self._refusals.first(where, kind, "handshake_failures"):
             return
-        self._refusals.add((where, kind))
         log.error("zgossip node %s: connection with %s refused: %s (logged once; counted in "
                   "stats['handshake_failures'])", self.endpoint, where, text)
 
@@ -599,23 +629,22 @@ class ZmqTransport:
                 self.connections.dealer(endpoint, lane)
         except (zmq.ZMQError, ValueError, OSError) as e:
             self.stats["send_errors"] += 1
-            if self.curve is not None and isinstance(e, ValueError) and "no public key" in str(e):
+            if self.curve is not None and isinstance(e, ValueError) and (
+                    "no public key" in str(e) or "not on the allow list" in str(e)):
                 self.curve.once(("nokey", endpoint), f"could not send to {endpoint}: {e}")
                 return
             if "temporarily unavailable" in str(e) or getattr(e, "errno", None) == zmq.EAGAIN:
                 # no connection came up (e.g. the peer refuses our key, or speaks no CURVE): once per peer
-                if (endpoint, "eagain") not in self._refusals:
-                    self._refusals.add((endpoint, "eagain"))
+                if self._refusals.first(endpoint, "eagain", "send_errors"):
                     log.warning("zgossip node %s: could not send to %s: no connection could be set up (later "
                                 "failures are only counted in stats['send_errors'])", self.endpoint, endpoint)
                 return
             # once per endpoint and kind of failure (a peer may name unreachable endpoints by the
             # thousand, or one may fail every send): the rest only counted in stats["send_errors"]
             kind = f"send:{getattr(e, 'errno', None) or type(e).__name__}"
-            if (endpoint, kind) in self._refusals or len(self._refusals) > 4096:
+            if not self._refusals.first(endpoint, kind, "send_errors"):
                 log.debug("zgossip node %s: could not send %s to %s: %s", self.endpoint, msg.type.name, endpoint, e)
                 return
-            self._refusals.add((endpoint, kind))
             log.warning("zgossip node %s: could not send %s to %s: %s (logged once per endpoint and error; later "
                         "failures are only counted in stats['send_errors'])", self.endpoint, msg.type.name, endpoint, e)
 
@@ -629,8 +658,7 @@ class ZmqTransport:
         except Exception as e:
             self.stats["send_errors"] += 1
             key = (msg.type.name, f"encode {type(e).__name__}")
-            if key not in self._refusals and len(self._refusals) <= 4096:
-                self._refusals.add(key)
+            if self._refusals.first(*key, "send_errors"):
                 log.error("zgossip node %s: could not encode %s for %s, dropped (%s: %s; later such drops are "
                           "only counted in stats['send_errors'])", self.endpoint, msg.type.name, endpoint,
                           type(e).__name__, e)
@@ -643,6 +671,13 @@ class ZmqTransport:
         rid = self._replies.get(pid)
         if self._router is None:
             self.stats["unreachable"] += 1
+            return
+        if self.curve is not None and pid not in self.curve.allowed:
+            # a key off the list gets nothing (`connections`), and could never connect to collect it:
+            # nothing is queued for it either (a lying GROUP could name many such clients)
+            self.stats["send_errors"] += 1
+            self.curve.once(("nokey", endpoint), f"could not send to {endpoint[:80]}: that client's key is not on "
+                                                 "the allow list: nothing is sent there")
             return
         if rid is None:
             q = self._backlog.get(pid)

@@ -6,6 +6,7 @@ import concurrent.futures as cf
 import contextlib
 import dataclasses
 import logging
+import re
 import select
 import socket
 import threading
@@ -84,6 +85,59 @@ def test_keygen_file_is_private_and_loads(tmp_path):
         write_key_file(tmp_path / "k")
 
 
+def test_a_bad_key_file_is_a_clear_error_that_never_shows_the_secret(tmp_path, capsys):
+    """Each malformed key file is a ValueError naming the file (`zgossip peer`: one line, exit status 2),
+    and no message echoes the secret; a quoted key may be followed by a comment."""
+    from zgossip import cli
+
+    kp, other = write_key_file(tmp_path / "good"), KeyPair.generate()
+
+    def key_file(name, text=None, data=None):
+        path = tmp_path / name
+        path.write_bytes(data) if data is not None else path.write_text(text)
+        path.chmod(0o600)
+        return path
+
+    (tmp_path / "dir").mkdir(mode=0o700)
+    bad = {
+        "dir": (tmp_path / "dir", "not a file"),
+        "binary": (key_file("binary", data=b"\xff\xfe garbage"), "cannot read key file"),
+        # a secret one character short (a bad copy): its length is shown, never its characters
+        "short": (key_file("short", f'public-key = "{kp.public}"\nsecret-key = "{kp.secret[:-1]}"\n'),
+                  "invalid secret key (39 characters)"),
+        # the lines of two key pairs mixed up: every handshake would fail, reported only by the other end
+        "mixed": (key_file("mixed", f'public-key = "{other.public}"\nsecret-key = "{kp.secret}"\n'),
+                  "different key pairs"),
+    }
+    allow = tmp_path / "allow"
+    allow.write_text(kp.public + "\n")
+    for name, (path, want) in bad.items():
+        with pytest.raises(ValueError, match=re.escape(want)) as e:
+            load_key(path)
+        assert str(path) in str(e.value) and kp.secret[:8] not in str(e.value), (name, e.value)
+        assert cli.main(["peer", "--key", str(path), "--allow", str(allow), "--listen", "tcp://127.0.0.1:0",
+                         "--rounds", "1", "--plain"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("zgossip peer: error: ") and want in err and kp.secret[:8] not in err, (name, err)
+        assert "Traceback" not in err
+    # the secret itself passed where its file was expected (from an environment variable, say)
+    with pytest.raises(ValueError, match="a key itself rather than a path") as e:
+        zgossip.Averager([np.zeros(4, np.float32)], prefix="x", secret_key=kp.secret, allowed_keys=[kp.public])
+    assert kp.secret not in str(e.value)
+    assert cli.main(["peer", "--key", kp.secret, "--allow", str(allow), "--listen", "tcp://127.0.0.1:0"]) == 2
+    assert kp.secret not in capsys.readouterr().err
+    with pytest.raises(ValueError, match="different key pairs"):
+        KeyPair(other.public, kp.secret)
+    with pytest.raises(ValueError) as e:
+        KeyPair(kp.public, kp.secret + "x")
+    assert kp.secret not in str(e.value)
+    (tmp_path / "binary.allow").write_bytes(b"\xff\xfe garbage")
+    with pytest.raises(ValueError, match="cannot read allow file .*binary.allow"):
+        AllowList.of(tmp_path / "binary.allow")
+    commented = key_file("commented", f'public-key = "{kp.public}"  # host a\nsecret-key = "{kp.secret}" # mine\n')
+    assert load_key(commented) == kp
+
+
 def test_mixed_configuration_is_refused_at_construction():
     kp = KeyPair.generate()
     with pytest.raises(ValueError, match="mixed"):
@@ -93,6 +147,33 @@ def test_mixed_configuration_is_refused_at_construction():
                          initial_peers=["tcp://127.0.0.1:5"])
     with pytest.raises(ValueError, match="allowed_keys"):
         zgossip.Averager([np.zeros(4, np.float32)], prefix="x", secret_key=kp)
+
+
+def test_a_start_that_fails_leaves_no_socket_nor_zap_gate_behind():
+    """Averager(...) on a listen address already taken raises; each such attempt used to leave its
+    ROUTER, monitor and ZAP gate open (one to two descriptors each, and the ZAP handler thread)."""
+    import os
+
+    from zgossip import zap
+
+    kp = KeyPair.generate()
+    taken = socket.create_server(("127.0.0.1", 0))
+    listen = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+
+    def attempt():
+        with pytest.raises(zmq.ZMQError):
+            zgossip.Averager([np.zeros(4, np.float32)], prefix="x", listen=listen, secret_key=kp,
+                             allowed_keys=[kp.public])
+
+    try:
+        attempt()  # the process-wide ZeroMQ context may open its own descriptors on first use
+        fds = len(os.listdir("/proc/self/fd"))
+        for _ in range(4):  # (0.2 s each: the ZAP handler thread ends with its last gate)
+            attempt()
+        assert len(os.listdir("/proc/self/fd")) <= fds
+        assert not any(h.gates for h in zap._handlers.values())
+    finally:
+        taken.close()
 
 
 # ------------------------------------------------------------------ allowed peers average
@@ -163,6 +244,26 @@ def test_revoked_key_is_dropped_and_forgotten():
             assert np.array_equal(_tensor(a), np.full(NUMEL, 0.5, np.float32))
 
 
+def test_an_initial_peer_given_with_the_wrong_key_is_reported_by_the_joiner(caplog):
+    """The joiner was given another allowed peer's key for its initial peer's address: the CURVE
+    handshake fails at the listener, which used to be the only end that said so; the joiner (whose
+    configuration is wrong) retried for ever with nothing in its log."""
+    a, b, c = (KeyPair.generate() for _ in range(3))
+    allow = [a.public, b.public, c.public]
+    with caplog.at_level(logging.ERROR):
+        first = zgossip.Averager([np.zeros(NUMEL, np.float32)], secret_key=a, allowed_keys=allow, local_ipc=False, **KW)
+        joiner = zgossip.Averager([np.zeros(NUMEL, np.float32)], secret_key=b, allowed_keys=allow, local_ipc=False,
+                                  initial_peers=[f"{first.endpoint}#{c.public}"], **KW)
+        try:
+            assert _wait(lambda: joiner.stats["handshake_failures"] > 0)
+            assert joiner.peers() == [] and first.peers() == []
+        finally:
+            joiner.shutdown(timeout=1.0)
+            first.shutdown(timeout=1.0)
+    lines = [r.getMessage() for r in caplog.records if "hung up during the CURVE handshake" in r.getMessage()]
+    assert len(lines) == 1 and joiner.endpoint in lines[0] and first.endpoint in lines[0], lines
+
+
 def test_mixed_swarm_is_refused_with_a_clear_error(caplog):
     kp = KeyPair.generate()
     with caplog.at_level(logging.ERROR):
@@ -227,7 +328,8 @@ def _header(mtype, sender, endpoint, body, meta=(), version=wire.PROTOCOL_VERSIO
     return msgpack.packb([version, int(mtype), sender, endpoint, body, list(meta)], use_bin_type=True)
 
 
-RAW_CASES = ["wrong_version", "truncated", "oversize", "garbage", "impersonation", "replay", "gossip_flood", "join_flood"]
+RAW_CASES = ["wrong_version", "truncated", "oversize", "garbage", "impersonation", "replay", "gossip_flood", "join_flood",
+             "client_endpoint"]
 
 
 class _RecordingProxy:
@@ -330,6 +432,9 @@ def test_hostile_raw_messages_change_nothing(case, caplog):
             failures = victim.stats["handshake_failures"]
             proxy.replay()
             assert _wait(lambda: victim.stats["handshake_failures"] > failures, 5.0)
+        elif case == "client_endpoint":
+            # in its own name, but as the client (no listening socket) another peer is
+            evil.send_multipart([_header(wire.MsgType.GOSSIP, me, "client://" + avs[1].peer_id, gossip)])
         elif case == "gossip_flood":
             for i in range(3000):
                 evil.send_multipart([_header(wire.MsgType.GOSSIP, me, ep, {"hb": i, "peers": []})])
@@ -344,8 +449,11 @@ def test_hostile_raw_messages_change_nothing(case, caplog):
             assert set(r.members) == {x.peer_id for x in avs}
             assert np.array_equal(_tensor(a), np.full(NUMEL, 1.0, np.float32))
         after = victim.stats
-        if case in ("wrong_version", "truncated", "garbage"):
+        if case in ("wrong_version", "truncated", "garbage", "client_endpoint"):
             assert after["invalid"] > before["invalid"]
+        if case == "client_endpoint":  # counted, and logged once naming the sender
+            lines = [r.getMessage() for r in caplog.records if "client endpoint is not its sender" in r.getMessage()]
+            assert len(lines) == 1 and me in lines[0], lines
         if case == "replay":
             # the connection it opened was refused in the handshake; no message of it was read (the
             # receive count moved only with the honest peers' traffic, which the round above needed)
@@ -381,6 +489,100 @@ def test_hostile_raw_messages_change_nothing(case, caplog):
         else:
             assert after["rate_limited"] == before["rate_limited"]
         evil.close(0)
+
+
+def test_endpoints_an_allowed_peer_names_are_remembered_once_per_peer():
+    """Each endpoint an allowed peer claimed for itself, or named for a GROUP member, used to be kept
+    for ever (a key for each): one peer sending messages with ever new endpoints grew a node's memory
+    without bound. Now one endpoint per peer id is kept, and none for keys off the allow list."""
+    keys = [KeyPair.generate() for _ in range(3)]
+    with _swarm(2, keys=keys, allow=[k.public for k in keys]) as avs:
+        victim, curve = avs[0], avs[0].transport.curve
+        evil = _raw_dealer(victim.endpoint, keys[2], keys[0].public)
+        me, n = keys[2].peer_id, 3000
+        strangers = [KeyPair.generate().peer_id for _ in range(50)]
+        before = victim.stats["received"]
+        try:
+            for i in range(n):
+                ep = f"tcp://10.{(i >> 8) & 255}.{i & 255}.1:{1000 + i}"
+                if i % 10:
+                    evil.send_multipart([_header(wire.MsgType.GOSSIP, me, ep, {"hb": i, "peers": []})])
+                else:  # a GROUP for no step of the victim's, naming allowed and unknown keys at new endpoints
+                    members = [[pid, f"tcp://10.9.{j}.{i % 250}:{2000 + i}", 1.0, "ab" * 8, 1]
+                               for j, pid in enumerate([avs[1].peer_id] + strangers)]
+                    evil.send_multipart([_header(wire.MsgType.GROUP, me, ep, {"key": "sec", "gid": f"{i:016x}",
+                                                                               "members": members})])
+            assert _wait(lambda: victim.stats["received"] >= before + n, 20.0)
+            vouched = len(curve._given) + len(getattr(curve, "_vouched", {}))  # the victim was given none
+            assert len(curve._told) <= 3 and vouched <= 1, (len(curve._told), vouched)
+        finally:
+            evil.close(0)
+        # the honest peer is still reached at its own endpoint, which it claims itself
+        assert curve.peer_at(avs[1].endpoint, lambda ep: None) == avs[1].peer_id
+        res = _step_all(avs)
+        assert all(not isinstance(r, Exception) for r in res), res
+
+
+def test_group_flood_with_made_up_endpoints_does_not_silence_later_refusals(caplog):
+    """One allowed peer sends 5,000 GROUPs for steps the victim never made, each claiming a new
+    endpoint: each is dropped and counted, a bounded number is logged, and a later refusal of
+    another kind from another peer is still logged (it was only counted once 4,096 lines were out)."""
+    keys = [KeyPair.generate() for _ in range(3)]
+    with _swarm(1, keys=keys, allow=[k.public for k in keys]) as avs:
+        victim = avs[0]
+        evil = _raw_dealer(victim.endpoint, keys[1], keys[0].public)
+        other = _raw_dealer(victim.endpoint, keys[2], keys[0].public)
+        me, n = keys[1].peer_id, 5000
+        members = [[me, "tcp://127.0.0.1:9", 1.0, "ab" * 8, 1]]
+        caplog.set_level(logging.WARNING)
+        try:
+            for i in range(n):
+                evil.send_multipart([_header(wire.MsgType.GROUP, me, f"tcp://10.0.{(i >> 8) & 255}.{i & 255}:{1000 + i}",
+                                             {"key": "sec", "gid": f"{i:016x}", "members": members})])
+            assert _wait(lambda: victim.stats["dropped"] >= n, 20.0)
+            other.send_multipart([_header(wire.MsgType.GOSSIP, keys[2].peer_id, "tcp://127.0.0.1:9",
+                                          {"hb": 1, "peers": []}, version=99)])
+            assert _wait(lambda: victim.stats["invalid"] == 1)
+        finally:
+            evil.close(0)
+            other.close(0)
+        lines = [r.getMessage() for r in caplog.records]
+        assert sum("a GROUP for a step this peer never made" in m for m in lines) <= 64, len(lines)
+        assert any("an invalid message" in m and keys[2].peer_id in m for m in lines)
+
+
+def test_a_zap_handler_error_refuses_that_connection_and_the_handler_lives_on(monkeypatch, caplog):
+    """An exception in the ZAP handler used to end its thread; libzmq then admitted every key without
+    asking, and every message after that, allowed peers' too, was dropped as unauthenticated (no user
+    id). Now that one connection is refused, the error logged, and the next allowed peer gets in."""
+    from zgossip import zap
+
+    keys = [KeyPair.generate() for _ in range(3)]
+    with _swarm(1, keys=keys[:2], allow=[k.public for k in keys[:2]]) as avs:
+        victim = avs[0]
+        real_admit = zap.Gate.admit
+
+        def broken(self, client_key, address):
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr(zap.Gate, "admit", broken)
+        hello = {"hb": 1, "peers": []}
+        first = _raw_dealer(victim.endpoint, keys[2], keys[0].public)
+        try:
+            first.send_multipart([_header(wire.MsgType.GOSSIP, keys[2].peer_id, "tcp://127.0.0.1:9", hello)])
+            assert _wait(lambda: victim.stats["handshake_failures"] > 0)
+        finally:
+            first.close(0)
+        monkeypatch.setattr(zap.Gate, "admit", real_admit)
+        assert all(h.thread.is_alive() for h in zap._handlers.values())
+        good = _raw_dealer(victim.endpoint, keys[1], keys[0].public)
+        try:
+            good.send_multipart([_header(wire.MsgType.GOSSIP, keys[1].peer_id, "tcp://127.0.0.1:9", hello)])
+            assert _wait(lambda: victim.stats["received"] >= 1)
+        finally:
+            good.close(0)
+        assert victim.stats["unauthenticated"] == 0 and victim.stats["received"] == 1
+        assert any("ZAP handler: internal error" in r.getMessage() for r in caplog.records)
 
 
 def test_oversize_on_the_keyed_local_socket_is_counted_by_key(caplog):
@@ -524,6 +726,57 @@ def test_hostile_allowed_peer_protocol_data(case, caplog):
             _step_all(avs)
             assert all(np.all(np.isfinite(_tensor(a))) for a in honest)
         refusals_logged_once(2)
+
+
+def test_a_lying_group_sends_nothing_to_a_key_not_on_the_allow_list(caplog):
+    """An allowed rendezvous peer adds to its GROUP a member whose key nobody allows, at an endpoint
+    that key really listens on: the honest members send it nothing (CURVE would have encrypted their
+    tensors for that key alone), count and log the refusal once, and average among themselves."""
+    from zgossip.messages import MemberInfo
+    from zgossip.rendezvous import rendezvous_order
+
+    while True:  # the hostile peer (the fourth) must be the rendezvous peer of the swarm's key
+        keys = [KeyPair.generate() for _ in range(4)]
+        if rendezvous_order([k.peer_id for k in keys], "sec")[0] == keys[3].peer_id:
+            break
+    outsider, client = KeyPair.generate(), KeyPair.generate()
+    spy = zmq.Context.instance().socket(zmq.ROUTER)
+    spy.linger = 0
+    spy.curve_server = True
+    spy.curve_secretkey, spy.curve_publickey = outsider.secret.encode(), outsider.public.encode()
+    spy_ep = f"tcp://127.0.0.1:{spy.bind_to_random_port('tcp://127.0.0.1')}"
+    try:
+        # the third peer never steps: the others cannot close their group from notes, so the GROUP counts
+        with _swarm(4, keys=keys, allow=[k.public for k in keys], values=[0, 1, 2, 3], min_group_size=2,
+                    local_ipc=False) as avs:
+            honest, evil = avs[:2], avs[3]
+
+            def mutate(ep, msg):
+                if msg.type is wire.MsgType.GROUP:
+                    extra = (MemberInfo(outsider.peer_id, spy_ep, 100.0, "f" * 16, 1),  # and as a client:
+                             MemberInfo(client.peer_id, "client://" + client.peer_id, 0.0, "e" * 16, 1))
+                    msg = dataclasses.replace(msg, members=msg.members + extra)
+                return [(ep, msg)]
+
+            _hostile_transmit(evil, mutate)
+            assert _wait(lambda: all(len(a.peers()) == 3 for a in avs))
+            caplog.set_level(logging.WARNING, logger="zgossip.curve")
+            res = _step_all(honest)  # the hostile peer only forms the group (its own view has no outsider)
+            for a, r in zip(honest, res):
+                assert not isinstance(r, Exception), r
+                assert {outsider.peer_id, client.peer_id} <= set(r.members)
+                assert set(r.contributors) == {x.peer_id for x in honest}
+                assert np.array_equal(_tensor(a), np.full(NUMEL, 0.5, np.float32))
+                assert a.stats["send_errors"] > 0
+            assert spy.poll(300) == 0  # not one message reached the outsider's key
+            # nor is anything kept for the outsider named as a client (its key could never connect)
+            assert all(client.peer_id not in a.transport._backlog for a in honest)
+            lines = [r.getMessage() for r in caplog.records if "not on the allow list" in r.getMessage()]
+            named = [m for m in lines if "named peer" in m and spy_ep in m]  # once per node and sender
+            clients = [m for m in lines if "client's key is not on the allow list" in m]
+            assert len(named) == len(clients) == len(honest) and len(lines) == 2 * len(honest), lines
+    finally:
+        spy.close(0)
 
 
 # ------------------------------------------------------------------ the command line

@@ -101,3 +101,28 @@ def test_chunk_requests_are_paced_held_and_only_past_the_hold_dropped():
     n.on_timer(due + (HELD_CHUNK_REQUESTS - 1) * 256 / CHUNK_RATE)
     assert len(served()) == (HELD_CHUNK_REQUESTS - 1) * 256  # the rest of the hold, nothing lost
     assert not n._held_chunks and n.stats["rate_limited"] == 2
+
+
+def test_a_flood_of_one_kind_from_made_up_sources_neither_floods_the_log_nor_silences_other_kinds(caplog):
+    """A source is what a message claims (its sender *at its endpoint*), so one peer can pose as
+    thousands: each kind logs at most `per_kind` sources, then one line; other kinds keep logging.
+    (A single cap of 4,096 over all kinds let one peer's GROUPs silence every later refusal.)"""
+    import logging
+
+    from zgossip.droplog import DropLog, OncePer
+
+    log = logging.getLogger("zgossip.test_droplog")
+    drops = DropLog("node", per_kind=8)
+    with caplog.at_level(logging.WARNING, logger=log.name):
+        logged = [drops.note(log, f"{pid(1)[:16]} at tcp://10.0.0.1:{1000 + i}", "a GROUP for a step this peer never made")
+                  for i in range(5000)]
+        assert sum(logged) == 8
+        assert drops.note(log, pid(2), "an invalid message", counter="invalid")  # another kind: still logged
+        once = OncePer(log, "node", per_kind=8)
+        assert sum(once.first(f"tcp://10.0.0.1:{1000 + i}", "eagain", "send_errors") for i in range(5000)) == 8
+        assert once.first("tcp://10.0.0.2:1", "send:22", "send_errors")
+        assert not once.first("tcp://10.0.0.2:1", "send:22", "send_errors")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 8 + 1 + 1 + 1, lines  # OncePer logs only its summary line: its caller logs the rest
+    assert sum("from now on only counted" in m for m in lines) == 2
+    assert any("an invalid message" in m for m in lines)

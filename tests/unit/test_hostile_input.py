@@ -143,3 +143,25 @@ def test_a_held_step_keeps_only_its_members_messages_and_counts_them_late_if_nev
     node.take_actions()
     assert node.phase is StepPhase.IDLE and node._early_bytes == 0
     assert node.stats["late"] == 3 and node.stats["dropped"] == 2  # two parts and the abort, never used
+
+
+def test_a_round_announced_near_the_wire_limit_is_not_adopted() -> None:
+    """Peers step in the highest round announced; a liar announcing 2**62 (the most a JOIN carries)
+    or beyond used to carry every peer there, after which each step raised 'refusing to build an
+    invalid JOIN' on the I/O thread and the swarm never averaged again. Such rounds read as no
+    announcement; a large but possible one is still followed."""
+    from zgossip.announce import Announcement
+    from zgossip.messages import MAX_ROUND
+
+    MAX_ANNOUNCED_ROUND = 1 << 61  # `announce.MAX_ANNOUNCED_ROUND`
+
+    node = _node()
+    tag = node._prefix_tag
+    for hb, rnd in enumerate((MAX_ROUND, MAX_ROUND + 5, 1 << 64, -3), 1):
+        node.on_message(Gossip(pid(2), ep(2), heartbeat=hb, peers=((pid(2), ep(2), hb, None,
+                                                                   Announcement(tag, rnd).record()),)), 0.1 * hb)
+        assert node.swarm_round() == 0, rnd
+    node.on_message(Gossip(pid(2), ep(2), heartbeat=9, peers=((pid(2), ep(2), 9, None,
+                                                               Announcement(tag, MAX_ANNOUNCED_ROUND).record()),)), 1.0)
+    assert node.swarm_round() == MAX_ANNOUNCED_ROUND
+    assert MAX_ANNOUNCED_ROUND + 10 ** 9 < MAX_ROUND  # room for a billion more steps
