@@ -229,6 +229,49 @@ def test_state_download_refuses_another_dtype_and_writes_nothing():
         assert arrays[0].dtype == np.float32 and not dst[0].any()
 
 
+def test_state_download_arguments_are_checked_at_the_call_and_none_means_the_default():
+    """hivemind's ``load_state_from_peers(timeout=None)`` used to fail on the I/O thread (an "internal
+    error" traceback in the log) and reach the caller as a bare TypeError."""
+    src = [np.full(3, 2.0, np.float32)]
+    with zgossip.Averager(src, prefix="edge-st", **FAST) as a, \
+            zgossip.Averager([np.zeros(3, np.float32)], prefix="edge-st", initial_peers=[a.endpoint],
+                             allow_state_sharing=False, **FAST) as b:
+        _wait_donor(b, a)
+        for kw, what in [(dict(timeout=float("nan")), "timeout"), (dict(timeout=-1), "timeout"),
+                         (dict(timeout="soon"), "timeout"), (dict(timeout=1e7), "timeout"),
+                         (dict(chunk_timeout=None), "chunk_timeout"), (dict(chunk_timeout=0), "chunk_timeout"),
+                         (dict(donors=0), "donors"), (dict(donors=1.5), "donors")]:
+            for wait in (True, False):
+                with pytest.raises(ValueError, match=what):
+                    b.load_state_from_peers(wait=wait, **kw)
+        assert not b._downloads and b.stats["invalid"] == 0
+        meta, arrays = b.load_state_from_peers(timeout=None)
+        np.testing.assert_array_equal(arrays[0], src[0])
+        np.testing.assert_array_equal(b._tensors[0], src[0])
+        assert b.load_state_from_peers(timeout=None, wait=False).result(20)[1][0][0] == 2.0
+
+
+def test_an_auxiliary_peer_serves_no_state_unless_asked():
+    """An auxiliary peer's tensors only give the layout (zeros will do): it used to share them as state by
+    default, so a newcomer could download zeros instead of the swarm's values."""
+    with zgossip.Averager([np.ones(3, np.float32)], prefix="edge-aux", **FAST) as a, \
+            zgossip.Averager([np.zeros(3, np.float32)], prefix="edge-aux", initial_peers=[a.endpoint],
+                             auxiliary=True, state_sharing_priority=5.0, **FAST) as aux, \
+            zgossip.Averager([np.zeros(3, np.float32)], prefix="edge-aux", initial_peers=[a.endpoint],
+                             auxiliary=True, allow_state_sharing=True, state_sharing_priority=-1.0,
+                             **FAST) as aux_sharing, \
+            zgossip.Averager([np.full(3, 9.0, np.float32)], prefix="edge-aux", initial_peers=[a.endpoint],
+                             allow_state_sharing=False, **FAST) as c:
+        assert not aux.allow_state_sharing and aux_sharing.allow_state_sharing and a.allow_state_sharing
+        _wait_donor(c, a)
+        _wait_donor(c, aux_sharing)  # the gossip that announced it had time to announce `aux` too
+        donors = c._ask_node(lambda n: [r.peer_id for r in n.membership.donors()])
+        assert aux.peer_id not in donors
+        assert aux.peer_id in c.peers()
+        c.load_state_from_peers(timeout=10, donors=1)  # `aux`, of the highest priority, would have been picked
+        np.testing.assert_array_equal(c._tensors[0], 1.0)
+
+
 def test_state_compression_per_tensor_follows_the_real_layout():
     ts = lambda: [np.linspace(0, 1, 8, dtype=np.float32), np.full(4, 3.0, np.float32)]  # noqa: E731
     for spec in (["fp16", "none"], {1: "int8"}):
