@@ -73,7 +73,7 @@ import torch
 from .collaborative import _count
 from .errors import ZGossipError
 from .progress import PeerProgress, SwarmView, progress_record, run_digest
-from .trainer import TRAINING_DEFAULTS, ServingAverager, clock_of, first_nonfinite
+from .trainer import TRAINING_DEFAULTS, ServingAverager, clock_of, first_nonfinite, refuse_auxiliary
 from .training_state import LayoutMismatch, ModelLayout, copy_arrays, named_tensors, pack_state, unpack_state
 
 __all__ = ["Accumulator", "Group"]
@@ -151,6 +151,7 @@ class Accumulator:
         self._run = run_digest(self.prefix)
         opts = {**TRAINING_DEFAULTS, "matchmaking_time": matchmaking_time, "target_group_size": target_group_size,
                 **self.group.averager_opts, **averager_opts}
+        refuse_auxiliary(opts, "Accumulator")
         self._opts = opts
         self.clock = clock_of(opts)  # every reading of the time and every wait (virtual in the simulator)
         self._gossip = float(opts.get("gossip_interval", 0.5))
