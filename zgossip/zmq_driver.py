@@ -131,11 +131,37 @@ class ZmqTransport:
         self._router = self._router_monitor = None
         self._local = self._local_monitor = None  # with keys: the PLAIN router on the local socket
         self._zap_domain = None
-        if self.client_mode:
-            self.endpoint = client_endpoint(peer_id)
-        else:
-            self._bind()
-        self._make_rest(peer_id, make_node)
+        self._wake_in = self._wake_out = None
+        try:
+            if self.client_mode:
+                self.endpoint = client_endpoint(peer_id)
+            else:
+                self._bind()
+            self._make_rest(peer_id, make_node)
+        except BaseException:
+            # the I/O thread, which closes the sockets when it ends, did not take them over: close them
+            # here (a node that refused its settings left a bound router, its monitor and their
+            # descriptors behind: about 1.6 descriptors per failed Averager(...))
+            if getattr(self, "_thread", None) is None or not self._thread.is_alive():
+                self._abandon()
+            raise
+
+    def _abandon(self) -> None:
+        """Close what a `start` that failed before the I/O thread ran had opened."""
+        for r, m in ((self._router, self._router_monitor), (self._local, self._local_monitor)):
+            if r is not None:
+                if m is not None:
+                    r.disable_monitor()
+                    m.close(0)
+                r.close(0)
+        for sock in (self._wake_in, self._wake_out):
+            if sock is not None:
+                sock.close(0)
+        if self._zap_domain is not None:
+            from . import zap
+
+            zap.unregister(self._ctx, self._zap_domain)
+            self._zap_domain = None
 
     def _new_router(self) -> zmq.Socket:
         r = self._ctx.socket(zmq.ROUTER)
