@@ -73,7 +73,7 @@ import torch
 from .collaborative import _count
 from .errors import ZGossipError
 from .progress import PeerProgress, SwarmView, progress_record, run_digest
-from .trainer import TRAINING_DEFAULTS, ServingAverager, clock_of, first_nonfinite, refuse_auxiliary
+from .trainer import CLIENT_RECORDS, TRAINING_DEFAULTS, ServingAverager, clock_of, first_nonfinite, refuse_auxiliary
 from .training_state import LayoutMismatch, ModelLayout, copy_arrays, named_tensors, pack_state, unpack_state
 
 __all__ = ["Accumulator", "Group"]
@@ -152,6 +152,12 @@ class Accumulator:
         opts = {**TRAINING_DEFAULTS, "matchmaking_time": matchmaking_time, "target_group_size": target_group_size,
                 **self.group.averager_opts, **averager_opts}
         refuse_auxiliary(opts, "Accumulator")
+        if opts.get("client_mode") or self.group.listen is None:
+            # the leader learns who waits for state from the records: it would never serve this peer, whose
+            # connected() stayed False forever (its user loop sleeping in `if not connected()`)
+            raise ValueError(f"an Accumulator cannot run in client mode: {CLIENT_RECORDS}, so the leader would never "
+                             "know it waits for state and its connected() would stay False. Give it a listen address "
+                             "the other peers can reach")
         self._opts = opts
         self.clock = clock_of(opts)  # every reading of the time and every wait (virtual in the simulator)
         self._gossip = float(opts.get("gossip_interval", 0.5))

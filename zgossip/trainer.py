@@ -34,8 +34,8 @@ from .errors import StateUnavailable, ZGossipError
 from .progress import PeerProgress, SwarmView, progress_record, run_digest
 from .training_state import LayoutMismatch, ModelLayout, copy_arrays, named_tensors, pack_state, unpack_state
 
-__all__ = ["TrainerPeer", "ServingAverager", "clock_of", "refuse_auxiliary", "SchedulerLike", "first_nonfinite",
-           "params_digest"]
+__all__ = ["TrainerPeer", "ServingAverager", "clock_of", "refuse_auxiliary", "warn_if_client", "CLIENT_RECORDS",
+           "SchedulerLike", "first_nonfinite", "params_digest"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,19 @@ def refuse_auxiliary(averager_opts: dict, who: str) -> None:
         raise ValueError(f"{who} cannot be auxiliary (it trains, and an auxiliary peer brings no data): to lend a "
                          "machine's bandwidth to a run, loop zgossip.Averager(tensors of the same shapes, prefix=the "
                          "run's prefix, auxiliary=True, initial_peers=...).step() beside it (docs/training.md)")
+
+
+#: what a client-mode training peer misses: nobody gossips its progress record
+CLIENT_RECORDS = ("nobody gossips a client-mode peer's progress record (a client is in no membership table: "
+                  "README, 'Firewalled peers')")
+
+
+def warn_if_client(averager_opts: dict, listen: str | None, who: str) -> None:
+    """Say once what a client-mode training peer changes (see `CLIENT_RECORDS`)."""
+    if averager_opts.get("client_mode") or listen is None:
+        log.warning("%s in client mode: %s. The listening peers neither count it in num_peers nor count its "
+                    "progress (a collaborative run's global steps then hold more samples than target_batch_size); "
+                    "it still trains in step with them", who, CLIENT_RECORDS)
 
 
 def clock_of(averager_opts: dict) -> Clock:
@@ -153,6 +166,7 @@ class TrainerPeer:
         self._param_digest = ""  # published by wrappers whose peers must hold identical parameters
         opts = {**TRAINING_DEFAULTS, **(averager_opts or {})}
         refuse_auxiliary(opts, type(self).__name__)
+        warn_if_client(opts, listen, type(self).__name__)
         self.clock: Clock = clock_of(opts)
         self._lock = self.clock.lock(reentrant=True)
         self._run = run_digest(prefix)

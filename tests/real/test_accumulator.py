@@ -306,3 +306,15 @@ def test_a_failed_round_never_leaves_peers_at_one_version_with_different_paramet
     finally:
         for a in accs:
             a.shutdown()
+
+
+def test_a_client_mode_accumulator_is_refused_instead_of_never_connecting():
+    """A client's progress record is gossiped by nobody, so the leader never saw that it waited for state:
+    Accumulator(group=Group(..., listen=None)) stayed SYNCING with connected() False forever (8 s of the
+    moolib loop against a leader that made 222 updates meanwhile)."""
+    model = torch.nn.Linear(3, 1)
+    for group, kw in ((Group("cl", listen=None, **FAST), {}), (Group("cl", **FAST), {"client_mode": True}),
+                      (Group("cl", client_mode=True, **FAST), {})):
+        with pytest.raises(ValueError, match="cannot run in client mode.*listen address"):
+            Accumulator("cl", model.parameters(), group=group, **kw)
+

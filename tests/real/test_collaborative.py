@@ -565,6 +565,22 @@ def test_training_wrappers_refuse_to_be_auxiliary_and_a_plain_auxiliary_averager
             o.shutdown()
 
 
+def test_a_client_mode_training_peer_says_what_the_others_do_not_see(caplog):
+    """Nobody gossips a client's progress record: the listening peers did not count a client-mode
+    CollaborativeOptimizer in num_peers nor its samples toward the target (their global steps held the
+    client's samples on top of target_batch_size), and nothing said so."""
+    model = make_model(0)
+    with caplog.at_level(logging.WARNING, logger="zgossip.trainer"):
+        CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), prefix="cl", target_batch_size=8,
+                               averager_opts=dict(FAST, client_mode=True)).shutdown()
+    assert any("client mode" in r.getMessage() and "num_peers" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="zgossip.trainer"):
+        CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), prefix="cl", target_batch_size=8,
+                               averager_opts=dict(FAST)).shutdown()
+    assert not any("client mode" in r.getMessage() for r in caplog.records)
+
+
 def test_errors_are_clear():
     model = make_model(0)
     with pytest.raises(ValueError, match="target_batch_size"):
