@@ -63,15 +63,17 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import operator
 from enum import Enum
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
 
+from .collaborative import _count
 from .errors import ZGossipError
 from .progress import PeerProgress, SwarmView, progress_record, run_digest
-from .trainer import TRAINING_DEFAULTS, ServingAverager, clock_of, first_nonfinite
+from .trainer import CLIENT_RECORDS, TRAINING_DEFAULTS, ServingAverager, clock_of, first_nonfinite, refuse_auxiliary
 from .training_state import LayoutMismatch, ModelLayout, copy_arrays, named_tensors, pack_state, unpack_state
 
 __all__ = ["Accumulator", "Group"]
@@ -149,6 +151,13 @@ class Accumulator:
         self._run = run_digest(self.prefix)
         opts = {**TRAINING_DEFAULTS, "matchmaking_time": matchmaking_time, "target_group_size": target_group_size,
                 **self.group.averager_opts, **averager_opts}
+        refuse_auxiliary(opts, "Accumulator")
+        if opts.get("client_mode") or self.group.listen is None:
+            # the leader learns who waits for state from the records: it would never serve this peer, whose
+            # connected() stayed False forever (its user loop sleeping in `if not connected()`)
+            raise ValueError(f"an Accumulator cannot run in client mode: {CLIENT_RECORDS}, so the leader would never "
+                             "know it waits for state and its connected() would stay False. Give it a listen address "
+                             "the other peers can reach")
         self._opts = opts
         self.clock = clock_of(opts)  # every reading of the time and every wait (virtual in the simulator)
         self._gossip = float(opts.get("gossip_interval", 0.5))
@@ -157,7 +166,7 @@ class Accumulator:
         self.state_timeout = float(state_timeout)
         self.catchup_pause = float(catchup_pause)
         self._want_seen: dict[str, float] = {}
-        self._vbs = int(virtual_batch_size)
+        self._vbs = _count("virtual_batch_size", virtual_batch_size, 0)
         self._parallel = 1
         self._version = 0
         self._phase = _Phase.NEW
@@ -271,6 +280,10 @@ class Accumulator:
 
     def reduce_gradients(self, batch_size: int) -> None:
         """Contribute ``p.grad`` (from a loss averaged over `batch_size` samples); zeroes ``p.grad``."""
+        # checked before anything is touched: a negative or fractional size used to be accumulated as a
+        # weight (negating the gradients, or weighting 2.5 while counting 2 samples), a NaN or a string
+        # was accumulated before failing -- gradients corrupted either way
+        batch_size = _count("batch_size", batch_size, 0)
         if not self.wants_gradients():
             raise ZGossipError("reduce_gradients() called while wants_gradients() is False: "
                                "check it first (a round is running, or reduced gradients await zero_gradients())")
@@ -330,12 +343,18 @@ class Accumulator:
         return self._version
 
     def set_model_version(self, n: int) -> None:
-        self._version = int(n)
+        try:
+            v = None if isinstance(n, bool) else operator.index(n)  # int, numpy and 0-d torch integers
+        except TypeError:
+            v = None
+        if v is None or v < 0:
+            raise ValueError(f"the model version must be an int >= 0, not {n!r}")
+        self._version = v
         self._publish()
 
     def set_virtual_batch_size(self, n: int) -> None:
         """Samples the swarm accumulates per update (0: each round takes whatever peers hold)."""
-        self._vbs = int(n)
+        self._vbs = _count("virtual batch size", n, 0)
 
     def set_parallel_gradients(self, n: int) -> None:
         """Accepted for moolib compatibility; zgossip runs one round at a time."""

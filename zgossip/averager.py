@@ -80,6 +80,20 @@ def _check_round(rnd: Any) -> int | None:
     return int(rnd)
 
 
+def _seconds(name: str, value: Any, least: float | None) -> float:
+    """`value` as finite seconds in [least, MAX_STEP_TIMEOUT] (least None: > 0), or ValueError naming it."""
+    try:
+        t = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number of seconds, not {type(value).__name__}") from None
+    low_ok = t > 0.0 if least is None else t >= least
+    if not (math.isfinite(t) and low_ok and t <= MAX_STEP_TIMEOUT):
+        bound = "> 0" if least is None else f">= {least:g}"
+        raise ValueError(f"{name} must be a finite number of seconds {bound} and <= {MAX_STEP_TIMEOUT:g}, "
+                         f"not {value!r}")
+    return t
+
+
 def _settle_future(fut: cf.Future, result: Any = None, error: BaseException | None = None) -> None:
     """Set a step's outcome unless the caller cancelled the future (then nothing may be set)."""
     if fut.cancelled():
@@ -176,7 +190,8 @@ class Averager:
 
     ``auxiliary``: this peer brings no data (its steps have weight 0 and leave its tensors unchanged)
     but reduces a span for the others with its bandwidth; results list it in ``auxiliary``.
-    Its tensors only give the layout (zeros of the right shapes will do).
+    Its tensors only give the layout (zeros of the right shapes will do), so it serves no state unless
+    ``allow_state_sharing=True`` is passed (the default, None, means "unless auxiliary").
 
     ``metrics_port``: serve Prometheus metrics (steps by outcome, step durations, bytes, live peers,
     transport counters) at ``http://metrics_host:PORT/metrics``; 0 picks a free port
@@ -216,7 +231,7 @@ class Averager:
         peer_timeout: float = 5.0,
         max_message_bytes: int | None = None,
         announce_host: str | None = None,
-        allow_state_sharing: bool = True,
+        allow_state_sharing: bool | None = None,
         state_sharing_priority: float = 0.0,
         state_chunk_bytes: int = 4 << 20,
         state_donors: int = 4,
@@ -349,7 +364,8 @@ class Averager:
         self._steps_begun = 0
         self._published: tuple[int, int] | None = None  # (version, steps begun) of the last publish_state
         self._downloads: dict[str, cf.Future] = {}
-        self._allow_sharing = bool(allow_state_sharing)
+        # an auxiliary peer's tensors only give the layout: serving them would hand newcomers zeros
+        self._allow_sharing = (not self.auxiliary) if allow_state_sharing is None else bool(allow_state_sharing)
         self._priority = float(state_sharing_priority)
         #: every finished step, for monitoring (`zgossip.steplog.StepLog`: recent records, totals, listeners)
         self.step_log = StepLog(clock.lock())
@@ -734,7 +750,7 @@ class Averager:
             self._pull()
             return None, [np.array(a) for a in self._arrays]
 
-    def load_state_from_peers(self, timeout: float = 60.0, chunk_timeout: float = 5.0,
+    def load_state_from_peers(self, timeout: float | None = 60.0, chunk_timeout: float = 5.0,
                               apply: bool = True, wait: bool = True, donors: int | None = None) -> Any:
         """Download ``(metadata, tensors)`` from the best-priority peer that shares its state.
 
@@ -746,9 +762,19 @@ class Averager:
         ``wait=False`` returns a `concurrent.futures.Future` of the same (applied when it is set).
         ``donors``: fetch from up to this many donors holding the same state at once (default
         ``state_donors``).
+
+        Arguments are checked here (ValueError, nothing started): ``timeout`` finite seconds in
+        [0, `MAX_STEP_TIMEOUT`] (None: the default, 60 s -- every wait has a deadline),
+        ``chunk_timeout`` finite and > 0, ``donors`` None or an int >= 1.
         """
         if self._closed:
             raise AveragerClosed("this averager was shut down")
+        # checked in the caller: the download runs on the I/O thread, where a bad value used to fail
+        # as an "internal error" traceback, leaving the caller a bare TypeError
+        timeout = _seconds("timeout", 60.0 if timeout is None else timeout, least=0.0)
+        chunk_timeout = _seconds("chunk_timeout", chunk_timeout, least=None)
+        if donors is not None and (type(donors) is not int or donors < 1):
+            raise ValueError(f"donors must be None or an int >= 1, not {donors!r}")
         req = f"{self.peer_id[:8]}-s{next(self._seq)}"
         fut: cf.Future = cf.Future()
         self._downloads[req] = fut

@@ -71,6 +71,43 @@ class _SteppedPerGlobalStep:
         self.scheduler.load_state_dict(state)
 
 
+#: hivemind's names for what zgossip offers under another name (HivemindStrategy passes them on to
+#: hivemind.Optimizer): where a migrating user finds it here
+_HIVEMIND_NAMES = {
+    "host_maddrs": "pass listen='tcp://HOST:PORT' (port 0: any free one)",
+    "batch_size_per_step": "pass batch_size=",
+    "grad_compression": "pass compression= (e.g. 'fp16', 'int8'; zgossip.codecs)",
+    "state_averaging_compression": "pass state_compression=",
+    "load_state_compression": "pass state_compression=",
+    "client_mode": "pass averager_opts={'client_mode': True}",
+    "auxiliary": "pass averager_opts={'auxiliary': True}",
+    "use_local_updates": "zgossip has no local-updates mode under the strategy; "
+                         "zgossip.optim.DecentralizedOptimizer steps locally and averages parameters",
+}
+#: CollaborativeOptimizer arguments the strategy fills in itself
+_SET_BY_STRATEGY = {"prefix": "run_id", "target_batch_size": "target_batch_size", "batch_size": "batch_size",
+                    "scheduler": "scheduler_fn", "model": "(the LightningModule)",
+                    "initial_peers": "initial_peers", "listen": "listen",
+                    "local_epoch": "(the checkpoint's, with fit(ckpt_path=...))"}
+
+
+def _check_optimizer_kwargs(kwargs: dict) -> None:
+    """Refuse, when the strategy is made, keyword arguments `CollaborativeOptimizer` would refuse at the first
+    training batch (a misspelt name, or one of hivemind's), saying where to put them instead."""
+    import inspect
+
+    known = set(inspect.signature(CollaborativeOptimizer.__init__).parameters) - {"self", "optimizer"}
+    for name in kwargs:
+        if name in _HIVEMIND_NAMES:
+            raise TypeError(f"ZGossipStrategy does not take {name!r} (hivemind's name): {_HIVEMIND_NAMES[name]}")
+        if name in _SET_BY_STRATEGY:
+            raise TypeError(f"ZGossipStrategy sets the optimizer's {name!r} itself: "
+                            f"use {_SET_BY_STRATEGY[name]}")
+        if name not in known:
+            raise TypeError(f"ZGossipStrategy got an unexpected keyword argument {name!r}: its own arguments and "
+                            f"those of CollaborativeOptimizer are taken ({', '.join(sorted(known - set(_SET_BY_STRATEGY)))})")
+
+
 def strategy_for(package: str | None = None) -> type:
     """The strategy class built on `package` ("lightning.pytorch" or "pytorch_lightning"; None: the first
     installed). Trainers of one package refuse strategies of the other."""
@@ -159,6 +196,7 @@ def strategy_for(package: str | None = None) -> type:
                 delay_optimizer_step=delay_optimizer_step, delay_grad_averaging=delay_grad_averaging,
                 delay_state_averaging=delay_state_averaging, offload_optimizer=offload_optimizer,
                 averager_opts=opts, **optimizer_kwargs)
+            _check_optimizer_kwargs(optimizer_kwargs)
             self._batch_size_given = batch_size is not None
             self._opt: CollaborativeOptimizer | None = None
             self._live = False  # `_opt` wraps this fit's optimizer (teardown shuts it down; the next fit builds anew)

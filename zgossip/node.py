@@ -8,7 +8,10 @@ its own rendezvous peer) are delivered inside the node without touching the driv
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
+import numbers
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
@@ -43,6 +46,13 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+#: `NodeConfig` fields that must be ints, and those that are seconds (finite numbers)
+_CONFIG_INTS = frozenset(("target_group_size", "min_group_size", "part_size_bytes", "fanout", "early_buffer_messages",
+                          "max_state_bytes", "state_chunk_bytes", "state_donors", "control_burst", "warm_peers"))
+_CONFIG_SECONDS = frozenset(("matchmaking_time", "request_timeout", "straggler_grace", "part_timeout",
+                             "allreduce_timeout", "gossip_interval", "peer_timeout", "repair_timeout"))
 
 
 @dataclass(frozen=True)
@@ -92,6 +102,19 @@ class NodeConfig:
     warm_peers: int = 16
 
     def __post_init__(self) -> None:
+        # types first: hivemind's None defaults (target_group_size, allreduce_timeout, ...) used to fail below
+        # as "'<=' not supported between instances of 'int' and 'NoneType'"
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name in _CONFIG_INTS and (type(v) is bool or not isinstance(v, numbers.Integral)):
+                raise ValueError(f"{f.name} must be an int, not {v!r}")
+            if f.name in _CONFIG_SECONDS and (isinstance(v, bool) or not isinstance(v, numbers.Real)
+                                              or not math.isfinite(v)):
+                raise ValueError(f"{f.name} must be a finite number of seconds, not {v!r} (every wait here has a "
+                                 "deadline: there is no 'None = no limit')")
+        if not 1 <= self.min_group_size <= self.target_group_size:
+            raise ValueError(f"need 1 <= min_group_size <= target_group_size (got min_group_size={self.min_group_size}, "
+                             f"target_group_size={self.target_group_size})")
         if self.part_size_bytes < 16:
             raise ValueError("part_size_bytes must be at least 16")
         if self.state_chunk_bytes < 16 or self.state_donors < 1:
@@ -99,6 +122,8 @@ class NodeConfig:
         if isinstance(self.bandwidth, str):
             if self.bandwidth != "auto":
                 raise ValueError(f"bandwidth must be a number >= 0 or 'auto', not {self.bandwidth!r}")
+        elif isinstance(self.bandwidth, bool) or not isinstance(self.bandwidth, numbers.Real):
+            raise ValueError(f"bandwidth must be a number >= 0 or 'auto', not {self.bandwidth!r}")
         elif not self.bandwidth >= 0 or self.bandwidth == float("inf"):
             raise ValueError("bandwidth must be finite and >= 0 (0 = client)")
         if self.part_timeout_floor is not None and not 0 < self.part_timeout_floor:

@@ -45,6 +45,9 @@ __all__ = ["DecentralizedOptimizer", "DecentralizedSGD", "DecentralizedAdam", "i
 
 log = logging.getLogger(__name__)
 
+#: ``average_every``'s default: 1 (every local step), unless ``average_period`` says when instead
+_EVERY_STEP_UNLESS_PERIOD: Any = object()
+
 
 def init_optimizer_state(opt: torch.optim.Optimizer) -> None:
     """Create the lazily built per-parameter state (e.g. Adam's ``exp_avg``) without training.
@@ -74,7 +77,9 @@ class DecentralizedOptimizer(TrainerPeer):
     """Wrap `optimizer`: local steps, plus background averaging of parameters and named statistics.
 
     ``average_every`` (local steps) and/or ``average_period`` (seconds) say when a round
-    starts; a round still running when the next is due makes that one skip. ``averaging_alpha``
+    starts (with both, whichever comes first; ``average_every`` defaults to 1, or to None --
+    no step-based rounds -- when ``average_period`` is given); a round still running when the
+    next is due makes that one skip. ``averaging_alpha``
     moves part way to the mean (1 = all the way). ``steps_per_epoch`` (swarm-wide) and
     ``max_epoch_lag`` define when a peer is too far behind and downloads state. The
     remaining arguments are those of `CollaborativeOptimizer` / `Averager`.
@@ -96,7 +101,7 @@ class DecentralizedOptimizer(TrainerPeer):
         prefix: str,
         average_parameters: bool = True,
         average_opt_statistics: Sequence[str] = (),
-        average_every: int | None = 1,
+        average_every: int | None | object = _EVERY_STEP_UNLESS_PERIOD,
         average_period: float | None = None,
         averaging_alpha: float = 1.0,
         steps_per_epoch: int = 100,
@@ -123,6 +128,9 @@ class DecentralizedOptimizer(TrainerPeer):
         self.max_staleness = max_staleness
         if not average_parameters and not average_opt_statistics:
             raise ValueError("nothing to average: set average_parameters or name some average_opt_statistics")
+        if average_every is _EVERY_STEP_UNLESS_PERIOD:
+            # given alone, average_period says when: rounds every step as well made it meaningless
+            average_every = None if average_period else 1
         if average_every is None and not average_period:
             raise ValueError("say when to average: average_every (steps) and/or average_period (seconds)")
         if average_every is not None and average_every < 1:

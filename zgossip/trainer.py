@@ -34,7 +34,8 @@ from .errors import StateUnavailable, ZGossipError
 from .progress import PeerProgress, SwarmView, progress_record, run_digest
 from .training_state import LayoutMismatch, ModelLayout, copy_arrays, named_tensors, pack_state, unpack_state
 
-__all__ = ["TrainerPeer", "ServingAverager", "clock_of", "SchedulerLike", "first_nonfinite", "params_digest"]
+__all__ = ["TrainerPeer", "ServingAverager", "clock_of", "refuse_auxiliary", "warn_if_client", "CLIENT_RECORDS",
+           "SchedulerLike", "first_nonfinite", "params_digest"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,29 @@ SchedulerLike = Any  # an LR scheduler, or a callable(optimizer) -> scheduler
 #: Averager settings the training wrappers use unless told otherwise: gossip often enough that
 #: progress records spread within a fraction of a second.
 TRAINING_DEFAULTS = dict(gossip_interval=0.2, peer_timeout=4.0, request_timeout=0.5)
+
+
+def refuse_auxiliary(averager_opts: dict, who: str) -> None:
+    """A training wrapper trains: as an auxiliary peer its averaged contribution would be dropped (weight 0) while
+    its samples still counted toward the swarm's batch, and it would step on its own gradients. An auxiliary
+    helper is a plain `Averager` with the wrapper's averaged tensors' shapes, stepping in a loop."""
+    if averager_opts.get("auxiliary"):
+        raise ValueError(f"{who} cannot be auxiliary (it trains, and an auxiliary peer brings no data): to lend a "
+                         "machine's bandwidth to a run, loop zgossip.Averager(tensors of the same shapes, prefix=the "
+                         "run's prefix, auxiliary=True, initial_peers=...).step() beside it (docs/training.md)")
+
+
+#: what a client-mode training peer misses: nobody gossips its progress record
+CLIENT_RECORDS = ("nobody gossips a client-mode peer's progress record (a client is in no membership table: "
+                  "README, 'Firewalled peers')")
+
+
+def warn_if_client(averager_opts: dict, listen: str | None, who: str) -> None:
+    """Say once what a client-mode training peer changes (see `CLIENT_RECORDS`)."""
+    if averager_opts.get("client_mode") or listen is None:
+        log.warning("%s in client mode: %s. The listening peers neither count it in num_peers nor count its "
+                    "progress (a collaborative run's global steps then hold more samples than target_batch_size); "
+                    "it still trains in step with them", who, CLIENT_RECORDS)
 
 
 def clock_of(averager_opts: dict) -> Clock:
@@ -141,6 +165,8 @@ class TrainerPeer:
         self._averaging = False
         self._param_digest = ""  # published by wrappers whose peers must hold identical parameters
         opts = {**TRAINING_DEFAULTS, **(averager_opts or {})}
+        refuse_auxiliary(opts, type(self).__name__)
+        warn_if_client(opts, listen, type(self).__name__)
         self.clock: Clock = clock_of(opts)
         self._lock = self.clock.lock(reentrant=True)
         self._run = run_digest(prefix)

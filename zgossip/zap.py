@@ -109,6 +109,12 @@ class _Handler:
         except zmq.ContextTerminated:
             pass
         finally:
+            try:
+                # an inproc unbind takes effect at once, a close only when libzmq's reaper gets to it: a
+                # handler started right after (the next keyed node) would find the endpoint still bound
+                sock.unbind(_ZAP_ENDPOINT)
+            except zmq.ZMQError:
+                pass
             sock.close(0)
 
     def _answer(self, frames: list[bytes]) -> list[bytes]:

@@ -163,6 +163,7 @@ class ZmqTransport:
             from . import zap
 
             zap.unregister(self._ctx, self._zap_domain)
+            self._zap_domain = None
 
     def _new_router(self) -> zmq.Socket:
         r = self._ctx.socket(zmq.ROUTER)

@@ -212,6 +212,37 @@ def test_connect_and_misuse():
         Accumulator("c", [])
 
 
+def test_bad_batch_sizes_and_versions_are_refused_before_anything_is_accumulated():
+    """A negative or fractional batch size used to be accumulated as a weight (-4 negated the gradients;
+    2.5 weighted them 2.5 but counted 2 samples), and a NaN or "8" was accumulated before failing."""
+    model = torch.nn.Linear(3, 1)
+    acc = Accumulator("bad", model.parameters(), group=Group("bad", **FAST))
+    try:
+        acc.set_virtual_batch_size(1000)  # no round: the accumulated gradients stay where the test reads them
+        acc.update()
+        assert acc.connected() and acc.wants_gradients()
+        for bad in (-4, 2.5, float("nan"), "8", None, True):
+            grads = _set_grads(model, 1.0)
+            with pytest.raises(ValueError, match="batch_size must be a whole number"):
+                acc.reduce_gradients(bad)
+            assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))  # p.grad untouched
+            assert acc._samples == 0 and all(not a.any() for a in acc._grads)
+        grads = _set_grads(model, 1.0)
+        acc.reduce_gradients(4.0)  # a float that holds a whole number is fine
+        assert acc._samples == 4 and all(torch.equal(a, 4 * g) for a, g in zip(acc._grads, grads))
+        for bad in (-3, 2.5, "x", None):
+            with pytest.raises(ValueError, match="virtual batch size"):
+                acc.set_virtual_batch_size(bad)
+        with pytest.raises(ValueError, match="virtual_batch_size"):
+            Accumulator("bad", model.parameters(), virtual_batch_size=-1)
+        for bad in (-3, 2.5, "x", None, True):
+            with pytest.raises(ValueError, match="model version"):
+                acc.set_model_version(bad)
+        assert acc.get_gradient_stats()["virtual_batch_size"] == 1000 and acc.model_version() == 0
+    finally:
+        acc.shutdown()
+
+
 def test_a_failed_round_never_leaves_peers_at_one_version_with_different_parameters():
     """Regression: a peer whose round failed (here: the others were busy and never joined its
     matchmaking window) used to step on its local gradients, which made it the highest model
@@ -275,3 +306,15 @@ def test_a_failed_round_never_leaves_peers_at_one_version_with_different_paramet
     finally:
         for a in accs:
             a.shutdown()
+
+
+def test_a_client_mode_accumulator_is_refused_instead_of_never_connecting():
+    """A client's progress record is gossiped by nobody, so the leader never saw that it waited for state:
+    Accumulator(group=Group(..., listen=None)) stayed SYNCING with connected() False forever (8 s of the
+    moolib loop against a leader that made 222 updates meanwhile)."""
+    model = torch.nn.Linear(3, 1)
+    for group, kw in ((Group("cl", listen=None, **FAST), {}), (Group("cl", **FAST), {"client_mode": True}),
+                      (Group("cl", client_mode=True, **FAST), {})):
+        with pytest.raises(ValueError, match="cannot run in client mode.*listen address"):
+            Accumulator("cl", model.parameters(), group=group, **kw)
+

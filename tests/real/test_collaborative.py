@@ -520,6 +520,67 @@ def test_scheduler_steps_once_per_epoch_and_progress_is_exposed():
             o.shutdown()
 
 
+def test_training_wrappers_refuse_to_be_auxiliary_and_a_plain_auxiliary_averager_helps_a_run():
+    """``averager_opts={"auxiliary": True}`` (hivemind's auxiliary optimizer) was taken: the peer trained, its rounds
+    carried weight 0 so its gradients were dropped while its samples still counted toward the global batch, and it
+    stepped on its own gradients (then diverged and resynchronised). Refused now, pointing to the helper that
+    works: a plain auxiliary Averager with the gradients' shapes, looping ``step()`` under the run's prefix."""
+    from zgossip.accumulator import Accumulator
+    from zgossip.optim import DecentralizedSGD
+
+    model = make_model(0)
+    for make in (lambda: CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), prefix="aux",
+                                                target_batch_size=8, averager_opts={"auxiliary": True}),
+                 lambda: DecentralizedSGD(model.parameters(), lr=0.1, prefix="aux", averager_opts={"auxiliary": True}),
+                 lambda: Accumulator("aux", model.parameters(), auxiliary=True)):
+        with pytest.raises(ValueError, match="cannot be auxiliary.*zgossip.Averager"):
+            make()
+    models = [make_model(0) for _ in range(2)]
+    opts = _peers(2, models, "aux-run", target_group_size=3)
+    helper = zgossip.Averager([torch.zeros_like(p) for p in models[0].parameters()], prefix="aux-run", auxiliary=True,
+                              initial_peers=[opts[0].endpoint], **FAST)
+    stop, sizes = threading.Event(), []
+
+    def lend() -> None:
+        while not stop.is_set():
+            try:
+                sizes.append(len(helper.step(timeout=1.0).members))
+            except zgossip.ZGossipError:
+                pass
+
+    th = threading.Thread(target=lend, daemon=True)
+    th.start()
+    try:
+        out = _train(opts, models, epochs=3)
+        assert not out["errors"], out["errors"]
+        assert 3 in sizes, sizes  # it took part in rounds
+        helped = [r for rs in out["rounds"].values() for r in rs if r.get("group_size") == 3]
+        assert helped and all(r["contributors"] == 2 and r["samples"] > 0 for r in helped), helped
+        assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+    finally:
+        stop.set()
+        th.join(10)
+        helper.shutdown()
+        for o in opts:
+            o.shutdown()
+
+
+def test_a_client_mode_training_peer_says_what_the_others_do_not_see(caplog):
+    """Nobody gossips a client's progress record: the listening peers did not count a client-mode
+    CollaborativeOptimizer in num_peers nor its samples toward the target (their global steps held the
+    client's samples on top of target_batch_size), and nothing said so."""
+    model = make_model(0)
+    with caplog.at_level(logging.WARNING, logger="zgossip.trainer"):
+        CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), prefix="cl", target_batch_size=8,
+                               averager_opts=dict(FAST, client_mode=True)).shutdown()
+    assert any("client mode" in r.getMessage() and "num_peers" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="zgossip.trainer"):
+        CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), prefix="cl", target_batch_size=8,
+                               averager_opts=dict(FAST)).shutdown()
+    assert not any("client mode" in r.getMessage() for r in caplog.records)
+
+
 def test_errors_are_clear():
     model = make_model(0)
     with pytest.raises(ValueError, match="target_batch_size"):

@@ -308,6 +308,15 @@ s = Strategy(target_batch_size=64, run_id="nobody", listen="tcp://127.0.0.1:0", 
              initial_peers="tcp://127.0.0.1:1", startup_timeout=0.3)
 trainer(s, max_steps=1).fit(M(), data())
 out["start"] = [x for x in lines if x.startswith("ZGossipStrategy")]
+
+out["bad_kwargs"] = {}
+for kw in (dict(host_maddrs=["/ip4/0.0.0.0/tcp/0"]), dict(target_group_sise=4), dict(prefix="x"),
+           dict(grad_compression="fp16"), dict(target_group_size=4, min_group_size=1)):
+    try:
+        Strategy(target_batch_size=64, listen="tcp://127.0.0.1:0", **kw)
+        out["bad_kwargs"][",".join(kw)] = None
+    except Exception as e:
+        out["bad_kwargs"][",".join(kw)] = [type(e).__name__, str(e)]
 print(json.dumps(out))
 '''
 
@@ -395,3 +404,15 @@ def test_start_message_says_what_was_reached(single):
     """An initial peer nobody listens at: the message says it was given, and that none was reached."""
     (msg,) = single["start"]
     assert "given 1 initial peer(s), none reachable yet" in msg and "joined" not in msg, msg
+
+
+def test_an_argument_the_optimizer_does_not_take_is_refused_when_the_strategy_is_made(single):
+    """hivemind's ``host_maddrs`` (or a misspelt optimizer argument) went into ``optimizer_kwargs`` and was refused
+    only at the first training batch, inside ``trainer.fit``, by CollaborativeOptimizer ("unexpected keyword
+    argument") without saying what to pass instead."""
+    bad = single["bad_kwargs"]
+    assert bad["host_maddrs"][0] == "TypeError" and "listen=" in bad["host_maddrs"][1], bad
+    assert bad["target_group_sise"][0] == "TypeError" and "target_group_size" in bad["target_group_sise"][1], bad
+    assert bad["prefix"][0] == "TypeError" and "run_id" in bad["prefix"][1], bad
+    assert bad["grad_compression"][0] == "TypeError" and "compression=" in bad["grad_compression"][1], bad
+    assert bad["target_group_size,min_group_size"] is None, bad
