@@ -296,3 +296,12 @@ def test_a_shut_down_averager_raises_averager_closed_everywhere():
     for name, call in calls.items():
         with pytest.raises(zgossip.AveragerClosed):
             call()
+    # the rest of the README's list ("Errors"), and what it says stays usable
+    for call in (lambda: a.publish_state(1), a.peer_infos, a.state_verdict, a.bandwidth_estimates, a.link_rates):
+        with pytest.raises(zgossip.AveragerClosed):
+            call()
+    a.set_tensors([np.ones(3, np.float32)])
+    with a.get_tensors() as (x,):
+        assert x.tolist() == [1.0, 1.0, 1.0]
+    assert isinstance(a.stats, dict) and a.step_log.totals() is not None
+    a.shutdown()
