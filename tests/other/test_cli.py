@@ -244,6 +244,19 @@ def test_demo_refuses_bad_sizes_in_one_line_before_starting_anything(capsys, arg
     assert out == ""  # refused before any peer process started
 
 
+@pytest.mark.parametrize("peers, grid", [(8, (4, 2)), (4, (2, 2)), (6, (3, 2)), (9, (3, 3)), (12, (4, 3)),
+                                         (7, (7,)), (2, (2,))])
+def test_demo_with_peers_alone_picks_a_grid_that_fits(peers, grid):
+    """`zgossip demo --peers 4` used to stop with "--grid 4x2 has 8 cells but --peers is 4": the
+    default grid fitted only the default 8 peers, so --peers could not be changed alone."""
+    from zgossip import demo
+
+    p = argparse.ArgumentParser()
+    demo.add_arguments(p)
+    assert demo._grid_shape(p.parse_args(["--peers", str(peers)])) == grid
+    assert demo._grid_shape(p.parse_args(["--peers", "4", "--grid", "4x1"])) == (4, 1)  # a grid given is kept
+
+
 @pytest.mark.parametrize("args, expect", [
     (["--metrics-port", "70000"], "--metrics-port must be in 0..65535 (0 = a free port), not 70000"),
     (["--metrics-port", "-1"], "--metrics-port must be in 0..65535 (0 = a free port), not -1"),
