@@ -33,7 +33,7 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--listen", default="tcp://0.0.0.0:0", help="endpoint to bind (port 0 = ephemeral)")
+    p.add_argument("--listen", default="tcp://0.0.0.0:0", help="endpoint to bind (default tcp://0.0.0.0:0: every interface, an ephemeral port)")
     p.add_argument("--initial-peers", nargs="*", default=[], help="endpoints of any running peers")
     p.add_argument("--announce-host", default=None, help="host name/IP others should use to reach this peer")
     p.add_argument("--prefix", default="zgossip-peer",
@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-group-size", type=int, default=16, help="largest group to average in (default 16)")
     p.add_argument("--min-group-size", type=int, default=2,
                    help="smallest group worth averaging in; fewer peers and the step fails (default 2)")
-    p.add_argument("--interval", type=float, default=5.0, help="seconds between steps")
+    p.add_argument("--interval", type=float, default=5.0, help="seconds from the start of one step to the start of the next (default 5)")
     p.add_argument("--rounds", type=int, default=0, help="stop after this many steps (0 = run until Ctrl-C)")
     p.add_argument("--seed", type=int, default=None,
                    help="seed of the tensor and the peer id (default: random; two peers must not share one)")
@@ -63,7 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-host", default="127.0.0.1",
                    help="address the metrics endpoint binds (default 127.0.0.1; 0.0.0.0 lets other hosts scrape)")
     p.add_argument("--log-json", default=None, metavar="FILE",
-                   help="append one JSON object per step to FILE (group, members, contributors, lost, bytes, timings)")
+                   help="append one JSON object per step to FILE (group, members, contributors, lost, left out, bytes, "
+                        "timings, error)")
     p.add_argument("--plain", action="store_true",
                    help="one line per step instead of the live table (the default when stdout is no terminal "
                         "or rich is not installed)")
