@@ -213,3 +213,21 @@ def test_training_md_decentralized_and_accumulator_examples_build():
                 if hasattr(obj, stop):
                     getattr(obj, stop)()
                     break
+
+
+def test_readme_sweep_file_loads_as_the_text_counts(tmp_path):
+    """README, "Sweeps": the abridged message_level.toml is a valid sweep file; every combination x seed is
+    one run (3 unavailabilities x 2 group sizes x 2 profile mixes x 3 seeds)."""
+    from sim.sweep import load_sweep
+
+    code = block("README.md", 'kind = "scenario"', lang="toml")
+    # its `scenario` is relative to the sweep file: the same layout as the shipped sweeps, in tmp_path
+    (tmp_path / "scenarios").mkdir()
+    (tmp_path / "sweeps").mkdir()
+    for f in (ROOT / "sim" / "scenarios").glob("flaky_home.*"):
+        (tmp_path / "scenarios" / f.name).write_bytes(f.read_bytes())
+    path = tmp_path / "sweeps" / "message_level.toml"
+    path.write_text(code)
+    sweep = load_sweep(path)
+    runs = sweep.runs()
+    assert len(runs) == 3 * 2 * 2 * 3
