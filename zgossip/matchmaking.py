@@ -733,8 +733,11 @@ class Matchmaker:
             self._fail(now, "step timeout reached")
         elif now >= j.wait_until:
             what = "no JOIN_ACK" if j.phase is JoinPhase.ASKING else "no group after the window"
-            j.history.append(f"{j.target[0][:8]}: {what} within {j.wait_until - j.since:.2g}s")
-            j.silent.add(j.target[0])
+            if j.target[0]:
+                j.history.append(f"{j.target[0][:8]}: {what} within {j.wait_until - j.since:.2g}s")
+                j.silent.add(j.target[0])
+            else:  # nobody was asked (a client that knows no peer): say so, not ": no JOIN_ACK"
+                j.history.append("no peer known to ask (a client learns peers only from its initial peers)")
             if j.phase is JoinPhase.QUEUED:
                 self._send(j.target[1], Leave(self.peer_id, self.endpoint, key=j.key, step_id=j.step_id))
                 j.asked.pop(j.target[0], None)  # it was told we left: its GROUP would not hold us
