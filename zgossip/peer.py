@@ -25,7 +25,7 @@ import zmq
 
 from .averager import Averager
 from .errors import ZGossipError
-from .endpoints import check_endpoint
+from .endpoints import check_endpoint, listens
 from .live import PlainLines, make_display
 from .metrics import JsonLinesLog
 
@@ -101,6 +101,9 @@ def run(args: argparse.Namespace) -> int:
             check_endpoint(ep.partition("#")[0], "--initial-peers address")
         if (args.key is None) != (args.allow is None):
             raise ValueError("--key and --allow go together")
+        if args.client and not args.initial_peers:
+            raise ValueError("--client needs --initial-peers: a client listens nowhere, so it only ever meets the "
+                             "peers it is told of")
         if args.numel < 1:
             raise ValueError(f"--numel must be at least 1, not {args.numel}")
         if args.rounds < 0:
@@ -134,16 +137,22 @@ def run(args: argparse.Namespace) -> int:
             avg.step_log.subscribe(log_json)
         # with keys the address carries our public key: `tcp://HOST:PORT#KEY`
         join = avg.endpoint if avg.public_key is None else f"'{avg.endpoint}#{avg.public_key}' --key FILE --allow FILE"
-        info = [f"others can join with: zgossip peer --initial-peers {join}"]
+        if listens(avg.endpoint):
+            info = [f"others can join with: zgossip peer --initial-peers {join}"]
+            first = f"peer {avg.peer_id} listening; others can join with:\n  zgossip peer --initial-peers {join}"
+            title = f"zgossip peer {avg.peer_id} (prefix {args.prefix!r}), listening at {avg.endpoint}"
+        else:  # --client: a client:// endpoint is no address; nobody can join through this peer
+            info = ["client mode: listens nowhere; it reaches the swarm through --initial-peers, and others cannot "
+                    "join through it"]
+            first = f"peer {avg.peer_id} in client mode (listens nowhere; others cannot join through it)"
+            title = f"zgossip peer {avg.peer_id} (prefix {args.prefix!r}), client mode"
         if avg.metrics_endpoint:
             info.append(f"metrics: {avg.metrics_endpoint}")
         if args.log_json:
             info.append(f"step log: {args.log_json} (JSON lines)")
-        display = make_display(f"zgossip peer {avg.peer_id} (prefix {args.prefix!r}), listening at {avg.endpoint}",
-                               info, plain=args.plain)
+        display = make_display(title, info, plain=args.plain)
         if isinstance(display, PlainLines):
-            print(f"peer {avg.peer_id} listening; others can join with:\n"
-                  f"  zgossip peer --initial-peers {join}", flush=True)
+            print(first, flush=True)
             for line in info[1:]:
                 print(line, flush=True)
         else:

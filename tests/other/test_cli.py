@@ -282,6 +282,8 @@ def test_demo_with_peers_alone_picks_a_grid_that_fits(peers, grid):
     (["--rounds", "-1"], "--rounds must be >= 0 (0 = run until Ctrl-C), not -1"),
     (["--interval", "-1"], "--interval must be a finite number of seconds >= 0, not -1.0"),
     (["--interval", "nan"], "--interval must be a finite number of seconds >= 0, not nan"),
+    (["--client"], "--client needs --initial-peers: a client listens nowhere, so it only ever meets the peers it "
+                   "is told of"),  # it used to run, failing every step
 ])
 def test_peer_refuses_bad_numbers_in_one_line_before_starting(capsys, args, expect):
     """Before, a bad metrics port or --numel -5 ended in a traceback (OverflowError from bind, numpy's
@@ -349,3 +351,33 @@ def test_peer_stops_at_once_on_ctrl_c_or_sigterm_mid_step(sig):
     assert p.returncode == 0, (out, err)
     assert "Traceback" not in err, err
     assert took < 5.0, f"exited {took:.1f}s after the signal"
+
+
+def test_a_client_peer_does_not_offer_its_client_address_to_join_through(capsys):
+    """`zgossip peer --client` printed "others can join with: zgossip peer --initial-peers client://<id>",
+    an address nobody can connect to (and --initial-peers refuses). It now says it is a client."""
+    import signal
+    import threading
+
+    import numpy as np
+
+    import zgossip
+    from zgossip import cli
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    host = zgossip.Averager([np.zeros(8, np.float32)], prefix="zgossip-peer", listen="tcp://127.0.0.1:0")
+    stepped = threading.Thread(target=lambda: host.step(timeout=20), daemon=True)
+    stepped.start()
+    try:
+        rc = cli.main(["peer", "--client", "--initial-peers", host.endpoint, "--numel", "8", "--rounds", "1",
+                       "--interval", "0", "--plain", "--log-level", "WARNING"])
+    finally:
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
+        stepped.join(20)
+        host.shutdown()
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "client://" not in out and "others can join" not in out, out
+    assert "client mode (listens nowhere; others cannot join through it)" in out
+    assert "step 0: group of 2" in out, out
