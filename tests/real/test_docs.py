@@ -231,3 +231,19 @@ def test_readme_sweep_file_loads_as_the_text_counts(tmp_path):
     sweep = load_sweep(path)
     runs = sweep.runs()
     assert len(runs) == 3 * 2 * 2 * 3
+
+
+@pytest.mark.parametrize("make", [lambda: np.arange(3), lambda: np.zeros(3, np.complex64), lambda: np.ones(3, bool),
+                                  "bfloat16"])
+def test_readme_tensor_dtypes_other_than_float16_32_64_raise_type_error(make):
+    """README, "Using it": "Tensors must be float16, float32 or float64 (others, torch's bfloat16
+    included, raise TypeError)"."""
+    if make == "bfloat16":
+        torch = pytest.importorskip("torch")
+        tensor = torch.zeros(3, dtype=torch.bfloat16)
+    else:
+        tensor = make()
+    with pytest.raises(TypeError):
+        zgossip.Averager([tensor], prefix="docs-dtype", listen="tcp://127.0.0.1:0").shutdown()
+    for dt in (np.float16, np.float32, np.float64):
+        zgossip.Averager([np.zeros(3, dt)], prefix="docs-dtype", listen="tcp://127.0.0.1:0").shutdown()
