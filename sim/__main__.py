@@ -27,6 +27,8 @@ from typing import Sequence
 
 import numpy as np
 
+from zgossip.cli import log_level
+
 __all__ = ["main"]
 
 
@@ -413,7 +415,7 @@ def _main(argv: list[str]) -> int:
     r.add_argument("--csv", help="write one row per round here")
     r.add_argument("--json", action="store_true", help="print the results JSON instead of the table")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
-    r.add_argument("--log-level", default="WARNING",
+    r.add_argument("--log-level", type=log_level, default="WARNING",
                    help="log records of the simulated peers shown (above the progress bar); default WARNING")
     r.set_defaults(fn=cmd_run)
     tr = sub.add_parser("train", help="simulated training: N real trainers in virtual time (a [train] scenario)")

@@ -5,7 +5,7 @@ import argparse
 import logging
 import sys
 
-__all__ = ["main"]
+__all__ = ["main", "log_level"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,6 +33,15 @@ def main(argv: list[str] | None = None) -> int:
         # exit status for SIGINT (128 + 2)
         print(file=sys.stderr)
         return 130
+
+
+def log_level(text: str) -> str:
+    """The argparse type of every ``--log-level``: a logging level name in any case, upper-cased
+    (``debug`` used to end in a traceback from `logging.basicConfig`, as did a typo)."""
+    name = str(text).upper()
+    if not isinstance(logging.getLevelName(name), int):
+        raise argparse.ArgumentTypeError(f"{text!r} is no logging level (DEBUG, INFO, WARNING, ERROR or CRITICAL)")
+    return name
 
 
 def _keygen(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 
+from .cli import log_level
 from .swarm import LocalSwarm
 
 __all__ = ["add_arguments", "run"]
@@ -25,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3, help="averaging rounds to run (default 3)")
     p.add_argument("--numel", type=int, default=1 << 20, help="float32 elements per peer (default 1M = 4 MiB)")
     p.add_argument("--seed", type=int, default=0, help="seed of the peers' random tensors (default 0)")
-    p.add_argument("--log-level", default="WARNING", help="logging level of the peer processes (DEBUG, INFO, WARNING, ...; default WARNING)")
+    p.add_argument("--log-level", type=log_level, default="WARNING", help="logging level of the peer processes (DEBUG, INFO, WARNING, ...; default WARNING)")
 
 
 def _fmt_groups(sizes: list[int]) -> str:

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from .cli import log_level
 from .averager import Averager
 from .errors import ZGossipError
 from .endpoints import check_endpoint, listens
@@ -68,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plain", action="store_true",
                    help="one line per step instead of the live table (the default when stdout is no terminal "
                         "or rich is not installed)")
-    p.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING, ...; default INFO)")
+    p.add_argument("--log-level", type=log_level, default="INFO", help="logging level (DEBUG, INFO, WARNING, ...; default INFO)")
 
 
 def _bandwidth(v: str) -> float | str:

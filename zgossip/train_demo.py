@@ -24,6 +24,7 @@ import os
 import time
 from typing import Any
 
+from .cli import log_level
 from .swarm import start_child, stop_children
 
 __all__ = ["add_arguments", "run", "Task", "make_model", "train_peer"]
@@ -180,7 +181,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-delay", type=float, default=0.01,
                    help="seconds each local step sleeps, standing in for a bigger model (default 0.01)")
     p.add_argument("--seed", type=int, default=0, help="data seed")
-    p.add_argument("--log-level", default="WARNING", help="logging level of the peer processes (DEBUG, INFO, WARNING, ...; default WARNING)")
+    p.add_argument("--log-level", type=log_level, default="WARNING", help="logging level of the peer processes (DEBUG, INFO, WARNING, ...; default WARNING)")
 
 
 class _Peers:

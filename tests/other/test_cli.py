@@ -381,3 +381,19 @@ def test_a_client_peer_does_not_offer_its_client_address_to_join_through(capsys)
     assert "client://" not in out and "others can join" not in out, out
     assert "client mode (listens nowhere; others cannot join through it)" in out
     assert "step 0: group of 2" in out, out
+
+
+@pytest.mark.parametrize("command", ["demo", "peer", "train-demo", "sim run"])
+def test_log_level_takes_any_case_and_refuses_a_typo_in_one_line(command, capsys):
+    """`--log-level debug` (lower case) or a typo ended in a traceback from logging.basicConfig (in
+    demo and train-demo, in every peer process too); now 'debug' is DEBUG and a typo is a usage error."""
+    import sim.__main__ as sim_main
+    from zgossip import cli
+
+    main, argv = (sim_main.main, ["run"]) if command == "sim run" else (cli.main, [command])
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--log-level", "LOUD", *(["x.toml"] if command == "sim run" else [])])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith("argument --log-level: 'LOUD' is no logging level (DEBUG, INFO, WARNING, ERROR or CRITICAL)")
+    assert cli.log_level("debug") == "DEBUG" and cli.log_level("Warning") == "WARNING"
