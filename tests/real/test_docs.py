@@ -247,3 +247,18 @@ def test_readme_tensor_dtypes_other_than_float16_32_64_raise_type_error(make):
         zgossip.Averager([tensor], prefix="docs-dtype", listen="tcp://127.0.0.1:0").shutdown()
     for dt in (np.float16, np.float32, np.float64):
         zgossip.Averager([np.zeros(3, dt)], prefix="docs-dtype", listen="tcp://127.0.0.1:0").shutdown()
+
+
+def test_readme_error_classes_exist_and_derive_from_zgossip_error():
+    """README, "Using it": "Errors all derive from `zgossip.ZGossipError`: ..." -- every class that bullet
+    names is exported by zgossip and is one; a download with no donor raises the one it names."""
+    text = (ROOT / "README.md").read_text()
+    bullet = text[text.index("- Errors all derive from `zgossip.ZGossipError`"):]
+    bullet = bullet[:bullet.index("\n- ")]
+    names = set(re.findall(r"`([A-Z][A-Za-z]+)`", bullet))
+    assert {"GroupNotFound", "RoundTimeout", "PeerLost", "StateUnavailable", "AveragerClosed"} <= names
+    for name in names:
+        assert issubclass(getattr(zgossip, name), zgossip.ZGossipError), name
+    with zgossip.Averager([np.zeros(3, np.float32)], prefix="docs-state", listen="tcp://127.0.0.1:0") as avg:
+        with pytest.raises(zgossip.StateUnavailable, match="0 tried"):
+            avg.load_state_from_peers(timeout=1)
