@@ -185,7 +185,8 @@ class Matchmaker:
         """`expected(key, round, now)` names the live peers that may still join `key` in `round`, or
         None if it cannot tell; a pool closes as soon as all of them joined (see `_all_came`)."""
         if not 1 <= min_group_size <= target_group_size:
-            raise ValueError("need 1 <= min_group_size <= target_group_size")
+            raise ValueError(f"need 1 <= min_group_size <= target_group_size, not min_group_size={min_group_size!r} "
+                             f"and target_group_size={target_group_size!r}")
         if matchmaking_time <= 0 or request_timeout <= 0:
             raise ValueError("matchmaking_time and request_timeout must be positive")
         self.membership = membership

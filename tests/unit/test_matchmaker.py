@@ -390,3 +390,11 @@ def test_a_client_that_knows_no_peer_says_so_when_its_step_fails():
     [err] = failures
     assert isinstance(err, GroupNotFound)
     assert "What happened: no peer known to ask" in str(err) and ": :" not in str(err), str(err)
+
+
+@pytest.mark.parametrize("lo, hi", [(0, 16), (5, 3), (1, 0)])
+def test_bad_group_sizes_are_refused_with_the_values_given(lo, hi):
+    """`zgossip peer --min-group-size 5 --target-group-size 3` said only "need 1 <= min_group_size <=
+    target_group_size", not which values broke it."""
+    with pytest.raises(ValueError, match=f"not min_group_size={lo} and target_group_size={hi}"):
+        Machine(1, [2], min_group_size=lo, target_group_size=hi)
