@@ -262,3 +262,26 @@ def test_readme_error_classes_exist_and_derive_from_zgossip_error():
     with zgossip.Averager([np.zeros(3, np.float32)], prefix="docs-state", listen="tcp://127.0.0.1:0") as avg:
         with pytest.raises(zgossip.StateUnavailable, match="0 tried"):
             avg.load_state_from_peers(timeout=1)
+
+
+def test_training_md_collaborative_examples_run_alone(capsys):
+    """docs/training.md: the CollaborativeOptimizer example's loop (one peer, a few batches short of the
+    global batch: it accumulates) and the overlapped-averaging constructor."""
+    torch = pytest.importorskip("torch")
+    first = block("docs/training.md", "from zgossip.collaborative import CollaborativeOptimizer")
+    first = swap(first, 'initial_peers=["tcp://10.0.0.5:41000"]', "initial_peers=[]")
+    model = torch.nn.Linear(4, 2)
+    data = [(torch.randn(32, 4), torch.randint(0, 2, (32,))) for _ in range(3)]
+    ns = {"torch": torch, "model": model, "data": data, "loss_fn": torch.nn.functional.cross_entropy}
+    exec(compile(first, "docs/training.md (collaborative)", "exec"), ns)
+    try:
+        assert ns["opt"].local_epoch == 0 and ns["opt"].global_progress.samples_accumulated == 96
+        assert capsys.readouterr().out.startswith("0 GlobalProgress(")
+    finally:
+        ns["opt"].shutdown()
+    overlapped = block("docs/training.md", "delay_optimizer_step=True, delay_grad_averaging=True")
+    exec(compile(overlapped, "docs/training.md (overlapped)", "exec"), ns)
+    try:
+        assert ns["opt"].delay_grad_averaging
+    finally:
+        ns["opt"].shutdown()
