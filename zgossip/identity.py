@@ -166,6 +166,9 @@ def write_key_file(path: Any, keys: KeyPair | None = None, overwrite: bool = Fal
     ``PATH.pub`` with the public key as an allow-file line. Returns the key pair."""
     keys = keys or KeyPair.generate()
     path = Path(path)
+    if path.is_dir():  # else "exists; not overwriting" (or with --force, EISDIR): neither says what to do
+        raise ValueError(f"{str(path)!r} is a directory: give the path of the key file to write, e.g. "
+                         f"{path / 'peer.key'}")
     flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if overwrite else os.O_EXCL)
     try:
         fd = os.open(path, flags, 0o600)

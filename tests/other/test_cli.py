@@ -397,3 +397,15 @@ def test_log_level_takes_any_case_and_refuses_a_typo_in_one_line(command, capsys
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.endswith("argument --log-level: 'LOUD' is no logging level (DEBUG, INFO, WARNING, ERROR or CRITICAL)")
     assert cli.log_level("debug") == "DEBUG" and cli.log_level("Warning") == "WARNING"
+
+
+@pytest.mark.parametrize("force", [[], ["--force"]])
+def test_keygen_into_a_directory_says_so(tmp_path, capsys, force):
+    """`zgossip keygen DIR` said "DIR exists; not overwriting a key" (and with --force, "Is a directory")."""
+    from zgossip import cli
+
+    assert cli.main(["keygen", *force, str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"zgossip keygen: error: {str(tmp_path)!r} is a directory: give the path of the key file to write, " \
+                  f"e.g. {tmp_path / 'peer.key'}", err
+    assert list(tmp_path.iterdir()) == []
