@@ -149,15 +149,17 @@ def load_key(source: Any) -> KeyPair:
     path = Path(source)
     try:
         mode = path.stat().st_mode
-    except OSError as e:
+        text = path.read_text()  # a directory fails here, before any warning about its mode
+    except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"cannot read key file {path}: {e}") from None
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        warnings.warn(f"key file {path} is readable by others (mode {stat.S_IMODE(mode):o}): anyone who reads it can "
-                      f"join the swarm as this peer; run `chmod 600 {path}`", KeyFileWarning, stacklevel=2)
-    f = _fields(path.read_text())
+    f = _fields(text)
     if "secret-key" not in f or "public-key" not in f:
         raise ValueError(f"{path} is not a zgossip key file (needs 'public-key = ...' and 'secret-key = ...' lines; "
                          "write one with `zgossip keygen FILE`)")
+    # only a file that holds a secret is worth the warning (not FILE.pub given by mistake, not a directory)
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        warnings.warn(f"key file {path} is readable by others (mode {stat.S_IMODE(mode):o}): anyone who reads it can "
+                      f"join the swarm as this peer; run `chmod 600 {path}`", KeyFileWarning, stacklevel=2)
     return KeyPair(f["public-key"], f["secret-key"])
 
 
