@@ -27,7 +27,7 @@ from typing import Sequence
 
 import numpy as np
 
-from zgossip.cliargs import nonnegative_int, positive_int
+from zgossip.cliargs import log_level, nonnegative_int, positive_int
 
 __all__ = ["main"]
 
@@ -415,7 +415,7 @@ def _main(argv: list[str]) -> int:
     r.add_argument("--csv", help="write one row per round here")
     r.add_argument("--json", action="store_true", help="print the results JSON instead of the table")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
-    r.add_argument("--log-level", default="WARNING",
+    r.add_argument("--log-level", type=log_level, default="WARNING",
                    help="log records of the simulated peers shown (above the progress bar); default WARNING")
     r.set_defaults(fn=cmd_run)
     tr = sub.add_parser("train", help="simulated training: N real trainers in virtual time (a [train] scenario)")
@@ -426,11 +426,11 @@ def _main(argv: list[str]) -> int:
     m = sub.add_parser("moshpit", help="a Moshpit averaging experiment from flags")
     m.add_argument("--peers", type=int, default=1024, help="number of peers (default 1024)")
     m.add_argument("--group-size", type=int, default=32, help="target group size (default 32)")
-    m.add_argument("--grid", default="32x32", help="e.g. 32x32; empty for random groups (round level)")
+    m.add_argument("--grid", default="32x32", help="e.g. 32x32 (the default); empty for random groups (round level)")
     m.add_argument("--dropout", type=float, default=0.0, help="per-round unavailability probability")
     m.add_argument("--rounds", type=int, default=5, help="averaging rounds (default 5)")
     m.add_argument("--seed", type=int, default=0, help="seed of the run (default 0)")
-    m.add_argument("--numel", type=int, default=1, help="values per peer (message level)")
+    m.add_argument("--numel", type=int, default=1, help="values per peer (message level; default 1)")
     m.add_argument("--placement", default="distinct", choices=["full", "distinct", "random"],
                    help="how peers take grid cells: every cell (full), distinct cells, or random with collisions "
                         "(default distinct)")

@@ -220,7 +220,8 @@ def moshpit_groups(coords: np.ndarray, shape: Sequence[int], round_index: int, a
     and the ranks are random. ``cut``: see `_cut_lines`.
     """
     if not 1 <= min_group_size <= target_group_size:
-        raise ValueError("need 1 <= min_group_size <= target_group_size")
+        raise ValueError(f"need 1 <= min_group_size <= target_group_size, not min_group_size={min_group_size!r} "
+                         f"and target_group_size={target_group_size!r}")
     axis = round_index % len(shape)
     idx = np.flatnonzero(available)
     if idx.size == 0:

@@ -83,10 +83,10 @@ def state_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--donors", type=positive_int, default=4, help="donors of the parallel download (default 4)")
     p.add_argument("--donor-mbit", type=positive_float, default=200.0, help="each donor's up and down rate (default 200)")
     p.add_argument("--downloader-mbit", type=positive_float, default=1000.0, help="the downloader's rate (default 1000)")
-    p.add_argument("--latency-ms", type=nonnegative_float, default=5.0, help="each host's one-way latency to the switch")
+    p.add_argument("--latency-ms", type=nonnegative_float, default=5.0, help="each host's one-way latency to the switch (default 5)")
     p.add_argument("--reps", type=positive_int, default=3, help="repetitions of each (ABBA order; default 3)")
     p.add_argument("--chunk-mib", type=positive_float, default=4.0, help="state chunk size in MiB (default 4)")
-    p.add_argument("--timeout", type=positive_float, default=300.0, help="bound on every wait, in seconds")
+    p.add_argument("--timeout", type=positive_float, default=300.0, help="bound on every wait, in seconds (default 300)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     if args.donors < 2 or args.size_mib < 1 or args.reps < 1:
@@ -121,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sim overlap", description=__doc__.split("\n\n")[1])
     p.add_argument("--peers", type=positive_int, default=2, help="processes, one per testbed host (default 2)")
     p.add_argument("--mbit", type=positive_float, default=100.0, help="each host's up and down rate (default 100)")
-    p.add_argument("--latency-ms", type=nonnegative_float, default=5.0, help="each host's one-way latency to the switch")
+    p.add_argument("--latency-ms", type=nonnegative_float, default=5.0, help="each host's one-way latency to the switch (default 5)")
     p.add_argument("--reps", type=positive_int, default=5, help="repetitions of each (sync / overlap alternating; default 5)")
     p.add_argument("--epochs", type=positive_int, default=20, help="global steps per repetition (default 20)")
     p.add_argument("--hidden", type=positive_int, default=512, help="MLP width (default 512: 0.53M parameters)")
@@ -129,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--accel-ms", type=nonnegative_float, default=150.0,
                    help="ms per batch during which this CPU is free, standing in for an accelerator's compute "
                         "(default 150: about a round of 0.53M float32 parameters between two 100 Mbit hosts)")
-    p.add_argument("--timeout", type=positive_float, default=120.0, help="bound on every wait, in seconds")
+    p.add_argument("--timeout", type=positive_float, default=120.0, help="bound on every wait, in seconds (default 120)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     if args.peers < 2:

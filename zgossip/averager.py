@@ -556,6 +556,8 @@ class Averager:
         """`step`'s ``timeout`` as seconds (None: the default), or ValueError."""
         if timeout is None:
             return max(5.0, 3 * self.config.matchmaking_time)
+        if isinstance(timeout, (bool, str, bytes)):  # as scheduled_time: float() would take "5" or True
+            raise ValueError(f"timeout must be a number of seconds, not {type(timeout).__name__}")
         try:
             t = float(timeout)
         except (TypeError, ValueError):

@@ -128,7 +128,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="peers with CURVE keys (authenticated, encrypted); the all-reduce bench also runs the same "
                         "swarm without keys and prints the ratio")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the peers' random tensors (default 0)")
-    p.add_argument("--timeout", type=positive_float, default=120.0, help="bound on each step and each wait, in seconds")
+    p.add_argument("--timeout", type=positive_float, default=120.0, help="bound on each step and each wait, in seconds (default 120)")
 
 
 # ---------------------------------------------------------------------------- helpers

@@ -237,7 +237,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ipc", action="store_true", help="peers on one host use Unix sockets (default: TCP loopback)")
     p.add_argument("--hash-only", action="store_true", help="only measure the cost of hashing a 64 MiB state")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--timeout", type=positive_float, default=120.0, help="bound on every wait, in seconds")
+    p.add_argument("--timeout", type=positive_float, default=120.0, help="bound on every wait, in seconds (default 120)")
 
 
 def run(args: argparse.Namespace) -> int:

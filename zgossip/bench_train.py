@@ -282,7 +282,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", type=positive_int, default=4, help="local processes on each side (default 4)")
     p.add_argument("--reps", type=positive_int, default=7, help="timed repetitions after 2 warm-ups (default 7, at least 3)")
     p.add_argument("--batch", type=positive_int, default=8, help="samples per local batch (default 8; not timed)")
-    p.add_argument("--timeout", type=positive_float, default=120.0, help="bound on each wait, in seconds")
+    p.add_argument("--timeout", type=positive_float, default=120.0, help="bound on each wait, in seconds (default 120)")
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
     p.add_argument("--overlap", action="store_true",
                    help="instead: global steps/s with and without delay_optimizer_step (zgossip.bench_overlap; "

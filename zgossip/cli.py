@@ -5,7 +5,9 @@ import argparse
 import logging
 import sys
 
-__all__ = ["main"]
+from .cliargs import log_level  # the type of every --log-level (kept importable from here)
+
+__all__ = ["main", "log_level"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,7 @@ later as a traceback from a child process, or running with a value that means no
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 
 __all__ = ["positive_int", "nonnegative_int", "positive_float", "nonnegative_float", "log_level"]
@@ -46,12 +47,10 @@ def nonnegative_float(text: str) -> float:
     return _float(text, False)
 
 
-_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-
-
 def log_level(text: str) -> str:
-    """A logging level by name, in any case (``info`` -> ``INFO``)."""
-    name = text.strip().upper()
-    if name not in _LEVELS:
-        raise argparse.ArgumentTypeError(f"must be one of {', '.join(_LEVELS)}, got {text!r}")
+    """The argparse type of every ``--log-level``: a logging level name in any case, upper-cased
+    (``debug`` used to end in a traceback from `logging.basicConfig`, as did a typo)."""
+    name = str(text).strip().upper()
+    if not isinstance(logging.getLevelName(name), int):
+        raise argparse.ArgumentTypeError(f"{text!r} is no logging level (DEBUG, INFO, WARNING, ERROR or CRITICAL)")
     return name

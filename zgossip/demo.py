@@ -7,6 +7,7 @@ rounds every peer holds the exact global mean, and later rounds keep it there.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 
@@ -20,7 +21,8 @@ __all__ = ["add_arguments", "run"]
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", type=int, default=8, help="number of local peer processes (default 8)")
-    p.add_argument("--grid", default="4x2", help="Moshpit grid shape, e.g. 4x2 (product must equal --peers)")
+    p.add_argument("--grid", default=None, help="Moshpit grid shape, e.g. 4x2; its product must equal --peers "
+                                              "(default: the most even AxB that does, 4x2 for 8 peers; N for a prime N)")
     p.add_argument("--rounds", type=int, default=3, help="averaging rounds to run (default 3)")
     p.add_argument("--numel", type=int, default=1 << 20, help="float32 elements per peer (default 1M = 4 MiB)")
     p.add_argument("--seed", type=int, default=0, help="seed of the peers' random tensors (default 0)")
@@ -39,6 +41,9 @@ def _grid_shape(args: argparse.Namespace) -> tuple[int, ...]:
         raise ValueError(f"--numel must be at least 1, not {args.numel}")
     if args.rounds < 0:
         raise ValueError(f"--rounds must be >= 0, not {args.rounds}")
+    if args.grid is None:  # --peers alone: a grid that fits it (the default once fitted only 8 peers)
+        side = max(d for d in range(1, math.isqrt(args.peers) + 1) if args.peers % d == 0)
+        return (args.peers // side, side) if side > 1 else (args.peers,)
     try:
         shape = tuple(int(x) for x in args.grid.lower().split("x"))
     except ValueError:

@@ -170,9 +170,6 @@ def load_key(source: Any) -> KeyPair:
         raise ValueError(f"cannot read key file {path}: {e}") from None
     if not stat.S_ISREG(mode):
         raise ValueError(f"cannot read key file {path}: not a file (write one with `zgossip keygen FILE`)")
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        warnings.warn(f"key file {path} is readable by others (mode {stat.S_IMODE(mode):o}): anyone who reads it can "
-                      f"join the swarm as this peer; run `chmod 600 {path}`", KeyFileWarning, stacklevel=2)
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as e:
@@ -182,9 +179,14 @@ def load_key(source: Any) -> KeyPair:
         raise ValueError(f"{path} is not a zgossip key file (needs 'public-key = ...' and 'secret-key = ...' lines; "
                          "write one with `zgossip keygen FILE`)")
     try:
-        return KeyPair(f["public-key"], f["secret-key"])
+        keys = KeyPair(f["public-key"], f["secret-key"])
     except ValueError as e:
         raise ValueError(f"key file {path}: {e}") from None
+    # only a file that holds a secret is worth the warning (not FILE.pub given by mistake, not a directory)
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        warnings.warn(f"key file {path} is readable by others (mode {stat.S_IMODE(mode):o}): anyone who reads it can "
+                      f"join the swarm as this peer; run `chmod 600 {path}`", KeyFileWarning, stacklevel=2)
+    return keys
 
 
 def write_key_file(path: Any, keys: KeyPair | None = None, overwrite: bool = False) -> KeyPair:
@@ -192,6 +194,9 @@ def write_key_file(path: Any, keys: KeyPair | None = None, overwrite: bool = Fal
     ``PATH.pub`` with the public key as an allow-file line. Returns the key pair."""
     keys = keys or KeyPair.generate()
     path = Path(path)
+    if path.is_dir():  # else "exists; not overwriting" (or with --force, EISDIR): neither says what to do
+        raise ValueError(f"{str(path)!r} is a directory: give the path of the key file to write, e.g. "
+                         f"{path / 'peer.key'}")
     flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if overwrite else os.O_EXCL)
     try:
         fd = os.open(path, flags, 0o600)

@@ -185,7 +185,8 @@ class Matchmaker:
         """`expected(key, round, now)` names the live peers that may still join `key` in `round`, or
         None if it cannot tell; a pool closes as soon as all of them joined (see `_all_came`)."""
         if not 1 <= min_group_size <= target_group_size:
-            raise ValueError("need 1 <= min_group_size <= target_group_size")
+            raise ValueError(f"need 1 <= min_group_size <= target_group_size, not min_group_size={min_group_size!r} "
+                             f"and target_group_size={target_group_size!r}")
         if matchmaking_time <= 0 or request_timeout <= 0:
             raise ValueError("matchmaking_time and request_timeout must be positive")
         self.membership = membership
@@ -733,8 +734,11 @@ class Matchmaker:
             self._fail(now, "step timeout reached")
         elif now >= j.wait_until:
             what = "no JOIN_ACK" if j.phase is JoinPhase.ASKING else "no group after the window"
-            j.history.append(f"{j.target[0][:8]}: {what} within {j.wait_until - j.since:.2g}s")
-            j.silent.add(j.target[0])
+            if j.target[0]:
+                j.history.append(f"{j.target[0][:8]}: {what} within {j.wait_until - j.since:.2g}s")
+                j.silent.add(j.target[0])
+            else:  # nobody was asked (a client that knows no peer): say so, not ": no JOIN_ACK"
+                j.history.append("no peer known to ask (a client learns peers only from its initial peers)")
             if j.phase is JoinPhase.QUEUED:
                 self._send(j.target[1], Leave(self.peer_id, self.endpoint, key=j.key, step_id=j.step_id))
                 j.asked.pop(j.target[0], None)  # it was told we left: its GROUP would not hold us

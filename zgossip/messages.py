@@ -163,12 +163,19 @@ def _info(v: Any) -> dict:
         raise InvalidMessage(f"info must be a map of at most {MAX_INFO} entries")
     for k, x in v.items():
         if not isinstance(k, str) or len(k) > 32:
-            raise InvalidMessage("info keys must be short strings")
+            raise InvalidMessage(f"info key {_shown(k)}: keys must be str of at most 32 characters")
         if x is not None and type(x) not in (bool, int, float, str) or (type(x) is str and len(x) > 128):
-            raise InvalidMessage("info values must be scalars (short strings)")
+            what = f"a str of {len(x)} characters" if type(x) is str else f"a {type(x).__name__}"
+            raise InvalidMessage(f"info[{k!r}] is {what}: values must be None, bool, int, float or a str of at "
+                                 "most 128 characters")
         if type(x) is float and not math.isfinite(x):
-            raise InvalidMessage("info floats must be finite")
+            raise InvalidMessage(f"info[{k!r}] is {x!r}: floats must be finite")
     return v
+
+
+def _shown(k: Any) -> str:
+    """A key as an error message names it: short, whatever a peer sent."""
+    return repr(k[:40]) + "..." if isinstance(k, str) and len(k) > 40 else f"{k!r}"[:60]
 
 
 def check_info(info: Any) -> dict:

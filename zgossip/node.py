@@ -694,10 +694,14 @@ class Node:
     @staticmethod
     def check_user_info(info: dict) -> dict:
         """What a user may publish: at most 14 scalar entries (the node adds its own 'zg.' keys), no 'zg.' keys."""
-        info = dict(check_info(dict(info)))  # the same check peers apply on receipt
-        if any(k.startswith("zg.") for k in info) or len(info) > 14:
-            raise ValueError("info keys starting with 'zg.' are reserved; at most 14 entries")
-        return info
+        info = dict(info)
+        if len(info) > 14:
+            raise ValueError(f"publish takes at most 14 entries, not {len(info)} (the node gossips its own "
+                             "'zg.' entries in the same record)")
+        reserved = sorted(k for k in info if isinstance(k, str) and k.startswith("zg."))
+        if reserved:
+            raise ValueError(f"info keys starting with 'zg.' are reserved for zgossip's own entries: {reserved}")
+        return dict(check_info(info))  # the same check peers apply on receipt
 
     def set_info(self, info: dict) -> None:
         """Publish a small record about this peer (<= 14 scalar entries) with the membership gossip."""

@@ -26,7 +26,7 @@ import zmq
 from .averager import Averager
 from .cliargs import log_level
 from .errors import ZGossipError
-from .endpoints import check_endpoint
+from .endpoints import check_endpoint, listens
 from .live import PlainLines, make_display
 from .metrics import JsonLinesLog
 
@@ -34,7 +34,7 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--listen", default="tcp://0.0.0.0:0", help="endpoint to bind (port 0 = ephemeral)")
+    p.add_argument("--listen", default="tcp://0.0.0.0:0", help="endpoint to bind (default tcp://0.0.0.0:0: every interface, an ephemeral port)")
     p.add_argument("--initial-peers", nargs="*", default=[], help="endpoints of any running peers")
     p.add_argument("--announce-host", default=None, help="host name/IP others should use to reach this peer")
     p.add_argument("--prefix", default="zgossip-peer",
@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-group-size", type=int, default=16, help="largest group to average in (default 16)")
     p.add_argument("--min-group-size", type=int, default=2,
                    help="smallest group worth averaging in; fewer peers and the step fails (default 2)")
-    p.add_argument("--interval", type=float, default=5.0, help="seconds between steps")
+    p.add_argument("--interval", type=float, default=5.0, help="seconds from the start of one step to the start of the next (default 5)")
     p.add_argument("--rounds", type=int, default=0, help="stop after this many steps (0 = run until Ctrl-C)")
     p.add_argument("--seed", type=int, default=None,
                    help="seed of the tensor and the peer id (default: random; two peers must not share one)")
@@ -64,7 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-host", default="127.0.0.1",
                    help="address the metrics endpoint binds (default 127.0.0.1; 0.0.0.0 lets other hosts scrape)")
     p.add_argument("--log-json", default=None, metavar="FILE",
-                   help="append one JSON object per step to FILE (group, members, contributors, lost, bytes, timings)")
+                   help="append one JSON object per step to FILE (group, members, contributors, lost, left out, bytes, "
+                        "timings, error)")
     p.add_argument("--plain", action="store_true",
                    help="one line per step instead of the live table (the default when stdout is no terminal "
                         "or rich is not installed)")
@@ -101,6 +102,9 @@ def run(args: argparse.Namespace) -> int:
             check_endpoint(ep.partition("#")[0], "--initial-peers address")
         if (args.key is None) != (args.allow is None):
             raise ValueError("--key and --allow go together")
+        if args.client and not args.initial_peers:
+            raise ValueError("--client needs --initial-peers: a client listens nowhere, so it only ever meets the "
+                             "peers it is told of")
         if args.numel < 1:
             raise ValueError(f"--numel must be at least 1, not {args.numel}")
         if args.rounds < 0:
@@ -134,16 +138,22 @@ def run(args: argparse.Namespace) -> int:
             avg.step_log.subscribe(log_json)
         # with keys the address carries our public key: `tcp://HOST:PORT#KEY`
         join = avg.endpoint if avg.public_key is None else f"'{avg.endpoint}#{avg.public_key}' --key FILE --allow FILE"
-        info = [f"others can join with: zgossip peer --initial-peers {join}"]
+        if listens(avg.endpoint):
+            info = [f"others can join with: zgossip peer --initial-peers {join}"]
+            first = f"peer {avg.peer_id} listening; others can join with:\n  zgossip peer --initial-peers {join}"
+            title = f"zgossip peer {avg.peer_id} (prefix {args.prefix!r}), listening at {avg.endpoint}"
+        else:  # --client: a client:// endpoint is no address; nobody can join through this peer
+            info = ["client mode: listens nowhere; it reaches the swarm through --initial-peers, and others cannot "
+                    "join through it"]
+            first = f"peer {avg.peer_id} in client mode (listens nowhere; others cannot join through it)"
+            title = f"zgossip peer {avg.peer_id} (prefix {args.prefix!r}), client mode"
         if avg.metrics_endpoint:
             info.append(f"metrics: {avg.metrics_endpoint}")
         if args.log_json:
             info.append(f"step log: {args.log_json} (JSON lines)")
-        display = make_display(f"zgossip peer {avg.peer_id} (prefix {args.prefix!r}), listening at {avg.endpoint}",
-                               info, plain=args.plain)
+        display = make_display(title, info, plain=args.plain)
         if isinstance(display, PlainLines):
-            print(f"peer {avg.peer_id} listening; others can join with:\n"
-                  f"  zgossip peer --initial-peers {join}", flush=True)
+            print(first, flush=True)
             for line in info[1:]:
                 print(line, flush=True)
         else:

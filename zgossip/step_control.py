@@ -33,6 +33,8 @@ __all__ = ["StepStage", "StepFuture", "StepControl", "check_weight"]
 def check_weight(value: Any) -> float:
     """A step's weight as a float, or ValueError: finite, > 0 and at most `MAX_WEIGHT` (1e30),
     the most a PART or GATHER carries (a larger one would be refused when the round sends it)."""
+    if isinstance(value, (bool, str, bytes)):  # float() takes them, but "1" or True is a caller's slip, not a weight
+        raise ValueError(f"weight must be a number, not {type(value).__name__}")
     try:
         w = float(value)
     except (TypeError, ValueError):

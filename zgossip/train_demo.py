@@ -102,6 +102,9 @@ def train_peer(index: int, conn: Any, cfg: dict) -> None:
     hx, hy = task.heldout()
     model = make_model(cfg.get("model_seed", 0) if cfg.get("same_init", True) else 100 + index)
     gen = task.stream(cfg.get("data_seed", 0), index)
+    # built before "ready": torch's first optimizer in a process imports its compiler stack (2-3 s on
+    # the 2-core VM), which made the late joiner of the demo arrive ~25 epochs after it was told to
+    adam = torch.optim.Adam(model.parameters(), lr=cfg["lr"])
     if cfg.get("wait_for_go"):  # pay for process start-up and imports now, join when told to
         conn.send({"event": "ready"})
         try:
@@ -112,7 +115,7 @@ def train_peer(index: int, conn: Any, cfg: dict) -> None:
             return
         cfg = {**cfg, **go}
     opt = CollaborativeOptimizer(
-        torch.optim.Adam(model.parameters(), lr=cfg["lr"]), prefix=cfg.get("prefix", "train-demo"),
+        adam, prefix=cfg.get("prefix", "train-demo"),
         target_batch_size=cfg["target_batch_size"], batch_size=cfg["batch_size"], model=model,
         initial_peers=cfg.get("initial_peers", []), matchmaking_time=cfg.get("matchmaking_time", 1.0),
         target_group_size=cfg.get("target_group_size", 64), averager_opts=cfg.get("averager_opts"),
@@ -263,11 +266,14 @@ def run(args: argparse.Namespace) -> int:
                         print(f"{msg['epoch']:>5} {msg['loss']:>13.4f} {msg['acc']:>8.3f} {msg['peers']:>5} "
                               f"{samples:>7} {group:>5}")
                         if late is None and 0 <= late_at <= msg["epoch"]:
+                            # told now; its "up" (after joining and downloading the state) is read below, so
+                            # its line lands at the epoch the swarm had reached by then, not here
                             late = n - 1
                             peers.conns[late].send({"initial_peers": [first["endpoint"]]})
-                            up = peers.recv(late, 60)
-                            print(f"      -> peer {late} joined late, downloaded the swarm's state from its peers and "
-                                  f"continues at epoch {up['epoch']}")
+                            print(f"      -> peer {late} starts joining (it downloads the swarm's state first)")
+                    elif msg["event"] == "up" and k == late:
+                        print(f"      -> peer {late} joined late, downloaded the swarm's state from its peers and "
+                              f"continues at epoch {msg['epoch']}")
                     elif msg["event"] == "done":
                         done[k] = msg
             if time.monotonic() - t0 > 300:

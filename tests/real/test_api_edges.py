@@ -126,7 +126,8 @@ def test_a_message_that_cannot_be_encoded_is_a_counted_drop_not_a_dead_io_thread
 
 # ------------------------------------------------------------------ round, weight, timeout
 @pytest.mark.parametrize("arg, value", [("round", v) for v in (1 << 70, 1 << 62, -5, True, 1.5, "3")]
-                         + [("weight", v) for v in (1e31, MAX_WEIGHT * 1.0000001, float("inf"), 0.0, -1.0, "heavy")])
+                         + [("weight", v) for v in (1e31, MAX_WEIGHT * 1.0000001, float("inf"), 0.0, -1.0, "heavy",
+                                                     "2", True, b"1")])  # float() takes "2" and True: refused
 def test_a_round_or_weight_the_wire_cannot_carry_is_refused_at_the_call(arg, value):
     with zgossip.Averager([np.zeros(3, np.float32)], prefix=f"edge-{arg}", **FAST) as a:
         with pytest.raises(ValueError, match=arg):
@@ -152,7 +153,7 @@ def test_the_largest_weight_averages():
         np.testing.assert_allclose(x, 1.0)
 
 
-@pytest.mark.parametrize("timeout", [float("inf"), float("nan"), -1.0, 1e7, "soon"])
+@pytest.mark.parametrize("timeout", [float("inf"), float("nan"), -1.0, 1e7, "soon", "5", True])
 def test_timeout_must_be_finite_and_bounded(timeout):
     with zgossip.Averager([np.zeros(3, np.float32)], prefix="edge-t", **FAST) as a:
         for wait in (True, False):
@@ -396,3 +397,12 @@ def test_a_shut_down_averager_raises_averager_closed_everywhere():
     for name, call in calls.items():
         with pytest.raises(zgossip.AveragerClosed):
             call()
+    # the rest of the README's list ("Errors"), and what it says stays usable
+    for call in (lambda: a.publish_state(1), a.peer_infos, a.state_verdict, a.bandwidth_estimates, a.link_rates):
+        with pytest.raises(zgossip.AveragerClosed):
+            call()
+    a.set_tensors([np.ones(3, np.float32)])
+    with a.get_tensors() as (x,):
+        assert x.tolist() == [1.0, 1.0, 1.0]
+    assert isinstance(a.stats, dict) and a.step_log.totals() is not None
+    a.shutdown()

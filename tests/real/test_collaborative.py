@@ -635,3 +635,29 @@ def test_an_optimizer_step_that_raises_drops_the_epoch_instead_of_mis_weighting_
         p.grad = torch.full((1,), 10.0)
         opt.step()
         assert p.item() == -10.0 and opt.local_epoch == 1 and opt.last_round["local_samples"] == 4
+
+
+def test_train_demo_late_peer_builds_its_optimizer_before_saying_ready(monkeypatch):
+    """`zgossip train-demo`'s late joiner pays its start-up costs before "ready", so that it joins when
+    told (--late-at). The first torch optimizer of a process imports torch's compiler stack (2-3 s here),
+    and that came after "ready": the joiner told at epoch 5 arrived at epoch 24-25 of 25, after the
+    swarm had finished. The order is checked here; timing it would be flaky."""
+    import torch
+
+    events: list[str] = []
+    real_adam = torch.optim.Adam
+
+    def adam(*a, **k):
+        events.append("optimizer")
+        return real_adam(*a, **k)
+
+    class Conn:
+        def send(self, msg):
+            events.append(msg.get("event", "?") if isinstance(msg, dict) else str(msg))
+
+        def recv(self):
+            return "stop"  # not a dict: the peer leaves before joining
+
+    monkeypatch.setattr(torch.optim, "Adam", adam)
+    train_peer(0, Conn(), dict(lr=0.01, wait_for_go=True, epochs=1, target_batch_size=64, batch_size=32))
+    assert events == ["optimizer", "ready"]

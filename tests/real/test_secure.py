@@ -138,6 +138,19 @@ def test_a_bad_key_file_is_a_clear_error_that_never_shows_the_secret(tmp_path, c
     assert load_key(commented) == kp
 
 
+def test_a_public_key_file_or_a_directory_given_as_the_key_is_refused_without_a_chmod_warning(tmp_path):
+    """--key k.pub (the public half, mode 644) or --key DIR warned "readable by others ... run `chmod 600`"
+    first -- advice about a file holding no secret -- and a directory then raised a raw IsADirectoryError."""
+    import warnings
+
+    write_key_file(tmp_path / "k")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KeyFileWarning)
+        with pytest.raises(ValueError, match="k.pub is not a zgossip key file"):
+            load_key(tmp_path / "k.pub")
+        with pytest.raises(ValueError, match="cannot read key file"):
+            load_key(tmp_path)
+
 def test_mixed_configuration_is_refused_at_construction():
     kp = KeyPair.generate()
     with pytest.raises(ValueError, match="mixed"):

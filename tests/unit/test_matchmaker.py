@@ -369,3 +369,32 @@ def test_a_leftover_of_the_round_whose_full_group_formed_is_refused_for_good():
     r.mm.on_timer(1.05)
     [(to, no)] = r.out.take(M.NoGroup)
     assert to == ep(c) and not no.retry and "already formed this round" in no.reason
+
+
+def test_a_client_that_knows_no_peer_says_so_when_its_step_fails():
+    """A client-mode peer with no reachable initial peer failed its step with "What happened: : no
+    JOIN_ACK within 0.5s (9 times)": a JOIN_ACK from nobody, under an empty peer id."""
+    from handfed import Outbox
+    from zgossip.membership import Membership
+
+    out, failures = Outbox(), []
+    me = Membership(pid(1), f"client://{pid(1)}", out, np.random.default_rng(1))
+    mm = Matchmaker(me, out, np.random.default_rng(1), lambda spec, now: None,
+                    lambda step, err: failures.append(err), target_group_size=2, min_group_size=2,
+                    matchmaking_time=1.0, request_timeout=0.5)
+    mm.begin("s", "k/0", 1.0, "L", now=0.0, timeout=2.0)
+    t = 0.0
+    while not failures and t < 5.0:
+        t += 0.25
+        mm.on_timer(t)
+    [err] = failures
+    assert isinstance(err, GroupNotFound)
+    assert "What happened: no peer known to ask" in str(err) and ": :" not in str(err), str(err)
+
+
+@pytest.mark.parametrize("lo, hi", [(0, 16), (5, 3), (1, 0)])
+def test_bad_group_sizes_are_refused_with_the_values_given(lo, hi):
+    """`zgossip peer --min-group-size 5 --target-group-size 3` said only "need 1 <= min_group_size <=
+    target_group_size", not which values broke it."""
+    with pytest.raises(ValueError, match=f"not min_group_size={lo} and target_group_size={hi}"):
+        Machine(1, [2], min_group_size=lo, target_group_size=hi)

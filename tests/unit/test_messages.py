@@ -168,3 +168,24 @@ def test_a_join_without_a_view_keeps_the_wire_form_of_the_release_before_views()
     assert back == j and back.view == ()
     with_view = msgpack.unpackb(wire.encode(dataclasses.replace(j, view=("aa", "bb")))[0])
     assert with_view[4]["vw"] == ["aa", "bb"]
+
+
+@pytest.mark.parametrize("info, says", [
+    ({f"k{i}": i for i in range(15)}, "at most 14 entries, not 15"),
+    ({"zg.round": 1}, "reserved for zgossip's own entries: ['zg.round']"),
+    ({"note": "x" * 129}, "info['note'] is a str of 129 characters: values must be None, bool, int, float or a str "
+                          "of at most 128 characters"),
+    ({"loss": [1.0]}, "info['loss'] is a list"),
+    ({"loss": float("nan")}, "info['loss'] is nan: floats must be finite"),
+    ({"k" * 33: 1}, "keys must be str of at most 32 characters"),
+])
+def test_publish_says_which_entry_breaks_which_limit(info, says):
+    # Averager.publish checks here; it used to answer 15 entries with "keys starting with 'zg.' are
+    # reserved; at most 14 entries" and a long string with "values must be scalars (short strings)",
+    # naming neither the entry nor the limit
+    from zgossip.node import Node
+
+    with pytest.raises(ValueError) as e:
+        Node.check_user_info(info)
+    assert says in str(e.value)
+    assert Node.check_user_info({f"k{i}": "x" * 128 for i in range(14)})  # the limits themselves pass
