@@ -124,8 +124,9 @@ class TrainSpec:
         if min(t.params, t.d_in, t.d_out, t.batch_size, t.average_every, t.eval_every, t.eval_samples) < 1:
             raise ValueError("[train] params, d_in, d_out, batch_size, average_every, eval_every and "
                              "eval_samples must be >= 1")
-        if t.steps < 0 or t.step_time < 0 or t.lr <= 0 or t.noise < 0 or t.steps_per_epoch < 0:
-            raise ValueError("[train] needs steps >= 0, step_time >= 0, lr > 0, noise >= 0, steps_per_epoch >= 0")
+        finite = all(math.isfinite(float(v)) for v in (t.steps, t.step_time, t.lr, t.noise, t.steps_per_epoch))
+        if not finite or t.steps < 0 or t.step_time < 0 or not t.lr > 0 or t.noise < 0 or t.steps_per_epoch < 0:
+            raise ValueError("[train] needs finite steps >= 0, step_time >= 0, lr > 0, noise >= 0, steps_per_epoch >= 0")
         return t
 
     @property
@@ -351,7 +352,8 @@ class TrainRun(SimFaultContext):
         if spec.optimizer == "gossip":
             opts.update(target_group_size=2, min_group_size=2)
         elif spec.optimizer == "moshpit":
-            opts.update(target_group_size=max(self.grid.shape), grid=self.grid.shape,
+            # (at least 2, the averager's least group: a swarm of one trains alone, its rounds find no group)
+            opts.update(target_group_size=max(2, *self.grid.shape), grid=self.grid.shape,
                         grid_coords=self._cells[index] if index < len(self._cells)
                         else self.grid.random_coords(self._place_rng))
         else:  # a group of all (capped at twice the initial swarm: the protocol bounds group sizes)

@@ -126,3 +126,14 @@ def test_cli_train(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "held-out loss" in out.stdout and "trace" in out.stdout
     assert json.loads((tmp_path / "r.json").read_text())["final"]["live"] == 3
+
+
+def test_a_lone_trainer_trains_and_non_finite_values_are_refused():
+    """A Moshpit scenario of one trainer asked for groups of one (its 1 x 1 grid), below the averager's
+    least group of two, and failed with a ValueError about group sizes; lr = nan or step_time = inf
+    passed the checks (NaN compares false with everything) and trained into a nan spread."""
+    res = run_train({"peers": 1, "train": {"params": 100, "steps": 2}})
+    assert len(res.trainers) == 1 and res.curve[-1]["loss"] == res.curve[-1]["loss"]  # trained, finite
+    for bad in ({"lr": float("nan")}, {"step_time": float("inf")}, {"noise": float("nan")}):
+        with pytest.raises(ValueError, match=r"needs finite steps >= 0"):
+            TrainScenario.from_dict({"train": {"params": 100, **bad}})
