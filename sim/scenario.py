@@ -56,6 +56,7 @@ import csv
 import io
 import json
 import math
+import numbers
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
@@ -101,6 +102,11 @@ class HostSpec:
         if unknown:
             raise ValueError(f"unknown [[hosts]] keys: {sorted(unknown)} (known: {sorted(_HOST_KEYS)})")
         h = cls(**d)
+        for name in ("up_mbit", "down_mbit", "latency_ms", "jitter_ms", "loss"):
+            v = getattr(h, name)
+            # (NaN passes every comparison below as false, and a NaN rate hung the simulator)
+            if not isinstance(v, numbers.Real) or isinstance(v, bool) or not math.isfinite(v):
+                raise ValueError(f"hosts: {name} must be a finite number, not {v!r}")
         if h.up_mbit <= 0 or h.down_mbit <= 0:
             raise ValueError("hosts: up_mbit and down_mbit must be > 0")
         if h.latency_ms < 0 or h.jitter_ms < 0:
@@ -110,9 +116,10 @@ class HostSpec:
         if isinstance(h.hint, str):
             if h.hint != "auto":
                 raise ValueError("hosts: hint must be a number >= 0 or \"auto\"")
-        elif h.hint is not None and not h.hint >= 0:
-            raise ValueError("hosts: hint must be >= 0")
-        if int(h.count) != h.count or h.count < 1:
+        elif h.hint is not None and (not isinstance(h.hint, numbers.Real) or isinstance(h.hint, bool)
+                                     or not 0 <= h.hint < math.inf):
+            raise ValueError(f"hosts: hint must be a finite number >= 0 or \"auto\", not {h.hint!r}")
+        if not isinstance(h.count, numbers.Integral) or isinstance(h.count, bool) or h.count < 1:
             raise ValueError("hosts: count must be a positive integer")
         return h
 
@@ -180,6 +187,13 @@ class Scenario:
         return out
 
     def validate(self) -> None:
+        for name in ("seed", "peers", "rounds", "numel"):
+            v = getattr(self, name)
+            if not isinstance(v, numbers.Integral) or isinstance(v, bool):  # (2.5 or nan failed deep in numpy)
+                raise ValueError(f"{name} must be a whole number, not {v!r}")
+            setattr(self, name, int(v))
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, not {self.seed}")
         if self.peers < 1 or self.rounds < 0 or self.numel < 1:
             raise ValueError("peers >= 1, rounds >= 0 and numel >= 1 are required")
         if not 0.0 <= self.unavailability <= 1.0:

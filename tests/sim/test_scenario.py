@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -162,3 +163,30 @@ def test_full_placement_that_leaves_a_peer_alone_along_a_dimension_is_refused_at
     Scenario.from_dict({"peers": 4, "numel": 4, "grid": []})
     res = run_scenario({"peers": 4, "numel": 4, "rounds": 2, "grid": [2, 2]})
     assert [r["succeeded"] for r in res.rounds] == [4, 4]
+
+
+@pytest.mark.parametrize("bad, expect", [
+    ({"seed": -1}, "seed must be >= 0"),
+    ({"seed": float("nan")}, "seed must be a whole number, not nan"),
+    ({"numel": 2.5}, "numel must be a whole number, not 2.5"),
+    ({"rounds": float("inf")}, "rounds must be a whole number, not inf"),
+    ({"peers": True}, "peers must be a whole number, not True"),
+])
+def test_counts_and_seed_are_whole_numbers_checked_at_load(bad, expect):
+    """These failed deep in numpy at run time (SeedSequence, 'slice indices must be integers'), naming
+    no key of the scenario."""
+    with pytest.raises(ValueError, match=re.escape(expect)):
+        Scenario.from_dict({"peers": 4, "grid": [2, 2], "numel": 4, "rounds": 1, **bad})
+
+
+@pytest.mark.parametrize("host, expect", [
+    ({"up_mbit": float("nan")}, "hosts: up_mbit must be a finite number, not nan"),
+    ({"latency_ms": float("inf")}, "hosts: latency_ms must be a finite number, not inf"),
+    ({"loss": float("nan")}, "hosts: loss must be a finite number, not nan"),
+    ({"hint": float("nan")}, 'hosts: hint must be a finite number >= 0 or "auto", not nan'),
+])
+def test_host_values_must_be_finite(host, expect):
+    """A NaN rate passed every comparison of the checks (all false) and hung the simulator."""
+    with pytest.raises(ValueError, match=re.escape(expect)):
+        Scenario.from_dict({"grid": [], "numel": 4, "rounds": 1,
+                            "hosts": [{"up_mbit": 10, "down_mbit": 10, **host}, {"up_mbit": 10, "down_mbit": 10}]})
