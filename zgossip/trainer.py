@@ -271,7 +271,7 @@ class TrainerPeer:
     def load_state_from_peers(self, timeout: float | None = None) -> None:
         """Download parameters, optimizer and scheduler state and the epoch from the best peer (the
         highest epoch, in-sync peers first) and adopt them. Raises `StateUnavailable` or `LayoutMismatch`."""
-        meta, arrays = self.averager.load_state_from_peers(timeout=timeout or self.load_state_timeout,
+        meta, arrays = self.averager.load_state_from_peers(timeout=self.load_state_timeout if timeout is None else timeout,
                                                            chunk_timeout=self.state_chunk_timeout, apply=False)
         before = self.local_epoch
         self._apply_state(meta, arrays)

@@ -605,6 +605,17 @@ def test_errors_are_clear():
         assert opt.samples == 0
         with pytest.raises(zgossip.StateUnavailable):
             opt.load_state_from_peers(timeout=1.0)
+        # timeout=0 reaches the averager as 0 (`timeout or default` read it as "not given": 60 s)
+        seen = []
+        real = opt.averager.load_state_from_peers
+        opt.averager.load_state_from_peers = lambda **kw: (seen.append(kw["timeout"]), real(**kw))[1]
+        try:
+            for t in (0, None):
+                with pytest.raises(zgossip.StateUnavailable):
+                    opt.load_state_from_peers(timeout=t)
+        finally:
+            opt.averager.load_state_from_peers = real
+        assert seen == [0, opt.load_state_timeout]
     with pytest.raises(zgossip.ZGossipError, match="shut down"):
         opt.step(batch_size=1)
 
