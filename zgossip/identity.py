@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,6 +155,16 @@ def _fields(text: str) -> dict[str, str]:
     return out
 
 
+def _caller_level() -> int:
+    """The `stacklevel` that attributes a warning raised in our caller to the first frame outside this
+    package: the user's line (`Averager(secret_key=...)`), not zgossip's internals."""
+    here = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(1), 1  # our caller, the function that calls warnings.warn, is level 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(here):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def load_key(source: Any) -> KeyPair:
     """A `KeyPair` from a key file path (or a KeyPair). Warns (`KeyFileWarning`) when the file
     is readable by anyone but its owner."""
@@ -185,7 +196,8 @@ def load_key(source: Any) -> KeyPair:
     # only a file that holds a secret is worth the warning (not FILE.pub given by mistake, not a directory)
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         warnings.warn(f"key file {path} is readable by others (mode {stat.S_IMODE(mode):o}): anyone who reads it can "
-                      f"join the swarm as this peer; run `chmod 600 {path}`", KeyFileWarning, stacklevel=2)
+                      f"join the swarm as this peer; run `chmod 600 {path}`", KeyFileWarning,
+                      stacklevel=_caller_level())
     return keys
 
 

@@ -79,8 +79,15 @@ def test_keygen_file_is_private_and_loads(tmp_path):
     assert load_key(tmp_path / "k") == kp
     assert AllowList.of(tmp_path / "k.pub").ids == {kp.peer_id}
     (tmp_path / "k").chmod(0o644)
-    with pytest.warns(KeyFileWarning, match="chmod 600"):
+    with pytest.warns(KeyFileWarning, match="chmod 600") as got:
         load_key(tmp_path / "k")
+    assert got[0].filename == __file__  # the caller's line, not zgossip's
+    # through the Averager too: the warning points at the user's Averager(...) line, not averager.py
+    with pytest.warns(KeyFileWarning, match="chmod 600") as got:
+        with zgossip.Averager([np.zeros(4, np.float32)], prefix="w", secret_key=tmp_path / "k",
+                              allowed_keys=[kp.public], listen="tcp://127.0.0.1:0"):
+            pass
+    assert got[0].filename == __file__, got[0].filename
     with pytest.raises(ValueError, match="exists"):
         write_key_file(tmp_path / "k")
 
