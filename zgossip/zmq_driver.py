@@ -73,6 +73,10 @@ _ROUTER_EVENTS = (HANDSHAKE_EVENTS | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.
 _BYE = MsgType.BYE
 _BACKLOG_MESSAGES = 256  # per client that has not connected yet
 _BACKLOG_CLIENTS = 64
+#: seconds a message waits for a client that has not connected: a client that opens no connection in
+#: that long is not coming for it (a lying GROUP can name clients that never will), and the copies
+#: would otherwise stay until the node shuts down
+_BACKLOG_TTL = 30.0
 _HASH_ELSEWHERE_BYTES = 1 << 16  # state chunks at least this large are hashed off the I/O thread
 _MAX_HASHING = 64  # chunks handed to the hashing threads and not back yet (beyond: hashed inline)
 _HASH_THREADS = max(1, min(4, (os.cpu_count() or 1) - 1))
@@ -364,6 +368,8 @@ class ZmqTransport:
                 if dl is not None and now() >= dl:
                     self._guard(node.on_timer, now())
                 self._lent.reap()  # buffers libzmq finished with, whose senders already let go
+                if self._backlog:
+                    self._expire_backlog(now())
         finally:
             self._started.set()
             if self._hasher is not None:
@@ -560,11 +566,24 @@ class ZmqTransport:
 
     def _client_seen(self, peer_id: str, rid: bytes) -> None:
         self._replies[peer_id] = rid
+        self._expire_backlog(self.clock.now())
         waiting = self._backlog.pop(peer_id, None)
         if waiting:
             batch: dict = {}
-            for msg in waiting:
+            for _, msg in waiting:
                 self.transmit(client_endpoint(peer_id), msg, batch)
+
+    def _expire_backlog(self, now: float) -> None:
+        """Drop what waited longer than `_BACKLOG_TTL` for a client that never connected (counted in
+        stats["unreachable"], as every message a client could not be given)."""
+        cutoff = now - _BACKLOG_TTL
+        for pid in list(self._backlog):
+            q = self._backlog[pid]
+            while q and q[0][0] < cutoff:
+                q.popleft()
+                self.stats["unreachable"] += 1
+            if not q:
+                del self._backlog[pid]
 
     def _drain_router_monitor(self, mon: zmq.Socket) -> None:
         from zmq.utils.monitor import recv_monitor_message
@@ -684,13 +703,15 @@ class ZmqTransport:
             q = self._backlog.get(pid)
             if q is None:
                 if len(self._backlog) >= _BACKLOG_CLIENTS:
+                    self._expire_backlog(self.clock.now())
+                if len(self._backlog) >= _BACKLOG_CLIENTS:
                     self.stats["unreachable"] += 1
                     return
                 q = self._backlog[pid] = collections.deque(maxlen=_BACKLOG_MESSAGES)
             if len(q) == q.maxlen:
                 self.stats["unreachable"] += 1
             # payload views of a tensor may change before the client connects: keep a copy
-            q.append(msg.detached())
+            q.append((self.clock.now(), msg.detached()))
             return
         try:
             # a client's messages wait in our ROUTER's queue, which cannot be dropped for one peer: an

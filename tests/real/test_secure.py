@@ -871,3 +871,24 @@ def test_the_zap_handler_restarts_at_once_after_the_last_keyed_node_left():
         h.thread.join(5)
         assert not h.thread.is_alive()
 
+
+
+def test_messages_for_a_client_that_never_connects_expire(monkeypatch):
+    """What a node queued for a client:// peer that never opened a connection stayed until the node
+    shut down: a lying GROUP (or a client that died before its first message) pinned copies of
+    GATHERs and results, up to 64 clients x 256 messages. They now expire after _BACKLOG_TTL,
+    counted in stats['unreachable']."""
+    from zgossip import zmq_driver
+    from zgossip.messages import Done
+
+    monkeypatch.setattr(zmq_driver, "_BACKLOG_TTL", 0.3)
+    with zgossip.Averager([np.zeros(4, np.float32)], prefix="ttl", listen="tcp://127.0.0.1:0") as a:
+        t = a.transport
+        before = a.stats["unreachable"]
+        ghost = "client://" + "ab" * 8
+        for k in range(3):
+            t.call(lambda now, k=k: t._to_client(ghost, Done(a.peer_id, a.endpoint, group_id="%016x" % k), None))
+        assert _wait(lambda: ("ab" * 8) in t._backlog, 3.0)
+        assert len(t._backlog["ab" * 8]) == 3
+        assert _wait(lambda: ("ab" * 8) not in t._backlog, 5.0)  # the I/O loop wakes at least once a second
+        assert a.stats["unreachable"] - before == 3
