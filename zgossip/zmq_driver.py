@@ -21,7 +21,8 @@ node's endpoint is ``client://<peer id>``, which peers never connect to; it open
 as usual and reads peers' answers on them. A peer answers a client through its ROUTER, on the
 connection the client opened: the routing id of the client's latest lane-0 message (`_replies`).
 Messages for a client that has not connected yet wait in a small backlog (`_backlog`, flushed
-on its first message, bounded) -- e.g. a groupmate's GATHER that beats the client's first PART.
+on its first message, bounded, dropped after `_BACKLOG_TTL` = 30 s) -- e.g. a groupmate's GATHER that beats the
+client's first PART.
 With keys, a client's claim to its id is checked like any other sender's.
 
 **Local sockets with keys**: the abstract Unix socket is then a second ROUTER (`_local`) with
