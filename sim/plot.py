@@ -201,6 +201,9 @@ def plot_results(results: str | Path, out: str | Path | None = None, *, metric: 
     import matplotlib.pyplot as plt
 
     results = Path(results)
+    if not (results / "sweep.json").is_file():  # (before anything is created under it)
+        raise ValueError(f"{results} is not a sweep's results folder (it holds no sweep.json): give the --out "
+                         "folder of `python -m sim sweep FILE --out FOLDER`")
     out = Path(out) if out else results / "plots"
     out.mkdir(parents=True, exist_ok=True)
     desc, rows = read_table(results)

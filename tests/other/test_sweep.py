@@ -432,3 +432,13 @@ def test_stopping_the_pool_terminates_workers_that_are_running():
     t0 = time.monotonic()
     _stop_pool(pool)
     assert not any(p.is_alive() for p in procs) and time.monotonic() - t0 < 15
+
+
+def test_plot_of_a_folder_that_is_no_sweep_says_so_and_creates_nothing(tmp_path, capsys):
+    """It reported a missing 'FOLDER/sweep.json' file (FileNotFoundError) after creating FOLDER/plots."""
+    from sim.__main__ import main
+
+    assert main(["plot", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"{tmp_path} is not a sweep's results folder (it holds no sweep.json)" in err, err
+    assert list(tmp_path.iterdir()) == []
