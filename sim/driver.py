@@ -442,7 +442,9 @@ class SimCluster:
         self._dealers: dict[tuple[str, str], None] = {}
         # client mode: (peer, client) pairs whose reply route exists, and what waits for one
         self._routes: set[tuple[str, str]] = set()
-        self._backlog: dict[tuple[str, str], list[wire.Message]] = {}
+        # (queued at, message) per (server, client): what waits for a client's first connection; it
+        # expires after `endpoints.CLIENT_BACKLOG_TTL`, as in the ZeroMQ driver (counted in `unreachable`)
+        self._backlog: dict[tuple[str, str], list[tuple[float, wire.Message]]] = {}
         self.unreachable = 0
         self.notices = 0
         self.peers: dict[str, SimPeer] = {}
@@ -501,8 +503,9 @@ class SimCluster:
                 return
             if (src.endpoint, endpoint) not in self._routes:
                 q = self._backlog.setdefault((src.endpoint, endpoint), [])
+                self._expire(q)
                 if len(q) < 256:
-                    q.append(msg.detached())
+                    q.append((self.env.now, msg.detached()))
                 else:
                     self.unreachable += 1
                 return
@@ -527,6 +530,18 @@ class SimCluster:
                                                             warm, gid))
                 return
         self._launch(src, dst, lane, payload, nbytes, tag, bool(msg.payload), warm, gid)
+
+    def _expire(self, q: list) -> None:
+        """Drop from a client's backlog what waited longer than the ZeroMQ driver keeps it."""
+        from zgossip.endpoints import CLIENT_BACKLOG_TTL
+
+        cutoff = self.env.now - CLIENT_BACKLOG_TTL
+        k = 0
+        while k < len(q) and q[k][0] < cutoff:
+            k += 1
+        if k:
+            del q[:k]
+            self.unreachable += k
 
     def _launch(self, src: SimPeer, dst: SimPeer, lane: int, payload: Any, nbytes: int, tag: bytes,
                 zero_copy: bool = False, warm: tuple[int, ...] = (), gid: str | None = None) -> None:
@@ -577,8 +592,10 @@ class SimCluster:
         msg = wire.decode(payload) if self.encode else payload
         if not listens(src.endpoint) and wire.lane_of(msg.type) == 0 and (dst.endpoint, src.endpoint) not in self._routes:
             self._routes.add((dst.endpoint, src.endpoint))  # dst's ROUTER now knows how to answer the client
-            for waiting in self._backlog.pop((dst.endpoint, src.endpoint), []):
-                self._transmit(dst, src.endpoint, waiting)
+            waiting = self._backlog.pop((dst.endpoint, src.endpoint), [])
+            self._expire(waiting)
+            for _, m in waiting:
+                self._transmit(dst, src.endpoint, m)
         self.delivered += 1
         rb = self.network.received_bytes
         rb[dst.endpoint] = rb.get(dst.endpoint, 0) + nbytes

@@ -17,6 +17,10 @@ __all__ = ["check_endpoint", "advertised_host", "advertised", "CLIENT_SCHEME", "
 #: The endpoint of a peer in client mode (it listens nowhere): ``client://<peer id>``. Peers never
 #: connect to it; they answer such a peer on the connection it opened (`zgossip.zmq_driver`).
 CLIENT_SCHEME = "client://"
+#: seconds a message waits for a client (`CLIENT_SCHEME`) that has not opened a connection yet before
+#: it is dropped (counted in stats["unreachable"]): a client silent that long is not coming for it (a
+#: lying GROUP can name clients that never will). Both drivers apply it.
+CLIENT_BACKLOG_TTL = 30.0
 
 
 def client_endpoint(peer_id: str) -> str:

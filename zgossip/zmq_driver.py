@@ -21,7 +21,7 @@ node's endpoint is ``client://<peer id>``, which peers never connect to; it open
 as usual and reads peers' answers on them. A peer answers a client through its ROUTER, on the
 connection the client opened: the routing id of the client's latest lane-0 message (`_replies`).
 Messages for a client that has not connected yet wait in a small backlog (`_backlog`, flushed
-on its first message, bounded, dropped after `_BACKLOG_TTL` = 30 s) -- e.g. a groupmate's GATHER that beats the
+on its first message, bounded, dropped after `endpoints.CLIENT_BACKLOG_TTL` = 30 s) -- e.g. a groupmate's GATHER that beats the
 client's first PART.
 With keys, a client's claim to its id is checked like any other sender's.
 
@@ -50,7 +50,7 @@ from .connections import Connections
 from .curve import HANDSHAKE_EVENTS, Curve, handshake_failure
 from .cuts import ConnectionCuts
 from .droplog import OncePer
-from .endpoints import CLIENT_SCHEME, advertised, check_endpoint, client_endpoint, reachable
+from .endpoints import CLIENT_BACKLOG_TTL, CLIENT_SCHEME, advertised, check_endpoint, client_endpoint, reachable
 from .identity import AllowList, KeyPair
 from .fast_send import FAST_SEND
 from .local_ipc import LocalRoutes, enabled, local_name
@@ -74,10 +74,7 @@ _ROUTER_EVENTS = (HANDSHAKE_EVENTS | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.
 _BYE = MsgType.BYE
 _BACKLOG_MESSAGES = 256  # per client that has not connected yet
 _BACKLOG_CLIENTS = 64
-#: seconds a message waits for a client that has not connected: a client that opens no connection in
-#: that long is not coming for it (a lying GROUP can name clients that never will), and the copies
-#: would otherwise stay until the node shuts down
-_BACKLOG_TTL = 30.0
+_BACKLOG_TTL = CLIENT_BACKLOG_TTL  # (a module global, so that a test can shorten it)
 _HASH_ELSEWHERE_BYTES = 1 << 16  # state chunks at least this large are hashed off the I/O thread
 _MAX_HASHING = 64  # chunks handed to the hashing threads and not back yet (beyond: hashed inline)
 _HASH_THREADS = max(1, min(4, (os.cpu_count() or 1) - 1))

@@ -39,3 +39,25 @@ def test_clients_average_over_connections_they_opened(clients, gather):
         assert all(peers[i].peer_id not in p.node.membership.peers for p in peers)
         assert peers[i].endpoint.startswith("client://")
     assert cl.unreachable == 0  # clients never try to reach each other
+
+
+def test_what_waits_for_a_client_that_never_connects_expires_as_in_the_zeromq_driver():
+    """The simulator keeps the ZeroMQ driver's rule (`endpoints.CLIENT_BACKLOG_TTL`): messages for a
+    client that opened no connection are dropped after that long, counted in `unreachable`."""
+    from zgossip.endpoints import CLIENT_BACKLOG_TTL
+    from zgossip.messages import Done
+
+    cl = SimCluster(seed=0, network=NetworkModel(latency=0.002, bandwidth=5e6))
+    cfg = NodeConfig(prefix="c", target_group_size=2, min_group_size=2)
+    server = cl.add_peer(cfg, tensors=[np.zeros(4)])
+    client = cl.add_peer(cfg, tensors=[np.zeros(4)], client=True, initial_peers=[])
+    cl.run(until=0.5)
+    msg = lambda k: Done(server.peer_id, server.endpoint, group_id="%016x" % k)  # noqa: E731
+    cl._transmit(server, client.endpoint, msg(0))
+    cl._transmit(server, client.endpoint, msg(1))
+    assert len(cl._backlog[(server.endpoint, client.endpoint)]) == 2
+    cl.run(until=cl.env.now + CLIENT_BACKLOG_TTL + 1.0)
+    before = cl.unreachable
+    cl._transmit(server, client.endpoint, msg(2))  # the two old ones expire as a new one is queued
+    assert [m.group_id for _, m in cl._backlog[(server.endpoint, client.endpoint)]] == ["%016x" % 2]
+    assert cl.unreachable - before == 2
