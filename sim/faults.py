@@ -134,10 +134,19 @@ class Churn:
     def install(self, ctx: "FaultContext") -> None:
         rng = ctx.rng("churn")
         if self.arrival_rate > 0:
-            t = float(rng.exponential(1.0 / self.arrival_rate))
-            while t < self.until:
-                ctx.at(t, ctx.arrive)
-                t += float(rng.exponential(1.0 / self.arrival_rate))
+            # one arrival scheduled at a time, each scheduling the next: with no `until` (the default)
+            # scheduling them all up front never ended (a scenario with churn hung at its start,
+            # its memory growing); the times are the same draws in the same order
+            def arrive(t: float) -> None:
+                ctx.arrive()
+                schedule(t)
+
+            def schedule(after: float) -> None:
+                t = after + float(rng.exponential(1.0 / self.arrival_rate))
+                if t < self.until:
+                    ctx.at(t, lambda: arrive(t))
+
+            schedule(0.0)
         if self.departure_rate > 0:
             ctx.departure_rate = self.departure_rate
             ctx.departure_until = self.until

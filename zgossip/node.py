@@ -273,6 +273,14 @@ class Node:
         self._actions: list = []
         self._loopback: deque[Message] = deque()
         self._warm: set[str] = set()  # endpoints a Connect was issued for (config.warm_peers at most)
+        # Endpoints of forgotten peers (each got a Disconnect), and those of them sent to since (a
+        # LEAVE to a rendezvous peer that died, an ABORT to a lost groupmate): such a send opens a
+        # connection again that no later Disconnect would close (the peer is forgotten already), so
+        # every peer that died while we waited on it left a DEALER, its monitor and their file
+        # descriptors behind for good. A reopened one is closed again once it has had
+        # `peer_timeout` to deliver what it carries. Both bounded.
+        self._forgotten_eps: dict[str, None] = {}
+        self._reopened: dict[str, float | None] = {}  # -> when a timer first saw it reopened
         self.membership: MembershipView = membership if membership is not None else Membership(
             peer_id, endpoint, self._send, rng,
             initial_peers=initial_peers, gossip_interval=config.gossip_interval,
@@ -393,6 +401,8 @@ class Node:
             self._loopback.append(msg)
         else:
             self._actions.append(Send(endpoint, msg))
+            if endpoint in self._forgotten_eps and endpoint not in self._reopened:
+                self._reopened[endpoint] = None
 
     def _drain_loopback(self, now: float) -> None:
         while self._loopback:
@@ -401,13 +411,23 @@ class Node:
     def take_actions(self) -> list:
         out, self._actions = self._actions, []
         mem = self.membership
+        forgot = set(mem.forgotten)
         for ep in mem.forgotten:
             out.append(Disconnect(ep))
             self._forget_owed(ep)
             self._warm.discard(ep)
+            self._reopened.pop(ep, None)
+            self._forgotten_eps.pop(ep, None)
+            if len(self._forgotten_eps) >= 4096:
+                self._forgotten_eps.pop(next(iter(self._forgotten_eps)))
+            self._forgotten_eps[ep] = None
         mem.forgotten.clear()
         if mem.discovered:
             for ep in mem.discovered:
+                if ep in forgot and not any(r.endpoint == ep for r in getattr(mem, "peers", {}).values()):
+                    continue  # met and forgotten again since the last batch: no connection wanted
+                self._forgotten_eps.pop(ep, None)  # a peer there again: its connection is wanted
+                self._reopened.pop(ep, None)
                 if len(self._warm) < self.config.warm_peers and ep not in self._warm and ep != self.endpoint:
                     self._warm.add(ep)
                     out.append(Connect(ep))
@@ -976,7 +996,17 @@ class Node:
             dl.on_timer(now)
         self._serve_held_chunks(now)
         self._check_state(now)
+        self._close_reopened(now)
         self._drain_loopback(now)
+
+    def _close_reopened(self, now: float) -> None:
+        """Close again the connections to forgotten peers that a send reopened (see `_reopened`)."""
+        for ep, since in list(self._reopened.items()):
+            if since is None:
+                self._reopened[ep] = now
+            elif now >= since + self.config.peer_timeout:  # the very sum next_deadline() reports
+                del self._reopened[ep]
+                self._actions.append(Disconnect(ep))
 
     def _serve_held_chunks(self, now: float) -> None:
         """Serve the held-back chunk requests whose source's bucket refilled, oldest first."""
@@ -993,6 +1023,7 @@ class Node:
 
     def next_deadline(self) -> float | None:
         times = [self.membership.deadline(), self.matchmaker.deadline(), self._held_deadline()]
+        times += [since + self.config.peer_timeout for since in self._reopened.values() if since is not None]
         if self.step is not None and self.step.round is not None:
             times.append(self.step.round.next_deadline())
         times += [dl.next_deadline() for dl in self.downloads.values()]

@@ -8,9 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from sim.scenario import Scenario, load_scenario, run_scenario
+from sim.scenario import Scenario, ScenarioRun, load_scenario, run_scenario
 
 ROOT = Path(__file__).resolve().parents[2]
 FAULTY = {
@@ -190,3 +191,41 @@ def test_host_values_must_be_finite(host, expect):
     with pytest.raises(ValueError, match=re.escape(expect)):
         Scenario.from_dict({"grid": [], "numel": 4, "rounds": 1,
                             "hosts": [{"up_mbit": 10, "down_mbit": 10, **host}, {"up_mbit": 10, "down_mbit": 10}]})
+
+
+def test_churn_without_an_end_schedules_arrivals_as_the_run_goes():
+    """`until` defaults to forever: scheduling every arrival up front never ended (a scenario with
+    churn and no `until` hung in its constructor, its memory growing)."""
+    from sim.faults import Churn
+
+    class Ctx:
+        initial_count = 0
+
+        def __init__(self) -> None:
+            self.pending: list = []
+            self.arrived = 0
+
+        def rng(self, purpose: str) -> np.random.Generator:
+            return np.random.default_rng(0)
+
+        def at(self, t: float, fn) -> None:
+            assert len(self.pending) < 1000, "arrivals scheduled without end"
+            self.pending.append((t, fn))
+
+        def arrive(self) -> None:
+            self.arrived += 1
+
+    ctx = Ctx()
+    Churn(arrival_rate=10.0).install(ctx)
+    times = []
+    for _ in range(50):  # each arrival schedules the next, later one
+        assert len(ctx.pending) == 1
+        t, fn = ctx.pending.pop()
+        times.append(t)
+        fn()
+    assert ctx.arrived == 50 and times == sorted(times) and 3.0 < times[-1] < 8.0
+    sc = Scenario.from_dict({"seed": 1, "peers": 4, "numel": 2, "rounds": 2, "grid": [],
+                             "churn": {"arrival_rate": 2.0, "departure_rate": 0.1}})
+    run = ScenarioRun(sc)
+    run.run_rounds()
+    assert len(run.slots) > 4  # peers arrived during the rounds
