@@ -28,6 +28,7 @@ delivers what was queued once it heals (the simulator loses those messages).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -65,7 +66,10 @@ def _mac(i: int) -> str:
 
 def _sh(argv: Sequence[str], check: bool = True, input: str | None = None,
         timeout: float = _CMD_TIMEOUT) -> subprocess.CompletedProcess:
-    p = subprocess.run(list(argv), input=input, capture_output=True, text=True, timeout=timeout)
+    # its own session: a Ctrl-C at the terminal goes to the whole foreground group, and an `ip netns
+    # del` killed by it would leave its namespace behind (this process tears down; the call is bounded)
+    p = subprocess.run(list(argv), input=input, capture_output=True, text=True, timeout=timeout,
+                       start_new_session=True)
     if check and p.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)}: {p.stderr.strip() or p.stdout.strip()}")
     return p
@@ -215,6 +219,36 @@ def _owned_by_run(pid: int, run_id: str) -> bool:
     return False
 
 
+_TEARDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """Hold SIGINT/SIGTERM/SIGHUP while a teardown runs, and deliver the first one after it.
+
+    A second Ctrl-C (users press it again when teardown takes a few seconds) raised
+    KeyboardInterrupt inside `Testbed.close`, which then left the rest of the namespaces, the
+    /dev/shm files and the state file behind. Python handles signals in the main thread only, so
+    elsewhere there is nothing to hold."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    old: dict[int, Any] = {}
+    for s in _TEARDOWN_SIGNALS:
+        h = signal.getsignal(s)
+        if h is None:  # installed outside Python: leave it alone
+            continue
+        old[s] = signal.signal(s, lambda n, _f: got.append(n))
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        if got:
+            signal.raise_signal(got[0])  # its own handler now runs (KeyboardInterrupt for Ctrl-C)
+
+
 def _pick_subnet(rng: random.Random) -> tuple[int, int]:
     """10.a.b.0/24 that no route or address on this machine touches."""
     used = _sh(["ip", "-4", "route", "show", "table", "all"], check=False).stdout + \
@@ -353,6 +387,10 @@ class Testbed:
         """Kill and reap every process, delete the namespaces (their veths go with them), shm files and state."""
         if not self._up:
             return
+        with _signals_held():
+            self._teardown()
+
+    def _teardown(self) -> None:
         self._up = False
         if self._fwd is not None and self._fwd.poll() is None:
             try:
@@ -384,6 +422,10 @@ class Testbed:
                 _kill_ns(ns)
         for f in self._shm:
             Path(f).unlink(missing_ok=True)
+        # and what the run's processes made beside them: a peer killed (a crash fault) while it wrote
+        # its tensor back leaves the half-written ``<shm_path>.tmp`` (sim.testbed_peer._write_tensor)
+        for f in Path("/dev/shm").glob(f"{self.id}-*"):
+            f.unlink(missing_ok=True)
         self._state_file.unlink(missing_ok=True)
 
     def _save_state(self) -> None:

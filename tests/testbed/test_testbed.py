@@ -162,6 +162,45 @@ print(n * 8 / (time.monotonic() - t) / 1e6)
 
 
 @needs_netns
+def test_ctrl_c_during_teardown_still_removes_everything(monkeypatch):
+    """A second Ctrl-C while the testbed tears down (after the first one, or at the end of a run) is
+    held until the teardown is over, then raised: it used to interrupt `close` between two namespaces
+    and leave the rest, the /dev/shm files and the state file behind."""
+    import signal
+
+    from sim import testbed as tbmod
+
+    real, calls = tbmod._kill_ns, []
+
+    def interrupted(ns):
+        if not calls:
+            calls.append(ns)
+            signal.raise_signal(signal.SIGINT)  # as the terminal delivers Ctrl-C to this process
+        return real(ns)
+
+    monkeypatch.setattr(tbmod, "_kill_ns", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with Testbed([HostSpec(), HostSpec()], seed=1) as tb:
+            run_id = tb.id
+            open(tb.shm_path("x"), "w").close()
+    assert calls
+    assert_clean(run_id)
+    assert not (tbmod.STATE_DIR / f"{run_id}.json").exists()
+
+
+@needs_netns
+def test_close_removes_a_half_written_tensor_of_a_killed_peer():
+    """A peer writes its tensor to ``<shm_path>.tmp`` and renames it; one killed in between (a crash
+    fault during the write-back) left the .tmp in /dev/shm after the run."""
+    with Testbed([HostSpec(), HostSpec()], seed=1) as tb:
+        run_id = tb.id
+        path = tb.shm_path("t0.npy")
+        r = tb.run(0, [sys.executable, "-c", f"open({path + '.tmp'!r}, 'wb').write(bytes(1024))"], timeout=30)
+        assert r.returncode == 0, r.stderr
+    assert_clean(run_id)
+
+
+@needs_netns
 def test_cleanup_removes_what_a_crashed_run_left():
     # a run whose controller dies without tearing down (os._exit): namespaces, forwarder and a process stay
     code = ("import os, sys; from sim.testbed import Testbed; from sim.scenario import HostSpec\n"
