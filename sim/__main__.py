@@ -278,7 +278,7 @@ def _step_medians(rounds: list[dict]) -> dict[int, float]:
 
 
 def cmd_testbed(args: argparse.Namespace) -> int:
-    from .testbed import TestbedUnavailable, check_support, cleanup
+    from .testbed import TestbedUnavailable, check_output_paths, check_support, cleanup
 
     if args.cleanup:
         removed = cleanup(force=args.force)
@@ -294,7 +294,7 @@ def cmd_testbed(args: argparse.Namespace) -> int:
         print(f"{args.scenario}: the testbed needs [[hosts]] (per-host rates/latency/loss); profiles and [network] "
               "are simulator-only", file=sys.stderr)
         return 2
-    reason = check_support()
+    reason = check_support() or check_output_paths([args.out, args.csv])
     if reason:
         print(f"python -m sim testbed: {reason}", file=sys.stderr)
         return 2

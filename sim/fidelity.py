@@ -321,9 +321,10 @@ def _machine() -> str:
 
 
 def main(args: Any) -> int:
-    from .testbed import check_support
+    from .testbed import check_output_paths, check_support
 
-    reason = check_support()
+    # the matrix takes many minutes: its results must not be lost to a typo in --out
+    reason = check_support() or check_output_paths([args.out])
     if reason:
         print(f"python -m sim fidelity: {reason}", file=sys.stderr)
         return 2

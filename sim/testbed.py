@@ -46,13 +46,17 @@ from typing import Any, Iterable, Sequence
 
 from .scenario import HostSpec
 
-__all__ = ["Testbed", "TestbedUnavailable", "check_support", "cleanup", "forwarder_binary", "PREFIX", "STATE_DIR"]
+__all__ = ["Testbed", "TestbedUnavailable", "check_output_paths", "check_support", "cleanup", "forwarder_binary",
+           "PREFIX", "STATE_DIR"]
 
 PREFIX = "zgtb"
 STATE_DIR = Path(os.environ.get("ZGOSSIP_TESTBED_STATE", "/run/zgossip-testbed"))
 CACHE_DIR = Path(os.environ.get("ZGOSSIP_CACHE", Path.home() / ".cache" / "zgossip"))
 _SOURCE = Path(__file__).with_name("linkemu.c")
 _CMD_TIMEOUT = 10.0  # every ip/tc call is bounded
+# linkemu switches at most this many ports (MAXP in linkemu.c); more hosts used to build every
+# namespace and then fail with "linkemu did not start: '' at most 64 ports"
+MAX_HOSTS = 64
 
 
 class TestbedUnavailable(RuntimeError):
@@ -90,6 +94,24 @@ def check_support() -> str | None:
     if p.returncode != 0:
         return f"cannot create a network namespace: {p.stderr.strip()}"
     _sh(["ip", "netns", "del", probe], check=False)
+    return None
+
+
+def check_output_paths(paths: Iterable[str | None]) -> str | None:
+    """None if every given path can be written, else a one-line reason. A testbed run (or the fidelity
+    matrix) writes its results at the end: checked first, a missing folder or a read-only place
+    costs no run. A file that did not exist is not left behind by the check."""
+    for path in paths:
+        if not path:
+            continue
+        existed = os.path.lexists(path)
+        try:
+            with open(path, "a"):
+                pass
+        except OSError as e:
+            return f"cannot write {path}: {e.strerror or e}"
+        if not existed:
+            os.unlink(path)
     return None
 
 
@@ -280,8 +302,8 @@ class Testbed:
                  run_id: str | None = None, sysctls: dict[str, str] | None = None) -> None:
         if not hosts:
             raise ValueError("a testbed needs at least one host")
-        if len(hosts) > 250:
-            raise ValueError("at most 250 hosts (one /24)")
+        if len(hosts) > MAX_HOSTS:  # the forwarder's port table (MAXP in linkemu.c)
+            raise ValueError(f"the testbed emulates at most {MAX_HOSTS} hosts, not {len(hosts)}")
         self.hosts = list(hosts)
         self.n = len(self.hosts)
         self.seed = int(seed)

@@ -136,3 +136,18 @@ def test_simulator_predicts_the_testbed_on_the_quick_case():
     held = GOAL
     assert held[0] <= r.ratio <= held[1], (f"{r.name}: measured {r.measured:.3f} s, predicted "
                                            f"{r.predicted:.3f} s, ratio {r.ratio:.2f} outside {held}")
+
+
+@pytest.mark.skipif(check_support() is not None, reason=f"testbed: {check_support()}")
+def test_an_out_path_that_cannot_be_written_is_refused_before_the_matrix_runs(tmp_path, monkeypatch, capsys):
+    """``python -m sim fidelity --out`` used to learn that its file could not be written after every
+    case had run (many minutes), and lose the table."""
+    import argparse
+
+    import sim.fidelity as fidelity
+
+    monkeypatch.setattr(fidelity, "run_matrix", lambda *a, **k: pytest.fail("the matrix ran"))
+    args = argparse.Namespace(cases="home4-1m", quick=False, rounds=1, seed=1, out=str(tmp_path / "no" / "t.json"))
+    assert fidelity.main(args) == 2
+    err = capsys.readouterr().err
+    assert "cannot write" in err and str(tmp_path / "no" / "t.json") in err

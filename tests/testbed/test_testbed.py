@@ -226,6 +226,44 @@ def test_refuses_in_one_line_without_privileges(tmp_path):
     assert p.stderr.strip().count("\n") == 0 and "root" in p.stderr, p.stderr
 
 
+@needs_netns
+def test_refuses_an_out_path_it_cannot_write_before_running(tmp_path):
+    """--out/--csv in a missing folder, or naming a folder: refused in one line before any namespace
+    exists (it used to run the whole experiment, then fail to write its results)."""
+    sc = tmp_path / "s.toml"
+    sc.write_text("rounds = 0\nbootstrap_time = 0.0\ngrid = []\n[[hosts]]\nup_mbit = 10\n[[hosts]]\nup_mbit = 10\n")
+    for opt, path in (("--out", tmp_path / "missing" / "run.json"), ("--csv", tmp_path)):
+        p = subprocess.run([sys.executable, "-m", "sim", "testbed", str(sc), opt, str(path)], capture_output=True,
+                           text=True, timeout=60, env=ENV, cwd=ROOT)
+        assert p.returncode == 2, p.stderr
+        assert p.stderr.strip().count("\n") == 0 and "cannot write" in p.stderr and str(path) in p.stderr, p.stderr
+
+
+def test_output_path_check_leaves_no_file(tmp_path):
+    from sim.testbed import check_output_paths
+
+    assert check_output_paths([None, str(tmp_path / "new.json")]) is None
+    assert not (tmp_path / "new.json").exists()
+    (tmp_path / "old.json").write_text("keep")
+    assert check_output_paths([str(tmp_path / "old.json")]) is None
+    assert (tmp_path / "old.json").read_text() == "keep"
+    assert "cannot write" in check_output_paths([str(tmp_path / "no" / "x.json")])
+
+
+def test_more_hosts_than_the_forwarder_switches_are_refused_before_building():
+    """The forwarder (linkemu.c, MAXP) has 64 ports; a testbed of 65-250 hosts passed the check, built
+    every namespace and then failed with "linkemu did not start: '' at most 64 ports"."""
+    import re
+
+    src = (ROOT / "sim" / "linkemu.c").read_text()
+    from sim.testbed import MAX_HOSTS
+
+    assert int(re.search(r"#define MAXP (\d+)", src).group(1)) == MAX_HOSTS == 64
+    with pytest.raises(ValueError, match="at most 64 hosts, not 65"):
+        Testbed([HostSpec()] * 65)
+    Testbed([HostSpec()] * 64)  # builds nothing until start()
+
+
 def test_refuses_a_scenario_without_hosts(tmp_path):
     sc = tmp_path / "s.toml"
     sc.write_text("peers = 4\ngrid = []\n")
