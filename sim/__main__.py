@@ -294,6 +294,11 @@ def cmd_testbed(args: argparse.Namespace) -> int:
         print(f"{args.scenario}: the testbed needs [[hosts]] (per-host rates/latency/loss); profiles and [network] "
               "are simulator-only", file=sys.stderr)
         return 2
+    bad = [kv for kv in args.sysctl if "=" not in kv or not kv.split("=", 1)[0].strip()]
+    if bad:  # dict() of them said "dictionary update sequence element #0 has length 1; 2 is required"
+        print(f"python -m sim testbed: --sysctl takes KEY=VALUE (e.g. net.ipv4.tcp_slow_start_after_idle=0), "
+              f"not {bad[0]!r}", file=sys.stderr)
+        return 2
     reason = check_support() or check_output_paths([args.out, args.csv])
     if reason:
         print(f"python -m sim testbed: {reason}", file=sys.stderr)

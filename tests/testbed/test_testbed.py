@@ -239,6 +239,16 @@ def test_refuses_an_out_path_it_cannot_write_before_running(tmp_path):
         assert p.stderr.strip().count("\n") == 0 and "cannot write" in p.stderr and str(path) in p.stderr, p.stderr
 
 
+@pytest.mark.parametrize("value", ["net.ipv4.tcp_slow_start_after_idle", "=0"])
+def test_a_sysctl_without_key_or_value_is_refused_in_one_line(tmp_path, value):
+    sc = tmp_path / "s.toml"
+    sc.write_text("[[hosts]]\nup_mbit = 10\n[[hosts]]\nup_mbit = 10\n")
+    p = subprocess.run([sys.executable, "-m", "sim", "testbed", str(sc), "--sysctl", value], capture_output=True,
+                       text=True, timeout=60, env=ENV, cwd=ROOT)
+    assert p.returncode == 2
+    assert p.stderr.strip().count("\n") == 0 and "--sysctl takes KEY=VALUE" in p.stderr and value in p.stderr, p.stderr
+
+
 def test_output_path_check_leaves_no_file(tmp_path):
     from sim.testbed import check_output_paths
 
