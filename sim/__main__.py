@@ -278,7 +278,7 @@ def _step_medians(rounds: list[dict]) -> dict[int, float]:
 
 
 def cmd_testbed(args: argparse.Namespace) -> int:
-    from .testbed import TestbedUnavailable, check_output_paths, check_support, cleanup
+    from .testbed import TestbedUnavailable, check_output_paths, check_support, cleanup, interrupt_on_signals
 
     if args.cleanup:
         removed = cleanup(force=args.force)
@@ -303,14 +303,7 @@ def cmd_testbed(args: argparse.Namespace) -> int:
     if reason:
         print(f"python -m sim testbed: {reason}", file=sys.stderr)
         return 2
-    import signal
-
-    def _terminate(signum, _frame):  # SIGTERM unwinds like Ctrl-C, so every finally tears down
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, _terminate)
-    signal.signal(signal.SIGHUP, _terminate)
-    signal.signal(signal.SIGINT, _terminate)  # also when started with SIGINT ignored (e.g. `cmd &` in a script)
+    interrupt_on_signals()  # SIGTERM/SIGHUP unwind like Ctrl-C, so every finally tears down
     try:
         if args.selftest:
             from .testbed_probe import format_selftest, selftest

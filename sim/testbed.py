@@ -47,7 +47,7 @@ from typing import Any, Iterable, Sequence
 from .scenario import HostSpec
 
 __all__ = ["Testbed", "TestbedUnavailable", "check_output_paths", "check_support", "cleanup", "forwarder_binary",
-           "PREFIX", "STATE_DIR"]
+           "interrupt_on_signals", "PREFIX", "STATE_DIR"]
 
 PREFIX = "zgtb"
 STATE_DIR = Path(os.environ.get("ZGOSSIP_TESTBED_STATE", "/run/zgossip-testbed"))
@@ -242,6 +242,19 @@ def _owned_by_run(pid: int, run_id: str) -> bool:
 
 
 _TEARDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def interrupt_on_signals() -> None:
+    """Make SIGTERM and SIGHUP (and SIGINT, also when started with it ignored, as `cmd &` in a script
+    does) raise KeyboardInterrupt in the main thread, so that every ``finally`` and `Testbed.close`
+    runs. A command-line entry point that builds testbeds calls it first: Python's default for
+    SIGTERM and SIGHUP ends the process at once, leaving the namespaces, the /dev/shm files and the
+    state file of the run in progress behind (a closed terminal or ssh session sends SIGHUP)."""
+    def _interrupt(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    for s in _TEARDOWN_SIGNALS:
+        signal.signal(s, _interrupt)
 
 
 @contextlib.contextmanager
