@@ -374,8 +374,8 @@ class Testbed:
         if reason:
             raise TestbedUnavailable(reason)
         binary = forwarder_binary()
+        self._claim()  # before anything exists: a crash from here on is cleanable
         self._up = True
-        self._save_state()  # before anything exists: a crash from here on is cleanable
         try:
             self._build(binary)
         except BaseException:
@@ -463,14 +463,31 @@ class Testbed:
             f.unlink(missing_ok=True)
         self._state_file.unlink(missing_ok=True)
 
+    def _state(self) -> dict:
+        return {"owner": os.getpid(), "id": self.id, "namespaces": [self.switch_ns] + [self.ns(i) for i in range(self.n)],
+                "pids": [p.pid for p in self._procs], "shm": self._shm}
+
+    def _claim(self) -> None:
+        """Write the first state file, atomically and only if no run has this id: a second Testbed with
+        a live run's id (``run_id=``, or a random one drawn twice) failed on its first namespace, and its
+        close() then deleted the live run's namespaces, /dev/shm files and state file."""
+        STATE_DIR.mkdir(parents=True, exist_ok=True)
+        tmp = STATE_DIR / f"{self.id}.claim{os.getpid()}"  # not *.json: cleanup never reads it
+        tmp.write_text(json.dumps(self._state()))
+        try:
+            os.link(tmp, self._state_file)  # fails if the file exists; readers see all of it or nothing
+        except FileExistsError:
+            raise RuntimeError(f"testbed id {self.id} is in use ({self._state_file} exists): another run has "
+                               "it, or a crashed one left it (python -m sim testbed --cleanup)") from None
+        finally:
+            tmp.unlink(missing_ok=True)
+
     def _save_state(self) -> None:
         if not self._up:
             return
         STATE_DIR.mkdir(parents=True, exist_ok=True)
-        st = {"owner": os.getpid(), "id": self.id, "namespaces": [self.switch_ns] + [self.ns(i) for i in range(self.n)],
-              "pids": [p.pid for p in self._procs], "shm": self._shm}
-        tmp = self._state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(st))
+        tmp = self._state_file.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(self._state()))
         os.replace(tmp, self._state_file)
 
     # ------------------------------------------------------------------ processes

@@ -201,6 +201,24 @@ def test_close_removes_a_half_written_tensor_of_a_killed_peer():
 
 
 @needs_netns
+def test_a_second_testbed_with_a_live_runs_id_is_refused_and_leaves_that_run_alone():
+    """Two testbeds never share an id: the second used to fail on its first namespace and then, in its
+    close(), delete the first run's namespaces, /dev/shm files and state file while it ran."""
+    from sim.testbed import STATE_DIR
+
+    with Testbed([HostSpec(), HostSpec()], seed=1) as tb:
+        open(tb.shm_path("x"), "w").close()
+        before = leftovers(tb.id)
+        with pytest.raises(RuntimeError, match=f"testbed id {tb.id} is in use"):
+            Testbed([HostSpec(), HostSpec()], run_id=tb.id).start()
+        assert leftovers(tb.id) == before and (STATE_DIR / f"{tb.id}.json").exists()
+        assert tb.forwarder_stats()["ports"]  # its forwarder still answers
+        run_id = tb.id
+    assert_clean(run_id)
+    assert not list(STATE_DIR.glob(f"{run_id}*"))
+
+
+@needs_netns
 def test_cleanup_removes_what_a_crashed_run_left():
     # a run whose controller dies without tearing down (os._exit): namespaces, forwarder and a process stay
     code = ("import os, sys; from sim.testbed import Testbed; from sim.scenario import HostSpec\n"
