@@ -287,8 +287,16 @@ def run_testbed(sc: Scenario | dict, progress: Callable[[int, int], None] | None
     if sc.membership != "gossip":
         raise ValueError("the testbed runs membership = \"gossip\" only (real peers bootstrap from peer 0)")
     hosts = sc.host_list()
+    from dataclasses import fields
+
+    from zgossip.node import NodeConfig
+
+    node_keys = {f.name for f in fields(NodeConfig)}
     for i in range(sc.peers):
-        averager_settings(sc, (), i)  # refuse unknown settings before building anything
+        kw = averager_settings(sc, (), i)  # refuse unknown settings before building anything
+        # and bad values (part_size_bytes = 8): else every peer process died at start, and the error
+        # was 800 characters of its traceback after the namespaces had been built
+        NodeConfig(**{k: v for k, v in kw.items() if k in node_keys and k not in ("grid", "grid_coords")})
     values_rng = np.random.default_rng([sc.seed, seed_from("values")])
     initial = [values_rng.standard_normal(sc.numel).astype(sc.dtype) for _ in range(sc.peers)]
     truth = np.stack(initial).astype(np.float64).mean(axis=0)

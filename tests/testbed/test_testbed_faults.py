@@ -142,3 +142,14 @@ def test_a_member_cut_off_one_way_ends_with_its_group():
     assert secs[2] < allred[2] + 1.0 + 0.3 < 5.0, secs
     print("all-reduce seconds", allred, "step seconds", secs)
     assert_clean(res["testbed"]["id"])
+
+
+def test_a_protocol_value_the_peers_refuse_is_refused_before_building():
+    """part_size_bytes = 8 loads (keys are checked at load, values by the peer): every peer process
+    died at start and the run failed with its traceback, after the namespaces were built."""
+    from sim.testbed_run import run_testbed
+
+    sc = _scenario([{"up_mbit": 100}] * 2, 16)
+    sc["protocol"]["part_size_bytes"] = 8
+    with pytest.raises(ValueError, match="part_size_bytes must be at least 16"):
+        run_testbed(sc)
