@@ -153,3 +153,40 @@ def test_a_protocol_value_the_peers_refuse_is_refused_before_building():
     sc["protocol"]["part_size_bytes"] = 8
     with pytest.raises(ValueError, match="part_size_bytes must be at least 16"):
         run_testbed(sc)
+
+
+def test_closing_a_paused_peer_does_not_wait_for_it_to_answer(tmp_path):
+    """A peer still paused (SIGSTOP) when the run ends cannot read "stop": close() waited its whole
+    3 s for it before killing it, at every teardown, for every such peer."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from sim.testbed_run import PeerProcess
+
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    os.kill(proc.pid, signal.SIGSTOP)
+
+    class _Tb:
+        def kill(self, p, timeout=5.0):
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout)
+
+    peer = PeerProcess.__new__(PeerProcess)
+    peer.slot, peer.proc, peer.paused = 0, proc, True
+    peer.log = open(tmp_path / "log", "ab")
+    peer._reader = threading.Thread(target=lambda: None)
+    peer._reader.start()
+    t0 = time.monotonic()
+    try:
+        peer.close(_Tb())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+        proc.stdin.close()
+    assert time.monotonic() - t0 < 2.0 and proc.returncode == -signal.SIGKILL
