@@ -118,7 +118,11 @@ class PeerProcess:
                 tail = Path(self.log.name).read_text(errors="replace")[-800:]
             except OSError:
                 tail = ""
-            raise RuntimeError(f"peer {self.slot} failed to start: {msg}; its stderr ends:\n{tail}")
+            # the cause first (the exception, the last line of a traceback): "failed to start: None" and
+            # 800 characters of traceback put it at the very end of the message
+            lines = [ln for ln in tail.splitlines() if ln.strip()]
+            cause = lines[-1].strip() if lines else ("exited" if msg is None else repr(msg))
+            raise RuntimeError(f"peer {self.slot} failed to start: {cause}; its stderr ends:\n{tail}")
         self.ready = msg
         return msg
 
