@@ -280,7 +280,7 @@ def _step_medians(rounds: list[dict]) -> dict[int, float]:
 
 
 def cmd_testbed(args: argparse.Namespace) -> int:
-    from .testbed import TestbedUnavailable, check_support, cleanup
+    from .testbed import TestbedUnavailable, check_output_paths, check_support, cleanup, interrupt_on_signals
 
     if args.cleanup:
         removed = cleanup(force=args.force)
@@ -296,18 +296,16 @@ def cmd_testbed(args: argparse.Namespace) -> int:
         print(f"{args.scenario}: the testbed needs [[hosts]] (per-host rates/latency/loss); profiles and [network] "
               "are simulator-only", file=sys.stderr)
         return 2
-    reason = check_support()
+    bad = [kv for kv in args.sysctl if "=" not in kv or not kv.split("=", 1)[0].strip()]
+    if bad:  # dict() of them said "dictionary update sequence element #0 has length 1; 2 is required"
+        print(f"python -m sim testbed: --sysctl takes KEY=VALUE (e.g. net.ipv4.tcp_slow_start_after_idle=0), "
+              f"not {bad[0]!r}", file=sys.stderr)
+        return 2
+    reason = check_support() or check_output_paths([args.out, args.csv])
     if reason:
         print(f"python -m sim testbed: {reason}", file=sys.stderr)
         return 2
-    import signal
-
-    def _terminate(signum, _frame):  # SIGTERM unwinds like Ctrl-C, so every finally tears down
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, _terminate)
-    signal.signal(signal.SIGHUP, _terminate)
-    signal.signal(signal.SIGINT, _terminate)  # also when started with SIGINT ignored (e.g. `cmd &` in a script)
+    interrupt_on_signals()  # SIGTERM/SIGHUP unwind like Ctrl-C, so every finally tears down
     try:
         if args.selftest:
             from .testbed_probe import format_selftest, selftest

@@ -172,14 +172,33 @@ def format_comparison(c: Comparison) -> str:
     return "\n".join(lines)
 
 
-def main(path: str, skip: int = 0, as_json: bool = False) -> int:
-    run = json.loads(Path(path).read_text())
+def _not_a_run(run: Any) -> str | None:
+    """Why `run` is not a testbed run's results, or None. Checks the shape the replay reads (a file cut
+    short by a full disk or edited by hand crashed the comparison with an AttributeError)."""
     # a simulator run (python -m sim run --out) has 'scenario' and 'rounds' too: only a testbed run
     # has the 'testbed' section (what was measured), and replaying a simulator run compares it with itself
     if not isinstance(run, dict) or not {"scenario", "rounds", "testbed"} <= set(run):
-        what = ("a simulator run (python -m sim run), not a testbed run" if isinstance(run, dict) and "trace" in run
+        return ("a simulator run (python -m sim run), not a testbed run" if isinstance(run, dict) and "trace" in run
                 else "not a testbed run (no 'scenario', 'rounds' and 'testbed')")
-        print(f"python -m sim compare: error: {path} is {what}; expected the testbed run JSON that "
+    for key, typ, what in (("scenario", dict, "a table"), ("testbed", dict, "a table"), ("rounds", list, "a list")):
+        if not isinstance(run[key], typ):
+            return f"not a testbed run ('{key}' is {type(run[key]).__name__}, not {what})"
+    bad = [i for i, r in enumerate(run["rounds"]) if not isinstance(r, dict) or not isinstance(r.get("round"), int)]
+    if bad:
+        return f"not a testbed run (round entry {bad[0]} is not a round's metrics)"
+    return None
+
+
+def main(path: str, skip: int = 0, as_json: bool = False) -> int:
+    try:
+        run = json.loads(Path(path).read_text())
+    except ValueError as e:  # UnicodeDecodeError is one too
+        print(f"python -m sim compare: error: {path} is not JSON ({e}); a run file cut short, or not one "
+              "python -m sim testbed SCENARIO --out RUN.json wrote", file=sys.stderr)
+        return 2
+    why = _not_a_run(run)
+    if why:
+        print(f"python -m sim compare: error: {path} is {why}; expected the testbed run JSON that "
               "python -m sim testbed SCENARIO --out RUN.json writes", file=sys.stderr)
         return 2
     pred = replay(replay_scenario(run))

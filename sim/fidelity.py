@@ -321,9 +321,10 @@ def _machine() -> str:
 
 
 def main(args: Any) -> int:
-    from .testbed import check_support
+    from .testbed import check_output_paths, check_support, interrupt_on_signals
 
-    reason = check_support()
+    # the matrix takes many minutes: its results must not be lost to a typo in --out
+    reason = check_support() or check_output_paths([args.out])
     if reason:
         print(f"python -m sim fidelity: {reason}", file=sys.stderr)
         return 2
@@ -335,6 +336,7 @@ def main(args: Any) -> int:
             return 2
     else:
         names = QUICK if args.quick else list(CASES)
+    interrupt_on_signals()  # a SIGTERM or SIGHUP mid-case tears its testbed down (python -m sim: exit 130)
     print(_machine(), flush=True)
     results, dirs = run_matrix(names, args.rounds, args.seed,
                                progress=lambda n: print(f"... {n}", file=sys.stderr, flush=True))

@@ -98,9 +98,24 @@ class HostSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> "HostSpec":
+        if not isinstance(d, dict):  # `hosts = [...]` of numbers or strings, or `[hosts]` for `[[hosts]]`
+            raise ValueError(f"each [[hosts]] entry is a table of {', '.join(_HOST_KEYS)}, not {d!r}")
         unknown = set(d) - set(_HOST_KEYS)
         if unknown:
             raise ValueError(f"unknown [[hosts]] keys: {sorted(unknown)} (known: {sorted(_HOST_KEYS)})")
+        # every number finite and a number: a string compared with a number raised a TypeError that named
+        # no field, and inf or nan went through to the testbed, which failed (a traceback for inf) only
+        # after building its namespaces
+        for k in ("up_mbit", "down_mbit", "latency_ms", "jitter_ms", "loss"):
+            v = d.get(k, 0.0)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"hosts: {k} must be a finite number, not {v!r}")
+        if "count" in d and (isinstance(d["count"], bool) or not isinstance(d["count"], int)):
+            raise ValueError(f"hosts: count must be a positive integer, not {d['count']!r}")
+        hint = d.get("hint")
+        if hint is not None and not isinstance(hint, str) and (
+                isinstance(hint, bool) or not isinstance(hint, (int, float)) or not math.isfinite(hint)):
+            raise ValueError(f"hosts: hint must be a number >= 0 or \"auto\", not {hint!r}")
         h = cls(**d)
         for name in ("up_mbit", "down_mbit", "latency_ms", "jitter_ms", "loss"):
             v = getattr(h, name)
@@ -169,6 +184,8 @@ class Scenario:
             raise ValueError(f"unknown scenario keys: {sorted(unknown)} (known: {sorted(known)})")
         d = dict(d)
         if d.get("hosts"):
+            if not isinstance(d["hosts"], list):
+                raise ValueError(f"hosts must be a list of tables ([[hosts]]), not {d['hosts']!r}")
             d["hosts"] = [HostSpec.from_dict(h).to_dict() for h in d["hosts"]]
             n = sum(h["count"] for h in d["hosts"])
             if "peers" in d and d["peers"] != n:

@@ -28,6 +28,7 @@ delivers what was queued once it heals (the simulator loses those messages).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -45,13 +46,17 @@ from typing import Any, Iterable, Sequence
 
 from .scenario import HostSpec
 
-__all__ = ["Testbed", "TestbedUnavailable", "check_support", "cleanup", "forwarder_binary", "PREFIX", "STATE_DIR"]
+__all__ = ["Testbed", "TestbedUnavailable", "check_output_paths", "check_support", "cleanup", "forwarder_binary",
+           "interrupt_on_signals", "PREFIX", "STATE_DIR"]
 
 PREFIX = "zgtb"
 STATE_DIR = Path(os.environ.get("ZGOSSIP_TESTBED_STATE", "/run/zgossip-testbed"))
 CACHE_DIR = Path(os.environ.get("ZGOSSIP_CACHE", Path.home() / ".cache" / "zgossip"))
 _SOURCE = Path(__file__).with_name("linkemu.c")
 _CMD_TIMEOUT = 10.0  # every ip/tc call is bounded
+# linkemu switches at most this many ports (MAXP in linkemu.c); more hosts used to build every
+# namespace and then fail with "linkemu did not start: '' at most 64 ports"
+MAX_HOSTS = 64
 
 
 class TestbedUnavailable(RuntimeError):
@@ -65,7 +70,10 @@ def _mac(i: int) -> str:
 
 def _sh(argv: Sequence[str], check: bool = True, input: str | None = None,
         timeout: float = _CMD_TIMEOUT) -> subprocess.CompletedProcess:
-    p = subprocess.run(list(argv), input=input, capture_output=True, text=True, timeout=timeout)
+    # its own session: a Ctrl-C at the terminal goes to the whole foreground group, and an `ip netns
+    # del` killed by it would leave its namespace behind (this process tears down; the call is bounded)
+    p = subprocess.run(list(argv), input=input, capture_output=True, text=True, timeout=timeout,
+                       start_new_session=True)
     if check and p.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)}: {p.stderr.strip() or p.stdout.strip()}")
     return p
@@ -86,6 +94,24 @@ def check_support() -> str | None:
     if p.returncode != 0:
         return f"cannot create a network namespace: {p.stderr.strip()}"
     _sh(["ip", "netns", "del", probe], check=False)
+    return None
+
+
+def check_output_paths(paths: Iterable[str | None]) -> str | None:
+    """None if every given path can be written, else a one-line reason. A testbed run (or the fidelity
+    matrix) writes its results at the end: checked first, a missing folder or a read-only place
+    costs no run. A file that did not exist is not left behind by the check."""
+    for path in paths:
+        if not path:
+            continue
+        existed = os.path.lexists(path)
+        try:
+            with open(path, "a"):
+                pass
+        except OSError as e:
+            return f"cannot write {path}: {e.strerror or e}"
+        if not existed:
+            os.unlink(path)
     return None
 
 
@@ -215,6 +241,49 @@ def _owned_by_run(pid: int, run_id: str) -> bool:
     return False
 
 
+_TEARDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def interrupt_on_signals() -> None:
+    """Make SIGTERM and SIGHUP (and SIGINT, also when started with it ignored, as `cmd &` in a script
+    does) raise KeyboardInterrupt in the main thread, so that every ``finally`` and `Testbed.close`
+    runs. A command-line entry point that builds testbeds calls it first: Python's default for
+    SIGTERM and SIGHUP ends the process at once, leaving the namespaces, the /dev/shm files and the
+    state file of the run in progress behind (a closed terminal or ssh session sends SIGHUP)."""
+    def _interrupt(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    for s in _TEARDOWN_SIGNALS:
+        signal.signal(s, _interrupt)
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """Hold SIGINT/SIGTERM/SIGHUP while a teardown runs, and deliver the first one after it.
+
+    A second Ctrl-C (users press it again when teardown takes a few seconds) raised
+    KeyboardInterrupt inside `Testbed.close`, which then left the rest of the namespaces, the
+    /dev/shm files and the state file behind. Python handles signals in the main thread only, so
+    elsewhere there is nothing to hold."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    old: dict[int, Any] = {}
+    for s in _TEARDOWN_SIGNALS:
+        h = signal.getsignal(s)
+        if h is None:  # installed outside Python: leave it alone
+            continue
+        old[s] = signal.signal(s, lambda n, _f: got.append(n))
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        if got:
+            signal.raise_signal(got[0])  # its own handler now runs (KeyboardInterrupt for Ctrl-C)
+
+
 def _pick_subnet(rng: random.Random) -> tuple[int, int]:
     """10.a.b.0/24 that no route or address on this machine touches."""
     used = _sh(["ip", "-4", "route", "show", "table", "all"], check=False).stdout + \
@@ -246,8 +315,8 @@ class Testbed:
                  run_id: str | None = None, sysctls: dict[str, str] | None = None) -> None:
         if not hosts:
             raise ValueError("a testbed needs at least one host")
-        if len(hosts) > 250:
-            raise ValueError("at most 250 hosts (one /24)")
+        if len(hosts) > MAX_HOSTS:  # the forwarder's port table (MAXP in linkemu.c)
+            raise ValueError(f"the testbed emulates at most {MAX_HOSTS} hosts, not {len(hosts)}")
         self.hosts = list(hosts)
         self.n = len(self.hosts)
         self.seed = int(seed)
@@ -305,8 +374,8 @@ class Testbed:
         if reason:
             raise TestbedUnavailable(reason)
         binary = forwarder_binary()
+        self._claim()  # before anything exists: a crash from here on is cleanable
         self._up = True
-        self._save_state()  # before anything exists: a crash from here on is cleanable
         try:
             self._build(binary)
         except BaseException:
@@ -353,6 +422,10 @@ class Testbed:
         """Kill and reap every process, delete the namespaces (their veths go with them), shm files and state."""
         if not self._up:
             return
+        with _signals_held():
+            self._teardown()
+
+    def _teardown(self) -> None:
         self._up = False
         if self._fwd is not None and self._fwd.poll() is None:
             try:
@@ -384,16 +457,37 @@ class Testbed:
                 _kill_ns(ns)
         for f in self._shm:
             Path(f).unlink(missing_ok=True)
+        # and what the run's processes made beside them: a peer killed (a crash fault) while it wrote
+        # its tensor back leaves the half-written ``<shm_path>.tmp`` (sim.testbed_peer._write_tensor)
+        for f in Path("/dev/shm").glob(f"{self.id}-*"):
+            f.unlink(missing_ok=True)
         self._state_file.unlink(missing_ok=True)
+
+    def _state(self) -> dict:
+        return {"owner": os.getpid(), "id": self.id, "namespaces": [self.switch_ns] + [self.ns(i) for i in range(self.n)],
+                "pids": [p.pid for p in self._procs], "shm": self._shm}
+
+    def _claim(self) -> None:
+        """Write the first state file, atomically and only if no run has this id: a second Testbed with
+        a live run's id (``run_id=``, or a random one drawn twice) failed on its first namespace, and its
+        close() then deleted the live run's namespaces, /dev/shm files and state file."""
+        STATE_DIR.mkdir(parents=True, exist_ok=True)
+        tmp = STATE_DIR / f"{self.id}.claim{os.getpid()}"  # not *.json: cleanup never reads it
+        tmp.write_text(json.dumps(self._state()))
+        try:
+            os.link(tmp, self._state_file)  # fails if the file exists; readers see all of it or nothing
+        except FileExistsError:
+            raise RuntimeError(f"testbed id {self.id} is in use ({self._state_file} exists): another run has "
+                               "it, or a crashed one left it (python -m sim testbed --cleanup)") from None
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def _save_state(self) -> None:
         if not self._up:
             return
         STATE_DIR.mkdir(parents=True, exist_ok=True)
-        st = {"owner": os.getpid(), "id": self.id, "namespaces": [self.switch_ns] + [self.ns(i) for i in range(self.n)],
-              "pids": [p.pid for p in self._procs], "shm": self._shm}
-        tmp = self._state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(st))
+        tmp = self._state_file.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(self._state()))
         os.replace(tmp, self._state_file)
 
     # ------------------------------------------------------------------ processes

@@ -93,8 +93,9 @@ def state_main(argv: Sequence[str] | None = None) -> int:
         p.error("need --donors >= 2, --size-mib >= 1, --reps >= 1")
     from zgossip.machine import machine_line
 
-    from .testbed import TestbedUnavailable
+    from .testbed import TestbedUnavailable, interrupt_on_signals
 
+    interrupt_on_signals()  # SIGTERM/SIGHUP tear the testbed down instead of leaving it behind
     try:
         res = state_on_testbed(args.size_mib, args.donors, args.donor_mbit, args.downloader_mbit, args.latency_ms,
                                args.reps, max(4096, int(args.chunk_mib * (1 << 20))), args.timeout)
@@ -134,8 +135,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.peers < 2:
         p.error("need --peers >= 2 (processes that average together)")
-    from .testbed import TestbedUnavailable
+    from .testbed import TestbedUnavailable, interrupt_on_signals
 
+    interrupt_on_signals()  # SIGTERM/SIGHUP tear the testbed down instead of leaving it behind
     try:
         res = overlap_on_testbed(peers=args.peers, mbit=args.mbit, latency_ms=args.latency_ms, reps=args.reps,
                                  epochs=args.epochs, hidden=args.hidden, batch=args.batch, accel_ms=args.accel_ms,

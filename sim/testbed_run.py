@@ -118,13 +118,17 @@ class PeerProcess:
                 tail = Path(self.log.name).read_text(errors="replace")[-800:]
             except OSError:
                 tail = ""
-            raise RuntimeError(f"peer {self.slot} failed to start: {msg}; its stderr ends:\n{tail}")
+            # the cause first (the exception, the last line of a traceback): "failed to start: None" and
+            # 800 characters of traceback put it at the very end of the message
+            lines = [ln for ln in tail.splitlines() if ln.strip()]
+            cause = lines[-1].strip() if lines else ("exited" if msg is None else repr(msg))
+            raise RuntimeError(f"peer {self.slot} failed to start: {cause}; its stderr ends:\n{tail}")
         self.ready = msg
         return msg
 
     def close(self, tb: Testbed) -> None:
-        if self.alive:
-            self.send({"cmd": "stop"})
+        if self.alive and not self.paused:  # a frozen process (a pause still on) cannot act on "stop":
+            self.send({"cmd": "stop"})      # waiting for it cost 3 s per paused peer at every teardown
             try:
                 self.proc.wait(3.0)
             except subprocess.TimeoutExpired:
@@ -287,8 +291,16 @@ def run_testbed(sc: Scenario | dict, progress: Callable[[int, int], None] | None
     if sc.membership != "gossip":
         raise ValueError("the testbed runs membership = \"gossip\" only (real peers bootstrap from peer 0)")
     hosts = sc.host_list()
+    from dataclasses import fields
+
+    from zgossip.node import NodeConfig
+
+    node_keys = {f.name for f in fields(NodeConfig)}
     for i in range(sc.peers):
-        averager_settings(sc, (), i)  # refuse unknown settings before building anything
+        kw = averager_settings(sc, (), i)  # refuse unknown settings before building anything
+        # and bad values (part_size_bytes = 8): else every peer process died at start, and the error
+        # was 800 characters of its traceback after the namespaces had been built
+        NodeConfig(**{k: v for k, v in kw.items() if k in node_keys and k not in ("grid", "grid_coords")})
     values_rng = np.random.default_rng([sc.seed, seed_from("values")])
     initial = [values_rng.standard_normal(sc.numel).astype(sc.dtype) for _ in range(sc.peers)]
     truth = np.stack(initial).astype(np.float64).mean(axis=0)

@@ -209,6 +209,29 @@ def test_compare_refuses_a_simulator_run_and_says_it_wants_a_testbed_run(tmp_pat
     assert "overall: measured median step" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("text, expect", [
+    ('{"scenario": {"hosts": "x"}, "rounds": [1], "testbed": 3}', "'testbed' is int, not a table"),
+    ('{"scenario": [], "rounds": [], "testbed": {}}', "'scenario' is list, not a table"),
+    ('{"scenario": {}, "rounds": {"0": 1}, "testbed": {}}', "'rounds' is dict, not a list"),
+    ('{"scenario": {}, "rounds": [{"mse": 1}], "testbed": {}}', "round entry 0 is not a round's metrics"),
+    ('{"scenario": {}, "rounds": [], "testb', "is not JSON"),
+    (b"\xff\xfe{", "is not JSON"),
+])
+def test_compare_names_the_file_and_the_problem_of_a_damaged_run(tmp_path, capsys, text, expect):
+    """A run file cut short or edited by hand: one line naming the file and what is wrong with it (a
+    wrong-typed section crashed the replay with an AttributeError traceback; a cut-off file said
+    only "JSONDecodeError: Expecting ..." without the file)."""
+    from sim.__main__ import main
+
+    path = tmp_path / "run.json"
+    (path.write_bytes if isinstance(text, bytes) else path.write_text)(text)
+    assert main(["compare", str(path)]) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert out == "" and len(lines) == 1 and lines[0].startswith(f"python -m sim compare: error: {path} "), err
+    assert expect in lines[0], lines[0]
+
+
 class _Tty(io.StringIO):
     def isatty(self) -> bool:
         return True

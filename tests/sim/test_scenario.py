@@ -109,6 +109,27 @@ def test_values_of_the_wrong_sign_or_range_are_refused_at_load(extra, message):
         Scenario.from_dict({"peers": 4, "grid": [2, 2], **extra})
 
 
+@pytest.mark.parametrize("hosts, message", [
+    ([{"up_mbit": "10"}], "hosts: up_mbit must be a finite number, not '10'"),
+    ([{"latency_ms": float("inf")}], "hosts: latency_ms must be a finite number, not inf"),
+    ([{"latency_ms": float("nan")}], "hosts: latency_ms must be a finite number, not nan"),
+    ([{"up_mbit": float("inf")}], "hosts: up_mbit must be a finite number, not inf"),
+    ([{"jitter_ms": "1"}], "hosts: jitter_ms must be a finite number"),
+    ([{"loss": "0.1"}], "hosts: loss must be a finite number"),
+    ([{"hint": [1]}], "hosts: hint must be a number >= 0 or \"auto\", not \\[1\\]"),
+    ([{"count": 2.0}], "hosts: count must be a positive integer, not 2.0"),
+    (["x"], "each \\[\\[hosts\\]\\] entry is a table"),
+    ({"up_mbit": 10}, r"hosts must be a list of tables \(\[\[hosts\]\]\)"),
+])
+def test_host_values_of_the_wrong_type_name_the_field(hosts, message):
+    """A string where [[hosts]] wants a number raised "'<=' not supported between instances of 'str'
+    and 'int'" (no field named); inf and nan loaded, and the testbed failed on them only after building
+    its namespaces (inf: an OverflowError traceback from its tc call); `[hosts]` for `[[hosts]]`
+    listed the letters of its keys as unknown keys."""
+    with pytest.raises(ValueError, match=message):
+        Scenario.from_dict({"grid": [], "hosts": hosts})
+
+
 def test_shipped_scenario_file_loads_and_cli_prints_a_table():
     sc = load_scenario(ROOT / "sim" / "scenarios" / "flaky_home.toml")
     assert sc.peers == 64 and len(sc.faults) == 4

@@ -136,3 +136,61 @@ def test_simulator_predicts_the_testbed_on_the_quick_case():
     held = GOAL
     assert held[0] <= r.ratio <= held[1], (f"{r.name}: measured {r.measured:.3f} s, predicted "
                                            f"{r.predicted:.3f} s, ratio {r.ratio:.2f} outside {held}")
+
+
+@pytest.mark.skipif(check_support() is not None, reason=f"testbed: {check_support()}")
+def test_an_out_path_that_cannot_be_written_is_refused_before_the_matrix_runs(tmp_path, monkeypatch, capsys):
+    """``python -m sim fidelity --out`` used to learn that its file could not be written after every
+    case had run (many minutes), and lose the table."""
+    import argparse
+
+    import sim.fidelity as fidelity
+
+    monkeypatch.setattr(fidelity, "run_matrix", lambda *a, **k: pytest.fail("the matrix ran"))
+    args = argparse.Namespace(cases="home4-1m", quick=False, rounds=1, seed=1, out=str(tmp_path / "no" / "t.json"))
+    assert fidelity.main(args) == 2
+    err = capsys.readouterr().err
+    assert "cannot write" in err and str(tmp_path / "no" / "t.json") in err
+
+
+@pytest.mark.skipif(check_support() is not None, reason=f"testbed: {check_support()}")
+def test_sigterm_during_a_fidelity_case_tears_its_testbed_down():
+    """``python -m sim fidelity`` (many minutes) ended at once on SIGTERM or SIGHUP (a closed ssh
+    session), leaving the case's namespaces, peers, /dev/shm files and state file behind; it now
+    unwinds like Ctrl-C (exit 130) and its testbed is removed."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from sim.testbed import STATE_DIR
+    from test_testbed import assert_clean
+
+    root = Path(__file__).resolve().parents[2]
+    p = subprocess.Popen([sys.executable, "-m", "sim", "fidelity", "--cases", "home4-1m", "--rounds", "1"],
+                         cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    run_id = None
+    try:
+        deadline = time.monotonic() + 60
+        while run_id is None and time.monotonic() < deadline and p.poll() is None:
+            for f in STATE_DIR.glob("zgtb*.json"):
+                try:
+                    st = json.loads(f.read_text())
+                except (OSError, ValueError):
+                    continue
+                if st.get("owner") == p.pid and len(st.get("pids", [])) > 4:  # the forwarder and 4 peers
+                    run_id = f.stem
+            time.sleep(0.02)
+        assert run_id, "the fidelity case did not start its testbed"
+        os.kill(p.pid, signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate(timeout=10)
+    assert p.returncode == 130, err[-2000:]
+    assert_clean(run_id)
+    assert not (STATE_DIR / f"{run_id}.json").exists()

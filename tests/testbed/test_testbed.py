@@ -162,6 +162,63 @@ print(n * 8 / (time.monotonic() - t) / 1e6)
 
 
 @needs_netns
+def test_ctrl_c_during_teardown_still_removes_everything(monkeypatch):
+    """A second Ctrl-C while the testbed tears down (after the first one, or at the end of a run) is
+    held until the teardown is over, then raised: it used to interrupt `close` between two namespaces
+    and leave the rest, the /dev/shm files and the state file behind."""
+    import signal
+
+    from sim import testbed as tbmod
+
+    real, calls = tbmod._kill_ns, []
+
+    def interrupted(ns):
+        if not calls:
+            calls.append(ns)
+            signal.raise_signal(signal.SIGINT)  # as the terminal delivers Ctrl-C to this process
+        return real(ns)
+
+    monkeypatch.setattr(tbmod, "_kill_ns", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with Testbed([HostSpec(), HostSpec()], seed=1) as tb:
+            run_id = tb.id
+            open(tb.shm_path("x"), "w").close()
+    assert calls
+    assert_clean(run_id)
+    assert not (tbmod.STATE_DIR / f"{run_id}.json").exists()
+
+
+@needs_netns
+def test_close_removes_a_half_written_tensor_of_a_killed_peer():
+    """A peer writes its tensor to ``<shm_path>.tmp`` and renames it; one killed in between (a crash
+    fault during the write-back) left the .tmp in /dev/shm after the run."""
+    with Testbed([HostSpec(), HostSpec()], seed=1) as tb:
+        run_id = tb.id
+        path = tb.shm_path("t0.npy")
+        r = tb.run(0, [sys.executable, "-c", f"open({path + '.tmp'!r}, 'wb').write(bytes(1024))"], timeout=30)
+        assert r.returncode == 0, r.stderr
+    assert_clean(run_id)
+
+
+@needs_netns
+def test_a_second_testbed_with_a_live_runs_id_is_refused_and_leaves_that_run_alone():
+    """Two testbeds never share an id: the second used to fail on its first namespace and then, in its
+    close(), delete the first run's namespaces, /dev/shm files and state file while it ran."""
+    from sim.testbed import STATE_DIR
+
+    with Testbed([HostSpec(), HostSpec()], seed=1) as tb:
+        open(tb.shm_path("x"), "w").close()
+        before = leftovers(tb.id)
+        with pytest.raises(RuntimeError, match=f"testbed id {tb.id} is in use"):
+            Testbed([HostSpec(), HostSpec()], run_id=tb.id).start()
+        assert leftovers(tb.id) == before and (STATE_DIR / f"{tb.id}.json").exists()
+        assert tb.forwarder_stats()["ports"]  # its forwarder still answers
+        run_id = tb.id
+    assert_clean(run_id)
+    assert not list(STATE_DIR.glob(f"{run_id}*"))
+
+
+@needs_netns
 def test_cleanup_removes_what_a_crashed_run_left():
     # a run whose controller dies without tearing down (os._exit): namespaces, forwarder and a process stay
     code = ("import os, sys; from sim.testbed import Testbed; from sim.scenario import HostSpec\n"
@@ -185,6 +242,54 @@ def test_refuses_in_one_line_without_privileges(tmp_path):
                        env={**ENV, "ZGOSSIP_TESTBED_PRETEND_UNPRIVILEGED": "1"}, cwd=ROOT)
     assert p.returncode == 2
     assert p.stderr.strip().count("\n") == 0 and "root" in p.stderr, p.stderr
+
+
+@needs_netns
+def test_refuses_an_out_path_it_cannot_write_before_running(tmp_path):
+    """--out/--csv in a missing folder, or naming a folder: refused in one line before any namespace
+    exists (it used to run the whole experiment, then fail to write its results)."""
+    sc = tmp_path / "s.toml"
+    sc.write_text("rounds = 0\nbootstrap_time = 0.0\ngrid = []\n[[hosts]]\nup_mbit = 10\n[[hosts]]\nup_mbit = 10\n")
+    for opt, path in (("--out", tmp_path / "missing" / "run.json"), ("--csv", tmp_path)):
+        p = subprocess.run([sys.executable, "-m", "sim", "testbed", str(sc), opt, str(path)], capture_output=True,
+                           text=True, timeout=60, env=ENV, cwd=ROOT)
+        assert p.returncode == 2, p.stderr
+        assert p.stderr.strip().count("\n") == 0 and "cannot write" in p.stderr and str(path) in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("value", ["net.ipv4.tcp_slow_start_after_idle", "=0"])
+def test_a_sysctl_without_key_or_value_is_refused_in_one_line(tmp_path, value):
+    sc = tmp_path / "s.toml"
+    sc.write_text("[[hosts]]\nup_mbit = 10\n[[hosts]]\nup_mbit = 10\n")
+    p = subprocess.run([sys.executable, "-m", "sim", "testbed", str(sc), "--sysctl", value], capture_output=True,
+                       text=True, timeout=60, env=ENV, cwd=ROOT)
+    assert p.returncode == 2
+    assert p.stderr.strip().count("\n") == 0 and "--sysctl takes KEY=VALUE" in p.stderr and value in p.stderr, p.stderr
+
+
+def test_output_path_check_leaves_no_file(tmp_path):
+    from sim.testbed import check_output_paths
+
+    assert check_output_paths([None, str(tmp_path / "new.json")]) is None
+    assert not (tmp_path / "new.json").exists()
+    (tmp_path / "old.json").write_text("keep")
+    assert check_output_paths([str(tmp_path / "old.json")]) is None
+    assert (tmp_path / "old.json").read_text() == "keep"
+    assert "cannot write" in check_output_paths([str(tmp_path / "no" / "x.json")])
+
+
+def test_more_hosts_than_the_forwarder_switches_are_refused_before_building():
+    """The forwarder (linkemu.c, MAXP) has 64 ports; a testbed of 65-250 hosts passed the check, built
+    every namespace and then failed with "linkemu did not start: '' at most 64 ports"."""
+    import re
+
+    src = (ROOT / "sim" / "linkemu.c").read_text()
+    from sim.testbed import MAX_HOSTS
+
+    assert int(re.search(r"#define MAXP (\d+)", src).group(1)) == MAX_HOSTS == 64
+    with pytest.raises(ValueError, match="at most 64 hosts, not 65"):
+        Testbed([HostSpec()] * 65)
+    Testbed([HostSpec()] * 64)  # builds nothing until start()
 
 
 def test_refuses_a_scenario_without_hosts(tmp_path):

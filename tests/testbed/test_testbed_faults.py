@@ -142,3 +142,65 @@ def test_a_member_cut_off_one_way_ends_with_its_group():
     assert secs[2] < allred[2] + 1.0 + 0.3 < 5.0, secs
     print("all-reduce seconds", allred, "step seconds", secs)
     assert_clean(res["testbed"]["id"])
+
+
+def test_a_protocol_value_the_peers_refuse_is_refused_before_building():
+    """part_size_bytes = 8 loads (keys are checked at load, values by the peer): every peer process
+    died at start and the run failed with its traceback, after the namespaces were built."""
+    from sim.testbed_run import run_testbed
+
+    sc = _scenario([{"up_mbit": 100}] * 2, 16)
+    sc["protocol"]["part_size_bytes"] = 8
+    with pytest.raises(ValueError, match="part_size_bytes must be at least 16"):
+        run_testbed(sc)
+
+
+def test_closing_a_paused_peer_does_not_wait_for_it_to_answer(tmp_path):
+    """A peer still paused (SIGSTOP) when the run ends cannot read "stop": close() waited its whole
+    3 s for it before killing it, at every teardown, for every such peer."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from sim.testbed_run import PeerProcess
+
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    os.kill(proc.pid, signal.SIGSTOP)
+
+    class _Tb:
+        def kill(self, p, timeout=5.0):
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout)
+
+    peer = PeerProcess.__new__(PeerProcess)
+    peer.slot, peer.proc, peer.paused = 0, proc, True
+    peer.log = open(tmp_path / "log", "ab")
+    peer._reader = threading.Thread(target=lambda: None)
+    peer._reader.start()
+    t0 = time.monotonic()
+    try:
+        peer.close(_Tb())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+        proc.stdin.close()
+    assert time.monotonic() - t0 < 2.0 and proc.returncode == -signal.SIGKILL
+
+
+def test_a_peer_that_fails_to_start_is_reported_by_its_error_first():
+    """min_group_size above target_group_size passes the scenario's checks and NodeConfig's, and every
+    peer process raises at start: the error read "peer 0 failed to start: None; its stderr ends:" and
+    the cause came last, after 800 characters of traceback."""
+    from sim.testbed_run import run_testbed
+
+    sc = _scenario([{"up_mbit": 100}] * 2, 16)
+    sc["protocol"]["target_group_size"] = 1
+    with pytest.raises(RuntimeError) as e:
+        run_testbed(sc)
+    first = str(e.value).splitlines()[0]
+    assert first.startswith("peer ") and "failed to start: ValueError: need 1 <= min_group_size" in first, first
