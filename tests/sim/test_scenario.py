@@ -205,7 +205,7 @@ def test_counts_and_seed_are_whole_numbers_checked_at_load(bad, expect):
     ({"up_mbit": float("nan")}, "hosts: up_mbit must be a finite number, not nan"),
     ({"latency_ms": float("inf")}, "hosts: latency_ms must be a finite number, not inf"),
     ({"loss": float("nan")}, "hosts: loss must be a finite number, not nan"),
-    ({"hint": float("nan")}, 'hosts: hint must be a finite number >= 0 or "auto", not nan'),
+    ({"hint": float("nan")}, 'hosts: hint must be a number >= 0 or "auto", not nan'),
 ])
 def test_host_values_must_be_finite(host, expect):
     """A NaN rate passed every comparison of the checks (all false) and hung the simulator."""
