@@ -237,7 +237,7 @@ def test_cleanup_removes_what_a_crashed_run_left():
 
 def test_refuses_in_one_line_without_privileges(tmp_path):
     sc = tmp_path / "s.toml"
-    sc.write_text("[[hosts]]\nup_mbit = 10\n[[hosts]]\nup_mbit = 10\n")
+    sc.write_text("grid = []\n[[hosts]]\nup_mbit = 10\n[[hosts]]\nup_mbit = 10\n")
     p = subprocess.run([sys.executable, "-m", "sim", "testbed", str(sc)], capture_output=True, text=True, timeout=60,
                        env={**ENV, "ZGOSSIP_TESTBED_PRETEND_UNPRIVILEGED": "1"}, cwd=ROOT)
     assert p.returncode == 2
@@ -260,7 +260,7 @@ def test_refuses_an_out_path_it_cannot_write_before_running(tmp_path):
 @pytest.mark.parametrize("value", ["net.ipv4.tcp_slow_start_after_idle", "=0"])
 def test_a_sysctl_without_key_or_value_is_refused_in_one_line(tmp_path, value):
     sc = tmp_path / "s.toml"
-    sc.write_text("[[hosts]]\nup_mbit = 10\n[[hosts]]\nup_mbit = 10\n")
+    sc.write_text("grid = []\n[[hosts]]\nup_mbit = 10\n[[hosts]]\nup_mbit = 10\n")
     p = subprocess.run([sys.executable, "-m", "sim", "testbed", str(sc), "--sysctl", value], capture_output=True,
                        text=True, timeout=60, env=ENV, cwd=ROOT)
     assert p.returncode == 2

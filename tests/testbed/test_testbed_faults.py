@@ -193,14 +193,16 @@ def test_closing_a_paused_peer_does_not_wait_for_it_to_answer(tmp_path):
 
 
 def test_a_peer_that_fails_to_start_is_reported_by_its_error_first():
-    """min_group_size above target_group_size passes the scenario's checks and NodeConfig's, and every
-    peer process raises at start: the error read "peer 0 failed to start: None; its stderr ends:" and
-    the cause came last, after 800 characters of traceback."""
+    """A grid the peer's coordinates do not fit (protocol grid [1], placed on a 2 x 2 grid) passes the
+    scenario's checks and NodeConfig's, and every peer process raises at start: the error read "peer 0
+    failed to start: None; its stderr ends:" and the cause came last, after 800 characters of traceback.
+    (Group sizes used to serve here; NodeConfig now refuses them before anything is built.)"""
     from sim.testbed_run import run_testbed
 
     sc = _scenario([{"up_mbit": 100}] * 2, 16)
-    sc["protocol"]["target_group_size"] = 1
+    sc.update(grid=[2, 2], placement="distinct")
+    sc["protocol"]["grid"] = [1]
     with pytest.raises(RuntimeError) as e:
         run_testbed(sc)
     first = str(e.value).splitlines()[0]
-    assert first.startswith("peer ") and "failed to start: ValueError: need 1 <= min_group_size" in first, first
+    assert first.startswith("peer ") and "failed to start: ValueError: coordinates" in first, first
