@@ -119,8 +119,18 @@ def run(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(args.seed)
     data = rng.standard_normal(args.numel).astype(np.float32)
     stop = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # Ctrl-C and SIGTERM set the stop flag while the peer runs; the handlers that were there come back
+    # when it returns (run in-process -- `cli.main` from a test or a notebook -- an early error left
+    # this process's Ctrl-C setting a flag nobody reads)
+    prev = [(sig, signal.signal(sig, lambda *_: stop.set())) for sig in (signal.SIGINT, signal.SIGTERM)]
+    try:
+        return _serve(args, data, stop)
+    finally:
+        for sig, handler in prev:
+            signal.signal(sig, handler)
+
+
+def _serve(args: argparse.Namespace, data: np.ndarray, stop: threading.Event) -> int:
     try:
         avg = Averager([data], prefix=args.prefix, listen=None if args.client else args.listen,
                        initial_peers=args.initial_peers, announce_host=args.announce_host,

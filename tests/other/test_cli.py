@@ -586,3 +586,16 @@ def test_keygen_into_a_directory_says_so(tmp_path, capsys, force):
     assert err == f"zgossip keygen: error: {str(tmp_path)!r} is a directory: give the path of the key file to write, " \
                   f"e.g. {tmp_path / 'peer.key'}", err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_peer_run_in_process_gives_the_signal_handlers_back():
+    """`zgossip peer` installs Ctrl-C/SIGTERM handlers that set its stop flag. Run in-process (cli.main
+    from a test or a notebook), an early error -- a bad key file -- returned with them still installed:
+    Ctrl-C in that process then set a flag nobody read (a later test expecting KeyboardInterrupt got
+    none)."""
+    from zgossip import cli
+
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    assert cli.main(["peer", "--key", "/nonexistent/key", "--allow", "/nonexistent/allow",
+                     "--listen", "tcp://127.0.0.1:0", "--plain"]) == 2
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
