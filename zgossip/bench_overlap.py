@@ -71,7 +71,12 @@ def _peer(rank: int, conn: Any, cfg: dict) -> None:
     x = torch.randn(cfg["batch"], cfg["inputs"], generator=g)
     y = torch.randint(0, 10, (cfg["batch"],), generator=g)
     conn.send({"event": "ready"})
-    initial = conn.recv()
+    try:
+        initial = conn.recv()
+    except (EOFError, OSError):
+        return  # the parent went away before starting us
+    if not isinstance(initial, dict):
+        return  # "stop" (the run was interrupted) before the start-up data: nothing to tear down
     opts: dict[str, Any] = {}
     models: dict[str, Any] = {}
     where: dict[str, Any] = {}

@@ -342,3 +342,21 @@ def test_a_delayed_round_whose_pre_scheduled_step_failed_before_its_all_reduce_f
     finally:
         for o in opts:
             o.shutdown()
+
+
+def test_a_bench_peer_told_to_stop_before_its_start_up_data_just_exits():
+    """A bench-train --overlap peer (and `python -m sim overlap`'s) interrupted right after it said
+    "ready" received "stop" where it expected its start-up data: AttributeError: 'str' object has no
+    attribute 'get' (a traceback per child on SIGHUP, and a slow exit)."""
+    import multiprocessing as mp
+
+    from zgossip.bench_overlap import _peer
+
+    parent, child = mp.Pipe()
+    parent.send("stop")
+    threads = torch.get_num_threads()
+    try:
+        _peer(0, child, {"batch": 2, "inputs": 4, "hidden": 4, "peers": 2})  # returns, raises nothing
+    finally:
+        torch.set_num_threads(threads)  # (a bench peer keeps to one thread; this process must not)
+    assert parent.recv() == {"event": "ready"}
