@@ -224,9 +224,6 @@ class _Peers:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.peers < 1 or args.epochs < 1:
-        print("train-demo: need --peers >= 1 and --epochs >= 1")
-        return 2
     late_at = args.late_at if 0 <= args.late_at < args.epochs else -1
     n = args.peers + (1 if late_at >= 0 else 0)
     cfg = dict(epochs=args.epochs, target_batch_size=args.target_batch_size, batch_size=args.batch_size, lr=args.lr,

@@ -118,7 +118,8 @@ class ZmqTransport:
         self._peer_keys = dict(peer_keys or {})
         self.curve: Curve | None = None
         self._replies: dict[str, bytes] = {}  # client peer id -> routing id of its connection to our ROUTER
-        self._backlog: dict[str, collections.deque] = {}  # client peer id -> messages waiting for it to connect
+        self._backlog: dict[str, collections.deque] = {}  # client peer id -> (queued at, message) waiting for it
+        self._backlog_check_at = 0.0  # when the I/O loop next drops expired backlog entries
         # (where, kind) of failed handshakes and sends already logged (a bounded number per kind)
         self._refusals = OncePer(log, "zgossip node")
 
@@ -366,8 +367,9 @@ class ZmqTransport:
                 if dl is not None and now() >= dl:
                     self._guard(node.on_timer, now())
                 self._lent.reap()  # buffers libzmq finished with, whose senders already let go
-                if self._backlog:
+                if self._backlog and now() >= self._backlog_check_at:  # (once a second at most)
                     self._expire_backlog(now())
+                    self._backlog_check_at = now() + 1.0
         finally:
             self._started.set()
             if self._hasher is not None:
