@@ -552,9 +552,22 @@ def _stop_pool(pool) -> None:
             p.terminate()
     for p in procs:
         p.join(timeout=5.0)
-        if p.is_alive():
+        if _running(p):
             p.kill()
             p.join(timeout=5.0)
+
+
+def _running(p) -> bool:
+    """Whether worker `p` still runs. `is_alive()` alone can say True for ever: the pool's own thread,
+    told to shut down, joins the workers too, and when it reaps one first our join gets ECHILD and
+    multiprocessing never learns the exit code. A pid that no longer exists is a worker gone."""
+    if not p.is_alive():
+        return False
+    try:
+        os.kill(p.pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _execute_dask(kind: str, runs: list[Run], cluster: Any, done: Done, tick: Callable[[], None]) -> None:
