@@ -29,18 +29,28 @@ CHURN = {"seed": 3, "peers": 10, "profiles": {"home": 0.5, "datacenter": 0.5},
          "train": {"optimizer": "allreduce", "params": 5000, "steps": 24, "step_time": 0.5, "eval_every": 4}}
 
 
-def _run_in_process(spec: dict, hashseed: str) -> str:
+def _run_in_processes(spec: dict, hashseeds: tuple[str, ...]) -> list[str]:
+    """`spec` run once per hash seed, each in its own interpreter; the runs go side by side."""
     code = "import json, sys; from sim.train import run_train; print(run_train(json.loads(sys.argv[1])).to_json())"
-    env = dict(os.environ, PYTHONHASHSEED=hashseed, PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], env=env, capture_output=True, text=True,
-                         timeout=300, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
+    procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps(spec)], cwd=ROOT, text=True,
+                              env=dict(os.environ, PYTHONHASHSEED=h, PYTHONPATH=str(ROOT)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for h in hashseeds]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=300)
+            assert p.returncode == 0, err[-3000:]
+            outs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return outs
 
 
 def test_one_seed_one_run_bit_for_bit_across_hash_seeds():
-    a = _run_in_process(SMALL, "0")
-    b = _run_in_process(SMALL, "977")
+    a, b = _run_in_processes(SMALL, ("0", "977"))
     assert a == b  # every loss value, time, byte count and the network trace
     res = json.loads(a)
     assert len(res["trainers"]) == 6 and all(t["steps"] == 8 and not t["crashed"] for t in res["trainers"])
