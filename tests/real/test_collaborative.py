@@ -622,6 +622,11 @@ def test_a_client_mode_peer_counts_toward_the_global_batch():
         for r in rounds[0] + rounds[1]:
             assert r["ok"] and r["group_size"] == 2 and 0 < r["samples"] <= target + 4 * bs, r
         assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+        client.shutdown()  # it says goodbye: its record stops counting at once (silent, after peer_timeout)
+        deadline = time.monotonic() + 2 * FAST["peer_timeout"]
+        while server.num_peers != 1 or client.peer_id in server.averager.peer_infos():
+            assert time.monotonic() < deadline, server.averager.peer_infos().keys()
+            time.sleep(0.02)
     finally:
         for o in opts:
             o.shutdown()
