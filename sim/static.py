@@ -128,6 +128,10 @@ class StaticView:
     def peers(self) -> Mapping[str, PeerRecord]:
         return self._others
 
+    @property
+    def clients(self) -> Mapping[str, PeerRecord]:
+        return {}  # a static table holds no client-mode peers (`SimCluster.add_peer` refuses them)
+
     def live_ids(self) -> list[str]:
         return [p for p in self.table.everyone() if p != self.peer_id]
 

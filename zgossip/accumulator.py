@@ -73,7 +73,7 @@ import torch
 from .collaborative import _count
 from .errors import ZGossipError
 from .progress import PeerProgress, SwarmView, progress_record, run_digest
-from .trainer import CLIENT_RECORDS, TRAINING_DEFAULTS, ServingAverager, clock_of, first_nonfinite, refuse_auxiliary
+from .trainer import TRAINING_DEFAULTS, ServingAverager, clock_of, first_nonfinite, refuse_auxiliary
 from .training_state import LayoutMismatch, ModelLayout, copy_arrays, named_tensors, pack_state, unpack_state
 
 __all__ = ["Accumulator", "Group"]
@@ -153,11 +153,11 @@ class Accumulator:
                 **self.group.averager_opts, **averager_opts}
         refuse_auxiliary(opts, "Accumulator")
         if opts.get("client_mode") or self.group.listen is None:
-            # the leader learns who waits for state from the records: it would never serve this peer, whose
-            # connected() stayed False forever (its user loop sleeping in `if not connected()`)
-            raise ValueError(f"an Accumulator cannot run in client mode: {CLIENT_RECORDS}, so the leader would never "
-                             "know it waits for state and its connected() would stay False. Give it a listen address "
-                             "the other peers can reach")
+            # the leader is whoever holds the highest model version (lowest id on ties), a client too, and
+            # newcomers wait for the leader's state: nobody can connect to a client to download it
+            raise ValueError("an Accumulator cannot run in client mode: it could become the leader, whose state "
+                             "newcomers download, and nobody can connect to a client-mode peer to download from it. "
+                             "Give it a listen address the other peers can reach")
         self._opts = opts
         self.clock = clock_of(opts)  # every reading of the time and every wait (virtual in the simulator)
         self._gossip = float(opts.get("gossip_interval", 0.5))

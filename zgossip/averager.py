@@ -849,7 +849,8 @@ class Averager:
         return self._transport.run_on_io(lambda node, now: fn(node), timeout)
 
     def peer_infos(self) -> dict[str, dict]:
-        """The latest record every live peer published (this peer's included), by peer id."""
+        """The latest record every live peer published (this peer's and client-mode peers' included), by
+        peer id. `peers()` lists only the peers that listen."""
         return self._ask_node(lambda node: node.peer_infos())
 
     def link_rates(self) -> dict[str, float | None]:

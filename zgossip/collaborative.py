@@ -63,7 +63,7 @@ import torch
 
 from .errors import RoundTimeout, ZGossipError
 from .overlap import OffloadedParams, PendingUpdate
-from .progress import SwarmView
+from .progress import PeerProgress, SwarmView
 from .trainer import SchedulerLike, TrainerPeer, first_nonfinite, params_digest
 from .training_state import LayoutMismatch
 
@@ -457,16 +457,17 @@ class CollaborativeOptimizer(TrainerPeer):
 
     def _resync_if_needed(self, view: SwarmView) -> bool:
         """Load state if we are behind the swarm or out of sync with it; True if we did."""
-        if view.max_epoch > self.local_epoch:
-            return self._try_load_state(view, f"behind: epoch {self.local_epoch} < swarm's {view.max_epoch}")
+        if view.donor_epoch > self.local_epoch:
+            return self._try_load_state(view, f"behind: epoch {self.local_epoch} < swarm's {view.donor_epoch}")
         if self.in_sync:
             self._compare_digests(view)
         if self.in_sync:
             return False
-        ref = [p for p in view.others() if p.in_sync and p.epoch >= self.local_epoch]
+        # a client-mode peer serves no state: it can be no reference (nobody could download from it)
+        ref = [p for p in view.others() if p.in_sync and p.epoch >= self.local_epoch and not p.client]
         if ref:
             return self._try_load_state(view, "out of sync after a failed or partial round")
-        diverged = [p.peer_id for p in view.at(self.local_epoch) if not p.in_sync]
+        diverged = [p.peer_id for p in view.at(self.local_epoch) if not p.in_sync and not p.client]
         if not diverged or min(diverged) == self.peer_id:
             log.info("%s: no in-sync peer left; this peer becomes the reference for the others", self.peer_id[:8])
             self.in_sync = True
@@ -477,14 +478,16 @@ class CollaborativeOptimizer(TrainerPeer):
     def _compare_digests(self, view: SwarmView) -> None:
         """Peers at one epoch should hold identical parameters. If they do not (the swarm split into
         several groups, e.g. target_group_size < peers), the largest set of equal digests (ties: the one
-        holding the lowest peer id) is the reference, and every other peer marks itself out of sync."""
-        groups: dict[str, list[str]] = {}
+        holding the lowest peer id) is the reference, and every other peer marks itself out of sync.
+        A set of client-mode peers alone is never the reference: nobody could download its state."""
+        groups: dict[str, list[PeerProgress]] = {}
         for p in view.at(self.local_epoch):
             if p.in_sync and p.digest:
-                groups.setdefault(p.digest, []).append(p.peer_id)
+                groups.setdefault(p.digest, []).append(p)
         if len(groups) < 2:
             return
-        ref = sorted(groups.items(), key=lambda kv: (-len(kv[1]), min(kv[1])))[0][0]
+        ref = sorted(groups.items(), key=lambda kv: (all(p.client for p in kv[1]), -len(kv[1]),
+                                                     min(p.peer_id for p in kv[1])))[0][0]
         if ref != self._param_digest:
             log.warning("%s: at epoch %d the peers hold %d different sets of parameters (groups split? "
                         "target_group_size=%d, live peers=%d): resynchronising with the majority",
@@ -541,7 +544,7 @@ class CollaborativeOptimizer(TrainerPeer):
                 return
         elif expected > 1:
             later = self._view()
-            if later.max_epoch > epoch:
+            if later.donor_epoch > epoch:
                 log.warning("%s: averaging for epoch %d failed (%s) and the swarm moved on: loading its state",
                             self.peer_id[:8], epoch, rnd["error"])
                 self.last_round = rnd

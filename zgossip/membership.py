@@ -14,6 +14,19 @@ counting it live for ``peer_timeout``. Its last heartbeat goes into the tombston
 that still carry it cannot bring it back, and for ``peer_timeout`` a late message of it (a
 result on the other lane) does not count as contact either; a peer restarted under the same id
 announces itself by gossip, which does.
+
+**Client-mode peers** (endpoint ``client://<id>``, `zgossip.endpoints.listens` is False) bind
+nothing, so nobody may gossip to them, connect to them or meet at them: they are never entered
+in `peers`. Their records still count (a client's training progress is part of the swarm's), so
+they live in a second table, `clients`, by the same rules: entered from the client's own gossip
+(the first entry of its digest, under the id the transport authenticated) or from other peers'
+digests, refreshed while the heartbeat grows or the client talks to us, forgotten after
+``peer_timeout`` of silence or at its goodbye, tombstoned like a peer, and checked like one
+(`admit`, `endpoint_ok`, `clean_info`; the ZeroMQ transport delivers a client's own messages
+only under ``client://<its authenticated id>``). A client entry is relayed in digests but is never a gossip
+target, never `discovered` (no connection is opened for it), never in `live_ids`, `everyone`,
+`ranking` or `donors`, and does not change `version`. A peer older than this one skips the
+client entries of a digest, as it always did.
 """
 from __future__ import annotations
 
@@ -92,6 +105,9 @@ class Membership:
         self.share: float | None = None  # this node's state-sharing priority, gossiped with its heartbeat
         self.info: dict = {}  # this node's public record, gossiped with its heartbeat
         self.peers: dict[str, PeerRecord] = {}
+        # client-mode peers' records (see the module docstring): counted, never sent to
+        self.clients: dict[str, PeerRecord] = {}
+        self.max_clients = 4 * max_digest  # a flood of invented client ids fills this, not memory
         self.version = 0  # grows whenever the set of live peers changes (for callers' caches)
         self._sorted: list[str] | None = None
         self._ranking = RankingCache()
@@ -194,9 +210,13 @@ class Membership:
 
     def observe(self, peer_id: str, endpoint: str, now: float) -> None:
         """Direct contact from a peer proves it is alive."""
-        if peer_id == self.peer_id or not listens(endpoint) or not self.admit(peer_id):
+        if peer_id == self.peer_id or not self.admit(peer_id):
             return
-        rec = self.peers.get(peer_id)
+        client = not listens(endpoint)
+        if client and peer_id in self.peers:
+            return  # (a listening peer of that id is the newer news)
+        table = self.clients if client else self.peers
+        rec = table.get(peer_id)
         if (rec is None or rec.endpoint != endpoint) and not self.endpoint_ok(endpoint):
             self.bad_endpoints += 1
             return
@@ -205,12 +225,16 @@ class Membership:
             if now - left < self.peer_timeout:
                 return  # a message it sent before its goodbye, overtaken on another lane
             del self._left[peer_id]
+        if client:
+            self._enter_client(peer_id, endpoint, None, now, direct=True)
+            return
         if endpoint in self.initial_peers:
             self._reached.add(endpoint)
         if rec is None:
             tomb = self._tombstones.pop(peer_id, None)
             hb = tomb[0] if tomb else 0
             self.peers[peer_id] = PeerRecord(peer_id, endpoint, hb, now)
+            self.clients.pop(peer_id, None)  # a client restarted as a listening peer
             self.discovered.append(endpoint)
             self._changed()
         else:
@@ -253,7 +277,13 @@ class Membership:
 
     def merge(self, entries: Iterable[tuple[str, str, int, float | None, dict]], now: float) -> None:
         for pid, ep, hb, share, info in entries:
-            if pid == self.peer_id or not listens(ep) or not self.admit(pid):
+            if pid == self.peer_id or not self.admit(pid):
+                continue
+            if not listens(ep):
+                if not self.endpoint_ok(ep):
+                    self.bad_endpoints += 1
+                elif pid not in self.peers:  # (a listening peer of that id is the newer news)
+                    self._enter_client(pid, ep, (hb, share, info), now)
                 continue
             rec = self.peers.get(pid)
             if (rec is None or rec.endpoint != ep) and not self.endpoint_ok(ep):
@@ -267,6 +297,7 @@ class Membership:
                 if ep in self.initial_peers:
                     self._reached.add(ep)
                 self.peers[pid] = PeerRecord(pid, ep, hb, now, share, self.clean_info(pid, info))
+                self.clients.pop(pid, None)  # a client restarted as a listening peer
                 self.discovered.append(ep)
                 self._changed()
             elif hb > rec.heartbeat:
@@ -288,7 +319,7 @@ class Membership:
         pid = msg.sender
         if pid == self.peer_id:
             return
-        rec = self.peers.get(pid)
+        rec = self.peers.get(pid) or self.clients.get(pid)
         if rec is not None and rec.endpoint != msg.endpoint:
             return  # a namesake elsewhere (e.g. restarted on another address): not the one we know
         self._left[pid] = now
@@ -302,6 +333,11 @@ class Membership:
             self._tombstones[pid] = (max(old, msg.heartbeat), now)
 
     def forget(self, peer_id: str, now: float, why: str = "silent") -> None:
+        rec = self.clients.pop(peer_id, None)
+        if rec is not None:
+            self._tombstones[peer_id] = (rec.heartbeat, now)
+            log.info("%s: forgot client-mode peer %s (%s)", self.peer_id, peer_id, why)
+            return
         rec = self.peers.pop(peer_id, None)
         if rec is not None:
             self._changed()
@@ -312,8 +348,34 @@ class Membership:
             log.info("%s: forgot peer %s at %s (%s)", self.peer_id, peer_id, rec.endpoint, why)
 
     # -- internals -----------------------------------------------------------------------
+    def _enter_client(self, pid: str, ep: str, entry: tuple[int, float | None, dict] | None, now: float,
+                      direct: bool = False) -> None:
+        """A client-mode peer's record: `entry` = (heartbeat, share, info) from a digest, or None for
+        direct contact (which proves it alive, as `observe` does for a peer)."""
+        rec = self.clients.get(pid)
+        if rec is None:
+            tomb = self._tombstones.get(pid)
+            if not direct and tomb is not None and entry is not None and entry[0] <= tomb[0]:
+                return  # stale news of a client we already buried
+            if len(self.clients) >= self.max_clients:
+                return
+            self._tombstones.pop(pid, None)
+            hb = tomb[0] if tomb is not None and direct else 0
+            if entry is None:
+                self.clients[pid] = PeerRecord(pid, ep, hb, now)
+            else:
+                # a client serves no state (nobody can connect to it): its declared priority is not kept
+                self.clients[pid] = PeerRecord(pid, ep, max(hb, entry[0]), now, None, self.clean_info(pid, entry[2]))
+        elif entry is None:
+            rec.updated = now
+        elif entry[0] > rec.heartbeat:
+            rec.heartbeat, rec.updated = entry[0], now
+            rec.info = self.clean_info(pid, entry[2])
+
     def _expire(self, now: float) -> None:
         for pid in [p for p, r in self.peers.items() if now - r.updated > self.peer_timeout]:
+            self.forget(pid, now)
+        for pid in [p for p, r in self.clients.items() if now - r.updated > self.peer_timeout]:
             self.forget(pid, now)
         horizon = now - 10 * self.peer_timeout
         for pid in [p for p, (_, t) in self._tombstones.items() if t < horizon]:
@@ -331,9 +393,12 @@ class Membership:
 
     def _digest_message(self, kind: type[Gossip] | type[GossipReply]) -> Gossip | GossipReply:
         ids = self.live_ids()
+        if self.clients:  # relayed too, so that every peer learns of a client that gossips to a few
+            ids = ids + sorted(self.clients)
         if len(ids) > self.max_digest - 1:
             pick = self._rng.choice(len(ids), size=self.max_digest - 1, replace=False)
             ids = [ids[i] for i in sorted(pick)]
         entries = [(self.peer_id, self.endpoint, self.heartbeat, self.share, self.info)]
-        entries += [(p, r.endpoint, r.heartbeat, r.share, r.info) for p in ids for r in (self.peers[p],)]
+        entries += [(p, r.endpoint, r.heartbeat, r.share, r.info)
+                    for p in ids for r in (self.peers.get(p) or self.clients[p],)]
         return kind(self.peer_id, self.endpoint, heartbeat=self.heartbeat, peers=tuple(entries))

@@ -730,11 +730,12 @@ class Node:
         self.membership.heartbeat += 1  # fresher than what others hold, so they take it at once
 
     def peer_infos(self) -> dict[str, dict]:
-        """The latest record each live peer published (including this one)."""
+        """The latest record each live peer published (including this one and client-mode peers)."""
         def public(info: dict) -> dict:
             return {k: v for k, v in info.items() if not k.startswith("zg.")}
 
-        out = {pid: public(r.info) for pid, r in self.membership.peers.items()}
+        out = {pid: public(r.info) for pid, r in self.membership.clients.items()}
+        out.update((pid, public(r.info)) for pid, r in self.membership.peers.items())
         out[self.peer_id] = dict(self._user_info)
         return out
 

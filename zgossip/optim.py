@@ -314,8 +314,8 @@ class DecentralizedOptimizer(TrainerPeer):
             self._check_layouts(view)
         top = view.max_epoch
         epoch = self.local_epoch
-        if top > epoch + self.max_epoch_lag:
-            self._try_load_state(view, f"{top - epoch} epochs behind (max_epoch_lag={self.max_epoch_lag})")
+        if view.donor_epoch > epoch + self.max_epoch_lag:  # (a client ahead serves no state: followed below)
+            self._try_load_state(view, f"{view.donor_epoch - epoch} epochs behind (max_epoch_lag={self.max_epoch_lag})")
             self._infos = None
             return
         if top > epoch:

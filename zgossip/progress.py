@@ -10,7 +10,9 @@ toward the next one, its throughput, a digest of its model layout, and a few fla
 `SwarmView.of` splits the live peers into those this peer can train with (same run,
 same layout) and those whose model differs (same run, other layout), and answers the
 questions the wrappers ask: what is the highest epoch, how many samples does the swarm
-hold at an epoch, who leads.
+hold at an epoch, who leads. A client-mode peer's record counts like any other (the
+membership gossips it: `zgossip.membership`), but nobody can connect to a client, so nobody can
+download its state: its record says so (a flag), and `donor_epoch` leaves it out.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from typing import Any, Mapping
 
 __all__ = ["PeerProgress", "SwarmView", "run_digest", "progress_record"]
 
-_IN_SYNC, _READY, _WANTS, _AVERAGING = 1, 2, 4, 8
+_IN_SYNC, _READY, _WANTS, _AVERAGING, _CLIENT = 1, 2, 4, 8, 16
 
 
 def run_digest(prefix: str) -> str:
@@ -45,11 +47,13 @@ class PeerProgress:
     time: float = 0.0  # wall-clock time of the record (to extrapolate `samples` with the throughput)
     averaging: bool = False  # it is in (or about to enter) the round that ends `epoch`
     digest: str = ""  # a short digest of its parameters at `epoch` ("" if it does not publish one)
+    client: bool = False  # a client-mode peer: it trains and counts, but serves no state to anyone
 
 
 def progress_record(run: str, p: PeerProgress) -> dict:
     """The dict to `publish`: 12 short scalar entries (the core allows 14; flags share one int)."""
-    flags = (_IN_SYNC * p.in_sync) | (_READY * p.ready) | (_WANTS * p.wants_state) | (_AVERAGING * p.averaging)
+    flags = ((_IN_SYNC * p.in_sync) | (_READY * p.ready) | (_WANTS * p.wants_state) | (_AVERAGING * p.averaging)
+             | (_CLIENT * p.client))  # (a reader that predates a flag ignores its bit)
     return {
         "run": run, "ep": int(p.epoch), "n": float(p.samples),
         "sps": float(p.samples_per_second) if math.isfinite(p.samples_per_second) else 0.0,
@@ -72,7 +76,7 @@ def _parse(peer_id: str, rec: Mapping[str, Any], run: str) -> PeerProgress | Non
             peer_id, ep, float(n), float(sps), str(rec["lay"]), str(rec["sig"]), int(rec["nt"]),
             in_sync=bool(flags & _IN_SYNC), ready=bool(flags & _READY), wants_state=bool(flags & _WANTS),
             state_version=int(rec["sv"]), nonfinite=int(rec["bad"]), time=float(rec["t"]),
-            averaging=bool(flags & _AVERAGING), digest=str(rec.get("pd", "")),
+            averaging=bool(flags & _AVERAGING), digest=str(rec.get("pd", "")), client=bool(flags & _CLIENT),
         )
     except (KeyError, TypeError, ValueError):
         return None
@@ -110,6 +114,12 @@ class SwarmView:
     @property
     def max_epoch(self) -> int:
         return max(p.epoch for p in self.peers if p.ready)
+
+    @property
+    def donor_epoch(self) -> int:
+        """The highest epoch among this peer's and those of the ready peers whose state it could download
+        (all but clients): a client ahead of them is no reason to download, since nobody can download from it."""
+        return max([self.me.epoch] + [p.epoch for p in self.peers if p.ready and not p.client])
 
     def at(self, epoch: int) -> list[PeerProgress]:
         return [p for p in self.peers if p.ready and p.epoch == epoch]

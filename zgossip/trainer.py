@@ -34,7 +34,7 @@ from .errors import StateUnavailable, ZGossipError
 from .progress import PeerProgress, SwarmView, progress_record, run_digest
 from .training_state import LayoutMismatch, ModelLayout, copy_arrays, named_tensors, pack_state, unpack_state
 
-__all__ = ["TrainerPeer", "ServingAverager", "clock_of", "refuse_auxiliary", "warn_if_client", "CLIENT_RECORDS",
+__all__ = ["TrainerPeer", "ServingAverager", "clock_of", "refuse_auxiliary",
            "SchedulerLike", "first_nonfinite", "params_digest"]
 
 log = logging.getLogger(__name__)
@@ -54,19 +54,6 @@ def refuse_auxiliary(averager_opts: dict, who: str) -> None:
         raise ValueError(f"{who} cannot be auxiliary (it trains, and an auxiliary peer brings no data): to lend a "
                          "machine's bandwidth to a run, loop zgossip.Averager(tensors of the same shapes, prefix=the "
                          "run's prefix, auxiliary=True, initial_peers=...).step() beside it (docs/training.md)")
-
-
-#: what a client-mode training peer misses: nobody gossips its progress record
-CLIENT_RECORDS = ("nobody gossips a client-mode peer's progress record (a client is in no membership table: "
-                  "README, 'Firewalled peers')")
-
-
-def warn_if_client(averager_opts: dict, listen: str | None, who: str) -> None:
-    """Say once what a client-mode training peer changes (see `CLIENT_RECORDS`)."""
-    if averager_opts.get("client_mode") or listen is None:
-        log.warning("%s in client mode: %s. The listening peers neither count it in num_peers nor count its "
-                    "progress (a collaborative run's global steps then hold more samples than target_batch_size); "
-                    "it still trains in step with them", who, CLIENT_RECORDS)
 
 
 def clock_of(averager_opts: dict) -> Clock:
@@ -166,7 +153,6 @@ class TrainerPeer:
         self._param_digest = ""  # published by wrappers whose peers must hold identical parameters
         opts = {**TRAINING_DEFAULTS, **(averager_opts or {})}
         refuse_auxiliary(opts, type(self).__name__)
-        warn_if_client(opts, listen, type(self).__name__)
         self.clock: Clock = clock_of(opts)
         self._lock = self.clock.lock(reentrant=True)
         self._run = run_digest(prefix)
@@ -187,10 +173,10 @@ class TrainerPeer:
                 view = self._await_swarm(wait)
                 if view is not None:
                     self._check_layouts(view)
-                    if load_state_on_start and view.max_epoch > self.local_epoch:
+                    if load_state_on_start and view.donor_epoch > self.local_epoch:
                         log.info("%s: the swarm is at epoch %d: loading its state", self.peer_id[:8],
-                                 view.max_epoch)
-                        self._try_load_state(view, "joining a run at epoch %d" % view.max_epoch)
+                                 view.donor_epoch)
+                        self._try_load_state(view, "joining a run at epoch %d" % view.donor_epoch)
         except BaseException:
             self.shutdown()
             raise
@@ -299,7 +285,7 @@ class TrainerPeer:
         return PeerProgress(self.peer_id, self.local_epoch, self._progress_samples(), self._progress_rate(),
                             self.layout.fingerprint, self.layout.signature, len(self.layout.shapes),
                             in_sync=self.in_sync, nonfinite=self.nonfinite_batches, time=self.clock.wall_time(),
-                            averaging=self._averaging, digest=self._param_digest)
+                            averaging=self._averaging, digest=self._param_digest, client=self.averager.client_mode)
 
     def _publish(self) -> None:
         self.averager.publish(**progress_record(self._run, self._me()))

@@ -31,6 +31,10 @@ class MembershipView(Protocol):
     def peers(self) -> dict[str, "PeerRecord"]:
         """Live peers other than this one, by peer id."""
 
+    @property
+    def clients(self) -> dict[str, "PeerRecord"]:
+        """Live client-mode peers (they bind nothing: never sent to), by peer id; their records count."""
+
     def live_ids(self) -> list[str]:
         """Ids of the live peers other than this one."""
 

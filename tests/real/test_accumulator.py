@@ -309,9 +309,9 @@ def test_a_failed_round_never_leaves_peers_at_one_version_with_different_paramet
 
 
 def test_a_client_mode_accumulator_is_refused_instead_of_never_connecting():
-    """A client's progress record is gossiped by nobody, so the leader never saw that it waited for state:
-    Accumulator(group=Group(..., listen=None)) stayed SYNCING with connected() False forever (8 s of the
-    moolib loop against a leader that made 222 updates meanwhile)."""
+    """Accumulator(group=Group(..., listen=None)) once stayed SYNCING with connected() False forever (nobody
+    gossiped a client's record then); a client's record counts now, but a client could become the leader,
+    whose state newcomers download and nobody can download from a client: refused, saying what to do."""
     model = torch.nn.Linear(3, 1)
     for group, kw in ((Group("cl", listen=None, **FAST), {}), (Group("cl", **FAST), {"client_mode": True}),
                       (Group("cl", client_mode=True, **FAST), {})):

@@ -310,6 +310,13 @@ def test_client_with_no_listening_socket_averages_and_downloads_state(curve):
         assert client.client_mode and client.endpoint.startswith("client://")
         assert client.transport._router is None
         assert _wait(lambda: len(client.peers()) == 3 and all(len(a.peers()) == 2 for a in avs[:3]))
+        # its published record reaches every listening peer (those it gossips to, and the others by relay),
+        # under its id -- with keys, the key its connections authenticated -- though no table lists it as a peer
+        client.publish(n=24.0)
+        if curve:
+            assert client.peer_id == peer_id_of(keys[3].public)
+        assert _wait(lambda: all(a.peer_infos().get(client.peer_id) == {"n": 24.0} for a in avs[:3]))
+        assert all(client.peer_id not in a.peers() for a in avs[:3])
         res = _step_all(avs)
         for a, r in zip(avs, res):
             assert not isinstance(r, Exception), r

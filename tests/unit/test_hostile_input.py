@@ -42,8 +42,8 @@ def test_membership_enters_no_entry_whose_endpoint_is_no_address() -> None:
     m = membership_with(1, [2], out)
     entries = [(f"{100 + i:016x}", bad, 5, None, {}) for i, bad in enumerate(BAD)]
     m.merge(entries + [(pid(3), ep(3), 1, None, {})], 0.0)
-    n = len([b for b in BAD if not b.startswith("client://")])  # (client entries are skipped anyway: nobody lists them)
-    assert m.live_ids() == [pid(2), pid(3)] and m.bad_endpoints == n
+    n = len(BAD)  # client entries ("client://", "client://a b") too: client records are kept now
+    assert m.live_ids() == [pid(2), pid(3)] and m.bad_endpoints == n and not m.clients
     m.merge([(pid(2), "nonsense", 99, None, {})], 0.1)  # a known peer "moved" to no address: kept where it was
     assert m.endpoint_of(pid(2)) == ep(2) and m.bad_endpoints == n + 1
     m.observe(pid(4), "inproc://zeromq.zap.01", 0.2)

@@ -78,3 +78,62 @@ def test_ranking_is_everyone_in_rendezvous_order_and_the_same_on_every_peer():
     a.merge([(pid(2), ep(2), 1, None, {}), (pid(3), ep(3), 1, None, {})], 0.0)
     b.merge([(pid(1), ep(1), 1, None, {}), (pid(3), ep(3), 1, None, {})], 0.0)
     assert a.ranking("k") == b.ranking("k") and sorted(a.ranking("k")) == [pid(1), pid(2), pid(3)]
+
+
+def test_a_client_is_counted_and_relayed_never_sent_to_and_expires_when_silent():
+    """A client-mode peer (client://<id>: it binds nothing) was in nobody's table, so its record (e.g. its
+    training progress) reached nobody. It is kept apart from the peers: relayed, never a target."""
+    c, cep = pid(9), "client://" + pid(9)
+    a, out_a = make(1)
+    b, out_b = make(2)
+    a.start(0.0)
+    b.start(0.0)
+    a.on_gossip(digest(2, 1), 0.0)  # a and b know each other; b never hears from the client
+    b.on_gossip(digest(1, 1), 0.0)
+    out_a.take()
+    out_b.take()
+    hello = M.Gossip(c, cep, heartbeat=3, peers=((c, cep, 3, 4.0, {"n": 24.0}), (pid(1), ep(1), 1, None, {})))
+    a.observe(c, cep, 0.1)  # (the node observes every message's sender before handling it)
+    a.on_gossip(hello, 0.1)
+    assert a.clients[c].info == {"n": 24.0} and a.clients[c].share is None  # a client serves no state
+    assert c not in a.peers and a.live_ids() == [pid(2)] and c not in a.everyone() and not a.donors()
+    assert a.discovered == [ep(2)]  # no connection is opened for the client
+    [(to, reply)] = out_a.take(M.GossipReply)
+    assert to == cep  # answered on the connection it opened, as before
+    for t in (0.5, 1.0):  # relayed: b learns of the client from a's digests
+        a.on_timer(t)
+        for to, msg in out_a.take():
+            assert to == ep(2)  # never a gossip target
+            b.on_gossip(msg, t)
+    assert b.clients[c].info == {"n": 24.0} and c not in b.peers
+    for t in (1.5, 2.0):  # the client keeps gossiping to a: its heartbeat grows, both keep it
+        hello = M.Gossip(c, cep, heartbeat=int(2 * t) + 3, peers=((c, cep, int(2 * t) + 3, None, {"n": 40.0}),))
+        a.on_gossip(hello, t)
+        a.on_timer(t)
+        for _, msg in out_a.take(M.Gossip):
+            b.on_gossip(msg, t)
+        b.on_timer(t)
+    assert b.clients[c].info == {"n": 40.0}
+    for t in np.arange(2.5, 5.1, 0.5):  # silent from 2.0: forgotten after peer_timeout (2 s), by both
+        a.on_timer(float(t))
+        b.on_timer(float(t))
+    assert not a.clients and not b.clients and c not in a.forgotten  # (no connection to close)
+    a.merge([(c, cep, 7, None, {"n": 40.0})], 5.1)  # stale news from someone's table
+    assert not a.clients
+    assert [e for e, _ in out_a.take() + out_b.take() if e.startswith("client://")] == [cep] * 2  # replies only
+
+
+def test_a_client_that_says_goodbye_is_forgotten_at_once_and_entries_must_be_addresses():
+    c, cep = pid(9), "client://" + pid(9)
+    m, out = make(1)
+    m.start(0.0)
+    m.merge([(c, cep, 3, None, {"n": 8.0}), (pid(8), "client://a b", 3, None, {})], 0.0)
+    assert list(m.clients) == [c] and m.bad_endpoints == 1
+    m.on_bye(M.Bye(c, cep, heartbeat=4), 0.1)
+    assert not m.clients
+    m.merge([(c, cep, 4, None, {"n": 8.0})], 0.2)  # what it said before its goodbye
+    assert not m.clients
+    m.admit = lambda peer_id: peer_id != pid(7)  # with keys: only allowed ids are entered, clients too
+    m.merge([(pid(7), "client://" + pid(7), 1, None, {})], 0.3)
+    m.observe(pid(7), "client://" + pid(7), 0.3)
+    assert not m.clients
