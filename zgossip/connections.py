@@ -45,6 +45,7 @@ class Connections:
         self.monitors: dict[zmq.Socket, str] = {}  # monitor PAIR socket -> the dealer's endpoint
         self.inbound: dict[zmq.Socket, tuple[str, str | None]] = {}  # readable dealer -> (endpoint, peer id)
         self.refused: dict[str, int] = {}  # endpoint -> errno: addresses libzmq refused (bounded)
+        self.servers: dict[str, str] = {}  # endpoint -> the key our CURVE connections there expect
 
     def dealer(self, endpoint: str, lane: int = 0) -> zmq.Socket:
         """The DEALER to `endpoint` on `lane`, opened on first use. Raises ValueError (no key known
@@ -91,8 +92,9 @@ class Connections:
                 events = zmq.EVENT_DISCONNECTED | HANDSHAKE_EVENTS
                 if server is not None and route == endpoint:
                     # over CURVE, a server that hangs up mid-handshake could not open our HELLO: it
-                    # holds another key than the one we were given for it (`curve.handshake_failure`)
-                    events |= zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                    # holds another key than the one we were given for it (`curve.handshake_failure`);
+                    # one that completes it holds that key (`Curve.handshake_done`)
+                    events |= zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_SUCCEEDED
                 mon = sock.get_monitor_socket(events)
                 self._poller.register(mon, zmq.POLLIN)
                 self.monitors[mon] = endpoint
@@ -113,6 +115,8 @@ class Connections:
         if route != endpoint:
             self._stats["local_connections"] += 1
         self._dealers[(endpoint, lane)] = (sock, mon)
+        if server is not None and route == endpoint:
+            self.servers[endpoint] = server
         return sock
 
     def _discard(self, sock: zmq.Socket, mon: zmq.Socket | None) -> None:
@@ -135,6 +139,9 @@ class Connections:
         The next connection looks for a local socket again (the peer may have restarted)."""
         self.routes.forget(endpoint)
         self.refused.pop(endpoint, None)  # (a host name that did not resolve may resolve later)
+        self.servers.pop(endpoint, None)
+        if self._curve is not None:
+            self._curve.closed(endpoint)
         for lane in range(wire.LANES):
             got = self._dealers.pop((endpoint, lane), None)
             if got is None:
@@ -160,6 +167,14 @@ class Connections:
                 except zmq.Again:
                     break
                 if event["event"] == zmq.EVENT_DISCONNECTED:
+                    if self._curve is not None:
+                        self._curve.closed(endpoint)  # (the peer may be gone, and its address taken next)
                     on_down(endpoint)
-                elif on_handshake is not None:
-                    on_handshake(endpoint, event)
+                elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    if self._curve is not None:
+                        self._curve.handshake_done(endpoint, self.servers.get(endpoint), True)
+                else:
+                    if self._curve is not None and endpoint in self.servers:
+                        self._curve.handshake_done(endpoint, self.servers[endpoint], False)
+                    if on_handshake is not None:
+                        on_handshake(endpoint, event)

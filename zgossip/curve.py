@@ -14,6 +14,17 @@ cannot be fooled into talking to anyone else. That key comes from, in order:
 A message is accepted only when its sender field equals the key that authenticated its
 connection and that key is still allowed (so revoking takes effect at once); anything else is
 dropped, counted in ``stats["unauthenticated"]`` and logged once per source.
+
+**An endpoint a handshake proved.** A CURVE handshake our DEALER completed at endpoint E with
+key K proves that K's holder listens at E (nobody else could have finished it). From then on,
+while that connection stands, a message from another key claiming E as its own endpoint is a
+lie: it is dropped (counted in ``stats["unauthenticated"]``, logged once per sender) and changes
+nothing -- before, each such claim re-keyed our connection to E, so an allowed peer repeating
+an honest peer's endpoint broke every round with that peer. The proof ends when the
+connection is closed or dropped, or a later handshake there fails (K may be gone, and another
+peer may take the address: a peer restarted under a new key at its old address is taken at
+once), and a claim that made us connect with a key the server there refused is forgotten, so
+the next claim, its real owner's, is taken.
 """
 from __future__ import annotations
 
@@ -49,6 +60,7 @@ class Curve:
         self._told_at: dict[str, str] = {}
         self._vouched: dict[str, str] = {}  # endpoint -> peer id, as an allowed peer named it (`vouched`)
         self._vouched_at: dict[str, str] = {}
+        self._proven: dict[str, str] = {}  # endpoint -> peer id whose CURVE handshake there succeeded
         self._once = OncePer(log, f"zgossip node {name}")
 
     # ---------------------------------------------------------------- sockets
@@ -67,8 +79,8 @@ class Curve:
     # ---------------------------------------------------------------- keys of endpoints
     def peer_at(self, endpoint: str, membership_lookup: Callable[[str], str | None]) -> str | None:
         """The peer id (= key) expected at `endpoint`, or None when no source names one."""
-        pid = (self._told.get(endpoint) or self._given.get(endpoint) or self._vouched.get(endpoint)
-               or membership_lookup(endpoint))
+        pid = (self._proven.get(endpoint) or self._told.get(endpoint) or self._given.get(endpoint)
+               or self._vouched.get(endpoint) or membership_lookup(endpoint))
         return pid if pid is not None and public_key_of(pid) is not None else None
 
     def vouched(self, msg) -> None:
@@ -91,6 +103,32 @@ class Curve:
                                                  "on the allow list: nothing is sent to it (logged once per sender)")
             elif ep not in self._told:
                 _place(self._vouched, self._vouched_at, pid, ep)
+
+    def disproves(self, peer_id: str, endpoint: str) -> str | None:
+        """The peer id a handshake proved to be at `endpoint` when that is not `peer_id` (whose claim
+        to it is then a lie), else None."""
+        owner = self._proven.get(endpoint)
+        return owner if owner is not None and owner != peer_id else None
+
+    def handshake_done(self, endpoint: str, peer_id: str | None, ok: bool) -> None:
+        """Our CURVE handshake at `endpoint` with key `peer_id` succeeded (`ok`) or failed."""
+        if ok and peer_id is not None:
+            if len(self._proven) >= 4 * len(self.allowed.ids) + 64 and endpoint not in self._proven:
+                self._proven.pop(next(iter(self._proven)))  # (bounded: one per connection we hold)
+            self._proven[endpoint] = peer_id
+            return
+        self._proven.pop(endpoint, None)
+        if peer_id is not None and self._told.get(endpoint) == peer_id:
+            # the server there refused the key a claim gave us: forget the claim, so that the next
+            # claim (its real owner's) is taken, not weighed against this one
+            del self._told[endpoint]
+            if self._told_at.get(peer_id) == endpoint:
+                del self._told_at[peer_id]
+
+    def closed(self, endpoint: str) -> None:
+        """Our connections to `endpoint` were closed or dropped: what their handshake proved ends with
+        them (a reconnection proves it again)."""
+        self._proven.pop(endpoint, None)
 
     def heard(self, peer_id: str, endpoint: str) -> bool:
         """An authenticated message from `peer_id` claims `endpoint`; True when that changes the key

@@ -495,8 +495,17 @@ class ZmqTransport:
                 source = dealer[0] if dealer is not None else f"{msg.endpoint} (claimed)"
                 if not self.curve.check(msg.sender, user if routed else dealer[1], source):  # type: ignore[index]
                     continue
-                if routed and not msg.endpoint.startswith(CLIENT_SCHEME) and self.curve.heard(msg.sender, msg.endpoint):
-                    self.connections.close(msg.endpoint)  # opened with the key of whoever was there before
+                if routed and not msg.endpoint.startswith(CLIENT_SCHEME):
+                    owner = self.curve.disproves(msg.sender, msg.endpoint)
+                    if owner is not None:  # another key's handshake proved it is there (`zgossip.curve`)
+                        self.stats["unauthenticated"] += 1
+                        self.curve.once(("endpoint", msg.sender),
+                                        f"dropped a message from {msg.sender[:16]} claiming {msg.endpoint}, where "
+                                        f"peer {owner[:16]} completed our handshake (later ones are only counted)",
+                                        counter="unauthenticated")
+                        continue
+                    if self.curve.heard(msg.sender, msg.endpoint):
+                        self.connections.close(msg.endpoint)  # opened with the key of whoever was there before
                 self.curve.vouched(msg)
             if sock is self._router and msg.endpoint.startswith(CLIENT_SCHEME) and wire.lane_of(msg.type) == 0:
                 if msg.endpoint != client_endpoint(msg.sender):

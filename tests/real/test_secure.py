@@ -550,6 +550,108 @@ def test_endpoints_an_allowed_peer_names_are_remembered_once_per_peer():
         assert all(not isinstance(r, Exception) for r in res), res
 
 
+def test_an_allowed_peer_claiming_an_honest_peers_endpoint_changes_nothing(caplog):
+    """An allowed peer that kept claiming an honest peer's endpoint as its own re-keyed our connection
+    there at every claim (and the honest peer's next message re-keyed it back): every round between
+    the two honest peers failed while it lasted (PeerLost / GroupNotFound after ~5.5 s each). Now a
+    CURVE handshake our connection completed there proves whose endpoint it is, and the liar's
+    messages claiming it are dropped and counted."""
+    keys = [KeyPair.generate() for _ in range(3)]
+    with _swarm(2, keys=keys, allow=[k.public for k in keys], local_ipc=False, values=[0, 2]) as avs:
+        victim, honest = avs
+        evil = _raw_dealer(victim.endpoint, keys[2], keys[0].public)
+        me, stop = keys[2].peer_id, threading.Event()
+
+        def spam():
+            i = 0
+            while not stop.is_set():
+                evil.send_multipart([_header(wire.MsgType.GOSSIP, me, honest.endpoint, {"hb": i, "peers": []})])
+                i += 1
+                stop.wait(0.02)
+
+        t = threading.Thread(target=spam, daemon=True)
+        try:
+            with caplog.at_level(logging.WARNING, logger="zgossip"):
+                t.start()
+                assert _wait(lambda: victim.stats["received"] > 20, 5.0)
+                seen = []
+                for _ in range(2):
+                    res = _step_all(avs, timeout=4.0)
+                    assert all(not isinstance(r, Exception) and len(r.contributors) == 2 for r in res), res
+                    assert [float(_tensor(a)[0]) for a in avs] == [1.0, 1.0]
+                    for a, v in zip(avs, (0.0, 2.0)):
+                        with a.get_tensors() as ts:
+                            ts[0][:] = v
+                    seen.append((victim.stats["unauthenticated"], victim.stats["handshake_failures"]))
+            # (a claim that came before our first handshake there may cost one failed handshake; once
+            # the honest peer's handshake proved its endpoint, the claims are dropped and cost nothing)
+            assert seen[1][0] > seen[0][0] + 5 and seen[1][1] == seen[0][1], seen
+            lines = [r.getMessage() for r in caplog.records if "completed our handshake" in r.getMessage()]
+            assert len(lines) == 1 and me[:16] in lines[0] and honest.endpoint in lines[0], lines
+        finally:
+            stop.set()
+            t.join(2.0)
+            evil.close(0)
+
+
+def test_a_peer_restarted_under_a_new_key_at_its_old_address_is_taken_at_once():
+    """The other side of the proof above: when the proven peer's process dies (SIGKILL: no goodbye)
+    and an allowed peer with another key binds the same address, the dropped connection ends the
+    proof, and the newcomer's first messages are taken -- its first round averages."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    keys = [KeyPair.generate() for _ in range(3)]
+    allow = [k.public for k in keys]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    kw = dict(secret_key=keys[0], allowed_keys=allow, local_ipc=False, min_group_size=2)
+    victim = zgossip.Averager([np.zeros(NUMEL, np.float32)], seed=0, **{**KW, **kw})
+    boot = [victim.endpoint + "#" + keys[0].public]
+    child = ("import sys, numpy as np, zgossip\n"
+             "from zgossip.identity import KeyPair\n"
+             f"a = zgossip.Averager([np.full({NUMEL}, 2, np.float32)], listen='tcp://127.0.0.1:{port}', "
+             f"initial_peers={boot!r}, secret_key=KeyPair({keys[1].public!r}, {keys[1].secret!r}), "
+             f"allowed_keys={allow!r}, local_ipc=False, min_group_size=2, seed=1, **{KW!r})\n"
+             "print(a.step(timeout=6), flush=True)\n"
+             "sys.stdin.read()\n")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    old = subprocess.Popen([sys.executable, "-c", child], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                           text=True, env=env)
+    new = None
+    try:
+        assert len(victim.step(timeout=6).contributors) == 2  # the old peer's handshake proved its address
+        assert "StepResult" in old.stdout.readline()
+        old.send_signal(signal.SIGKILL)
+        old.wait(10)
+        end = time.monotonic() + 5
+        while new is None:  # (libzmq may hold the address a moment after the process died)
+            try:
+                new = zgossip.Averager([np.full(NUMEL, 4, np.float32)], listen=f"tcp://127.0.0.1:{port}",
+                                       initial_peers=boot, seed=2, **{**KW, **kw, "secret_key": keys[2]})
+            except zmq.ZMQError:
+                if time.monotonic() > end:
+                    raise
+                time.sleep(0.1)
+        with victim.get_tensors() as ts:
+            ts[0][:] = 0.0
+        res = _step_all([victim, new], timeout=4.0)
+        assert all(not isinstance(r, Exception) and len(r.contributors) == 2 for r in res), res
+        assert float(_tensor(victim)[0]) == float(_tensor(new)[0]) == 2.0
+        assert victim.stats["unauthenticated"] == 0
+    finally:
+        if old.poll() is None:
+            old.kill()
+        old.communicate(timeout=10)
+        for a in (victim, new):
+            if a is not None:
+                a.shutdown(timeout=1.0)
+
+
 def test_group_flood_with_made_up_endpoints_does_not_silence_later_refusals(caplog):
     """One allowed peer sends 5,000 GROUPs for steps the victim never made, each claiming a new
     endpoint: each is dropped and counted, a bounded number is logged, and a later refusal of
