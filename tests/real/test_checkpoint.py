@@ -161,6 +161,7 @@ def test_collaborative_resume_at_the_swarms_epoch_downloads_nothing_in_either_lo
                 assert time.monotonic() < deadline, "records not seen"
                 time.sleep(0.02)
             assert b.synchronize() is False and not downloads and b.local_epoch == 2
+            assert b._param_digest == a._param_digest  # what b publishes: the same parameters at the same epoch
             assert b.param_groups[0]["lr"] == a.param_groups[0]["lr"] == 0.01 * 0.25
             _resume(model, b, at_1)
             assert b.local_epoch == 1 and b.samples == 0
