@@ -5,16 +5,17 @@ wrapper chooses -- gradient accumulators, or copies of parameters and optimizer
 statistics), the state it serves to newcomers (parameters, optimizer and scheduler
 state, epoch: a consistent snapshot taken under the peer's lock), the progress record
 it gossips, loading state from peers (verified against this peer's model before
-anything is written), and the model-layout check that turns "never finds a group"
-into an error naming the tensor that differs.
+anything is written), torch's checkpoint API (`state_dict` / `load_state_dict`; the
+dict's layout and checks live in `zgossip.checkpoint`), and the model-layout check that
+turns "never finds a group" into an error naming the tensor that differs.
 
 Time: every reading of the time and every wait goes through the averager's clock
 (`zgossip.clock.Clock`, from its transport): the wall clock on ZeroMQ, virtual time in
 the simulator (`python -m sim train`), where the very same training loop runs.
 
 Locking: ``self._lock`` is held whenever parameters or optimizer state change (the
-optimizer step, applying averaged values, loading state) and while the donor side
-copies them, so a newcomer never receives a half-stepped model. It is never held
+optimizer step, applying averaged values, loading state or a checkpoint) and while the
+donor side copies them, so a newcomer never receives a half-stepped model. It is never held
 while waiting for an averaging round: the averager's worker thread, which serves
 state, would otherwise wait for it.
 """
