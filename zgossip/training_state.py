@@ -186,8 +186,7 @@ class ModelLayout:
             if self.shapes[i] != other.shapes[i] or self.dtypes[i] != other.dtypes[i]:
                 return (f"{self.describe(i)} here has shape {_fmt_shape(other.shapes[i])}, {other.dtypes[i]} "
                         f"at {there}")
-        return f"{here} has {len(self.shapes)} tensors, {there.replace('the other peer', 'the other')} " \
-               f"{len(other.shapes)}"
+        return f"{here} has {len(self.shapes)} tensors, {there} has {len(other.shapes)}"
 
     def difference_from_digest(self, count: int, signature: str) -> str:
         """Best description of how a peer that published (`count`, `signature`) differs from us."""
