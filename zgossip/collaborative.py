@@ -204,6 +204,7 @@ class CollaborativeOptimizer(TrainerPeer):
         self._acc_stale = True  # the accumulators hold nothing of this epoch yet (whatever their contents)
         self.pre_schedule = bool(pre_schedule)
         self._scheduled: Any = None  # the pre-scheduled round's StepControl (pre_schedule)
+        self._model_loaded = False  # a checkpoint was loaded: the model's tensors (maybe loaded later) are the truth
         opts = dict(averager_opts or {})
         opts.setdefault("matchmaking_time", matchmaking_time)
         opts.setdefault("target_group_size", target_group_size)
@@ -255,9 +256,67 @@ class CollaborativeOptimizer(TrainerPeer):
             self._offload.copy_to_model()
         self._drop_scheduled()  # a round pre-scheduled for the epoch we left
         self._param_digest = params_digest(self.params, self.local_epoch)
+        self._model_loaded = False  # the downloaded parameters are in the model now
         self.samples = 0
         self._epoch_nonfinite = 0
         self._acc_stale = True
+
+    # ------------------------------------------------------------------ checkpoints
+    # Kept (beyond the optimizer's and scheduler's state): the epoch and whether this peer was in sync.
+    # Not kept: the gradients accumulated toward the next global step and their sample count (a resumed
+    # peer starts the epoch with none: they are as large as the model, and by the time it is back the
+    # swarm has usually taken that step without them), an update in flight (`state_dict` applies it first,
+    # `load_state_dict` waits for it and discards it), a background download or pre-scheduled round
+    # (dropped on loading), and counters of this process (nonfinite_batches, last_round).
+    def state_dict(self) -> dict:
+        """See `TrainerPeer.state_dict`. An update in flight (``delay_optimizer_step``) is applied first
+        (waiting for it), so the checkpoint holds the newest optimizer state and the epoch it belongs to,
+        and the model the parameters; the gradients accumulated toward the next global step are not saved."""
+        self.apply_pending(wait=True)
+        return super().state_dict()
+
+    def _settle_for_load(self, timeout: float | None) -> None:
+        pending = self._pending
+        if pending is not None:
+            # its optimizer step writes the optimizer's state under the lock: it must end before a checkpoint
+            # loads, else it would land on top. Its result is discarded: the checkpoint replaces it
+            bound = timeout if timeout is not None else (self.matchmaking_timeout
+                                                         + self.averager.config.allreduce_timeout + 30.0)
+            if pending.future is not None and not self.clock.wait(pending.future, bound):
+                raise RoundTimeout(f"the delayed update of epoch {pending.epoch} is still running after {bound:g}s: "
+                                   "nothing was loaded. Call load_state_dict again once it ended (apply_pending() "
+                                   "waits for it)")
+            self._pending = None
+            self._averaging = False
+            log.info("%s: the delayed update of epoch %d is discarded: a checkpoint replaces it", self.peer_id[:8],
+                     pending.epoch)
+        if self._download is not None:
+            self._download = None  # its state will not be adopted: the next step compares with the swarm anew
+        self._drop_scheduled()  # a round pre-scheduled for the epoch being replaced
+
+    def _restore_progress(self, progress: dict) -> None:
+        super()._restore_progress(progress)
+        self.samples = 0
+        self._epoch_nonfinite = 0
+        self._acc_stale = True
+        # the parameters are the model's (its own state_dict, loaded before or after this): the optimizer's
+        # copies (offloaded) and the published digest follow them at the next step, or when a state is served
+        self._model_loaded = True
+        self._param_digest = params_digest(self.model_params, self.local_epoch)
+
+    def _adopt_model_params(self) -> None:
+        if not self._model_loaded:
+            return
+        with self._lock:
+            if self._offload is not None:
+                self._offload.copy_to_optimizer()
+            self._param_digest = params_digest(self.params, self.local_epoch)
+            self._model_loaded = False
+
+    def _current_state(self) -> tuple[Any, list]:
+        with self._lock:
+            self._adopt_model_params()
+            return super()._current_state()
 
     # ------------------------------------------------------------------ public
     @property
@@ -301,6 +360,7 @@ class CollaborativeOptimizer(TrainerPeer):
         True if it did. Useful before saving a checkpoint, or at the end of training."""
         self._raise_if_closed()
         self.apply_pending(wait=True)
+        self._adopt_model_params()
         view = self._view()
         self._check_layouts(view)
         return self._resync_if_needed(view)
@@ -310,6 +370,7 @@ class CollaborativeOptimizer(TrainerPeer):
         samples); when the swarm reached the target, average and take one optimizer step (after
         which ``p.grad`` is None, as after ``zero_grad()``)."""
         self._raise_if_closed()
+        self._adopt_model_params()
         loss = None
         if closure is not None:
             with torch.enable_grad():

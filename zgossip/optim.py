@@ -90,6 +90,9 @@ class DecentralizedOptimizer(TrainerPeer):
     a `step` waits for a round that started ``max_staleness`` steps ago (None: never waits).
     ``delay_state_averaging=False`` averages synchronously: the step that starts a round waits
     for it and applies it (staleness 0).
+
+    ``local_epoch``: the epoch to start at when resuming (or `load_state_dict` a checkpoint made with
+    `state_dict`): a swarm ahead of it is downloaded, as for a newcomer.
     """
 
     kind = "decentralized"
@@ -121,6 +124,7 @@ class DecentralizedOptimizer(TrainerPeer):
         averager_opts: dict | None = None,
         delay_state_averaging: bool = True,
         max_staleness: int | None = None,
+        local_epoch: int = 0,
     ) -> None:
         if max_staleness is not None and max_staleness < 0:
             raise ValueError("max_staleness must be >= 0 (or None)")
@@ -156,6 +160,7 @@ class DecentralizedOptimizer(TrainerPeer):
         self._last_round_slot: int | None = None
         self._next_progress = 0.0
         self._infos: dict | None = None
+        self._rejoin = False  # a checkpoint was loaded: the next step compares with the swarm as on joining
         opts = dict(averager_opts or {})
         opts.setdefault("matchmaking_time", matchmaking_time)
         opts.setdefault("target_group_size", target_group_size)
@@ -164,7 +169,7 @@ class DecentralizedOptimizer(TrainerPeer):
         super().__init__(optimizer, prefix=prefix, scheduler=scheduler, model=model, initial_peers=initial_peers,
                          listen=listen, averager_opts=opts, load_state_on_start=load_state_on_start,
                          startup_timeout=startup_timeout, load_state_timeout=load_state_timeout,
-                         state_chunk_timeout=state_chunk_timeout)
+                         state_chunk_timeout=state_chunk_timeout, local_epoch=local_epoch)
 
     # ------------------------------------------------------------------ TrainerPeer hooks
     def _targets(self) -> list[torch.Tensor]:
@@ -196,6 +201,37 @@ class DecentralizedOptimizer(TrainerPeer):
     def _after_state_loaded(self) -> None:
         self._generation += 1  # a round still running averaged the old model: its result is dropped
         self.steps_in_epoch = 0
+
+    # ------------------------------------------------------------------ checkpoints
+    # Kept: the epoch, the local steps (the average_every schedule and the statistics' step counts go on
+    # from there) and the steps made in the epoch (they are in the parameters, and count toward it).
+    # Not kept: a round in flight (its result is dropped when a checkpoint loads, as when a state is
+    # downloaded), the round counters and `last_round` (statistics of this process).
+    _PROGRESS_KEYS = {**TrainerPeer._PROGRESS_KEYS, "local_step": int, "steps_in_epoch": int}
+
+    def _progress_state(self) -> dict:
+        return {**super()._progress_state(), "local_step": self.local_step, "steps_in_epoch": self.steps_in_epoch}
+
+    def _check_loaded_state(self, state_dict: dict) -> None:
+        # a round averages these statistics: loaded without them, the next round would raise mid-training
+        saved = state_dict["optimizer"]["state"]
+        for name in self.statistics:
+            for i, p in enumerate(self.params):  # torch numbers the parameters across groups, in this order
+                t = saved.get(i, {}).get(name) if isinstance(saved.get(i), dict) else None
+                if not isinstance(t, torch.Tensor) or t.shape != p.shape:
+                    raise ValueError(f"the state dict's optimizer state has no statistic {name!r} shaped like "
+                                     f"{self.param_layout.describe(i)}, and this wrapper averages it "
+                                     f"(average_opt_statistics={self.statistics}): load a checkpoint of a wrapper "
+                                     "that averages the same statistics")
+
+    def _restore_progress(self, progress: dict) -> None:
+        super()._restore_progress(progress)
+        self.local_step = progress["local_step"]
+        self.steps_in_epoch = progress["steps_in_epoch"]
+        self._last_round_step = self.local_step
+        self._generation += 1  # a round in flight averaged the state being replaced: its result is dropped
+        self._infos = None  # the next step reads the swarm afresh
+        self._rejoin = self.load_state_on_start
 
     # ------------------------------------------------------------------ public
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -314,8 +350,11 @@ class DecentralizedOptimizer(TrainerPeer):
             self._check_layouts(view)
         top = view.max_epoch
         epoch = self.local_epoch
-        if view.donor_epoch > epoch + self.max_epoch_lag:  # (a client ahead serves no state: followed below)
-            self._try_load_state(view, f"{view.donor_epoch - epoch} epochs behind (max_epoch_lag={self.max_epoch_lag})")
+        # after a checkpoint loaded, the swarm is compared with as on joining (the constructor loads the state of
+        # a swarm ahead at all); afterwards within max_epoch_lag the epoch is only adopted
+        lag, self._rejoin = (0 if self._rejoin else self.max_epoch_lag), False
+        if view.donor_epoch > epoch + lag:  # (a client ahead serves no state: followed below)
+            self._try_load_state(view, f"{view.donor_epoch - epoch} epochs behind (max_epoch_lag={lag})")
             self._infos = None
             return
         if top > epoch:

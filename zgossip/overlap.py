@@ -103,6 +103,13 @@ class OffloadedParams:
             for p, m in zip(self.model_params, self.masters):
                 p.copy_(m)
 
+    def copy_to_optimizer(self) -> None:
+        """Overwrite the optimizer's copies with the model's tensors (the model's state was loaded from a
+        checkpoint: the model is where a user's ``model.load_state_dict`` writes)."""
+        with torch.no_grad():
+            for p, m in zip(self.model_params, self.masters):
+                m.copy_(p)
+
     def zero_model_grads(self, set_to_none: bool = True) -> None:
         for p in self.model_params:
             if p.grad is None:

@@ -5,16 +5,17 @@ wrapper chooses -- gradient accumulators, or copies of parameters and optimizer
 statistics), the state it serves to newcomers (parameters, optimizer and scheduler
 state, epoch: a consistent snapshot taken under the peer's lock), the progress record
 it gossips, loading state from peers (verified against this peer's model before
-anything is written), and the model-layout check that turns "never finds a group"
-into an error naming the tensor that differs.
+anything is written), torch's checkpoint API (`state_dict` / `load_state_dict`; the
+dict's layout and checks live in `zgossip.checkpoint`), and the model-layout check that
+turns "never finds a group" into an error naming the tensor that differs.
 
 Time: every reading of the time and every wait goes through the averager's clock
 (`zgossip.clock.Clock`, from its transport): the wall clock on ZeroMQ, virtual time in
 the simulator (`python -m sim train`), where the very same training loop runs.
 
 Locking: ``self._lock`` is held whenever parameters or optimizer state change (the
-optimizer step, applying averaged values, loading state) and while the donor side
-copies them, so a newcomer never receives a half-stepped model. It is never held
+optimizer step, applying averaged values, loading state or a checkpoint) and while the
+donor side copies them, so a newcomer never receives a half-stepped model. It is never held
 while waiting for an averaging round: the averager's worker thread, which serves
 state, would otherwise wait for it.
 """
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 
 from .averager import Averager
+from .checkpoint import check_checkpoint, checkpoint_dict, whole_number
 from .clock import WALL_CLOCK, Clock
 from .errors import StateUnavailable, ZGossipError
 from .progress import PeerProgress, SwarmView, progress_record, run_digest
@@ -143,7 +145,9 @@ class TrainerPeer:
                             "step it yourself, or use an epoch-based scheduler")
         self.scheduler = scheduler
         self._check_packable()
-        self.local_epoch = local_epoch  # a resumed run's (checkpoint), else 0: compared with the swarm's on joining
+        # a resumed run's (checkpoint), else 0: compared with the swarm's on joining
+        self.local_epoch = whole_number("local_epoch", local_epoch)
+        self.load_state_on_start = bool(load_state_on_start)
         self.in_sync = True
         self.nonfinite_batches = 0
         self.load_state_timeout = float(load_state_timeout)
@@ -197,6 +201,56 @@ class TrainerPeer:
 
     def _after_state_loaded(self) -> None:
         """Reset per-epoch bookkeeping after this peer adopted a peer's state."""
+
+    #: what of the wrapper's own progress a checkpoint keeps (`state_dict`), and of which type
+    _PROGRESS_KEYS: dict[str, type] = {"local_epoch": int, "in_sync": bool}
+
+    def _progress_state(self) -> dict:
+        return {"local_epoch": self.local_epoch, "in_sync": self.in_sync}
+
+    def _restore_progress(self, progress: dict) -> None:
+        """Adopt a checkpoint's progress entries (called under the lock, after the optimizer's state loaded)."""
+        self.local_epoch = progress["local_epoch"]
+        self.in_sync = progress["in_sync"]
+
+    def _check_loaded_state(self, state_dict: dict) -> None:
+        """Checks of a checkpoint that only the wrapper knows, before anything is written (raise ValueError)."""
+
+    def _settle_for_load(self, timeout: float | None) -> None:
+        """Before a checkpoint loads (without the lock): end what would otherwise land on top of it."""
+
+    # ------------------------------------------------------------------ checkpoints (torch's optimizer API)
+    def state_dict(self) -> dict:
+        """The wrapped optimizer's state dict, the scheduler's (if this wrapper has one), and the wrapper's
+        own progress (the epoch at which it rejoins the swarm, ...): a plain dict for ``torch.save``
+        (`zgossip.checkpoint`). Like any optimizer's, it holds no parameters (save the model's
+        ``state_dict()`` beside it) and references to the optimizer's tensors: save it between steps."""
+        with self._lock:  # a consistent snapshot: no optimizer step or state download is half done
+            return checkpoint_dict(wrapper=type(self).__name__, kind=self.kind, optimizer=self.opt,
+                                   scheduler=self.scheduler, layout=self.param_layout,
+                                   progress=self._progress_state())
+
+    def load_state_dict(self, state_dict: dict, timeout: float | None = None) -> None:
+        """Resume from `state_dict()`'s dict: the optimizer's and scheduler's state and the progress. The
+        wrapper then behaves as one built with ``local_epoch=`` the checkpoint's: a swarm ahead of it is
+        downloaded at the next `step` (as the constructor would), one at it is not. Every check runs before
+        anything is written (TypeError, ValueError or `LayoutMismatch` say what is wrong); work in flight
+        is settled first as the wrapper documents (``timeout`` bounds that wait). Load the model's own
+        ``state_dict()`` too, before or after this."""
+        self._raise_if_closed()
+        progress = check_checkpoint(state_dict, wrapper=type(self).__name__, kind=self.kind, optimizer=self.opt,
+                                    scheduler=self.scheduler, layout=self.param_layout,
+                                    progress_keys=self._PROGRESS_KEYS)
+        self._check_loaded_state(state_dict)
+        self._settle_for_load(timeout)
+        with self._lock:  # a newcomer downloading from this peer sees the old state or the new one, never a mix
+            self.opt.load_state_dict(state_dict["optimizer"])  # torch's own checks run before it writes
+            if self.scheduler is not None:
+                self.scheduler.load_state_dict(state_dict["scheduler"])
+            self._restore_progress(progress)
+        self._update_sharing()
+        self._publish()
+        log.info("%s: loaded a checkpoint: epoch %d", self.peer_id[:8], self.local_epoch)
 
     # ------------------------------------------------------------------ state for newcomers
     def _check_packable(self) -> None:

@@ -177,15 +177,16 @@ class ModelLayout:
         except (TypeError, ValueError, IndexError):
             raise ValueError("malformed layout description") from None
 
-    def difference(self, other: "ModelLayout") -> str | None:
-        """None if the layouts can be averaged together, else which tensor differs and how."""
+    def difference(self, other: "ModelLayout", here: str = "this peer", there: str = "the other peer") -> str | None:
+        """None if the layouts can be averaged together, else which tensor differs and how (`here` is
+        this layout's owner, `there` the other's: a peer, a checkpoint)."""
         if self.fingerprint == other.fingerprint:
             return None
         for i in range(min(len(self.shapes), len(other.shapes))):
             if self.shapes[i] != other.shapes[i] or self.dtypes[i] != other.dtypes[i]:
                 return (f"{self.describe(i)} here has shape {_fmt_shape(other.shapes[i])}, {other.dtypes[i]} "
-                        "at the other peer")
-        return f"this peer has {len(self.shapes)} tensors, the other {len(other.shapes)}"
+                        f"at {there}")
+        return f"{here} has {len(self.shapes)} tensors, {there} has {len(other.shapes)}"
 
     def difference_from_digest(self, count: int, signature: str) -> str:
         """Best description of how a peer that published (`count`, `signature`) differs from us."""

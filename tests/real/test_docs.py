@@ -285,3 +285,35 @@ def test_training_md_collaborative_examples_run_alone(capsys):
         assert ns["opt"].delay_grad_averaging
     finally:
         ns["opt"].shutdown()
+
+
+def test_training_md_checkpoint_example_round_trips_a_wrapper(tmp_path):
+    """docs/training.md, "Checkpoints": the example, run as written (save, then load into a wrapper built
+    as before), brings back the parameters, Adam's state and the epoch."""
+    torch = pytest.importorskip("torch")
+    from zgossip.optim import DecentralizedAdam
+
+    code = swap(block("docs/training.md", 'torch.save({"model": model.state_dict(), "opt": opt.state_dict()}'),
+                '"ckpt.pt"', repr(str(tmp_path / "ckpt.pt")))
+    saving, loading = code.split("# ... later")
+    model = torch.nn.Linear(4, 2)
+    opt = DecentralizedAdam(model.parameters(), prefix="docs-ckpt", steps_per_epoch=1, average_every=None,
+                            average_period=3600.0)
+    fresh_model = torch.nn.Linear(4, 2)
+    fresh = DecentralizedAdam(fresh_model.parameters(), prefix="docs-ckpt-2", steps_per_epoch=1,
+                              average_every=None, average_period=3600.0)
+    try:
+        for _ in range(3):
+            model(torch.randn(8, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        exec(compile(saving, "docs/training.md (checkpoint: save)", "exec"), {"torch": torch, "model": model,
+                                                                             "opt": opt})
+        exec(compile("# ... later" + loading, "docs/training.md (checkpoint: load)", "exec"),
+             {"torch": torch, "model": fresh_model, "opt": fresh})
+        assert fresh.local_epoch == opt.local_epoch == 3 and fresh.local_step == 3
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh_model.parameters()))
+        assert torch.equal(fresh.opt.state[fresh.params[0]]["exp_avg"], opt.opt.state[opt.params[0]]["exp_avg"])
+    finally:
+        opt.shutdown()
+        fresh.shutdown()

@@ -286,5 +286,5 @@ def test_model_layout_names_the_tensor_that_differs():
                                "at the other peer")
     assert "tensor 0 'fc.weight'" in a.difference_from_digest(2, b.signature)
     c = ModelLayout.of([torch.zeros(4, 3)], ["fc.weight"])
-    assert a.difference(c) == "this peer has 2 tensors, the other 1"
+    assert a.difference(c) == "this peer has 2 tensors, the other peer has 1"
     assert a.fingerprint != b.fingerprint and len(a.signature) == 2
