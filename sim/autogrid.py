@@ -70,6 +70,7 @@ class AutoGridRun:
         else:
             for i in sorted(self.rng.choice(len(live), size=len(live) - n, replace=False)):
                 live[int(i)].crash()
+            self.peers = [p for p in self.peers if p.alive]  # only `live` reads them: the departed need not stay
 
     def _add(self) -> None:
         auto = self.grid == "auto"

@@ -126,6 +126,9 @@ class CpuModel:
     peer (and a core) for the seconds it returns.
     """
 
+    #: the fewest per-peer queues worth a pruning (`_prune`); a class constant
+    prune_min = 256
+
     def __init__(self, env: Any, spec: CpuSpec) -> None:
         self.env = env
         self.spec = spec
@@ -133,15 +136,26 @@ class CpuModel:
         self.pool = spec.cores if spec.cores is not None and spec.shared else None
         self.free = self.pool or 0
         self._peers: dict[str, _PeerQueue] = {}
+        self._prune_at = 0  # drop idle queues once there are this many and prune_min (a departed peer's stays idle)
         self._wait: deque[_PeerQueue] = deque()  # peers waiting for a shared core, first come first served
         self.busy_seconds = 0.0
 
     def submit(self, key: str, job: Callable[[float], float]) -> None:
         q = self._peers.get(key)
         if q is None:
+            n = len(self._peers)
+            if n >= self._prune_at and n >= self.prune_min:
+                self._prune()
             q = self._peers[key] = _PeerQueue()
         q.jobs.append(job)
         self._kick(q)
+
+    def _prune(self) -> None:
+        """Forget the idle queues (no job, none running, not waiting for a core): a new one is the same.
+        Amortized O(1) per new queue: the next pruning waits until the table has doubled."""
+        for key in [k for k, q in self._peers.items() if not (q.jobs or q.running or q.waiting)]:
+            del self._peers[key]
+        self._prune_at = 2 * len(self._peers)
 
     def _kick(self, q: _PeerQueue) -> None:
         if q.running or q.waiting or not q.jobs:

@@ -38,6 +38,11 @@ What the ZeroMQ driver does with connections is modelled too:
   libzmq released the zero-copy parts and results it queued (``settle_sends``): it waits for
   them (at most ``part_timeout``), then closes its connections to the peers still owed data
   (what they queued is dropped). A fast peer that owes a slow one its results waits that long.
+* **Departed peers.** Once a peer crashed, the cluster keeps a `Departed` in its place (its
+  endpoint and identity, a few hundred bytes) instead of the peer with its node, averager and
+  tables (~70 KB, found kept for every peer that ever left a long churn run): what is still
+  addressed to it travels and is dropped on arrival as before, and the peer object itself lives
+  on only while messages or timers in flight still refer to it.
 * **CPU** (optional, `sim.cpu`): each handling of a message, timer or step start takes the
   calibrated time on a per-peer queue (and on a shared pool of cores if the scenario says so);
   the node sees the time the handling starts, as the real driver passes ``time.monotonic()``
@@ -50,6 +55,7 @@ import contextlib
 import gc
 import hashlib
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
@@ -68,7 +74,7 @@ from .tcp import TcpTransport
 from .static import StaticTable, StaticView
 
 
-__all__ = ["SimTransport", "SimPeer", "SimCluster", "Crashed"]
+__all__ = ["SimTransport", "SimPeer", "SimCluster", "Crashed", "Departed"]
 
 
 def _sim_reachable(endpoint: str) -> bool:
@@ -415,6 +421,53 @@ class SimPeer(SimTransport):
             ev.succeed(StepFailed(req, Crashed(f"peer {self.peer_id[:8]} crashed")))
 
 
+class Departed:
+    """What the cluster keeps of a crashed peer: its endpoint and identity.
+
+    A long churn run used to keep every departed `SimPeer` -- its node, averager, membership table
+    and plans, ~70 KB each -- in `SimCluster.peers` and in the run's slots, for nothing but what may
+    still be addressed to it. This stands in for it there (see the module docstring): it is never
+    alive, so a message to its endpoint goes through the network model as before and is dropped on
+    arrival; pausing or resuming it does nothing, as it did to the dead peer; crashing it again does
+    what crashing the dead peer again did -- the disconnect notices, the static table's removal,
+    and a later crash time for its messages still in flight, through a weak reference to the peer,
+    which exists as long as something in flight refers to it."""
+
+    __slots__ = ("cluster", "endpoint", "peer_id", "crashed_at", "peer_timeout", "_peer")
+    alive = False
+    paused = False
+
+    def __init__(self, peer: SimTransport) -> None:
+        self.cluster = peer.cluster
+        self.endpoint = peer.endpoint
+        self.peer_id = peer.peer_id
+        self.crashed_at = peer.crashed_at
+        self.peer_timeout = peer.node.config.peer_timeout
+        self._peer = weakref.ref(peer)
+
+    def pause(self) -> None:
+        """A dead process does not freeze (`SimTransport.pause` on it changed nothing that is read)."""
+
+    def resume(self) -> None:
+        """Nothing to resume (`SimTransport.resume` returns at once for a dead peer)."""
+
+    def crash(self) -> None:
+        """`SimTransport.crash` of the dead peer, again (a churn departure of a slot a fault crashed)."""
+        cl = self.cluster
+        self.crashed_at = cl.env.now
+        peer = self._peer()
+        if peer is not None:  # what it sent and is still in flight is judged by its latest crash time
+            peer.crashed_at = self.crashed_at
+        cl._on_crash(self)
+        table = cl.table
+        if table is not None:
+            ev = cl.env.timeout(self.peer_timeout)
+            ev.callbacks.append(lambda _e, pid=self.peer_id: table.remove(pid))
+
+    def __repr__(self) -> str:
+        return f"Departed({self.endpoint}, {self.peer_id[:8]}, crashed at {self.crashed_at})"
+
+
 @dataclass
 class SimCluster:
     """A set of simulated peers sharing one environment, network and seed."""
@@ -447,7 +500,7 @@ class SimCluster:
         self._backlog: dict[tuple[str, str], list[tuple[float, wire.Message]]] = {}
         self.unreachable = 0
         self.notices = 0
-        self.peers: dict[str, SimPeer] = {}
+        self.peers: dict[str, SimPeer | Departed] = {}  # by endpoint; a crashed one's is a Departed
         self._trace = hashlib.blake2b(digest_size=16)
         self.delivered = 0
         self.lost = 0
@@ -620,10 +673,12 @@ class SimCluster:
         self._arrive(src, dst, payload, sent, nbytes, tag)
 
     # --------------------------------------------------------------- connections
-    def _on_crash(self, peer: SimPeer) -> None:
+    def _on_crash(self, peer: "SimPeer | Departed") -> None:
         """A process died: its kernel resets its connections, and every live peer that monitors a
         lane-0 DEALER to it hears of it one-way latency later (see the module docstring)."""
         ep = peer.endpoint
+        if isinstance(peer, SimTransport) and self.peers.get(ep) is peer:
+            self.peers[ep] = Departed(peer)  # what a message to it needs, not the whole peer (see Departed)
         if self.tcp is not None:
             self.tcp.reset(ep)
         for key in [k for k in self._routes if ep in k]:  # client routes die with either end's sockets

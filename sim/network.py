@@ -19,6 +19,13 @@ Timing of one message of B bytes from s to d:
 
 Every random draw comes from the generator the caller passes in.
 
+The times it keeps per peer and per connection (when an uplink or downlink is free, when the last
+message on a connection arrives) only ever hold a later message back: one at or before ``now``
+holds nothing back, since a message sent now leaves and arrives at or after now. `send` drops
+those from time to time (`_prune`), so that a long run with churn keeps only the links busy now,
+not an entry per connection that ever carried a message (it kept every departed peer's). This
+relies on calls coming in time order, as the driver makes them.
+
 That is the ``transfer = "fifo"`` model: a message is a unit on a FIFO link, and loss drops
 whole messages. ``transfer = "tcp"`` (`sim.tcp`) keeps the links, latencies, partitions and
 slow links defined here but moves the bytes as TCP would: per-connection windows, slow
@@ -29,7 +36,7 @@ later message on another lane may overtake.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 
 import numpy as np
 
@@ -148,6 +155,9 @@ class NetworkModel:
     _first: dict = field(default_factory=dict, repr=False)
     sent_bytes: dict = field(default_factory=dict, repr=False)
     received_bytes: dict = field(default_factory=dict, repr=False)
+    _prune_at: int = field(default=0, init=False, repr=False)  # prune once `_first` holds this many entries (and prune_min)
+    #: the fewest per-connection times worth a pruning (`_prune`); a class constant
+    prune_min: ClassVar[int] = 1024
 
     def __post_init__(self) -> None:
         self._latency = _sampler(self.latency)
@@ -228,6 +238,9 @@ class NetworkModel:
 
     def send(self, src: str, dst: str, nbytes: int, now: float, rng: np.random.Generator, lane: int = 0) -> Transfer:
         """Uplink + latency. Call `receive` at ``transfer.first``, in order of arrival."""
+        n = len(self._first)
+        if n >= self._prune_at and n >= self.prune_min:
+            self._prune(now)
         up = self._bw(src, True, now)
         tx_start = max(now, self._up_free.get(src, now))
         tx_end = tx_start + (nbytes / up if up else 0.0)
@@ -240,6 +253,17 @@ class NetworkModel:
         first = max(tx_start + lat, self._first.get((src, dst, lane), 0.0))
         self._first[(src, dst, lane)] = first
         return Transfer(first, max(tx_end + lat, first), tx_end, lost)
+
+    def _prune(self, now: float) -> None:
+        """Forget the free-at and last-arrival times at or before `now`: each is a lower bound
+        taken with ``max`` against a time at or after `now` (see the module docstring), so
+        without it every later message gets the same times. Amortized O(1) per message: the next
+        pruning waits until the table has doubled."""
+        for table in (self._first, self._last, self._up_free, self._down_free):
+            stale = [k for k, t in table.items() if t <= now]
+            for k in stale:
+                del table[k]
+        self._prune_at = 2 * len(self._first)
 
     def receive(self, src: str, dst: str, nbytes: int, t: Transfer, lane: int = 0) -> float:
         """The receiver's downlink (shared in order of arrival) and the per-pair order: delivery time."""

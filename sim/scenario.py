@@ -69,8 +69,8 @@ from zgossip.codecs import check_name
 from zgossip.grid import MoshpitGrid
 from zgossip.node import NodeConfig, StepDone, StepFailed
 
-from .driver import SimCluster, SimPeer, gc_frozen
-from .faults import Churn, SimFaultContext, fault_from_dict
+from .driver import Departed, SimCluster, SimPeer, gc_frozen
+from .faults import Churn, CrashRejoin, SimFaultContext, fault_from_dict
 from .network import PROFILES, NetworkModel, Profile
 
 __all__ = ["Scenario", "ScenarioRun", "ScenarioResult", "HostSpec", "run_scenario", "load_scenario", "round_metrics"]
@@ -392,7 +392,14 @@ class ScenarioRun(SimFaultContext):
         self.env = self.cluster.env
         self.grid = MoshpitGrid(tuple(sc.grid))
         self.initial_count = sc.peers
-        self.slots: list[SimPeer] = []
+        # per slot its peer, or once that crashed, its `Departed` (the slot's index, endpoint and byte
+        # counts stay in the results; the dead peer's node and averager need not)
+        self.slots: list[SimPeer | Departed] = []
+        faults = [fault_from_dict(f) for f in sc.faults]
+        # what a rejoin takes from the slot's last process (grid cell, tensors), kept only for the
+        # slots a crash_rejoin fault names: slot -> (coords, tensors)
+        self._rejoins = {f.peer for f in faults if isinstance(f, CrashRejoin)}
+        self._kept: dict[int, tuple] = {}
         self._values_rng = self.rng("values")
         self._place_rng = self.rng("placement")
         self._profile_rng = self.rng("profiles")
@@ -405,20 +412,28 @@ class ScenarioRun(SimFaultContext):
             self._add(i, self._coords[i])
         initial = np.stack([p.tensors[0] for p in self.slots])
         self.truth = initial.astype(np.float64).mean(axis=0)
-        for f in sc.faults:
-            fault_from_dict(f).install(self)
+        for fault in faults:
+            fault.install(self)
         if sc.churn:
             Churn(**sc.churn).install(self)
 
     # ---------------------------------------------------------------- FaultContext (rng, at, peer, endpoint: SimFaultContext)
     def crash(self, index: int) -> None:
-        self.slots[index].crash()
+        peer = self.slots[index]
+        peer.crash()
+        if isinstance(peer, SimPeer):
+            if index in self._rejoins:
+                self._kept[index] = (peer.node.coords, peer.tensors)
+            gone = self.cluster.peers.get(peer.endpoint)
+            if isinstance(gone, Departed) and gone.peer_id == peer.peer_id:
+                self.slots[index] = gone
 
     def rejoin(self, index: int) -> None:
         old = self.slots[index]
         if old.alive:
             return
-        self._add(index, old.node.coords, tensors=old.tensors, replace=True)
+        coords, tensors = self._kept.pop(index) if index in self._kept else (old.node.coords, old.tensors)
+        self._add(index, coords, tensors=tensors, replace=True)
 
     def arrive(self) -> None:
         idx = len(self.slots)

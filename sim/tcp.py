@@ -277,10 +277,19 @@ class TcpTransport:
             self._release(m, self.env.now)
         c.queue.clear()
         del self.conns[(c.src, c.dst, c.lane)]
-        self._up[c.src].remove(c)
-        self._down[c.dst].remove(c)
-        self._busy_up.get(c.src, {}).pop(c, None)
-        self._busy_down.get(c.dst, {}).pop(c, None)
+        # an endpoint left with no connection loses its entries (a long churn run kept an empty one per
+        # departed peer); `_conn` and `send` make them anew, and an absent entry reads as an empty one
+        for table, ep in ((self._up, c.src), (self._down, c.dst)):
+            conns = table[ep]
+            conns.remove(c)
+            if not conns:
+                del table[ep]
+        for busy, ep in ((self._busy_up, c.src), (self._busy_down, c.dst)):
+            peers = busy.get(ep)
+            if peers is not None:
+                peers.pop(c, None)
+                if not peers:
+                    del busy[ep]
 
     def reset(self, endpoint: str, peer: str | None = None) -> None:
         """Drop connections from and to `endpoint` (only those with `peer`, if given); queued

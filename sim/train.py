@@ -70,7 +70,7 @@ import numpy as np
 
 from zgossip.grid import MoshpitGrid, seed_from
 
-from .driver import SimCluster, SimPeer
+from .driver import Departed, SimCluster, SimPeer
 from .faults import Churn, SimFaultContext, fault_from_dict
 from .network import PROFILES, NetworkModel
 from .scenario import HostSpec, check_network_values, check_profile_fractions
@@ -280,6 +280,16 @@ class TrainResult:
         return json.dumps(data, sort_keys=True, indent=1)
 
 
+class _RoundsKept:
+    """What the results read of a finished trainer's optimizer (its ``rounds`` when it counts them,
+    its ``last_round``), without its model, optimizer state and averager."""
+
+    def __init__(self, opt: Any) -> None:
+        if hasattr(opt, "rounds"):
+            self.rounds = opt.rounds
+        self.last_round = opt.last_round
+
+
 class TrainRun(SimFaultContext):
     """One simulated training run (see the module docstring)."""
 
@@ -307,15 +317,18 @@ class TrainRun(SimFaultContext):
             grid = spec.grid or _square_grid(sc.peers)
         self.grid = MoshpitGrid(tuple(grid))
         self._cells = [tuple(int(x) for x in c) for c in np.ndindex(*self.grid.shape)] if self.grid.ndim else []
-        self.slots: list[SimPeer] = []
+        self.slots: list[SimPeer | Departed] = []  # a crashed trainer's peer leaves a Departed (sim.driver)
         self.records: list[dict] = []
         self.evals: list[dict] = []
         self.losses = hashlib.blake2b(digest_size=16)
         self.threads: list[Any] = []
         self.initial_left = sc.peers  # initial trainers still training
         self.stop = False  # every initial trainer finished (or crashed): late joiners stop too
-        self.optimizers: dict[int, Any] = {}  # slot -> its latest trainer's optimizer
-        self._rec_opts: list[Any] = []  # per record (a slot that rejoins has several)
+        self.optimizers: dict[int, Any] = {}  # slot -> its latest trainer's optimizer, while that one lives
+        # per record (a slot that rejoins has several): its trainer's optimizer, and once the trainer is
+        # over, only what the results read of it (`_RoundsKept`): a departed trainer's model, optimizer
+        # and averager were kept to the end of the run
+        self._rec_opts: list[Any] = []
         self.progress: dict[int, int] = {}  # slot -> steps made, for the trainers training now
         self.t_end: float | None = None
         for i in range(sc.peers):
@@ -328,7 +341,11 @@ class TrainRun(SimFaultContext):
     # ---------------------------------------------------------------- FaultContext (rng, at, peer, endpoint: SimFaultContext)
     def crash(self, index: int) -> None:
         if index < len(self.slots) and self.slots[index].alive:
-            self.slots[index].crash()
+            peer = self.slots[index]
+            peer.crash()
+            gone = self.cluster.peers.get(peer.endpoint)
+            if isinstance(gone, Departed) and gone.peer_id == peer.peer_id:
+                self.slots[index] = gone
 
     def rejoin(self, index: int) -> None:
         if index < len(self.slots) and not self.slots[index].alive and not self.stop:
@@ -491,6 +508,11 @@ class TrainRun(SimFaultContext):
                         opt.average(wait=True, round=1_000_000 + spec.steps)
                 self._record_eval(index, peer, model, step)
         finally:
+            # what `_trainer_rows` reads of the optimizer: only this thread changes it (its steps and
+            # rounds), and it is over; a crashed trainer's optimizer is read no more (`_final`: live slots)
+            self._rec_opts[nrec] = _RoundsKept(opt)
+            if not peer.alive and self.optimizers.get(index) is opt:
+                del self.optimizers[index]
             self.progress.pop(index, None)
             rec["steps"] = step - rec["first_step"]
             rec["ended"] = float(clock.now())

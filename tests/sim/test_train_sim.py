@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("torch")
 
 from sim.sweep import KINDS, Sweep, read_table, run_sweep  # noqa: E402
-from sim.train import TrainScenario, run_train  # noqa: E402
+from sim.train import TrainRun, TrainScenario, run_train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,8 +64,14 @@ def test_one_seed_one_run_bit_for_bit_across_hash_seeds():
 
 def test_churn_late_joiners_download_state_and_live_trainers_end_identical():
     res = run_train(CHURN)
-    again = run_train(CHURN)
+    run = TrainRun(TrainScenario.from_dict(CHURN))
+    again = run.run()
     assert res.to_json() == again.to_json()  # the same run twice in one process: identical too
+    # a departed trainer leaves neither its peer (a Departed stands in its slot) nor its model and
+    # optimizer behind: the run kept them all to its end
+    assert all(type(p).__name__ == "Departed" for p in run.slots if not p.alive)
+    assert all(run.slots[i].alive for i in run.optimizers)
+    assert not any(hasattr(o, "averager") for o in run._rec_opts)
     late = [t for t in res.trainers if t["late"]]
     crashed = [t for t in res.trainers if t["crashed"]]
     assert crashed, "the scenario should make trainers leave"
