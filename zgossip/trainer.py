@@ -111,6 +111,8 @@ def params_digest(params: Sequence[torch.Tensor], epoch: int, samples_per_tensor
     with torch.no_grad():
         for p in params:
             flat = p.detach().reshape(-1)
+            if flat.dtype == torch.bfloat16:  # numpy has no bfloat16: digest its bits
+                flat = flat.view(torch.int16)
             stride = max(1, flat.numel() // samples_per_tensor)
             h.update(flat[::stride].contiguous().numpy().tobytes())
     return h.hexdigest()
