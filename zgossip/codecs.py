@@ -230,9 +230,7 @@ def resolve(compression: Any, shapes: Sequence[tuple[int, ...]], dtypes: Sequenc
     An fp16 tensor named bf16 travels as fp16: the same 2 bytes, exact for its values -- bf16 rounds
     fp16 values above 65408 up to 65536, which an fp16 tensor holds as inf. A bfloat16 tensor named
     none travels as bf16: exact for its values too, half the bytes of raw float32, and the mean it
-    gets is the same float32 mean rounded to bfloat16 once (as writing it back would round it) --
-    except that a finite mean too large for bfloat16 becomes inf on the wire, which the reducers'
-    NaN/inf policy leaves unchanged, where a raw float32 mean would be written back as inf."""
+    gets is the same float32 mean rounded to bfloat16 once (as writing it back would round it)."""
     n = len(shapes)
     base = [_default(d) for d in dtypes]
     if compression is None:

@@ -61,6 +61,24 @@ def test_bf16_among_float32_and_float16_averages_to_the_rounded_float32_mean_on_
         h.close()
 
 
+def test_a_blocking_step_on_one_bf16_tensor_takes_the_snapshot_path_not_in_place():
+    """in_place (the default) needs a float32/float64 host tensor: a single bf16 tensor's blocking step
+    averages its float32 mirror instead, and gets the same rounded mean (real peers on loopback)."""
+    import concurrent.futures as cf
+
+    gen = torch.Generator().manual_seed(8)
+    data = [_grid(gen, 3000) for _ in range(2)]
+    h = make("zmq", [[d.clone()] for d in data], target_group_size=2, min_group_size=2)
+    try:
+        assert not any(a._in_place for a in h.avgs)
+        with cf.ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(lambda a: a.step(timeout=5.0), h.avgs))
+        assert all(r.complete for r in results)
+        assert all(torch.equal(h.tensors(i)[0], _rounded_mean(data)) for i in range(2))
+    finally:
+        h.close()
+
+
 def test_a_bf16_tensor_travels_in_half_the_bytes_of_float32_and_defaults_to_the_bf16_codec():
     gen = torch.Generator().manual_seed(4)
     data = [_grid(gen, 6000) for _ in range(3)]
