@@ -171,7 +171,8 @@ class Averager:
     (and of the means it reduced) is added to its next step's data, so over many steps the losses
     cancel out (meant for gradients and parameters that change a little per step).
     ``state_compression``: the same choices, for the float tensors this peer serves to
-    `load_state_from_peers` downloaders (default: raw).
+    `load_state_from_peers` downloaders (default: raw, but bfloat16 tensors as bf16, which is exact
+    for them; ``"none"`` sends those raw too).
 
     ``shutdown_timeout``: how long `shutdown` keeps serving what this peer still owes groupmates
     of a recent round (results they have not confirmed, sends libzmq still holds) before it stops.
@@ -300,7 +301,8 @@ class Averager:
                          else None)
         host = self._staging.host_tensors(self._tensors) if self._staging is not None else self._tensors
         self._arrays = [as_array(t) for t in host]
-        self.layout = FlatLayout.of(host, compression, bf16=[i for i, t in enumerate(self._tensors) if is_bf16(t)])
+        bf16 = [i for i, t in enumerate(self._tensors) if is_bf16(t)]
+        self.layout = FlatLayout.of(host, compression, bf16=bf16)
         self.averaging_alpha = float(averaging_alpha)
         # error feedback: what the codecs lost of our data last step is added to this step's (a step
         # averages its snapshot, so the user's tensors never hold the carried error)
@@ -317,6 +319,9 @@ class Averager:
                 # is known only when it serves, so only the names are checked here
                 for name in state_compression:
                     codecs.check_name(name)
+        if state_compression is None and bf16 and type(self).get_current_state is Averager.get_current_state:
+            # a bfloat16 tensor's state is its float32 mirror: bf16 carries those values exactly, in half the bytes
+            state_compression = {i: "bf16" for i in bf16}
         self._state_compression = state_compression
         self._in_place = (bool(in_place) and len(self._arrays) == 1 and self.averaging_alpha == 1.0
                           and self._arrays[0].dtype == self.layout.dtype and self._residual is None

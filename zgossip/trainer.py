@@ -32,7 +32,8 @@ from .averager import Averager
 from .clock import WALL_CLOCK, Clock
 from .errors import StateUnavailable, ZGossipError
 from .progress import PeerProgress, SwarmView, progress_record, run_digest
-from .training_state import LayoutMismatch, ModelLayout, copy_arrays, named_tensors, pack_state, unpack_state
+from .training_state import (LayoutMismatch, ModelLayout, bf16_state_compression, copy_arrays, named_tensors,
+                             pack_state, unpack_state)
 
 __all__ = ["TrainerPeer", "ServingAverager", "clock_of", "refuse_auxiliary", "warn_if_client", "CLIENT_RECORDS",
            "SchedulerLike", "first_nonfinite", "params_digest"]
@@ -167,6 +168,7 @@ class TrainerPeer:
         self._averaging = False
         self._param_digest = ""  # published by wrappers whose peers must hold identical parameters
         opts = {**TRAINING_DEFAULTS, **(averager_opts or {})}
+        bf16_state_compression(opts, self.params)  # the state served begins with the parameters
         refuse_auxiliary(opts, type(self).__name__)
         warn_if_client(opts, listen, type(self).__name__)
         self.clock: Clock = clock_of(opts)

@@ -25,7 +25,7 @@ import torch
 
 from .errors import ZGossipError
 
-__all__ = ["pack_state", "unpack_state", "ModelLayout", "LayoutMismatch", "copy_arrays"]
+__all__ = ["pack_state", "unpack_state", "ModelLayout", "LayoutMismatch", "copy_arrays", "bf16_state_compression"]
 
 # dtypes the state stream accepts (zgossip.wire.DTYPES); bool travels as uint8 and is restored
 _TORCH_TO_NUMPY = {
@@ -142,6 +142,16 @@ def copy_arrays(tensors: Iterable[torch.Tensor]) -> list[np.ndarray]:
     """Private numpy copies of CPU tensors (a consistent snapshot to serve to a peer; bfloat16 as float32)."""
     return [np.array((t.float() if t.dtype == torch.bfloat16 else t).detach().cpu().numpy(), copy=True)
             for t in tensors]
+
+
+def bf16_state_compression(opts: dict, tensors: Sequence[torch.Tensor]) -> None:
+    """Unless `opts` name a ``state_compression``: the bf16 codec for the bfloat16 ones among `tensors`,
+    which a wrapper serves first in its state (as float32 holding bfloat16 values, so bf16 carries them
+    exactly in half the bytes; `copy_arrays`)."""
+    if opts.get("state_compression") is None:
+        chosen = {i: "bf16" for i, t in enumerate(tensors) if t.dtype == torch.bfloat16}
+        if chosen:
+            opts["state_compression"] = chosen
 
 
 def _fmt_shape(shape: Sequence[int]) -> str:

@@ -161,25 +161,34 @@ def test_bf16_and_float32_versions_of_a_tensor_are_refused_naming_the_dtypes():
     assert torch.equal(h.tensors(0)[0], x)
 
 
-@pytest.mark.parametrize("state_compression", [None, {0: "bf16"}])
-def test_bf16_state_downloads_exactly_and_a_float32_state_is_refused(state_compression):
+def _download(x: torch.Tensor, state_compression) -> tuple[torch.Tensor, int, object]:
+    """A donor holding `x` serves a newcomer: (what the newcomer's tensor holds after `set_tensors`,
+    the bytes the donor sent meanwhile, the newcomer's averager)."""
     cl = SimCluster(seed=0, network=NetworkModel(latency=0.001))
     cfg = NodeConfig(prefix="st", gossip_interval=0.05, peer_timeout=3.0)
-    gen = torch.Generator().manual_seed(7)
-    x = torch.randn(3000, generator=gen).to(torch.bfloat16)  # any bfloat16 values, not only the grid
     donor = cl.add_peer(cfg, tensors=[x.clone()], state_compression=state_compression)
     donor.node.set_state_sharing(1.0)
-    new = cl.add_peer(cfg, tensors=[torch.zeros(3000, dtype=torch.bfloat16)], known=[donor])
+    new = cl.add_peer(cfg, tensors=[torch.zeros(x.shape, dtype=torch.bfloat16)], known=[donor])
     cl.run(until=cl.env.now + 0.5)
+    sent = cl.network.sent_bytes.get(donor.endpoint, 0)
     ev = new.load_state()
     cl.run(until=ev)
     assert isinstance(ev.value, DownloadDone), ev.value
     new.averager.set_tensors(ev.value.arrays)
-    assert new.tensors[0].dtype == torch.bfloat16 and torch.equal(new.tensors[0], x)
+    return new.tensors[0], cl.network.sent_bytes[donor.endpoint] - sent, new.averager
+
+
+def test_bf16_state_downloads_exactly_in_half_the_bytes_and_a_float32_state_is_refused():
+    x = torch.randn(20000, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)  # any bf16 values
+    got, sent, avg = _download(x, None)  # the default: the state's bf16 tensors travel as bf16
+    assert got.dtype == torch.bfloat16 and torch.equal(got, x)
+    raw, sent_raw, _ = _download(x, "none")  # float32, as the mirror holds them
+    assert torch.equal(raw, x)
+    assert 0.45 < sent / sent_raw < 0.55, (sent, sent_raw)
     # float32 values a bfloat16 cannot hold (a float32 peer's state) are refused, nothing written
     with pytest.raises(zgossip.ZGossipError, match="bfloat16 cannot hold exactly"):
-        new.averager.set_tensors([np.full(3000, 0.1, np.float32)])
-    assert torch.equal(new.tensors[0], x)
+        avg.set_tensors([np.full(20000, 0.1, np.float32)])
+    assert torch.equal(got, x)
 
 
 def test_decentralized_adam_on_a_bf16_model_late_joiner_loads_state_and_peers_stay_identical():
@@ -238,6 +247,7 @@ def test_decentralized_adam_on_a_bf16_model_late_joiner_loads_state_and_peers_st
     _, out = virtual_swarm(2, make_and_track, body, seed=4, start_at=[0.0, 1.0])
     assert seen["joined"] == 3  # it loaded the swarm's state on joining
     assert seen["after_load"] == [(torch.bfloat16, True)] * 2 and seen["adam"]
+    assert peers_ref[1].averager._state_compression == {0: "bf16", 1: "bf16"}  # the parameters served as bf16
     (p0, r0), (p1, r1) = out
     assert all(r is not None and len(r.members) == 2 for r in r0 + r1), (r0, r1)
     for a, b in zip(p0, p1):
