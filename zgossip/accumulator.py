@@ -74,7 +74,8 @@ from .collaborative import _count
 from .errors import ZGossipError
 from .progress import PeerProgress, SwarmView, progress_record, run_digest
 from .trainer import TRAINING_DEFAULTS, ServingAverager, clock_of, first_nonfinite, refuse_auxiliary
-from .training_state import LayoutMismatch, ModelLayout, copy_arrays, named_tensors, pack_state, unpack_state
+from .training_state import (LayoutMismatch, ModelLayout, bf16_state_compression, copy_arrays, named_tensors,
+                             pack_state, unpack_state)
 
 __all__ = ["Accumulator", "Group"]
 
@@ -158,6 +159,7 @@ class Accumulator:
             raise ValueError("an Accumulator cannot run in client mode: it could become the leader, whose state "
                              "newcomers download, and nobody can connect to a client-mode peer to download from it. "
                              "Give it a listen address the other peers can reach")
+        bf16_state_compression(opts, self.params + self.buffers)  # the state served begins with these
         self._opts = opts
         self.clock = clock_of(opts)  # every reading of the time and every wait (virtual in the simulator)
         self._gossip = float(opts.get("gossip_interval", 0.5))

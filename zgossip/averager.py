@@ -35,7 +35,7 @@ from .node import Node, NodeConfig, StepRequest, StepResult
 from .state import StateSnapshot
 from .step_control import StepControl, StepFuture, StepStage, check_weight
 from .steplog import StepLog
-from .tensors import FlatLayout, as_array
+from .tensors import BF16_DTYPE, FlatLayout, as_array, is_bf16
 from .transport import Transport
 
 __all__ = ["Averager", "StepFuture", "StepControl", "StepStage"]
@@ -53,8 +53,16 @@ def _to_numpy(a: Any) -> np.ndarray:
     if isinstance(a, np.ndarray):
         return a
     if type(a).__module__.startswith("torch"):
+        if is_bf16(a):  # numpy has no bfloat16: as float32 (exact), what a bfloat16 tensor's mirror holds
+            return a.detach().cpu().float().numpy()
         return a.detach().cpu().numpy()
     return np.asarray(a)
+
+
+def _bf16_exact(a: np.ndarray) -> bool:
+    """Whether the float32 array `a` holds only values a bfloat16 holds exactly (the low 16 bits are 0;
+    NaN and inf included as bfloat16 -> float32 makes them)."""
+    return a.dtype == np.float32 and not (np.ascontiguousarray(a).view(np.uint32) & np.uint32(0xFFFF)).any()
 
 
 def _is_auto(grid: Any) -> bool:
@@ -131,9 +139,10 @@ class Averager:
 
     Torch tensors on a device (CUDA, ...) are staged through reusable host mirrors (pinned on
     CUDA) with asynchronous copies ordered against the training stream (`zgossip.staging`);
-    `get_tensors` yields the device tensors themselves.
+    `get_tensors` yields the device tensors themselves. bfloat16 tensors get float32 mirrors the
+    same way (exact), travel as bf16 by default, and get the float32 mean rounded to bfloat16.
 
-    ``in_place``: when the averager holds a single float32/float64 tensor and
+    ``in_place``: when the averager holds a single float32/float64 host tensor and
     ``averaging_alpha`` is 1, a blocking ``step()`` averages that tensor where it lies,
     like ``torch.distributed.all_reduce`` -- no snapshot copy, no second buffer, no
     copy back (on 4 peers x 64 MiB this saves ~20% of the CPU and a tensor's worth of
@@ -154,7 +163,7 @@ class Averager:
     ``"bf16"``, ``"int8"``, 8 bits per value with one float32 scale per 1,024 values). One name for
     every tensor, a list (one name per tensor), a dict ``{tensor index: name}``, or a rule
     ``(index, shape, dtype) -> name`` such as ``codecs.by_size(65536, "int8")``. The default, None,
-    sends fp16 tensors as fp16 and the rest raw. Owners decode every term and reduce in the buffer's
+    sends fp16 tensors as fp16, bfloat16 tensors as bf16 and the rest raw. Owners decode every term and reduce in the buffer's
     float32/float64 in the fixed member order, then encode the mean once; every member (the owner
     too) applies the decoded bytes, so results stay bit-identical. The per-element error bounds are
     in `zgossip.codecs`. Peers only group with peers that compress every tensor the same way (the
@@ -162,7 +171,8 @@ class Averager:
     (and of the means it reduced) is added to its next step's data, so over many steps the losses
     cancel out (meant for gradients and parameters that change a little per step).
     ``state_compression``: the same choices, for the float tensors this peer serves to
-    `load_state_from_peers` downloaders (default: raw).
+    `load_state_from_peers` downloaders (default: raw, but bfloat16 tensors as bf16, which is exact
+    for them; ``"none"`` sends those raw too).
 
     ``shutdown_timeout``: how long `shutdown` keeps serving what this peer still owes groupmates
     of a recent round (results they have not confirmed, sends libzmq still holds) before it stops.
@@ -285,12 +295,14 @@ class Averager:
             for ep in initial_peers:
                 check_endpoint(ep, "initial peer address")
         self._tensors = list(tensors)
-        # tensors on a device (CUDA, ...) are averaged through host mirrors (zgossip.staging)
-        self._staging = (staging.DeviceStaging(self._tensors) if any(staging.on_device(t) for t in self._tensors)
+        # tensors on a device (CUDA, ...) and bfloat16 tensors (float32 mirrors) are averaged through
+        # host mirrors (zgossip.staging)
+        self._staging = (staging.DeviceStaging(self._tensors) if any(staging.needs_mirror(t) for t in self._tensors)
                          else None)
         host = self._staging.host_tensors(self._tensors) if self._staging is not None else self._tensors
         self._arrays = [as_array(t) for t in host]
-        self.layout = FlatLayout.of(host, compression)
+        bf16 = [i for i, t in enumerate(self._tensors) if is_bf16(t)]
+        self.layout = FlatLayout.of(host, compression, bf16=bf16)
         self.averaging_alpha = float(averaging_alpha)
         # error feedback: what the codecs lost of our data last step is added to this step's (a step
         # averages its snapshot, so the user's tensors never hold the carried error)
@@ -307,6 +319,9 @@ class Averager:
                 # is known only when it serves, so only the names are checked here
                 for name in state_compression:
                     codecs.check_name(name)
+        if state_compression is None and bf16 and type(self).get_current_state is Averager.get_current_state:
+            # a bfloat16 tensor's state is its float32 mirror: bf16 carries those values exactly, in half the bytes
+            state_compression = {i: "bf16" for i in bf16}
         self._state_compression = state_compression
         self._in_place = (bool(in_place) and len(self._arrays) == 1 and self.averaging_alpha == 1.0
                           and self._arrays[0].dtype == self.layout.dtype and self._residual is None
@@ -825,6 +840,10 @@ class Averager:
             if np.dtype(src.dtype) != dst.dtype:  # a silent cast could overflow (float32 70000 -> float16 inf)
                 raise ZGossipError(f"tensor {i}: peer state has dtype {np.dtype(src.dtype)}, local tensor {dst.dtype}; "
                                    "nothing was written (peers sharing state must hold the same dtypes)")
+            if self.layout.dtypes[i] == BF16_DTYPE and not _bf16_exact(src):
+                # a bfloat16 tensor's state travels as float32: values it cannot hold come from a float32 tensor
+                raise ZGossipError(f"tensor {i}: peer state holds float32 values a bfloat16 cannot hold exactly, local "
+                                   "tensor bfloat16; nothing was written (peers sharing state must hold the same dtypes)")
         with self._lock:
             for src, dst in zip(arrays, self._arrays):
                 np.copyto(dst, src, casting="same_kind")

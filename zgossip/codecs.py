@@ -202,17 +202,35 @@ class by_size:  # noqa: N801 - used like a function: compression=by_size(65536, 
         return self.large if math.prod(shape) >= self.min_numel else self.small
 
 
-def _default(dtype: np.dtype) -> int:
-    """An fp16 tensor travels as fp16 (exact for its values); others raw."""
+#: how `zgossip.tensors.FlatLayout` names a bfloat16 tensor's dtype (numpy has none)
+BF16_DTYPE = "bf16"
+
+
+def _is_bf16(dtype: Any) -> bool:
+    return isinstance(dtype, str) and dtype == BF16_DTYPE
+
+
+def _default(dtype: Any) -> int:
+    """An fp16 tensor travels as fp16, a bfloat16 one as bf16 (each exact for its values); others raw."""
+    if _is_bf16(dtype):
+        return BF16
     return FP16 if np.dtype(dtype) == np.float16 else NONE
 
 
+def _rule_dtype(dtype: Any) -> Any:
+    """What a compression rule is told of a tensor's dtype: a numpy dtype, or ``"bfloat16"``."""
+    return "bfloat16" if _is_bf16(dtype) else np.dtype(dtype)
+
+
 def resolve(compression: Any, shapes: Sequence[tuple[int, ...]], dtypes: Sequence[Any]) -> tuple[int, ...]:
-    """The codec id of each tensor. `compression`: None (fp16 tensors as fp16, the rest raw), one
-    codec name for every tensor, a sequence of names (one per tensor), a mapping tensor index ->
-    name (others as None gives them), or a callable ``(index, shape, dtype) -> name`` such as `by_size`.
+    """The codec id of each tensor. `compression`: None (fp16 tensors as fp16, bfloat16 tensors as
+    bf16, the rest raw), one codec name for every tensor, a sequence of names (one per tensor), a
+    mapping tensor index -> name (others as None gives them), or a callable ``(index, shape, dtype)
+    -> name`` such as `by_size` (a bfloat16 tensor's dtype is given as the string ``"bfloat16"``).
     An fp16 tensor named bf16 travels as fp16: the same 2 bytes, exact for its values -- bf16 rounds
-    fp16 values above 65408 up to 65536, which an fp16 tensor holds as inf."""
+    fp16 values above 65408 up to 65536, which an fp16 tensor holds as inf. A bfloat16 tensor named
+    none travels as bf16: exact for its values too, half the bytes of raw float32, and the mean it
+    gets is the same float32 mean rounded to bfloat16 once (as writing it back would round it)."""
     n = len(shapes)
     base = [_default(d) for d in dtypes]
     if compression is None:
@@ -226,13 +244,14 @@ def resolve(compression: Any, shapes: Sequence[tuple[int, ...]], dtypes: Sequenc
                 raise ValueError(f"compression names tensor {k!r}, but there are {n} tensors")
             out[k] = check_name(v)
     elif callable(compression):
-        out = [check_name(compression(i, tuple(s), np.dtype(d))) for i, (s, d) in enumerate(zip(shapes, dtypes))]
+        out = [check_name(compression(i, tuple(s), _rule_dtype(d))) for i, (s, d) in enumerate(zip(shapes, dtypes))]
     else:
         names = list(compression)
         if len(names) != n:
             raise ValueError(f"compression lists {len(names)} codecs for {n} tensors")
         out = [check_name(v) for v in names]
-    return tuple(FP16 if c == BF16 and b == FP16 else c for c, b in zip(out, base))
+    return tuple(FP16 if c == BF16 and b == FP16 else BF16 if c == NONE and b == BF16 else c
+                 for c, b in zip(out, base))
 
 
 class CodecMap:

@@ -4,7 +4,7 @@ Peers only average with peers whose tensors have the same count, shapes and dtyp
 (matchmaking groups equal layout fingerprints). When a rendezvous peer sees joiners of one
 key with different layouts, it tells every peer involved *what* differs, so each JOIN carries
 a compact description of its layout: ``"2|f4[64,3]*3;f8[]"`` -- the tensor count, then each
-tensor as dtype code and shape (and ``@codec`` when it travels compressed otherwise than its dtype's
+tensor as dtype code (``bf16`` for bfloat16) and shape (and ``@codec`` when it travels compressed otherwise than its dtype's
 default, `zgossip.codecs`), with ``*N`` for N equal tensors in a row. Descriptions longer
 than `MAX_CHARS` are cut at a tensor boundary (``;...``): a difference past the cut is then
 reported as such. Pure functions of strings; nothing here trusts the text it parses (it
@@ -19,7 +19,7 @@ __all__ = ["MAX_CHARS", "describe", "parse", "difference"]
 
 MAX_CHARS = 2000  # a JOIN field; about 150 distinct tensors (repeats compress)
 
-_NAMES = {"f2": "float16", "f4": "float32", "f8": "float64"}
+_NAMES = {"f2": "float16", "f4": "float32", "f8": "float64", "bf16": "bfloat16"}  # bf16: `tensors.BF16_DTYPE`
 _CODES = {v: k for k, v in _NAMES.items()}
 
 

@@ -232,7 +232,8 @@ def _layout_bytes(desc: str) -> int:
     if got is None or got[2]:
         return 0
     try:
-        return sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(code).itemsize for code, shape, _ in got[1])
+        return sum(int(np.prod(shape, dtype=np.int64)) * (2 if code == "bf16" else np.dtype(code).itemsize)
+                   for code, shape, _ in got[1])
     except (TypeError, ValueError):
         return 0
 

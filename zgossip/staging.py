@@ -1,8 +1,15 @@
-"""Device tensors (CUDA and others): staged through reusable host buffers.
+"""Tensors the protocol cannot read where they lie -- on a device (CUDA and others), or in bfloat16
+-- staged through reusable host buffers.
 
 The protocol averages flat host buffers. A tensor that lives on a device gets a host mirror of
 its shape and dtype, allocated once (pinned on CUDA, so copies are asynchronous DMA); the
-`Averager` sees only the mirrors, and this module keeps them in step with the device:
+`Averager` sees only the mirrors, and this module keeps them in step with the device. A
+bfloat16 tensor (on the host or a device) gets a *float32* mirror: numpy has no bfloat16, and
+bfloat16 -> float32 is exact, so the protocol averages float32 values; ``copy_`` back rounds
+float32 -> bfloat16 to nearest even, which leaves values already bfloat16 (what the default bf16
+wire codec delivers, `zgossip.codecs`) exactly as they are. A host bfloat16 tensor is copied with
+plain ``copy_``; a device one takes its device's engine like any device tensor (the dtype
+conversion is then torch's part of the copy -- untested here: no GPU in CI).
 
 * `pull` before a snapshot (and before a partial write-back, ``averaging_alpha < 1``): device
   -> mirror. On CUDA the copies run on a side stream that first waits for what the *training
@@ -27,12 +34,28 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-__all__ = ["on_device", "DeviceStaging"]
+__all__ = ["on_device", "needs_mirror", "DeviceStaging"]
 
 
 def on_device(t: Any) -> bool:
     """Whether `t` is a torch tensor that is not in host memory (it needs staging)."""
     return type(t).__module__.startswith("torch") and getattr(t, "device", None) is not None and t.device.type != "cpu"
+
+
+def _bf16(t: Any) -> bool:
+    return str(getattr(t, "dtype", "")) == "torch.bfloat16"
+
+
+def needs_mirror(t: Any) -> bool:
+    """Whether the `Averager` averages `t` through a host mirror: a device tensor, or a bfloat16 one."""
+    return on_device(t) or (type(t).__module__.startswith("torch") and _bf16(t))
+
+
+def _mirror_dtype(t: Any) -> Any:
+    """A mirror's dtype: the tensor's own, but float32 for bfloat16 (exact; numpy has no bfloat16)."""
+    import torch
+
+    return torch.float32 if t.dtype == torch.bfloat16 else t.dtype
 
 
 def _merge(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -53,7 +76,7 @@ class BlockingCopies:
     def host_like(self, t: Any) -> Any:
         import torch
 
-        return torch.empty(tuple(t.shape), dtype=t.dtype)
+        return torch.empty(tuple(t.shape), dtype=_mirror_dtype(t))
 
     def to_host(self, pairs: list[tuple[Any, Any]]) -> None:
         for host, dev in pairs:
@@ -81,7 +104,7 @@ class CudaCopies:
     def host_like(self, t: Any) -> Any:
         import torch
 
-        return torch.empty(tuple(t.shape), dtype=t.dtype, pin_memory=True)
+        return torch.empty(tuple(t.shape), dtype=_mirror_dtype(t), pin_memory=True)
 
     def _copy(self, pairs: list[tuple[Any, Any]]) -> None:
         self._ready.record(self.train)
@@ -106,7 +129,7 @@ def copies_for(device: Any) -> Any:
 
 
 class DeviceStaging:
-    """Host mirrors of the device tensors among `tensors` (others are left alone).
+    """Host mirrors of the device and bfloat16 tensors among `tensors` (others are left alone).
 
     ``copies_for(device)`` picks the copy engine per device (`CudaCopies` for CUDA, else
     `BlockingCopies`); tests pass their own, and treat host tensors as device ones with
@@ -114,7 +137,7 @@ class DeviceStaging:
 
     def __init__(self, tensors: Sequence[Any], copies: Callable[[Any], Any] = copies_for,
                  staged: Sequence[int] | None = None) -> None:
-        self.index = list(staged) if staged is not None else [i for i, t in enumerate(tensors) if on_device(t)]
+        self.index = list(staged) if staged is not None else [i for i, t in enumerate(tensors) if needs_mirror(t)]
         self._dev: dict[int, Any] = {}
         self._host: dict[int, Any] = {}
         self._engine: dict[int, Any] = {}
@@ -124,7 +147,7 @@ class DeviceStaging:
             if t.requires_grad:
                 t = t.detach()  # same storage: writes reach the parameter
             if not t.is_contiguous():
-                raise TypeError(f"tensor {i} on {t.device} must be contiguous to be averaged")
+                raise TypeError(f"tensor {i} ({t.dtype} on {t.device}) must be contiguous to be averaged")
             key = str(t.device)
             if key not in engines:
                 engines[key] = copies(t.device)

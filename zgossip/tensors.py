@@ -4,8 +4,12 @@ A `FlatLayout` records shapes and offsets of a list of numpy arrays / CPU torch
 tensors, copies them into one flat buffer (the snapshot a step averages) and writes
 averaged ranges back. The buffer's dtype is float64 when every tensor is float64, else
 float32; each tensor's range travels as its codec says (`zgossip.codecs`: an fp16 tensor as
-fp16 unless told otherwise). Only the element ranges a step reports as averaged are written, so
-elements whose span was lost stay exactly as they were.
+fp16, a bfloat16 tensor as bf16, unless told otherwise). Only the element ranges a step reports
+as averaged are written, so elements whose span was lost stay exactly as they were.
+
+numpy has no bfloat16: a bfloat16 torch tensor is averaged through a float32 host mirror
+(`zgossip.staging`), and the layout records its dtype as `BF16_DTYPE` (``"bf16"``) so that peers holding
+float32 versions of it are told the dtypes differ.
 """
 from __future__ import annotations
 
@@ -19,9 +23,16 @@ import numpy as np
 from . import codecs as _codecs
 from . import layouts
 
-__all__ = ["FlatLayout", "as_array"]
+__all__ = ["FlatLayout", "as_array", "is_bf16", "BF16_DTYPE"]
 
 _FLOATS = (np.dtype("float16"), np.dtype("float32"), np.dtype("float64"))
+#: the dtype a layout records for a bfloat16 tensor (numpy has none; its host array is a float32 mirror)
+BF16_DTYPE = _codecs.BF16_DTYPE
+
+
+def is_bf16(t: Any) -> bool:
+    """Whether `t` is a bfloat16 torch tensor (on any device); torch is not imported for the check."""
+    return type(t).__module__.startswith("torch") and str(getattr(t, "dtype", "")) == "torch.bfloat16"
 
 
 def as_array(t: Any) -> np.ndarray:
@@ -35,12 +46,15 @@ def as_array(t: Any) -> np.ndarray:
     elif type(t).__module__.startswith("torch"):
         if t.device.type != "cpu":
             raise TypeError(f"only CPU torch tensors can be averaged (got one on {t.device})")
+        if is_bf16(t):
+            raise TypeError("a bfloat16 tensor has no numpy view: zgossip.Averager averages it through a float32 "
+                            "mirror (zgossip.staging); pass it to the Averager, not to as_array")
         if t.requires_grad:
             t = t.detach()
         try:
             arr = t.numpy()
-        except TypeError as e:  # e.g. bfloat16 has no numpy dtype
-            raise TypeError(f"torch dtype {t.dtype} cannot be averaged yet: {e}") from None
+        except TypeError as e:  # a dtype numpy does not have
+            raise TypeError(f"torch dtype {t.dtype} cannot be averaged: {e}") from None
     else:
         raise TypeError(f"expected numpy arrays or torch tensors, got {type(t).__name__}")
     if arr.dtype not in _FLOATS:
@@ -61,9 +75,14 @@ class FlatLayout:
     codecs: tuple[int, ...] = ()  # wire codec id per tensor (`zgossip.codecs`); () = each dtype's default
 
     @classmethod
-    def of(cls, tensors: Sequence[Any], compression: Any = None) -> "FlatLayout":
-        """`compression`: as `zgossip.codecs.resolve` takes it (None: fp16 tensors as fp16, the rest raw)."""
+    def of(cls, tensors: Sequence[Any], compression: Any = None, bf16: Sequence[int] = ()) -> "FlatLayout":
+        """`compression`: as `zgossip.codecs.resolve` takes it (None: fp16 tensors as fp16, bfloat16 ones
+        as bf16, the rest raw). `bf16`: indices of the tensors that are float32 mirrors of bfloat16
+        tensors (their dtype is recorded as `BF16_DTYPE`)."""
         arrays = [as_array(t) for t in tensors]
+        for k in bf16:
+            if not 0 <= k < len(arrays) or arrays[k].dtype != np.float32:
+                raise ValueError(f"tensor {k} is named a bfloat16 mirror but is not a float32 array")
         if not arrays:
             raise ValueError("need at least one tensor to average")
         if not any(a.size for a in arrays):
@@ -73,13 +92,19 @@ class FlatLayout:
         for a in arrays:
             offsets.append(offsets[-1] + a.size)
         all64 = all(a.dtype == np.float64 for a in arrays)
+        dtypes = tuple(BF16_DTYPE if k in bf16 else a.dtype.str for k, a in enumerate(arrays))
         return cls(
             tuple(a.shape for a in arrays),
-            tuple(a.dtype.str for a in arrays),
+            dtypes,
             tuple(offsets),
             np.dtype("<f8" if all64 else "<f4"),
-            _codecs.resolve(compression, [a.shape for a in arrays], [a.dtype for a in arrays]),
+            _codecs.resolve(compression, [a.shape for a in arrays], dtypes),
         )
+
+    @functools.cached_property
+    def _host_dtypes(self) -> tuple[str, ...]:
+        """Per tensor, the dtype of the host array the layout reads (a bfloat16 tensor's is its float32 mirror)."""
+        return tuple("<f4" if d == BF16_DTYPE else d for d in self.dtypes)
 
     @functools.cached_property
     def _codec_names(self) -> tuple[str, ...]:
@@ -98,7 +123,7 @@ class FlatLayout:
 
     @functools.cached_property
     def fingerprint(self) -> str:
-        """Equal only for layouts that can be averaged together (shapes, dtypes)."""
+        """Equal only for layouts that can be averaged together (shapes, dtypes: bfloat16 is not float32)."""
         text = repr((self.shapes, self.dtypes, self.dtype.str))
         if any(self._codec_names):  # peers that compress a tensor differently cannot average it together
             text += repr(self._codec_names)
@@ -114,7 +139,7 @@ class FlatLayout:
         return f"{len(self.shapes)} tensors, {self.numel} elements as {self.dtype}"
 
     def check(self, arrays: Sequence[np.ndarray]) -> None:
-        if tuple(a.shape for a in arrays) != self.shapes or tuple(a.dtype.str for a in arrays) != self.dtypes:
+        if tuple(a.shape for a in arrays) != self.shapes or tuple(a.dtype.str for a in arrays) != self._host_dtypes:
             raise ValueError("tensors changed shape or dtype since the averager was created")
 
     def new_buffer(self) -> np.ndarray:

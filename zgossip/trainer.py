@@ -34,7 +34,8 @@ from .checkpoint import check_checkpoint, checkpoint_dict, whole_number
 from .clock import WALL_CLOCK, Clock
 from .errors import StateUnavailable, ZGossipError
 from .progress import PeerProgress, SwarmView, progress_record, run_digest
-from .training_state import LayoutMismatch, ModelLayout, copy_arrays, named_tensors, pack_state, unpack_state
+from .training_state import (LayoutMismatch, ModelLayout, bf16_state_compression, copy_arrays, named_tensors,
+                             pack_state, unpack_state)
 
 __all__ = ["TrainerPeer", "ServingAverager", "clock_of", "refuse_auxiliary",
            "SchedulerLike", "first_nonfinite", "params_digest"]
@@ -100,6 +101,8 @@ def params_digest(params: Sequence[torch.Tensor], epoch: int, samples_per_tensor
     with torch.no_grad():
         for p in params:
             flat = p.detach().reshape(-1)
+            if flat.dtype == torch.bfloat16:  # numpy has no bfloat16: digest its bits
+                flat = flat.view(torch.int16)
             stride = max(1, flat.numel() // samples_per_tensor)
             h.update(flat[::stride].contiguous().numpy().tobytes())
     return h.hexdigest()
@@ -156,6 +159,7 @@ class TrainerPeer:
         self._averaging = False
         self._param_digest = ""  # published by wrappers whose peers must hold identical parameters
         opts = {**TRAINING_DEFAULTS, **(averager_opts or {})}
+        bf16_state_compression(opts, self.params)  # the state served begins with the parameters
         refuse_auxiliary(opts, type(self).__name__)
         self.clock: Clock = clock_of(opts)
         self._lock = self.clock.lock(reentrant=True)

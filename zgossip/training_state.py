@@ -5,7 +5,8 @@ Two things every training integration needs and the core `Averager` leaves to it
 * `pack_state` / `unpack_state` turn a nested object -- an optimizer ``state_dict()``, a
   scheduler's, a moolib-style user state -- into ``(metadata, arrays)`` for
   `Averager.get_current_state` and back. Tensors and numpy arrays travel as raw arrays
-  (the donor streams them in checksummed chunks); everything else must be a msgpack
+  (the donor streams them in checksummed chunks; a bfloat16 tensor as float32, which holds it
+  exactly, restored to bfloat16); everything else must be a msgpack
   scalar, list, tuple or dict. Nothing is pickled: a state with another kind of object
   raises `TypeError` naming where it sits.
 * `ModelLayout` describes the tensors a peer averages (names, shapes, dtypes) compactly
@@ -24,7 +25,7 @@ import torch
 
 from .errors import ZGossipError
 
-__all__ = ["pack_state", "unpack_state", "ModelLayout", "LayoutMismatch", "copy_arrays"]
+__all__ = ["pack_state", "unpack_state", "ModelLayout", "LayoutMismatch", "copy_arrays", "bf16_state_compression"]
 
 # dtypes the state stream accepts (zgossip.wire.DTYPES); bool travels as uint8 and is restored
 _TORCH_TO_NUMPY = {
@@ -41,14 +42,20 @@ class LayoutMismatch(ZGossipError):
 
 
 def _tensor_array(t: torch.Tensor, where: str) -> tuple[np.ndarray, bool]:
-    if t.dtype not in _TORCH_TO_NUMPY:
-        raise TypeError(f"state at {where}: torch dtype {t.dtype} cannot be shared (use float16/32/64, int32/64, "
-                        "uint8 or bool)")
+    if t.dtype not in _TORCH_TO_NUMPY and t.dtype != torch.bfloat16:
+        raise TypeError(f"state at {where}: torch dtype {t.dtype} cannot be shared (use float16/32/64, bfloat16, "
+                        "int32/64, uint8 or bool)")
+    return _host_array(t), t.dtype == torch.bool
+
+
+def _host_array(t: torch.Tensor) -> np.ndarray:
+    """A private numpy copy of `t`: bool as uint8, bfloat16 as float32 (both exact)."""
     t = t.detach().cpu()
-    is_bool = t.dtype == torch.bool
-    if is_bool:
+    if t.dtype == torch.bool:
         t = t.to(torch.uint8)
-    return np.array(t.contiguous().numpy(), copy=True), is_bool
+    elif t.dtype == torch.bfloat16:
+        t = t.float()
+    return np.array(t.contiguous().numpy(), copy=True)
 
 
 def pack_state(obj: Any) -> tuple[Any, list[np.ndarray]]:
@@ -56,7 +63,8 @@ def pack_state(obj: Any) -> tuple[Any, list[np.ndarray]]:
 
     Encoding: scalars stay as they are; a list stays a list; every other container is a
     one-key map -- ``{"d": [[k, v], ...]}`` dict, ``{"t": [...]}`` tuple, ``{"T": [i, bool]}``
-    torch tensor number i, ``{"A": i}`` numpy array number i -- so decoding is unambiguous.
+    torch tensor number i (``{"T": [i, False, "bfloat16"]}`` for a bfloat16 one, whose array is
+    float32), ``{"A": i}`` numpy array number i -- so decoding is unambiguous.
     """
     arrays: list[np.ndarray] = []
 
@@ -72,6 +80,8 @@ def pack_state(obj: Any) -> tuple[Any, list[np.ndarray]]:
         if isinstance(x, torch.Tensor):
             arr, is_bool = _tensor_array(x, where)
             arrays.append(arr)
+            if x.dtype == torch.bfloat16:
+                return {"T": [len(arrays) - 1, False, "bfloat16"]}
             return {"T": [len(arrays) - 1, is_bool]}
         if isinstance(x, np.ndarray):
             if x.dtype not in _NUMPY_OK:
@@ -111,8 +121,14 @@ def unpack_state(meta: Any, arrays: Sequence[np.ndarray]) -> Any:
             if tag == "t":
                 return tuple(dec(e) for e in v)
             if tag == "T":
-                i, is_bool = v
+                i, is_bool, *kind = v
+                if kind not in ([], ["bfloat16"]):
+                    raise ValueError(f"malformed state metadata: unknown tensor kind {kind!r}")
                 t = torch.from_numpy(np.array(arrays[i], copy=True))
+                if kind:
+                    if t.dtype != torch.float32:
+                        raise ValueError(f"malformed state: a bfloat16 tensor came as {t.dtype}, not float32")
+                    return t.to(torch.bfloat16)
                 return t.to(torch.bool) if is_bool else t
             if tag == "A":
                 return np.array(arrays[v], copy=True)
@@ -123,8 +139,19 @@ def unpack_state(meta: Any, arrays: Sequence[np.ndarray]) -> Any:
 
 
 def copy_arrays(tensors: Iterable[torch.Tensor]) -> list[np.ndarray]:
-    """Private numpy copies of CPU tensors (a consistent snapshot to serve to a peer)."""
-    return [np.array(t.detach().cpu().numpy(), copy=True) for t in tensors]
+    """Private numpy copies of CPU tensors (a consistent snapshot to serve to a peer; bfloat16 as float32)."""
+    return [np.array((t.float() if t.dtype == torch.bfloat16 else t).detach().cpu().numpy(), copy=True)
+            for t in tensors]
+
+
+def bf16_state_compression(opts: dict, tensors: Sequence[torch.Tensor]) -> None:
+    """Unless `opts` name a ``state_compression``: the bf16 codec for the bfloat16 ones among `tensors`,
+    which a wrapper serves first in its state (as float32 holding bfloat16 values, so bf16 carries them
+    exactly in half the bytes; `copy_arrays`)."""
+    if opts.get("state_compression") is None:
+        chosen = {i: "bf16" for i, t in enumerate(tensors) if t.dtype == torch.bfloat16}
+        if chosen:
+            opts["state_compression"] = chosen
 
 
 def _fmt_shape(shape: Sequence[int]) -> str:

@@ -62,6 +62,25 @@ def test_cuda_tensors_are_averaged_where_they_live_through_pinned_mirrors():
             assert ts[0] is ta[0] and ts[0].is_cuda
 
 
+def test_bf16_cuda_tensors_get_float32_pinned_mirrors_and_the_rounded_mean():
+    """Written without a GPU at hand (see README, "bfloat16"): a bfloat16 CUDA tensor is staged through a
+    pinned float32 mirror; the result is the float32 mean rounded to bfloat16, on the device."""
+    ga, gb = torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)
+    xa = (torch.randint(-255, 256, (5000,), generator=ga).float() / 32).to(torch.bfloat16)
+    xb = (torch.randint(-255, 256, (5000,), generator=gb).float() / 32).to(torch.bfloat16)
+    want = ((xa.float() + xb.float()) / 2).to(torch.bfloat16)
+    ta, tb = [xa.cuda()], [xb.cuda()]
+    a, b = _pair(ta, tb)
+    with a, b:
+        host = a._staging._host[0]
+        assert host.dtype == torch.float32 and host.is_pinned()
+        ra, rb = _both(a, b)
+        assert ra.complete and rb.complete
+        torch.cuda.synchronize()
+        for t in (ta, tb):
+            assert t[0].is_cuda and t[0].dtype == torch.bfloat16 and torch.equal(t[0].cpu(), want)
+
+
 def test_snapshot_waits_for_queued_training_work_and_later_work_sees_the_average():
     n = 1 << 20
     xa, xb = torch.zeros(n, device="cuda"), torch.full((n,), 2.0, device="cuda")

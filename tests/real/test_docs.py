@@ -234,19 +234,16 @@ def test_readme_sweep_file_loads_as_the_text_counts(tmp_path):
 
 
 @pytest.mark.parametrize("make", [lambda: np.arange(3), lambda: np.zeros(3, np.complex64), lambda: np.ones(3, bool),
-                                  "bfloat16"])
-def test_readme_tensor_dtypes_other_than_float16_32_64_raise_type_error(make):
-    """README, "Using it": "Tensors must be float16, float32 or float64 (others, torch's bfloat16
-    included, raise TypeError)"."""
-    if make == "bfloat16":
-        torch = pytest.importorskip("torch")
-        tensor = torch.zeros(3, dtype=torch.bfloat16)
-    else:
-        tensor = make()
+                                  "torch.int16"])
+def test_readme_tensor_dtypes_other_than_float16_32_64_bfloat16_raise_type_error(make):
+    """README, "Using it": "Tensors must be float16, float32, float64 or torch's bfloat16 (others
+    raise TypeError ...)"."""
+    torch = pytest.importorskip("torch")
+    tensor = torch.zeros(3, dtype=torch.int16) if make == "torch.int16" else make()
     with pytest.raises(TypeError):
         zgossip.Averager([tensor], prefix="docs-dtype", listen="tcp://127.0.0.1:0").shutdown()
-    for dt in (np.float16, np.float32, np.float64):
-        zgossip.Averager([np.zeros(3, dt)], prefix="docs-dtype", listen="tcp://127.0.0.1:0").shutdown()
+    for t in [np.zeros(3, dt) for dt in (np.float16, np.float32, np.float64)] + [torch.zeros(3, dtype=torch.bfloat16)]:
+        zgossip.Averager([t], prefix="docs-dtype", listen="tcp://127.0.0.1:0").shutdown()
 
 
 def test_readme_error_classes_exist_and_derive_from_zgossip_error():

@@ -274,8 +274,16 @@ def test_pack_state_round_trip_and_refusals():
                            opt.state_dict()["state"][0]["exp_avg"])
     with pytest.raises(TypeError, match=r"state\['fn'\]: function cannot be shared"):
         pack_state({"fn": lambda: 0})
-    with pytest.raises(TypeError, match="bfloat16"):
-        pack_state([torch.zeros(2, dtype=torch.bfloat16)])
+    with pytest.raises(TypeError, match="complex64 cannot be shared"):
+        pack_state([torch.zeros(2, dtype=torch.complex64)])
+    # bfloat16 travels as float32 (exact) and comes back as bfloat16; an unknown tensor kind is refused
+    x = torch.randn(5).to(torch.bfloat16)
+    meta, arrays = pack_state({"x": x})
+    assert arrays[0].dtype == np.float32
+    back = unpack_state(meta, arrays)["x"]
+    assert back.dtype == torch.bfloat16 and torch.equal(back, x)
+    with pytest.raises(ValueError, match="unknown tensor kind"):
+        unpack_state({"T": [0, False, "float8"]}, arrays)
 
 
 def test_model_layout_names_the_tensor_that_differs():

@@ -146,6 +146,21 @@ def test_resolve_per_tensor_choices():
             C.resolve(bad, shapes, dtypes)
 
 
+def test_resolve_for_bfloat16_tensors():
+    """A bfloat16 tensor (dtype "bf16" in a layout) travels as bf16 by default and when named none (raw
+    float32 would carry the same values in twice the bytes); other codecs named for it win; a rule is
+    told its dtype as "bfloat16"."""
+    shapes, dtypes = [(10,), (5000,)], [C.BF16_DTYPE, np.float32]
+    assert C.resolve(None, shapes, dtypes) == (C.BF16, C.NONE)
+    assert C.resolve("none", shapes, dtypes) == (C.BF16, C.NONE)
+    assert C.resolve("int8", shapes, dtypes) == (C.INT8, C.INT8)
+    assert C.resolve({0: "fp16"}, shapes, dtypes) == (C.FP16, C.NONE)
+    seen = []
+    assert C.resolve(lambda i, s, d: seen.append(d) or "none", shapes, dtypes) == (C.BF16, C.NONE)
+    assert seen == ["bfloat16", np.dtype(np.float32)]
+    assert C.resolve(C.by_size(1000, "int8"), shapes, dtypes) == (C.BF16, C.INT8)
+
+
 @pytest.mark.skipif(not __import__("zgossip.kernels").kernels.NATIVE, reason="C extension not built")
 @pytest.mark.parametrize("codec", LOSSY)
 def test_c_and_numpy_paths_give_the_same_bytes(codec, monkeypatch):
