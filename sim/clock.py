@@ -15,6 +15,12 @@ on its own semaphore until the baton is handed to it. So:
 * Virtual time advances only when every simulated thread is blocked in a clock wait -- that is
   the only time the scheduler holds the baton and SimPy can pop the next event.
 
+When a simulation is done with, `VirtualClock.close` ends every OS thread it made: idle pooled
+ones, and threads still parked in a clock wait (a worker waiting for work, a user thread the run
+left blocked), whose wait then raises `SimulationClosed` so their code unwinds. Each parked thread
+held the whole simulation (its clock, the environment, every peer and tensor) for the life of
+the process: a notebook running scenario after scenario grew by every run's peers.
+
 `spawn` starts a user thread at the current virtual time (in event order); an `executor`
 (the `Averager`'s apply and serve workers) runs each task at once on a pooled thread, which
 returns the baton when the task ends -- so a task that never waits costs no virtual time and
@@ -30,17 +36,26 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import functools
+import logging
 import threading
 from collections import deque
 from typing import Any, Callable
 
 import simpy
 
-__all__ = ["VirtualClock", "SimThread", "WouldBlock"]
+__all__ = ["VirtualClock", "SimThread", "WouldBlock", "SimulationClosed"]
+
+log = logging.getLogger(__name__)
 
 
 class WouldBlock(RuntimeError):
     """A clock wait outside a simulated thread: it would block the simulation itself."""
+
+
+class SimulationClosed(BaseException):
+    """Raised in a simulated thread's clock wait when its simulation was closed (`VirtualClock.close`):
+    nothing will ever wake it. A BaseException, like SystemExit, so that code catching Exception
+    unwinds instead of waiting again."""
 
 
 class _Runner:
@@ -70,8 +85,12 @@ class _Runner:
                 return
             try:
                 job()
+            except SimulationClosed:
+                pass  # (its simulation was closed while it waited: `VirtualClock.close`)
             finally:
                 clock._job_done(self)
+            if clock._closed:
+                return
 
 
 class SimThread:
@@ -185,6 +204,8 @@ class VirtualClock:
         self._scheduler = _Runner(None, "scheduler")  # whatever thread runs env.run
         self._holder = self._scheduler  # who holds the baton
         self._idle: list[_Runner] = []
+        self._runners: list[_Runner] = []  # every OS thread made (pooled: a few per simulation)
+        self._closed = False
         self._tls = threading.local()
         self._made = 0
         self.switches = 0
@@ -239,6 +260,8 @@ class VirtualClock:
     # ------------------------------------------------------------------ simulated threads
     def spawn(self, fn: Callable, *args: Any, name: str = "sim-thread") -> SimThread:
         """Start ``fn(*args)`` as a simulated user thread at the current virtual time."""
+        if self._closed:
+            raise SimulationClosed(f"cannot spawn {name}: the simulation was closed")
         th = SimThread(self.env, name)
 
         def body() -> None:
@@ -258,15 +281,30 @@ class VirtualClock:
     def in_simulated_thread(self) -> bool:
         return getattr(self._tls, "runner", None) is not None
 
-    def close(self) -> None:
-        """Stop the idle pooled OS threads (threads still blocked in a wait stay parked: daemons)."""
-        idle, self._idle = self._idle, []
-        for r in idle:
-            r.job = None
+    def close(self, timeout: float = 5.0) -> None:
+        """End every OS thread this clock made: the idle ones stop; one still parked in a clock wait
+        gets `SimulationClosed` raised there, one at a time (no two run at once, as in the simulation),
+        and each is waited for (up to `timeout` seconds; one that does not end is logged and left).
+        Only once nothing runs the simulation any more: after its last ``env.run``. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._idle = []
+        for r in self._runners:
+            if r.thread is None or not r.thread.is_alive():
+                continue
+            r.job = None  # (an idle runner ends; a parked one raises in its wait)
             r.sem.release()
+            r.thread.join(timeout)
+            if r.thread.is_alive():
+                log.warning("simulated thread %s did not end within %.0f s of its simulation's close: left running "
+                            "(it keeps that simulation in memory)", r.name, timeout)
+        self._runners = []
 
     # ------------------------------------------------------------------ the baton
     def _me(self, what: str) -> _Runner:
+        if self._closed:
+            raise SimulationClosed(f"cannot {what}: the simulation was closed")
         me = getattr(self._tls, "runner", None)
         if me is None:
             raise WouldBlock(f"cannot {what} outside a simulated thread: that would block the simulation "
@@ -289,6 +327,8 @@ class VirtualClock:
         self._holder = back
         back.sem.release()
         me.sem.acquire()
+        if self._closed:
+            raise SimulationClosed("the simulation was closed while this simulated thread waited")
 
     def _wake_after(self, me: _Runner, token: object, delay: float) -> None:
         ev = self.env.timeout(delay)
@@ -302,15 +342,20 @@ class VirtualClock:
 
     def _run_now(self, job: Callable[[], None], name: str) -> None:
         """Run `job` on a pooled thread now, until it ends or waits."""
+        if self._closed:
+            raise SimulationClosed(f"cannot start {name}: the simulation was closed")
         runner = self._idle.pop() if self._idle else None
         if runner is None:
             self._made += 1
             runner = _Runner(self, f"{name}-{self._made}")
+            self._runners.append(runner)
             runner.start()
         runner.job = job
         self._switch(runner)
 
     def _job_done(self, runner: _Runner) -> None:
+        if self._closed:
+            return  # unwound by `close`: no baton to hand back, nobody to resume
         back = runner.resumer
         assert back is not None and self._holder is runner
         self._idle.append(runner)

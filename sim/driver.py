@@ -726,6 +726,11 @@ class SimCluster:
         with gc_frozen():
             self.env.run(until=until)
 
+    def close(self) -> None:
+        """Done with this simulation: end the OS threads its simulated threads ran on (`VirtualClock.close`),
+        which otherwise keep every peer and tensor of it in memory for the life of the process."""
+        self.clock.close()
+
 
 _gc_lock = threading.Lock()
 _gc_users = 0  # simulations running now, in any thread (a sweep may run several at once)

@@ -155,16 +155,19 @@ def message_level_curves(n: int, p: float, *, restarts: int = 10, cap: int = 50,
         run.truth = values.mean(keepdims=True)
         out[r, 0] = float(((values - values.mean()) ** 2).mean())
         k = 0
-        while k < cap:
-            run.sc.rounds = 1
-            res = run.run_rounds(start=k)
-            k += 1
-            out[r, k] = res[-1]["mse"]
-            if progress:
-                progress(r, k)
-            if out[r, k] <= 1e-9:
-                out[r, k + 1:] = out[r, k]
-                break
+        try:
+            while k < cap:
+                run.sc.rounds = 1
+                res = run.run_rounds(start=k)
+                k += 1
+                out[r, k] = res[-1]["mse"]
+                if progress:
+                    progress(r, k)
+                if out[r, k] <= 1e-9:
+                    out[r, k + 1:] = out[r, k]
+                    break
+        finally:
+            run.close()
     return out
 
 

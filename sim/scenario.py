@@ -490,12 +490,21 @@ class ScenarioRun(SimFaultContext):
 
     # ---------------------------------------------------------------- run
     def run(self, progress: Callable[[int, int], None] | None = None) -> ScenarioResult:
+        """All the scenario's rounds, then `close`."""
         sc = self.sc
-        rounds = self.run_rounds(0, progress)
-        peer_bytes = [[int(self.network.sent_bytes.get(p.endpoint, 0)), int(self.network.received_bytes.get(p.endpoint, 0))]
-                      for p in self.slots]
-        return ScenarioResult(sc.to_dict(), rounds, peer_bytes, self.cluster.trace_hash, self.cluster.delivered,
-                              self.cluster.lost, self.walls)
+        try:
+            rounds = self.run_rounds(0, progress)
+            peer_bytes = [[int(self.network.sent_bytes.get(p.endpoint, 0)),
+                           int(self.network.received_bytes.get(p.endpoint, 0))] for p in self.slots]
+            return ScenarioResult(sc.to_dict(), rounds, peer_bytes, self.cluster.trace_hash, self.cluster.delivered,
+                                  self.cluster.lost, self.walls)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Done with this run (`run` does it; callers of `run_rounds` should): its simulated threads end,
+        so nothing keeps its peers in memory (`sim.driver.SimCluster.close`)."""
+        self.cluster.close()
 
     def run_rounds(self, start: int = 0, progress: Callable[[int, int], None] | None = None) -> list[dict]:
         """Run rounds ``start .. start + sc.rounds - 1`` (bootstrapping first if nothing ran yet)."""

@@ -526,6 +526,12 @@ class TrainRun(SimFaultContext):
 
     # ---------------------------------------------------------------- run
     def run(self) -> TrainResult:
+        try:
+            return self._run()
+        finally:
+            self.clock.close()  # (`sim.clock.VirtualClock.close`: nothing of this run stays alive)
+
+    def _run(self) -> TrainResult:
         w0 = time.perf_counter()
         env = self.env
         limit = self.sc.bootstrap_time + 10.0 + self.spec.steps * (self.spec.step_time + 30.0)
@@ -544,7 +550,6 @@ class TrainRun(SimFaultContext):
         res = TrainResult(self.sc.to_dict(), self.evals, self._trainer_rows(), self._curve(), self._final(),
                           self.losses.hexdigest(), self.cluster.trace_hash, self.cluster.delivered,
                           self.cluster.lost, wall)
-        self.clock.close()
         return res
 
     def _trainer_rows(self) -> list[dict]:
