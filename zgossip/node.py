@@ -524,9 +524,10 @@ class Node:
         return announce.may_join(records, self._prefix_tag, announce.tag(base, 4), rnd)
 
     def _heard_client(self, msg: Message, now: float) -> None:
-        """A client-mode peer spoke to us. No membership table holds clients, so a rendezvous peer
-        keeps what a client announced (in its gossip) here, for `_may_join`: a small swarm with a
-        client then still waits for it. Forgotten after peer_timeout of silence; bounded."""
+        """A client-mode peer spoke to us: a rendezvous peer keeps what it announced (in its gossip)
+        here, for `_may_join`, so a small swarm with a client still waits for it. (`Membership.clients`
+        also holds clients, relayed ones too, for their progress; this table is what the client told
+        this peer itself, fresh from its last message.) Forgotten after peer_timeout of silence; bounded."""
         info = self._clients.get(msg.sender, ({}, 0.0))[0]
         if type(msg) in (Gossip, GossipReply) and msg.peers and msg.peers[0][0] == msg.sender:
             info = msg.peers[0][4]  # a digest starts with the sender's own record
