@@ -38,10 +38,11 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from .diloco import DiLoCoOptimizer  # DiLoCo (outer steps on averaged pseudo-gradients) lives in its own module
 from .errors import ZGossipError
 from .trainer import SchedulerLike, TrainerPeer
 
-__all__ = ["DecentralizedOptimizer", "DecentralizedSGD", "DecentralizedAdam", "init_optimizer_state"]
+__all__ = ["DecentralizedOptimizer", "DecentralizedSGD", "DecentralizedAdam", "DiLoCoOptimizer", "init_optimizer_state"]
 
 log = logging.getLogger(__name__)
 
