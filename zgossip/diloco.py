@@ -39,8 +39,11 @@ What this module owns, beyond that arithmetic:
   counted in `nonfinite_batches`. A non-finite delta (the inner optimizer diverged) is never
   sent: this peer joins the round with a zero delta and weight ~0, so it receives the others'
   mean; alone, or if that round fails, it skips the outer step (parameters reset to the anchor).
-  A non-finite *mean* (a peer sent NaN without flagging it) makes every member skip the outer
-  step in the same way. Each case is logged and recorded in ``last_round``.
+  The delta is checked again after the round: the averager never puts another member's NaN/inf
+  into it (a member whose terms are not finite is left out of that span and keeps its own values
+  there), so a non-finite value left in it is this peer's own, sent unflagged (a bug); this peer
+  then skips the outer step rather than apply it, and is out of sync (the round was partial).
+  Each case is logged and recorded in ``last_round``.
 * **Joining.** A newcomer, or a peer behind the swarm's epoch, downloads the anchor (as the
   parameters), the outer optimizer's state, the inner optimizer's and scheduler's state and the
   epoch from a peer, and starts its H inner steps from that anchor; the peers at the outer step
@@ -410,9 +413,9 @@ class DiLoCoOptimizer(TrainerPeer):
             if do_step and result is not None:
                 mean_bad = first_nonfinite(self._delta)
                 if mean_bad is not None:
-                    log.error("%s: the averaged pseudo-gradient of %s is NaN/inf: a peer sent non-finite values "
-                              "without flagging them. Skipping outer step %d (every member of the group does the "
-                              "same)", self.peer_id[:8], self.param_layout.describe(mean_bad), epoch)
+                    log.error("%s: the pseudo-gradient of %s is NaN/inf after the round (the averager left this "
+                              "peer's own non-finite values in place): skipping outer step %d",
+                              self.peer_id[:8], self.param_layout.describe(mean_bad), epoch)
                     rnd["nonfinite_average"] = True
                     do_step = False
             if not do_step:

@@ -226,6 +226,75 @@ def test_a_lone_peer_and_a_failed_round_step_on_the_local_pseudo_gradient_and_na
             o.shutdown()
 
 
+def test_a_diverged_peer_receives_the_others_mean_and_a_peer_holding_nan_skips_its_outer_step():
+    models = [_model(0), _model(0)]
+    opts = _swarm(models, prefix="dl-nan")
+    try:
+        gens = [torch.Generator().manual_seed(s) for s in (1, 2)]
+        # peer 0 diverged (an infinite parameter): it sends a zero delta with weight ~0
+        # and steps, like peer 1, on peer 1's delta (lr 1: both land on peer 1's local parameters)
+        with torch.no_grad():
+            next(models[0].parameters())[0, 0] = float("inf")
+        local = _outer_round(models, opts, gens)
+        assert opts[0].last_round["nonfinite_delta"]  # (tanh saturates: its gradients stay finite)
+        for o in opts:
+            assert o.last_round["ok"] and o.last_round["outer_step"], o.last_round
+        for p, q, l1 in zip(models[0].parameters(), models[1].parameters(), local[1]):
+            assert torch.equal(p, q)
+            torch.testing.assert_close(p.detach(), l1, rtol=1e-6, atol=1e-6)
+        # peer 1 sends NaN without flagging it (as a buggy peer would): the averager leaves it out of that span,
+        # so peer 0 steps on a finite mean; peer 1 keeps its own NaN there and skips its outer step instead
+        # of applying it; the round was partial, so both resynchronise onto one anchor
+        real = opts[1]._average
+
+        def sends_nan(epoch: int, weight: float, rnd: dict) -> Any:
+            with torch.no_grad(), opts[1].averager.get_tensors():
+                opts[1]._delta[0].view(-1)[0] = float("nan")
+            return real(epoch, weight, rnd)
+
+        opts[1]._average = sends_nan
+        anchor = _params(models[1])
+        _outer_round(models, opts, gens)
+        assert not opts[0].last_round["complete"] and opts[0].last_round["outer_step"]
+        assert opts[1].last_round["nonfinite_average"] and not opts[1].last_round["outer_step"]
+        assert all(torch.equal(p, a) for p, a in zip(models[1].parameters(), anchor))
+        assert all(bool(torch.isfinite(p).all()) for m in models for p in m.parameters())
+        assert not opts[0].in_sync and not opts[1].in_sync
+        deadline = time.monotonic() + 10
+        while not (opts[0].in_sync and opts[1].in_sync and all(
+                torch.equal(a, b) for a, b in zip(opts[0]._anchor, opts[1]._anchor))):
+            assert time.monotonic() < deadline, "the peers did not resynchronise"
+            for o in opts:
+                o.synchronize()
+            time.sleep(0.02)
+        assert opts[0].local_epoch == opts[1].local_epoch == 2
+    finally:
+        for o in opts:
+            o.shutdown()
+
+
+def test_peers_started_from_different_parameters_converge_onto_one_anchor():
+    """Pseudo-gradient averaging never pulls anchors together, so peers compare anchor digests: at one
+    epoch the reference (here a tie: the lowest peer id's) is downloaded by the others."""
+    models = [_model(0), _model(1)]
+    opts = _swarm(models, prefix="dl-init")
+    try:
+        ref = min(opts, key=lambda o: o.peer_id)
+        ref_anchor = [a.clone() for a in ref._anchor]
+        deadline = time.monotonic() + 10
+        while not all(torch.equal(a, b) for a, b in zip(opts[0]._anchor, opts[1]._anchor)):
+            assert time.monotonic() < deadline, "the anchors never converged"
+            for o in opts:
+                o.synchronize()
+            time.sleep(0.02)
+        assert all(torch.equal(a, b) for a, b in zip(ref._anchor, ref_anchor))  # the reference kept its own
+        assert all(torch.equal(p, q) for p, q in zip(models[0].parameters(), models[1].parameters()))
+        assert opts[0].local_epoch == opts[1].local_epoch == 0
+    finally:
+        for o in opts:
+            o.shutdown()
+
+
 def test_a_late_joiner_downloads_the_anchor_and_outer_state_and_ends_bit_identical():
     models = [_model(0), _model(0)]
     opts = _swarm(models, outer=_nesterov, prefix="dl-join")
