@@ -29,6 +29,9 @@ the peers at the highest epoch have made ``steps_per_epoch`` steps together, and
 behind by at most ``max_epoch_lag`` simply adopts the higher epoch (its scheduler steps
 along). A peer further behind -- a newcomer, or one that was paused -- downloads
 parameters, optimizer and scheduler state from the best donor.
+
+`DiLoCoOptimizer` (re-exported here; it lives in `zgossip.diloco`) averages pseudo-gradients
+instead and steps an outer optimizer on them, synchronously.
 """
 from __future__ import annotations
 
