@@ -349,8 +349,9 @@ class DiLoCoOptimizer(TrainerPeer):
 
     # ------------------------------------------------------------------ the outer step
     def _await_stragglers(self) -> SwarmView:
-        """Announce that this peer finished its inner steps; wait (bounded) for the others at its epoch."""
-        self._averaging = True
+        """Publish that this peer finished its inner steps; wait (bounded) for the others at its epoch, or
+        until one of them entered the round (then follow it: views differ, e.g. on a newcomer only some
+        peers heard of, and a round entered late finds its group formed without it)."""
         self._publish()
         deadline = self.clock.now() + self.straggler_timeout
         while True:
@@ -361,11 +362,13 @@ class DiLoCoOptimizer(TrainerPeer):
             # whose newer record has not reached us yet: both are waited for, like the peers still stepping
             waiting = [p for p in view.others() if p.ready and p.epoch <= self.local_epoch and not (
                 p.epoch == self.local_epoch and (p.averaging or p.samples >= self.inner_steps))]
-            if not waiting or self.clock.now() >= deadline:
-                if waiting:
+            if not waiting or view.averaging_at(self.local_epoch) or self.clock.now() >= deadline:
+                if waiting and not view.averaging_at(self.local_epoch):
                     log.warning("%s: %d peer(s) at outer step %d did not finish their inner steps within "
                                 "straggler_timeout=%.1fs: averaging without them", self.peer_id[:8], len(waiting),
                                 self.local_epoch, self.straggler_timeout)
+                self._averaging = True  # entering the round: the peers still waiting follow
+                self._publish()
                 return view
             self.clock.sleep(min(0.02, self._gossip_interval / 4))
 
