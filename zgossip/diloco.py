@@ -135,6 +135,7 @@ class DiLoCoOptimizer(TrainerPeer):
         self.last_round: dict[str, Any] = {}
         self._next_check = 0.0
         self._loading: dict | None = None  # a checkpoint's or a donor's DiLoCo state, between its check and its use
+        self._stale: cf.Future | None = None  # a round that outlived its bound (see `_average`)
         opts = dict(averager_opts or {})
         opts.setdefault("matchmaking_time", matchmaking_time)
         opts.setdefault("target_group_size", target_group_size)
@@ -386,6 +387,7 @@ class DiLoCoOptimizer(TrainerPeer):
                 self.last_round = rnd
                 self._try_load_state(view, "the swarm took the outer step without this peer")
                 return
+            self._settle_stale()
             with torch.no_grad(), self.averager.get_tensors():  # no round is running: nothing else writes here
                 for d, a, p in zip(self._delta, self._anchor, self.params):
                     if d.dtype == p.dtype:
@@ -438,9 +440,14 @@ class DiLoCoOptimizer(TrainerPeer):
         try:
             fut = self.averager.step(weight=weight, gather={"ep": epoch}, timeout=self.averaging_timeout,
                                      wait=False, round=epoch)
-            cfg = self.averager.config
-            bound = (self.averaging_timeout or max(5.0, 3 * cfg.matchmaking_time)) + cfg.allreduce_timeout + 30.0
-            result = self.clock.result(fut, bound)  # the averager bounds the round; this only guards against a bug
+            try:
+                result = self.clock.result(fut, self._round_bound())
+            except cf.TimeoutError:
+                # the averager bounds the round, so this guards against a bug: drop it if it is still matchmaking,
+                # else make the next outer step wait for it before it writes the new deltas (`_settle_stale`)
+                if not fut.cancel():
+                    self._stale = fut
+                raise
         except (ZGossipError, cf.TimeoutError) as e:
             self.rounds["failed"] += 1
             rnd["error"] = f"{type(e).__name__}: {e}"
@@ -457,6 +464,18 @@ class DiLoCoOptimizer(TrainerPeer):
                         "this peer's own pseudo-gradient; resynchronising afterwards", self.peer_id[:8], epoch,
                         ", ".join(p[:8] for p in result.lost) or "none")
         return result
+
+    def _round_bound(self) -> float:
+        cfg = self.averager.config
+        return (self.averaging_timeout or max(5.0, 3 * cfg.matchmaking_time)) + cfg.allreduce_timeout + 30.0
+
+    def _settle_stale(self) -> None:
+        """A round that outlived its bound may still write its result into the deltas: let it end first."""
+        if self._stale is not None:
+            if not self.clock.wait(self._stale, self._round_bound()):
+                raise ZGossipError("an averaging round of an earlier outer step is still running after twice its "
+                                   "bound: this is a bug in zgossip; restart this peer (it will download the state)")
+            self._stale = None
 
     def _apply_outer(self, do_step: bool) -> None:
         """Reset to the anchor; with `do_step`, one outer step on the (averaged) delta; the result is the new
