@@ -125,6 +125,11 @@ class DiLoCoOptimizer(TrainerPeer):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         params = [p for g in optimizer.param_groups for p in g["params"]]
+        odd = sorted({str(p.dtype) for p in params} - {"torch.float16", "torch.float32", "torch.float64"})
+        if odd:
+            raise TypeError(f"DiLoCoOptimizer trains float16, float32 or float64 parameters, not {', '.join(odd)} "
+                            "(the anchor is served to newcomers as numpy arrays): keep float32 parameters and "
+                            "compute in lower precision with torch.autocast")
         self.outer = self._build_outer(outer, params, optimizer)
         self.inner_steps = inner_steps
         self.straggler_timeout = float(straggler_timeout)
@@ -169,7 +174,7 @@ class DiLoCoOptimizer(TrainerPeer):
     def _averaged_tensors(self) -> tuple[list[torch.Tensor], list[str]]:
         with torch.no_grad():
             self._anchor = [p.detach().clone() for p in self.params]
-            # float32 (float64 for float64 parameters): what the averager carries, bfloat16 and float16 included
+            # float32 (float64 for float64 parameters), float16 parameters included: the mean of many deltas
             self._delta = [torch.zeros(p.shape, dtype=torch.float64 if p.dtype == torch.float64 else torch.float32)
                            for p in self.params]
         self._param_digest = params_digest(self._anchor, self.local_epoch)
@@ -392,8 +397,8 @@ class DiLoCoOptimizer(TrainerPeer):
                 for d, a, p in zip(self._delta, self._anchor, self.params):
                     if d.dtype == p.dtype:
                         torch.sub(a, p, out=d)
-                    else:
-                        d.copy_(a - p)
+                    else:  # float16 parameters: subtract in float32
+                        d.copy_(a).sub_(p)
             bad = first_nonfinite(self._delta)
             if bad is not None:
                 log.error("%s: the pseudo-gradient of %s is NaN/inf (the inner optimizer diverged): this peer "
