@@ -27,7 +27,8 @@ and a ``[train]`` table:
                             #   peers * batch_size samples per step (gradient all-reduce)
                             # diloco: DiLoCoOptimizer, inner SGD (lr, momentum) for
                             #   average_every steps, then an outer SGD step on the mean
-                            #   pseudo-gradient, a group of all (steps: a multiple of it)
+                            #   pseudo-gradient, a group of all (up to twice the initial
+                            #   peers; steps: a multiple of average_every)
     params = 100000         # model size (approximate: the hidden width is rounded)
     d_in = 32
     d_out = 8
@@ -376,8 +377,10 @@ class TrainRun(SimFaultContext):
         if spec.optimizer == "diloco":
             # peers that wait for each other at an outer step follow the first that enters the round; its
             # record spreads in a few gossip intervals, so the window must outlast that (it closes early once
-            # every live peer joined)
+            # every live peer joined). One group must hold the swarm, late joiners included: groups give
+            # different means, and every peer outside the largest would download its state
             opts["matchmaking_time"] = 4 * opts["gossip_interval"]
+            opts["target_group_size"] = max(2, 2 * sc.peers)
         opts.update(sc.protocol)
         if index < len(self._hosts) and self._hosts[index].hint is not None:
             opts["bandwidth"] = float(self._hosts[index].hint)
@@ -498,10 +501,12 @@ class TrainRun(SimFaultContext):
         clock.sleep(max(0.0, t0 + step * dt - clock.now()))  # the initial trainers start together
         rec["started"] = float(clock.now())
         rec["first_step"] = step
+        evaluated: set[int] = set()  # (a DiLoCo trainer that downloaded the state passes some steps twice)
         try:
             while peer.alive and step < spec.steps and not (late and self.stop):
                 self.progress[index] = step
-                if step % spec.eval_every == 0:
+                if step % spec.eval_every == 0 and step not in evaluated:
+                    evaluated.add(step)
                     self._record_eval(index, peer, model, step)
                 x, y = batches()
                 loss = torch.nn.functional.mse_loss(model(torch.from_numpy(x)), torch.from_numpy(y))
