@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
@@ -120,8 +121,12 @@ class DiLoCoOptimizer(TrainerPeer):
     ) -> None:
         if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
             raise ValueError(f"inner_steps must be a whole number >= 1, not {inner_steps!r}")
-        if not straggler_timeout >= 0:
-            raise ValueError("straggler_timeout must be >= 0 seconds")
+        for name, value in (("straggler_timeout", straggler_timeout), ("averaging_timeout", averaging_timeout)):
+            if value is None and name == "averaging_timeout":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(f"{name} must be a finite number of seconds >= 0, not {value!r} (every wait here "
+                                 "has a bound)")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         params = [p for g in optimizer.param_groups for p in g["params"]]

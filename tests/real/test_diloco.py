@@ -372,6 +372,8 @@ def test_constructor_refusals():
         DiLoCoOptimizer(inner, inner_steps=2, prefix="x", outer=lambda ps: torch.optim.SGD(ps[:1], lr=1.0))
     with pytest.raises(TypeError, match="outer"):
         DiLoCoOptimizer(inner, inner_steps=2, prefix="x", outer=0.7)
+    with pytest.raises(ValueError, match="straggler_timeout must be a finite"):
+        DiLoCoOptimizer(inner, inner_steps=2, prefix="x", straggler_timeout=float("inf"))
     with pytest.raises(TypeError, match="bfloat16"):
         DiLoCoOptimizer(torch.optim.SGD(torch.nn.Linear(2, 2).to(torch.bfloat16).parameters(), lr=0.1),
                         inner_steps=2, prefix="x")
