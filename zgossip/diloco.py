@@ -22,18 +22,20 @@ What this module owns, beyond that arithmetic:
 * **Meeting at the same outer step.** The epoch (`local_epoch`) is the number of outer steps
   taken; the round of outer step k is pinned to round number k, so it never mixes deltas of two
   outer steps. Peers run at different speeds, so a peer that finished its H inner steps first
-  waits (at most ``straggler_timeout`` seconds) until every peer it knows of at its epoch has
-  published that it finished too; then all start the round within a gossip interval of each
-  other and meet in one matchmaking window. Synchronous, as in the paper: the outer step waits
-  for the round. (An overlapped "streaming" variant is not offered.)
+  waits (at most ``straggler_timeout`` seconds) until every peer it knows of at its epoch, or
+  behind it, has published that it finished too -- or until one of them entered the round: views
+  differ (a newcomer only some peers heard of), and the others then follow the first. So the
+  peers enter the round within a few gossip intervals of each other and meet in one matchmaking
+  window. Synchronous, as in the paper: the outer step waits for the round. (An overlapped
+  "streaming" variant is not offered.)
 * **Failures keep the "averaged or unchanged" rule.** Elements of the delta that a round did
   not average (a partial round) keep this peer's own delta, so there this peer applies its own
   pseudo-gradient; a round that fails entirely (no group, `PeerLost`, a timeout) still takes the
-  outer step, on the local delta. A peer that knows of no other peer takes it without a round.
-  Either way its anchor may now differ from the others': it marks itself out of sync, and since
-  anchors of one epoch must be equal (each peer publishes a digest of its anchor), a peer out of
-  sync -- or in the minority of a split -- downloads the anchor, the outer and inner optimizers'
-  state from an in-sync peer at its next step.
+  outer step, on the local delta. A peer that knows of no other peer at its outer step takes it
+  without a round. After a failed or partial round its anchor is its own: it marks itself out of
+  sync, and since anchors of one epoch must be equal (each peer publishes a digest of its anchor),
+  a peer out of sync -- or in the minority of a split -- downloads the anchor, the outer and inner
+  optimizers' state from an in-sync peer at its next step.
 * **NaN/inf.** As the other wrappers: an inner batch with a non-finite gradient is dropped
   (the inner step is skipped; it still counts as one of the H steps, so the schedule holds) and
   counted in `nonfinite_batches`. A non-finite delta (the inner optimizer diverged) is never
