@@ -2,7 +2,8 @@
 
 `python -m sim train SCENARIO` runs, for every peer, a plain blocking training loop --
 forward, backward, ``opt.step()``, ``opt.zero_grad()`` -- with the real training classes
-(`zgossip.optim.DecentralizedSGD`, `zgossip.collaborative.CollaborativeOptimizer`) on a
+(`zgossip.optim.DecentralizedSGD`, `zgossip.collaborative.CollaborativeOptimizer`,
+`zgossip.optim.DiLoCoOptimizer`) on a
 `sim.driver.SimTransport`. Each loop is a simulated thread (`SimCluster.spawn`), so its
 waits (matchmaking, rounds, state downloads, the compute time of a step) happen in virtual
 time; one seed gives one trace, bit for bit (torch runs on one thread, on CPU).
@@ -24,6 +25,10 @@ and a ``[train]`` table:
                             # gossip: DecentralizedSGD averaging in groups of 2
                             # collaborative: CollaborativeOptimizer, one global batch of
                             #   peers * batch_size samples per step (gradient all-reduce)
+                            # diloco: DiLoCoOptimizer, inner SGD (lr, momentum) for
+                            #   average_every steps, then an outer SGD step on the mean
+                            #   pseudo-gradient, a group of all (up to twice the initial
+                            #   peers; steps: a multiple of average_every)
     params = 100000         # model size (approximate: the hidden width is rounded)
     d_in = 32
     d_out = 8
@@ -31,7 +36,9 @@ and a ``[train]`` table:
     lr = 0.05
     momentum = 0.0
     steps = 50              # local steps of each initial trainer
-    average_every = 1       # local steps per averaging round (decentralized kinds)
+    average_every = 1       # local steps per averaging round (decentralized kinds, diloco)
+    outer_lr = 0.7          # diloco: the outer SGD's lr
+    outer_momentum = 0.9    # diloco: its (Nesterov) momentum; 0 = plain SGD
     step_time = 0.2         # virtual seconds of compute per step
     grid = []               # moshpit grid; [] = the squarest 2-d grid that holds the peers
     eval_every = 5          # held-out loss of every live trainer every k steps
@@ -46,7 +53,9 @@ from a live trainer and download its state (parameters, optimizer state, epoch) 
 swarm is ahead. Initial trainers make ``steps`` steps. Decentralized trainers never wait
 for a round, so the swarm steps on a schedule (step k at ``bootstrap_time + k * step_time``)
 and a late joiner falls in with it at the next step; a late collaborative trainer takes up
-the swarm's step count. So all curves share one step axis, and late joiners stop at
+the swarm's step count, and a late DiLoCo trainer the step count of the anchor it downloaded
+(its outer step times ``average_every``: the others wait for its inner steps at the next
+outer step). So all curves share one step axis, and late joiners stop at
 ``steps`` too (or when the last initial trainer finished). Crashed trainers stop. After the
 last step, ``final_round`` runs one more averaging round, pinned to its own round number so
 that only trainers that finished meet in it.
@@ -78,7 +87,7 @@ from .scenario import HostSpec, check_network_values, check_profile_fractions
 __all__ = ["TrainScenario", "TrainSpec", "TrainRun", "TrainResult", "run_train", "load_train_scenario",
            "OPTIMIZERS"]
 
-OPTIMIZERS = ("moshpit", "allreduce", "gossip", "collaborative")
+OPTIMIZERS = ("moshpit", "allreduce", "gossip", "collaborative", "diloco")
 
 # Averager settings of simulated trainers unless [protocol] says otherwise: gossip a little less
 # often than zgossip.trainer.TRAINING_DEFAULTS (it is most of the simulator's events at 64 peers)
@@ -109,6 +118,8 @@ class TrainSpec:
     noise: float = 0.1
     final_round: bool = True
     steps_per_epoch: int = 0
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainSpec":
@@ -127,6 +138,11 @@ class TrainSpec:
         finite = all(math.isfinite(float(v)) for v in (t.steps, t.step_time, t.lr, t.noise, t.steps_per_epoch))
         if not finite or t.steps < 0 or t.step_time < 0 or not t.lr > 0 or t.noise < 0 or t.steps_per_epoch < 0:
             raise ValueError("[train] needs finite steps >= 0, step_time >= 0, lr > 0, noise >= 0, steps_per_epoch >= 0")
+        if not (math.isfinite(float(t.outer_lr)) and t.outer_lr > 0 and 0 <= float(t.outer_momentum) < 1):
+            raise ValueError("[train] needs a finite outer_lr > 0 and 0 <= outer_momentum < 1")
+        if t.optimizer == "diloco" and t.steps % t.average_every:
+            raise ValueError(f"[train] diloco: steps ({t.steps}) must be a multiple of average_every "
+                             f"({t.average_every}), so that the run ends on an outer step")
         return t
 
     @property
@@ -375,6 +391,13 @@ class TrainRun(SimFaultContext):
                         else self.grid.random_coords(self._place_rng))
         else:  # a group of all (capped at twice the initial swarm: the protocol bounds group sizes)
             opts.update(target_group_size=max(2, sc.peers))
+        if spec.optimizer == "diloco":
+            # peers that wait for each other at an outer step follow the first that enters the round; its
+            # record spreads in a few gossip intervals, so the window must outlast that (it closes early once
+            # every live peer joined). One group must hold the swarm, late joiners included: groups give
+            # different means, and every peer outside the largest would download its state
+            opts["matchmaking_time"] = 4 * opts["gossip_interval"]
+            opts["target_group_size"] = max(2, 2 * sc.peers)
         opts.update(sc.protocol)
         if index < len(self._hosts) and self._hosts[index].hint is not None:
             opts["bandwidth"] = float(self._hosts[index].hint)
@@ -427,6 +450,18 @@ class TrainRun(SimFaultContext):
                                           batch_size=spec.batch_size,
                                           matchmaking_time=opts["matchmaking_time"],
                                           target_group_size=opts["target_group_size"], **common)
+        if spec.optimizer == "diloco":
+            from zgossip.optim import DiLoCoOptimizer
+
+            def outer(params: list) -> Any:
+                return torch.optim.SGD(params, lr=spec.outer_lr, momentum=spec.outer_momentum,
+                                       nesterov=spec.outer_momentum > 0)
+
+            sgd = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=spec.momentum)
+            return DiLoCoOptimizer(sgd, inner_steps=spec.average_every, outer=outer,
+                                   matchmaking_time=opts["matchmaking_time"],
+                                   target_group_size=opts["target_group_size"],
+                                   min_group_size=opts.get("min_group_size", 2), **common)
         from zgossip.optim import DecentralizedSGD
 
         return DecentralizedSGD(model.parameters(), lr=spec.lr, momentum=spec.momentum,
@@ -467,7 +502,11 @@ class TrainRun(SimFaultContext):
         late = rec["late"]
         t0, dt = self.sc.bootstrap_time, spec.step_time
         step = 0
-        if spec.optimizer == "collaborative" and late and clock.now() > t0:
+        if spec.optimizer == "diloco" and late:
+            # it starts its inner steps from the anchor it downloaded (or the initial one): the step of that
+            # anchor on the swarm's axis; the others wait for it at the next outer step
+            step = opt.local_epoch * spec.average_every + opt.steps_in_epoch
+        elif spec.optimizer == "collaborative" and late and clock.now() > t0:
             # its steps wait for the swarm's rounds: it takes up the swarm's step count (its state came from
             # there), so that the curves of all trainers share one step axis and it stops when the others do
             step = max((self.progress[s] for s, p in enumerate(self.slots) if p.alive and s in self.progress),
@@ -479,10 +518,12 @@ class TrainRun(SimFaultContext):
         clock.sleep(max(0.0, t0 + step * dt - clock.now()))  # the initial trainers start together
         rec["started"] = float(clock.now())
         rec["first_step"] = step
+        evaluated: set[int] = set()  # (a DiLoCo trainer that downloaded the state passes some steps twice)
         try:
             while peer.alive and step < spec.steps and not (late and self.stop):
                 self.progress[index] = step
-                if step % spec.eval_every == 0:
+                if step % spec.eval_every == 0 and step not in evaluated:
+                    evaluated.add(step)
                     self._record_eval(index, peer, model, step)
                 x, y = batches()
                 loss = torch.nn.functional.mse_loss(model(torch.from_numpy(x)), torch.from_numpy(y))
@@ -494,8 +535,12 @@ class TrainRun(SimFaultContext):
                 opt.step()
                 opt.zero_grad()
                 step += 1
+                if spec.optimizer == "diloco":
+                    # a trainer that downloaded the state (left out of an outer step) starts that outer step's
+                    # inner steps again from its anchor: it takes up the anchor's place on the step axis
+                    step = opt.local_epoch * spec.average_every + opt.steps_in_epoch
             if peer.alive:
-                if spec.optimizer == "collaborative":
+                if spec.optimizer in ("collaborative", "diloco"):
                     # as train-demo ends: let the last records spread, then make sure this trainer holds
                     # the swarm's model (a trainer that stepped alone at the end is resolved here)
                     clock.sleep(2 * opts["gossip_interval"])
@@ -514,7 +559,8 @@ class TrainRun(SimFaultContext):
             if not peer.alive and self.optimizers.get(index) is opt:
                 del self.optimizers[index]
             self.progress.pop(index, None)
-            rec["steps"] = step - rec["first_step"]
+            # (a DiLoCo trainer may take up a step of the axis again: count the steps it made)
+            rec["steps"] = opt.local_step if spec.optimizer == "diloco" else step - rec["first_step"]
             rec["ended"] = float(clock.now())
             rec["crashed"] = not peer.alive
             rec["epoch"] = int(opt.local_epoch)

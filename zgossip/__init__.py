@@ -31,6 +31,7 @@ _LAZY = {
     "DecentralizedOptimizer": "optim",
     "DecentralizedSGD": "optim",
     "DecentralizedAdam": "optim",
+    "DiLoCoOptimizer": "diloco",
     "Accumulator": "accumulator",
 }
 
@@ -66,6 +67,7 @@ __all__ = [
     "DecentralizedOptimizer",
     "DecentralizedSGD",
     "DecentralizedAdam",
+    "DiLoCoOptimizer",
     "Accumulator",
     "__version__",
 ]

@@ -8,10 +8,13 @@ refused with a message saying what to do *before* anything is written:
 
     {"optimizer": <the wrapped optimizer's state_dict()>,
      "scheduler": <the wrapper's LR scheduler's state_dict(), or None>,
-     "zgossip":   {"format": 1, "wrapper": class name, "kind": "collaborative" | "decentralized",
+     "zgossip":   {"format": 1, "wrapper": class name, "kind": "collaborative" | "decentralized" | "diloco",
                    "optimizer_class": ..., "scheduler_class": ... | None,
                    "layout": [[name, shape, dtype], ...],   # the parameters the optimizer steps
                    "progress": {"local_epoch": E, "in_sync": bool, ...}}}   # wrapper-specific counters
+
+A `DiLoCoOptimizer`'s dict also holds ``"diloco": {"anchor": [tensors], "outer": <its outer
+optimizer's state_dict()>}``, checked by the wrapper itself (`zgossip.diloco`).
 
 Plain Python and tensors only, so ``torch.load(weights_only=True)`` reads it back. Like
 torch's own ``Optimizer.state_dict()``, it holds no parameters (the model's ``state_dict()``

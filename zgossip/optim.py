@@ -29,6 +29,9 @@ the peers at the highest epoch have made ``steps_per_epoch`` steps together, and
 behind by at most ``max_epoch_lag`` simply adopts the higher epoch (its scheduler steps
 along). A peer further behind -- a newcomer, or one that was paused -- downloads
 parameters, optimizer and scheduler state from the best donor.
+
+`DiLoCoOptimizer` (re-exported here; it lives in `zgossip.diloco`) averages pseudo-gradients
+instead and steps an outer optimizer on them, synchronously.
 """
 from __future__ import annotations
 
@@ -38,10 +41,11 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from .diloco import DiLoCoOptimizer  # DiLoCo (outer steps on averaged pseudo-gradients) lives in its own module
 from .errors import ZGossipError
 from .trainer import SchedulerLike, TrainerPeer
 
-__all__ = ["DecentralizedOptimizer", "DecentralizedSGD", "DecentralizedAdam", "init_optimizer_state"]
+__all__ = ["DecentralizedOptimizer", "DecentralizedSGD", "DecentralizedAdam", "DiLoCoOptimizer", "init_optimizer_state"]
 
 log = logging.getLogger(__name__)
 

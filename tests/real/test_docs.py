@@ -198,6 +198,23 @@ def test_readme_keys_commands_and_example(tmp_path):
         built.shutdown()
 
 
+def test_training_md_diloco_example_runs_alone():
+    """docs/training.md, "DiLoCo": the example as written, alone, on a few batches (inner steps only)."""
+    torch = pytest.importorskip("torch")
+    code = swap(block("docs/training.md", "DiLoCoOptimizer(inner"), "initial_peers=[...]", "initial_peers=[]")
+    model = torch.nn.Linear(4, 2)
+    data = [(torch.randn(8, 4), torch.randn(8, 2)) for _ in range(3)]
+    ns = {"torch": torch, "model": model, "data": data, "loss_fn": torch.nn.functional.mse_loss}
+    try:
+        exec(compile(code, "docs/training.md (diloco)", "exec"), ns)
+        opt = ns["opt"]
+        assert (opt.local_step, opt.steps_in_epoch, opt.local_epoch, opt.inner_steps) == (3, 3, 0, 500)
+        assert opt.outer.defaults["nesterov"] and opt.outer.defaults["lr"] == 0.7
+    finally:
+        if "opt" in ns:
+            ns["opt"].shutdown()
+
+
 def test_training_md_decentralized_and_accumulator_examples_build():
     torch = pytest.importorskip("torch")
     for holding, name in (("DecentralizedAdam(model.parameters()", "opt"), ('Group("foo_group"', "accumulator")):

@@ -92,6 +92,21 @@ def test_every_optimizer_kind_trains():
         assert all(t["sent"] > 0 for t in res.trainers)
 
 
+def test_diloco_one_seed_one_run_and_every_outer_step_averages_the_whole_swarm():
+    spec = {"seed": 4, "peers": 4, "profiles": {"home": 1.0},
+            "train": {"optimizer": "diloco", "params": 2000, "steps": 6, "step_time": 0.25, "eval_every": 2,
+                      "average_every": 3}}
+    a, b = run_train(spec), run_train(spec)
+    assert a.to_json() == b.to_json()
+    assert all(t["epoch"] == 2 and t["rounds"]["done"] == 2 and t["last_round"]["group_size"] == 4
+               for t in a.trainers), a.trainers
+    assert a.final["identical"] and a.curve[-1]["loss"] < a.curve[0]["loss"]
+    with pytest.raises(ValueError, match="multiple of average_every"):
+        TrainScenario.from_dict({"train": {"optimizer": "diloco", "steps": 7, "average_every": 3}})
+    with pytest.raises(ValueError, match="outer_momentum"):
+        TrainScenario.from_dict({"train": {"optimizer": "diloco", "outer_momentum": 1.0}})
+
+
 def test_scenario_validation_names_the_problem():
     with pytest.raises(ValueError, match="optimizer"):
         TrainScenario.from_dict({"train": {"optimizer": "adamw"}})
