@@ -135,8 +135,9 @@ class DiLoCoOptimizer(TrainerPeer):
         odd = sorted({str(p.dtype) for p in params} - {"torch.float16", "torch.float32", "torch.float64"})
         if odd:
             raise TypeError(f"DiLoCoOptimizer trains float16, float32 or float64 parameters, not {', '.join(odd)} "
-                            "(the anchor is served to newcomers as numpy arrays): keep float32 parameters and "
-                            "compute in lower precision with torch.autocast")
+                            "(not in this wrapper yet: its anchor and deltas are not tested in bfloat16, though the "
+                            "Averager and the other wrappers average bfloat16): keep float32 parameters and compute "
+                            "in lower precision with torch.autocast")
         self.outer = self._build_outer(outer, params, optimizer)
         self.inner_steps = inner_steps
         self.straggler_timeout = float(straggler_timeout)

@@ -21,7 +21,7 @@ PROTOCOL_MODULES = ["wire", "messages", "membership", "matchmaking", "grid", "pa
 SEAM_MODULES = ["actions", "transport", "view"]  # the interfaces between protocol, transports and users
 USER_MODULES = ["averager", "training_state", "progress", "steplog", "step_control", "staging"]  # above the seam: time and waits from the Clock
 # the training layer: also above the seam, on the averager's clock (so `python -m sim train` runs it)
-TRAINING_MODULES = ["optim", "collaborative", "accumulator", "trainer", "overlap", "lightning", "checkpoint"]
+TRAINING_MODULES = ["optim", "collaborative", "accumulator", "trainer", "overlap", "lightning", "checkpoint", "diloco"]
 # Training classes that still wait on the wall clock or on threads of their own. Phase 2 of the seam
 # moved them all onto the averager's clock; the list may only shrink (see test_training_layer_ratchet).
 TRAINING_NOT_YET_ON_THE_CLOCK: list[str] = []
