@@ -8,6 +8,13 @@ nothing of peers or messages, only terms, weights and buffers, and the arithmeti
 * **Fixed order, partial runs.** Terms are added in member order (float addition is not
   associative). A reducer adds the terms at hand once all are in, or once `MIN_RUN` consecutive
   terms are, to a partial sum in scratch space (`plan_pass`).
+* **Weights are relative.** A reducer divides every weight of a part by one power of two (its
+  exponent chosen at the part's first pass, `weight_exponent`), so that the largest weight of the
+  part's first `MIN_RUN` terms lies in [1, 2): scaling by a power of two is exact, so weights of
+  1 keep their bits, and weights of 1e30 or 1e-300 (past float32's range, where the sum is taken)
+  give the mean weights of 1 would (to float32 rounding) -- instead of a sum that overflows or a
+  weight that rounds to 0. Those terms are the first `MIN_RUN` in member order that the part
+  expects, whatever arrived first, so the exponent does not depend on arrival order.
 * **A mean over one member is no mean.** If every other term is gone, ``x*w/w`` would not always
   give ``x`` back to the last bit: the part is left unchanged for that member too.
 * **NaN/inf in a term.** The pass stops at the first block holding one (`kernels.accumulate`
@@ -22,6 +29,7 @@ nothing of peers or messages, only terms, weights and buffers, and the arithmeti
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
 from typing import Sequence
@@ -30,7 +38,8 @@ import numpy as np
 
 from .kernels import OVERFLOW, accumulate, copy_finite, finish_mean
 
-__all__ = ["MIN_RUN", "PassPlan", "plan_pass", "PassVerdict", "add_pass", "divide", "take_finite"]
+__all__ = ["MIN_RUN", "PassPlan", "plan_pass", "weight_exponent", "scaled", "PassVerdict", "add_pass", "divide",
+           "take_finite"]
 
 # An owner adds the terms of a part in one pass once all of them are in, which reads each term
 # once and writes the mean once, straight into its own tensor. In large groups it does not hold
@@ -57,6 +66,17 @@ def plan_pass(nterms: int, complete: bool, first: bool) -> PassPlan:
     if complete and first and nterms == 1:
         return PassPlan.ALONE
     return PassPlan.SUM
+
+
+def weight_exponent(weights: Sequence[float]) -> int:
+    """The power of two (its exponent) a part's weights are divided by, from the weights of its first
+    pass in member order: the largest of the first `MIN_RUN` of them becomes a number in [1, 2)."""
+    return math.frexp(max(weights[:MIN_RUN]))[1] - 1
+
+
+def scaled(weight: float, exponent: int) -> float:
+    """``weight / 2**exponent``: exact in float64 (and, above 2**-126, in float32)."""
+    return math.ldexp(weight, -exponent)
 
 
 @dataclass(frozen=True, slots=True)
