@@ -14,7 +14,9 @@ nothing of peers or messages, only terms, weights and buffers, and the arithmeti
   1 keep their bits, and weights of 1e30 or 1e-300 (past float32's range, where the sum is taken)
   give the mean weights of 1 would (to float32 rounding) -- instead of a sum that overflows or a
   weight that rounds to 0. Those terms are the first `MIN_RUN` in member order that the part
-  expects, whatever arrived first, so the exponent does not depend on arrival order.
+  expects, whatever arrived first, so the exponent does not depend on arrival order. A later
+  weight over ~2**127 times theirs cannot be held in float32: the part is given up, as for an
+  overflow (and one under ~2**-149 times theirs counts as 0).
 * **A mean over one member is no mean.** If every other term is gone, ``x*w/w`` would not always
   give ``x`` back to the last bit: the part is left unchanged for that member too.
 * **NaN/inf in a term.** The pass stops at the first block holding one (`kernels.accumulate`
@@ -101,6 +103,9 @@ def add_pass(out: np.ndarray, scratch: np.ndarray, terms: Sequence[np.ndarray], 
     """Add `terms` (in order, weighted) to the partial sum in `scratch` (ignored when `first`) and
     store the result in `out`, divided by `divisor` unless it is 0. `out` is `scratch`, or the
     owner's own tensor for the last pass (its mean is stored there directly)."""
+    top = float(np.finfo(out.dtype).max)
+    if divisor > top or max(weights) > top:  # weights more than ~2**127 apart (`weight_exponent`): nothing stored
+        return PassVerdict(False, None, f"the weights differ by more than {out.dtype} can hold")
     verdict, bad_at = accumulate(out, terms, weights, first, divisor, src=scratch)
     if verdict == -1:
         return _OK
