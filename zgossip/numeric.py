@@ -122,6 +122,8 @@ def add_pass(out: np.ndarray, scratch: np.ndarray, terms: Sequence[np.ndarray], 
 def divide(acc: np.ndarray, wsum: float) -> str | None:
     """Divide a complete sum whose last term never came (so the division was not fused into it);
     returns why the part must be given up (the mean overflowed), or None."""
+    if wsum > float(np.finfo(acc.dtype).max):  # as the element type, inf: x / inf would be a "mean" of zeros
+        return f"the weights differ by more than {acc.dtype} can hold"
     return None if finish_mean(acc, wsum) else "the sum of finite terms overflowed"
 
 

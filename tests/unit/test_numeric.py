@@ -72,3 +72,8 @@ def test_weights_that_float32_cannot_hold_give_the_part_up_instead_of_raising():
     assert not v.ok and v.bad_term is None and "weights" in v.give_up and v.kept == 0
     assert np.all(out == 0)
     assert weight_exponent([1.0, 1.0]) == 0 and weight_exponent([3.0, 1e30, 1.0, 1.0, 1e31]) == 99
+
+
+def test_a_weight_sum_past_float32_gives_the_part_up_instead_of_dividing_to_zeros():
+    acc = np.full(8, 3.0, np.float32)
+    assert "weights" in divide(acc, 1e39)
