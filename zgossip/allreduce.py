@@ -44,7 +44,7 @@ from .endpoints import listens
 from .errors import IllegalTransition, ProtocolError
 from .matchmaking import GroupSpec
 from .messages import Abort, Gather, GaveUp, Message, Part, Rescue, RescueCall, Result
-from .numeric import PassPlan, add_pass, divide, plan_pass, take_finite
+from .numeric import PassPlan, add_pass, divide, plan_pass, scaled, take_finite, weight_exponent
 from .linkstats import LinkStats, silence_limit
 from .partition import PartPlan, group_plan, plan_bandwidths
 
@@ -148,6 +148,7 @@ class _Reduce:
         self.acc = np.empty(hi - lo, dtype=dtype)
         self.pos = [0] * self.nparts
         self.wsum = [0.0] * self.nparts
+        self.wexp = [0] * self.nparts  # the power of two each part's weights are divided by (`numeric.weight_exponent`)
         self.divided = [False] * self.nparts  # the weight sum's division was fused into the last term
         self.own_left_out: set[int] = set()  # parts our own data was left out of (it held NaN/inf)
         self.contrib: list[list[int]] = [[] for _ in range(self.nparts)]
@@ -421,12 +422,15 @@ class AllReduceRound:
                 self._finish_part(r, p, (), a, now)
                 return excluded
             wsum = r.wsum[p] + sum(w for _, _, w in run)
+            if first:  # weights are relative: scaled by a power of two so that float32 can hold them
+                r.wexp[p] = weight_exponent([w for _, _, w in run])
+            e = r.wexp[p]
             # the owner's last pass writes the mean straight into its own tensor (saving a copy of
             # the part) when its own data is in the mean; a rescuer's always goes to scratch space
             mine = not r.rescue and (self.rank in r.contrib[p] or any(j == self.rank for j, _, _ in run))
             out = self.buf[lo:hi] if complete and mine else a
-            verdict = add_pass(out, a, [d for _, d, _ in run], [w for _, _, w in run], first,
-                               wsum if complete else 0.0)
+            verdict = add_pass(out, a, [d for _, d, _ in run], [scaled(w, e) for _, _, w in run], first,
+                               scaled(wsum, e) if complete else 0.0)
             if verdict.ok:
                 for j, _, _ in run:
                     r.pending.pop((j, p), None)
@@ -461,7 +465,7 @@ class AllReduceRound:
             # nothing of that pass counts: try again without the bad term
         # the last expected term never came (its member was excluded), so the division was not
         # fused into it: done here, it can still overflow
-        why = divide(a, r.wsum[p]) if r.contrib[p] and not r.divided[p] else None
+        why = divide(a, scaled(r.wsum[p], r.wexp[p])) if r.contrib[p] and not r.divided[p] else None
         if why is not None:
             self._give_up(r, p, a, now, why)
         else:
@@ -715,6 +719,9 @@ class AllReduceRound:
                 self.codec.check(*rng, msg.codec, arr, self.buf.dtype)
             if why is not None:
                 return self._bad(j, msg, why)
+        if msg.weight <= 0:  # only an auxiliary member's weight is 0, and it sends no data: a 0 would
+            # list the sender among the contributors of a mean without its data (all of them 0: no mean)
+            return self._bad(j, msg, "weight 0 on a PART (its data cannot count)")
         self.weights.setdefault(j, msg.weight)
         r.pending[(j, p)] = (arr, msg.weight)
         self._advance(r, p, now)

@@ -130,6 +130,13 @@ def accumulate(out: np.ndarray, terms: Sequence[np.ndarray], weights: Sequence[f
     """
     if src is not None and src.shape != out.shape:
         raise ValueError("src and out differ in shape")
+    if divisor != 0:
+        with np.errstate(over="ignore", under="ignore"):
+            d = out.dtype.type(divisor)
+        if d == 0 or not np.isfinite(d):
+            # the C path would take it as "no division" (0) and numpy would divide by it: refused on both
+            raise ValueError(f"divisor {divisor!r} is 0 or not finite as {out.dtype}: scale the weights first "
+                             "(`zgossip.numeric.weight_exponent`)")
     if _fast(out, *terms) and len(terms) <= 64 and all(t.dtype == out.dtype for t in terms) and (
             src is None or (src.dtype == out.dtype and src.flags.c_contiguous)):
         return _native.accumulate(out, terms, [float(w) for w in weights], first, float(divisor), out.itemsize, src)

@@ -8,6 +8,15 @@ nothing of peers or messages, only terms, weights and buffers, and the arithmeti
 * **Fixed order, partial runs.** Terms are added in member order (float addition is not
   associative). A reducer adds the terms at hand once all are in, or once `MIN_RUN` consecutive
   terms are, to a partial sum in scratch space (`plan_pass`).
+* **Weights are relative.** A reducer divides every weight of a part by one power of two (its
+  exponent chosen at the part's first pass, `weight_exponent`), so that the largest weight of the
+  part's first `MIN_RUN` terms lies in [1, 2): scaling by a power of two is exact, so weights of
+  1 keep their bits, and weights of 1e30 or 1e-300 (past float32's range, where the sum is taken)
+  give the mean weights of 1 would (to float32 rounding) -- instead of a sum that overflows or a
+  weight that rounds to 0. Those terms are the first `MIN_RUN` in member order that the part
+  expects, whatever arrived first, so the exponent does not depend on arrival order. A later
+  weight over ~2**127 times theirs cannot be held in float32: the part is given up, as for an
+  overflow (and one under ~2**-149 times theirs counts as 0).
 * **A mean over one member is no mean.** If every other term is gone, ``x*w/w`` would not always
   give ``x`` back to the last bit: the part is left unchanged for that member too.
 * **NaN/inf in a term.** The pass stops at the first block holding one (`kernels.accumulate`
@@ -22,6 +31,7 @@ nothing of peers or messages, only terms, weights and buffers, and the arithmeti
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
 from typing import Sequence
@@ -30,7 +40,8 @@ import numpy as np
 
 from .kernels import OVERFLOW, accumulate, copy_finite, finish_mean
 
-__all__ = ["MIN_RUN", "PassPlan", "plan_pass", "PassVerdict", "add_pass", "divide", "take_finite"]
+__all__ = ["MIN_RUN", "PassPlan", "plan_pass", "weight_exponent", "scaled", "PassVerdict", "add_pass", "divide",
+           "take_finite"]
 
 # An owner adds the terms of a part in one pass once all of them are in, which reads each term
 # once and writes the mean once, straight into its own tensor. In large groups it does not hold
@@ -59,6 +70,17 @@ def plan_pass(nterms: int, complete: bool, first: bool) -> PassPlan:
     return PassPlan.SUM
 
 
+def weight_exponent(weights: Sequence[float]) -> int:
+    """The power of two (its exponent) a part's weights are divided by, from the weights of its first
+    pass in member order: the largest of the first `MIN_RUN` of them becomes a number in [1, 2)."""
+    return math.frexp(max(weights[:MIN_RUN]))[1] - 1
+
+
+def scaled(weight: float, exponent: int) -> float:
+    """``weight / 2**exponent``: exact in float64 (and, above 2**-126, in float32)."""
+    return math.ldexp(weight, -exponent)
+
+
 @dataclass(frozen=True, slots=True)
 class PassVerdict:
     """How a pass went. `ok`: every term was added (and divided, if asked). Otherwise `bad_term`
@@ -81,6 +103,9 @@ def add_pass(out: np.ndarray, scratch: np.ndarray, terms: Sequence[np.ndarray], 
     """Add `terms` (in order, weighted) to the partial sum in `scratch` (ignored when `first`) and
     store the result in `out`, divided by `divisor` unless it is 0. `out` is `scratch`, or the
     owner's own tensor for the last pass (its mean is stored there directly)."""
+    top = float(np.finfo(out.dtype).max)
+    if divisor > top or max(weights) > top:  # weights more than ~2**127 apart (`weight_exponent`): nothing stored
+        return PassVerdict(False, None, f"the weights differ by more than {out.dtype} can hold")
     verdict, bad_at = accumulate(out, terms, weights, first, divisor, src=scratch)
     if verdict == -1:
         return _OK
@@ -97,6 +122,8 @@ def add_pass(out: np.ndarray, scratch: np.ndarray, terms: Sequence[np.ndarray], 
 def divide(acc: np.ndarray, wsum: float) -> str | None:
     """Divide a complete sum whose last term never came (so the division was not fused into it);
     returns why the part must be given up (the mean overflowed), or None."""
+    if wsum > float(np.finfo(acc.dtype).max):  # as the element type, inf: x / inf would be a "mean" of zeros
+        return f"the weights differ by more than {acc.dtype} can hold"
     return None if finish_mean(acc, wsum) else "the sum of finite terms overflowed"
 
 

@@ -39,6 +39,9 @@ def check_weight(value: Any) -> float:
         w = float(value)
     except (TypeError, ValueError):
         raise ValueError(f"weight must be a number, not {type(value).__name__}") from None
+    if w == 0.0:  # what a peer with no data of its own is, not a step's weight
+        raise ValueError("weight must be > 0, not 0: a step brings this peer's data; a peer that brings none "
+                         "averages as Averager(auxiliary=True), and a peer with nothing this time can skip the step")
     if not (w > 0.0 and math.isfinite(w)):
         raise ValueError(f"weight must be a finite number > 0, not {w!r}")
     if w > MAX_WEIGHT:

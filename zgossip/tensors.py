@@ -163,4 +163,18 @@ class FlatLayout:
                 if alpha == 1.0:
                     dst[...] = src
                 else:
-                    dst += (alpha * (src.astype(np.float64) - dst)).astype(dst.dtype)
+                    dst[...] = _moved(dst, src, alpha)
+
+
+def _moved(local: np.ndarray, avg: np.ndarray, alpha: float) -> np.ndarray:
+    """``local + alpha * (avg - local)`` in float64, rounded once to `local`'s dtype. The move lies
+    between the two, so it is finite where they are; rounding the step alone to the tensor's dtype
+    could overflow (a float16 tensor at -60000 moving 90 % toward 20000 stepped by inf)."""
+    x = local.astype(np.float64)
+    a = avg.astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = x + alpha * (a - x)
+    if not np.isfinite(out).all():  # float64 tensors near its limit: avg - local overflowed
+        bad = ~np.isfinite(out)
+        out[bad] = (1.0 - alpha) * x[bad] + alpha * a[bad]
+    return out.astype(local.dtype)

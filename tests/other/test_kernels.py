@@ -243,3 +243,19 @@ def test_stream_stores_auto_follows_the_size_of_the_buffer_a_destination_lies_in
     assert not kernels._stream(big)
     monkeypatch.setattr(kernels, "STREAM_STORES", "on")
     assert kernels._stream(np.zeros(4, np.float32))
+
+
+@pytest.mark.parametrize("dtype, divisor", [(np.float32, 1e-50), (np.float32, 1e40)])
+def test_a_divisor_the_element_type_cannot_hold_is_refused_on_both_paths(dtype, divisor):
+    # the C path took a divisor that rounds to 0 as "no division" (storing the undivided sum) while
+    # numpy divided by it (inf, reported as overflow): the same call gave different bits
+    saved = kernels._native
+    try:
+        for mode in (saved, None):
+            kernels._native = mode
+            out = np.ones(8, dtype)
+            with pytest.raises(ValueError, match="divisor"):
+                kernels.accumulate(out, [np.ones(8, dtype)], [1e-50], True, divisor)
+            assert np.all(out == 1)
+    finally:
+        kernels._native = saved

@@ -56,7 +56,7 @@ def test_errors_are_clear():
     with pytest.raises(ValueError, match="at least one"):
         zgossip.Averager([], prefix="e")
     with zgossip.Averager([np.zeros(3, np.float32)], prefix="e", **FAST) as a:
-        with pytest.raises(ValueError, match="weight"):
+        with pytest.raises(ValueError, match="weight must be > 0, not 0: .* Averager.auxiliary=True."):
             a.step(weight=0)
         with pytest.raises(ValueError, match="weight"):
             a.step(weight=float("nan"))

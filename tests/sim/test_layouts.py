@@ -152,3 +152,18 @@ def test_a_codec_mismatch_gets_the_different_tensor_layout_error():
     assert all(isinstance(r, zgossip.StepResult) for r in results[:2])
     assert isinstance(results[2], zgossip.GroupNotFound)
     assert "different tensor layout" in str(results[2]) and "tensor 0 compression" in str(results[2])
+
+
+@pytest.mark.parametrize("dtype, local, avg", [(np.float16, -60000.0, 20000.0), (np.float32, -3e38, 1e38),
+                                               (np.float64, -1.7e308, 1.7e308)])
+def test_a_partial_move_near_the_dtypes_limit_stays_finite(dtype, local, avg):
+    # averaging_alpha < 1: the step alone, avg - local, was rounded to the tensor's dtype and could
+    # overflow to inf (a float16 tensor at -60000 moving 90 % toward 20000 became inf)
+    t = np.array([local, 1.0], dtype=dtype)
+    layout = FlatLayout.of([t])
+    buf = np.array([avg, 3.0], dtype=layout.dtype)
+    layout.apply([t], buf, [(0, 2)], 0.9)
+    want = np.float64(local) + 0.9 * (np.float64(avg) - np.float64(local)) if dtype != np.float64 else \
+        0.1 * local + 0.9 * avg
+    assert np.isfinite(t).all()
+    np.testing.assert_allclose(t.astype(np.float64), [want, 2.8], rtol=1e-3)

@@ -368,3 +368,33 @@ def test_a_rescue_call_just_before_our_own_disconnect_notice_is_taken_when_it_co
     sent = [m for e, m in g.outs[0].sent if e == ep(2)]
     assert any(isinstance(m, Rescue) and m.owner == 1 and m.need for m in sent)
     assert any(isinstance(m, Part) and m.rescue and m.owner == 1 for m in sent)
+
+
+@pytest.mark.parametrize("weights", [[1e30, 1e30, 1e30], [1e-300, 3e-300, 2e-300], [1e30, 1e-30, 2e29]])
+def test_weights_are_relative_even_past_float32s_range(weights):
+    # float32 buffers: weights of 1e30 made |x| * w overflow (the part was left unchanged), weights of
+    # 1e-300 rounded to 0 in float32 (the C kernels stored 0 * x, zeroing the tensors; numpy gave up)
+    rng = np.random.default_rng(7)
+    bufs = [(rng.standard_normal(NUMEL) * 1e10).astype(np.float32) for _ in range(3)]
+    before = [b.astype(np.float64) for b in bufs]
+    g = Group(bufs, weights)
+    g.start()
+    g.carry(0.1)
+    for r in g.rounds:
+        assert r.outcome().complete and r.outcome().updated == [(0, NUMEL)]
+    np.testing.assert_allclose(bufs[0], mean(before, weights, [0, 1, 2]), rtol=0, atol=1e10 * 2.0 ** -20)
+    assert np.array_equal(bufs[0], bufs[1]) and np.array_equal(bufs[1], bufs[2])
+
+
+def test_a_part_that_carries_weight_0_is_dropped_and_counted():
+    # only an auxiliary member's weight is 0, and it sends no parts: a PART with weight 0 put its
+    # sender among the contributors of a mean its data was not in (with every weight 0: zeros)
+    bufs, w = data(3, 3), [1.0, 0.0, 1.0]
+    g = Group(bufs, w)
+    g.start()
+    g.carry(0.1)
+    r0 = g.rounds[0]
+    nparts = r0.plan.num_parts(0)
+    assert r0.dropped == nparts
+    assert all(1 not in (r0.part_contrib[0][p] or ()) for p in range(nparts))
+    assert all(s is ReduceState.COLLECTING for s in r0.own.state)  # waits for member 1 as for a silent one

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from zgossip.kernels import ACC_BLOCK
-from zgossip.numeric import MIN_RUN, PassPlan, add_pass, divide, plan_pass, take_finite
+from zgossip.numeric import MIN_RUN, PassPlan, add_pass, divide, plan_pass, scaled, take_finite, weight_exponent
 
 
 @pytest.mark.parametrize("nterms, complete, first, plan", [
@@ -61,3 +61,19 @@ def test_a_result_is_taken_up_to_its_first_bad_block():
     res[2500] = np.nan
     took = take_finite(dst, res)
     assert 0 < took <= 2500 and np.all(dst[:took] == 1.0) and np.all(dst[took:] == 0.0)
+
+
+def test_weights_that_float32_cannot_hold_give_the_part_up_instead_of_raising():
+    # scaled weights come from the part's first terms; a later one 2**200 times larger is past float32
+    out = np.zeros(8, np.float32)
+    terms = [np.ones(8, np.float32), np.ones(8, np.float32)]
+    e = weight_exponent([1e-30, 1e-30])
+    v = add_pass(out, out, terms, [scaled(1e-30, e), scaled(1e30, e)], True, scaled(1e30 + 1e-30, e))
+    assert not v.ok and v.bad_term is None and "weights" in v.give_up and v.kept == 0
+    assert np.all(out == 0)
+    assert weight_exponent([1.0, 1.0]) == 0 and weight_exponent([3.0, 1e30, 1.0, 1.0, 1e31]) == 99
+
+
+def test_a_weight_sum_past_float32_gives_the_part_up_instead_of_dividing_to_zeros():
+    acc = np.full(8, 3.0, np.float32)
+    assert "weights" in divide(acc, 1e39)
