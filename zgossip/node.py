@@ -50,7 +50,8 @@ log = logging.getLogger(__name__)
 
 #: `NodeConfig` fields that must be ints, and those that are seconds (finite numbers)
 _CONFIG_INTS = frozenset(("target_group_size", "min_group_size", "part_size_bytes", "fanout", "early_buffer_messages",
-                          "max_state_bytes", "state_chunk_bytes", "state_donors", "control_burst", "warm_peers"))
+                          "max_state_bytes", "state_chunk_bytes", "state_donors", "control_burst", "warm_peers",
+                          "matchmaking_burst"))
 _CONFIG_SECONDS = frozenset(("matchmaking_time", "request_timeout", "straggler_grace", "part_timeout",
                              "allreduce_timeout", "gossip_interval", "peer_timeout", "repair_timeout"))
 
@@ -96,6 +97,13 @@ class NodeConfig:
     # 4 / gossip_interval: an honest source sends about one gossip and one reply per interval.
     control_rate: float = 50.0
     control_burst: int = 100
+    # matchmaking messages (JOIN, JOIN_NOTE, LEAVE) have a bucket of their own per source: an honest
+    # groupmate sends us up to ~3 per step (its JOIN if we are the rendezvous peer, its note, a LEAVE),
+    # so a swarm stepping small tensors back to back (45 steps a second in the simulator) went past the
+    # control rate, lost JOINs and notes, and split into a group that counted a member that never knew
+    # of it. 500 a second serves ~150 steps a second and still stops a flood.
+    matchmaking_rate: float = 500.0
+    matchmaking_burst: int = 200
     # connections opened as soon as a peer is met (`Connect`), up to this many peers: their TCP,
     # ZMTP and CURVE handshakes (3.5-5.5 round trips) are then done before the first step needs
     # them instead of inside its matchmaking; further peers are connected on first use. 0 = never.
@@ -216,7 +224,9 @@ _STEP_MOVES = {
 #: messages of a running all-reduce round (routed by group id)
 _ROUND_MESSAGES = (Gather, Part, Result, Abort, RescueCall, Rescue, GaveUp)
 #: control messages rate-limited per source (`zgossip.ratelimit`); round data is checked by the round
-_LIMITED = frozenset((Gossip, GossipReply, Join, JoinNote, Leave, StateReq, Bye))
+_LIMITED = frozenset((Gossip, GossipReply, StateReq, Bye))
+#: matchmaking messages: rate-limited per source too, in a bucket sized for steps (`NodeConfig.matchmaking_rate`)
+_MATCHMAKING = frozenset((Join, JoinNote, Leave))
 #: chunk requests of a state download are paced, not dropped, per source: a bucket of chunks
 #: (`CHUNK_RATE` a second, `CHUNK_BURST` at once -- 16 GiB/s of 4 MiB chunks) and a few requests held
 #: back while it is empty (a downloader keeps at most two in flight per donor); only what exceeds
@@ -321,6 +331,7 @@ class Node:
         self.stats = {"messages": 0, "dropped": 0, "late": 0, "rate_limited": 0, "repairs": 0, "repair_failures": 0,
                       "state_bad_chunks": 0, "state_refetched": 0, "bad_bandwidth": 0, "closed_early": 0}
         self._limits = SourceLimits(max(config.control_rate, 4.0 / config.gossip_interval), config.control_burst)
+        self._mm_limits = SourceLimits(config.matchmaking_rate, config.matchmaking_burst)
         self._limited_logged: set[str] = set()
         self._chunk_limits = SourceLimits(CHUNK_RATE, CHUNK_BURST)
         self._held_chunks: dict[str, deque[StateReq]] = {}  # source -> chunk requests waiting for its bucket
@@ -1040,6 +1051,9 @@ class Node:
             chunks = type(msg) is StateReq and msg.count > 0  # paced by `_on_state_req` instead
             if type(msg) in _LIMITED and not chunks and not self._limits.allow(msg.sender, now):
                 self._rate_limited(msg, f"dropping what exceeds {self._limits.rate:.0f}/s")
+                return
+            if type(msg) in _MATCHMAKING and not self._mm_limits.allow(msg.sender, now):
+                self._rate_limited(msg, f"dropping matchmaking messages past {self._mm_limits.rate:.0f}/s")
                 return
             self.membership.observe(msg.sender, msg.endpoint, now)
             if not listens(msg.endpoint):

@@ -131,7 +131,8 @@ def test_a_bad_key_file_is_a_clear_error_that_never_shows_the_secret(tmp_path, c
     with pytest.raises(ValueError, match="a key itself rather than a path") as e:
         zgossip.Averager([np.zeros(4, np.float32)], prefix="x", secret_key=kp.secret, allowed_keys=[kp.public])
     assert kp.secret not in str(e.value)
-    assert cli.main(["peer", "--key", kp.secret, "--allow", str(allow), "--listen", "tcp://127.0.0.1:0"]) == 2
+    # (as --key=VALUE: a Z85 secret may begin with "-", which argparse would take for an option)
+    assert cli.main(["peer", f"--key={kp.secret}", "--allow", str(allow), "--listen", "tcp://127.0.0.1:0"]) == 2
     assert kp.secret not in capsys.readouterr().err
     with pytest.raises(ValueError, match="different key pairs"):
         KeyPair(other.public, kp.secret)
@@ -560,37 +561,48 @@ def test_an_allowed_peer_claiming_an_honest_peers_endpoint_changes_nothing(caplo
     with _swarm(2, keys=keys, allow=[k.public for k in keys], local_ipc=False, values=[0, 2]) as avs:
         victim, honest = avs
         evil = _raw_dealer(victim.endpoint, keys[2], keys[0].public)
-        me, stop = keys[2].peer_id, threading.Event()
+        me, hb = keys[2].peer_id, iter(range(10 ** 6))
 
-        def spam():
-            i = 0
-            while not stop.is_set():
-                evil.send_multipart([_header(wire.MsgType.GOSSIP, me, honest.endpoint, {"hb": i, "peers": []})])
-                i += 1
-                stop.wait(0.02)
+        def claim():  # (never blocks: a claim that cannot be queued now is simply not made)
+            try:
+                evil.send_multipart([_header(wire.MsgType.GOSSIP, me, honest.endpoint, {"hb": next(hb), "peers": []})],
+                                    zmq.NOBLOCK)
+            except zmq.Again:
+                pass
 
-        t = threading.Thread(target=spam, daemon=True)
         try:
             with caplog.at_level(logging.WARNING, logger="zgossip"):
-                t.start()
-                assert _wait(lambda: victim.stats["received"] > 20, 5.0)
+                # a first round proves the honest peer's endpoint (a lie told before anyone connected there
+                # can still cost a round: README, "Limits"); the liar starts after it
+                assert all(len(r.contributors) == 2 for r in _step_all(avs, timeout=4.0))
+                for a, v in zip(avs, (0.0, 2.0)):
+                    with a.get_tensors() as ts:
+                        ts[0][:] = v
+                for _ in range(20):
+                    claim()
+                assert _wait(lambda: victim.stats["unauthenticated"] >= 15, 5.0)
                 seen = []
-                for _ in range(2):
-                    res = _step_all(avs, timeout=4.0)
-                    assert all(not isinstance(r, Exception) and len(r.contributors) == 2 for r in res), res
+                for _ in range(2):  # two rounds, the liar claiming the honest peer's endpoint all along
+                    futs = [a.step(wait=False, timeout=4.0) for a in avs]
+                    end = time.monotonic() + 20
+                    while not all(f.done() for f in futs) and time.monotonic() < end:
+                        claim()
+                        time.sleep(0.01)
+                    res = [f.result(1.0) for f in futs]
+                    assert all(len(r.contributors) == 2 for r in res), res
                     assert [float(_tensor(a)[0]) for a in avs] == [1.0, 1.0]
                     for a, v in zip(avs, (0.0, 2.0)):
                         with a.get_tensors() as ts:
                             ts[0][:] = v
+                    claim()
+                    claim()
+                    assert _wait(lambda: victim.stats["unauthenticated"] >= (seen[-1][0] if seen else 0) + 2, 5.0)
                     seen.append((victim.stats["unauthenticated"], victim.stats["handshake_failures"]))
-            # (a claim that came before our first handshake there may cost one failed handshake; once
-            # the honest peer's handshake proved its endpoint, the claims are dropped and cost nothing)
-            assert seen[1][0] > seen[0][0] + 5 and seen[1][1] == seen[0][1], seen
+            # once the honest peer's handshake proved its endpoint, the claims are dropped and cost nothing
+            assert seen[1][0] > seen[0][0] and seen[1][1] == seen[0][1] == 0, seen
             lines = [r.getMessage() for r in caplog.records if "completed our handshake" in r.getMessage()]
             assert len(lines) == 1 and me[:16] in lines[0] and honest.endpoint in lines[0], lines
         finally:
-            stop.set()
-            t.join(2.0)
             evil.close(0)
 
 

@@ -37,6 +37,26 @@ def _node(**cfg) -> Node:
     return Node(pid(0), ep(0), NodeConfig(prefix="t", gossip_interval=0.5, **cfg), np.random.default_rng(0))
 
 
+def test_matchmaking_messages_have_a_bucket_of_their_own():
+    """JOIN / JOIN_NOTE / LEAVE are limited per source in their own bucket (`matchmaking_rate`, sized for
+    steps): a flood of them is still dropped and counted, and it does not use up the source's control
+    budget (its gossip still goes through), nor does gossip use up its matchmaking budget."""
+    from zgossip.messages import JoinNote
+
+    n = _node(control_rate=10.0, control_burst=20, matchmaking_rate=100.0, matchmaking_burst=30)
+    n.start(0.0)
+    for i in range(200):  # notes for made-up steps, all at once
+        n.on_message(JoinNote(pid(1), ep(1), key="t/x", step_id=f"{i:016x}", bandwidth=1.0, layout="l", want=2,
+                              gathers=0, round=0, view=(pid(0), pid(1))), 1.0)
+    assert n.stats["rate_limited"] == 170
+    for i in range(20):
+        n.on_message(Gossip(pid(1), ep(1), heartbeat=i, peers=()), 1.0)
+    assert n.stats["rate_limited"] == 170  # its control bucket is untouched
+    n.on_message(JoinNote(pid(1), ep(1), key="t/x", step_id="f" * 16, bandwidth=1.0, layout="l", want=2,
+                          gathers=0, round=0, view=(pid(0), pid(1))), 1.1)  # 100/s: 10 more by now
+    assert n.stats["rate_limited"] == 170
+
+
 def test_node_rate_limits_control_floods_per_source_and_counts_late_answers():
     n = _node(control_rate=10.0, control_burst=20)
     n.start(0.0)
