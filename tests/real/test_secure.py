@@ -2,7 +2,6 @@
 on the real ZeroMQ transport (loopback; every wait bounded; everything shut down)."""
 from __future__ import annotations
 
-import concurrent.futures as cf
 import contextlib
 import dataclasses
 import logging
