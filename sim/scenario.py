@@ -11,7 +11,7 @@ never inside them). Keys, with defaults:
     numel = 1                   # values per peer, drawn from N(0, 1)
     dtype = "float64"           # "float64" or "float32" (what real runs average)
     rounds = 5
-    grid = [4, 4]               # Moshpit grid; [] = no grid (one key per round)
+    grid = [4, 4]               # Moshpit grid, every dimension >= 2; [] = no grid (one key per round)
     placement = "full"          # full: grid order (needs peers == cells); distinct: random distinct
                                 # cells; random: independent random coordinates
     unavailability = 0.0        # each round each peer sits out with this probability
@@ -173,6 +173,8 @@ class Scenario:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Scenario":
+        if not isinstance(d, dict):  # a JSON file holding a list listed its items as unknown keys
+            raise ValueError(f"a scenario is a table of settings (peers, grid, rounds, ...), not {type(d).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
@@ -206,6 +208,22 @@ class Scenario:
             setattr(self, name, int(v))
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, not {self.seed}")
+        # types first: a string where a number goes raised "'<=' not supported between instances of
+        # 'float' and 'str'" (no key named), and encode = "no" ran with the codec on, any string being true
+        for name in ("unavailability", "step_timeout", "round_gap", "step_ahead", "bootstrap_time"):
+            if not _is_number(getattr(self, name)):
+                raise ValueError(f"{name} must be a number, not {getattr(self, name)!r}")
+        for name in ("encode", "error_feedback"):
+            v = getattr(self, name)
+            if not isinstance(v, (bool, np.bool_)):
+                raise ValueError(f"{name} must be true or false, not {v!r}")
+            setattr(self, name, bool(v))
+        if not isinstance(self.profiles, dict):  # (a string listed its letters as unknown profiles)
+            raise ValueError(f"profiles must be a table of fractions, e.g. {{home = 0.7, datacenter = 0.3}}, "
+                             f"not {self.profiles!r}")
+        if not isinstance(self.faults, list):  # `[faults]` for `[[faults]]`
+            raise ValueError(f"faults must be a list of tables ([[faults]]), not {self.faults!r}")
+        self.grid = check_grid(self.grid)
         if self.peers < 1 or self.rounds < 0 or self.numel < 1:
             raise ValueError("peers >= 1, rounds >= 0 and numel >= 1 are required")
         if not 0.0 <= self.unavailability <= 1.0:
@@ -264,32 +282,73 @@ def _check_keys(section: str, given: Any, known: set[str]) -> None:
 
 
 def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+
+
+def check_grid(grid: Any) -> list[int]:
+    """`grid` as a list of whole numbers >= 2, or [] (no grid). A dimension of size 1 leaves every peer
+    alone along it: every round along it, every peer failed with GroupNotFound after the whole
+    matchmaking window (grid = [1, 4] failed every other round); a string or a number failed deep in
+    numpy, naming no key."""
+    if not isinstance(grid, (list, tuple)) or not all(
+            isinstance(m, (int, np.integer)) and not isinstance(m, (bool, np.bool_)) for m in grid):
+        raise ValueError(f"grid must be a list of whole numbers, e.g. [4, 4], or [] for no grid, not {grid!r}")
+    if any(m < 1 for m in grid):
+        raise ValueError(f"grid dimensions must be >= 1, not {list(grid)}")
+    if any(m == 1 for m in grid):
+        rest = [int(m) for m in grid if m > 1]
+        raise ValueError(f"grid = {list(grid)} has a dimension of size 1: every peer is alone along it, so every "
+                         f"round along it fails; leave it out (grid = {rest}{' puts every peer under one key' * (not rest)})")
+    return [int(m) for m in grid]
+
+
+# the fields each latency distribution needs (`sim.network._sampler`)
+_LATENCY_FIELDS = {"constant": ("value",), "uniform": ("low", "high"), "normal": ("mean", "std"),
+                   "lognormal": ("median", "sigma")}
 
 
 def check_network_values(net: dict) -> None:
-    """Signs and ranges of the [network] numbers, at load: the network model took a negative jitter
-    or bandwidth silently and failed on a negative latency only once a message used it. (A value
-    of the wrong type is left to the model, whose error names the types it takes.)"""
+    """Types, signs and ranges of the [network] numbers, at load: the network model took a negative
+    jitter or bandwidth silently and failed on a negative latency only once a message used it; a
+    string for loss, jitter or bandwidth failed in a comparison or a division that named no key, and
+    a distribution without one of its fields raised a bare KeyError ('sigma')."""
     lat = net.get("latency")
-    times = {"latency": lat}
+    times = {"latency": lat} if lat is not None and not callable(lat) else {}
     if isinstance(lat, dict):  # a distribution (`sim.network._sampler`); a normal's mean is clipped at 0
+        dist = lat.get("dist", "constant")
+        if dist not in (*_LATENCY_FIELDS, "regions"):
+            raise ValueError(f"[network] unknown latency distribution {dist!r} (known: {', '.join(_LATENCY_FIELDS)}, "
+                             "regions)")
+        need = _LATENCY_FIELDS.get(dist, ("region_of", "matrix"))
+        missing = [k for k in need if k not in lat]
+        if missing:
+            raise ValueError(f"[network] latency {{dist = \"{dist}\"}} needs {' and '.join(need)}; "
+                             f"{', '.join(missing)} missing")
+        for k in ("sigma", "mean"):  # numbers of any sign
+            if k in lat and not (_is_number(lat[k]) and math.isfinite(lat[k])):
+                raise ValueError(f"[network] latency {k} must be a finite number, not {lat[k]!r}")
         times = {f"latency {k}": lat[k] for k in ("value", "low", "high", "median", "std") if k in lat}
+        if dist == "uniform" and _is_number(lat["low"]) and _is_number(lat["high"]) and lat["low"] > lat["high"]:
+            raise ValueError(f"[network] latency low ({lat['low']!r}) must not exceed high ({lat['high']!r})")
         matrix = lat.get("matrix")
         if isinstance(matrix, dict):
             times.update({f"latency matrix[{a}][{b}]": v for a, row in matrix.items() if isinstance(row, dict)
                           for b, v in row.items()})
     times["jitter"] = net.get("jitter", 0.0)
     for name, v in times.items():
-        if _is_number(v) and not 0 <= v < math.inf:
+        if isinstance(v, dict) and name == "latency":
+            continue
+        if not _is_number(v) or not 0 <= v < math.inf:
             raise ValueError(f"[network] {name} must be a finite number of seconds >= 0, not {v!r}")
     loss = net.get("loss", 0.0)
-    if _is_number(loss) and not 0 <= loss < 1:
+    if not _is_number(loss) or not 0 <= loss < 1:
         raise ValueError(f"[network] loss must be a probability in [0, 1), not {loss!r}")
     bw = net.get("bandwidth")
     rates = {"bandwidth": bw} if not isinstance(bw, dict) else {f"bandwidth of {k}": v for k, v in bw.items()}
     for name, v in rates.items():
-        if _is_number(v) and not v > 0:  # leaving it out is the way to say unlimited
+        if v is None and name == "bandwidth":  # leaving it out (None) is the way to say unlimited
+            continue
+        if not _is_number(v) or not v > 0:
             raise ValueError(f"[network] {name} must be > 0 bytes/s (leave it out for unlimited), not {v!r}")
 
 
