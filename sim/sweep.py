@@ -378,15 +378,46 @@ def load_sweep(path: str | Path) -> Sweep:
     unknown = set(d) - _SWEEP_KEYS
     if unknown:
         raise ValueError(f"{path}: unknown sweep keys {sorted(unknown)} (known: {sorted(_SWEEP_KEYS)})")
+    _check_sweep_types(path, d)
     base: dict = {}
     if "scenario" in d:
         base = _read_toml((path.parent / d["scenario"]).resolve())
+        if not isinstance(base, dict):
+            raise ValueError(f"{path}: the base scenario {d['scenario']} is not a table of settings")
     base = _deep_merge(base, d.get("base", {}))
     seeds = d.get("seeds", 1)
     seeds = list(range(seeds)) if isinstance(seeds, int) else [int(s) for s in seeds]
     return Sweep(name=d.get("name", path.stem), kind=d.get("kind", "scenario"), base=base,
                  axes=_flatten_axes(d.get("axes", {})), seeds=seeds, seed=int(d.get("seed", 0)),
                  plot=d.get("plot", {}))
+
+
+def _whole(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_sweep_types(path: Path, d: Any) -> None:
+    """The sweep file's own keys, by type: `axes = [...]` or `base = 3` ended the command in an
+    AttributeError traceback, `seeds = 2.5` in "'float' object is not iterable", `seed = "x"` in an
+    int() error naming no key, and `seeds = true` ran one seed, silently."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: a sweep file is a table (kind, seed, seeds, scenario, [base], [axes], [plot]), "
+                         f"not {type(d).__name__}")
+    for key in ("base", "axes", "plot"):
+        if key in d and not isinstance(d[key], dict):
+            raise ValueError(f"{path}: {key} must be a table ([{key}]), not {d[key]!r}")
+    for key in ("name", "kind", "scenario"):
+        if key in d and not isinstance(d[key], str):
+            raise ValueError(f"{path}: {key} must be a string, not {d[key]!r}")
+    if "seed" in d and not (_whole(d["seed"]) and d["seed"] >= 0):
+        raise ValueError(f"{path}: seed must be a whole number >= 0, not {d['seed']!r}")
+    seeds = d.get("seeds", 1)
+    if _whole(seeds):
+        if seeds < 1:
+            raise ValueError(f"{path}: seeds must be a count >= 1 or a list of seed indices, not {seeds!r}")
+    elif not (isinstance(seeds, list) and all(_whole(s) and s >= 0 for s in seeds)):
+        raise ValueError(f"{path}: seeds must be a count >= 1 or a list of seed indices (whole numbers >= 0), "
+                         f"not {seeds!r}")
 
 
 # ---------------------------------------------------------------------------------------- running one chunk

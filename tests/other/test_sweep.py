@@ -6,6 +6,7 @@ import io
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -443,3 +444,22 @@ def test_plot_of_a_folder_that_is_no_sweep_says_so_and_creates_nothing(tmp_path,
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"{tmp_path} is not a sweep's results folder (it holds no sweep.json)" in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("text, expect", [
+    ("axes = [1, 2]\n", "axes must be a table ([axes]), not [1, 2]"),
+    ("base = 3\n", "base must be a table ([base]), not 3"),
+    ('plot = "x"\n', "plot must be a table ([plot]), not 'x'"),
+    ("seeds = 2.5\n", "seeds must be a count >= 1 or a list of seed indices (whole numbers >= 0), not 2.5"),
+    ("seeds = true\n", "seeds must be a count >= 1 or a list of seed indices (whole numbers >= 0), not True"),
+    ("seeds = [-1, 0]\n", "not [-1, 0]"),
+    ('seed = "x"\n', "seed must be a whole number >= 0, not 'x'"),
+])
+def test_sweep_keys_of_the_wrong_type_are_refused_naming_the_key(tmp_path, text, expect):
+    """`axes = [...]` or `base = 3` ended `python -m sim sweep` in an AttributeError traceback (exit 1),
+    `seeds = 2.5` in "'float' object is not iterable", `seed = "x"` in an int() error naming no key;
+    `seeds = true` ran one seed, silently."""
+    path = tmp_path / "s.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=re.escape(expect)):
+        load_sweep(path)
