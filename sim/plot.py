@@ -16,6 +16,7 @@ Everything here reads ``results.csv`` and ``sweep.json``; nothing reruns a simul
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from pathlib import Path
 from typing import Any, Sequence
@@ -128,6 +129,11 @@ def rounds_to_eps_heatmap(desc: dict, rows: list[dict], metric: str = "mse", eps
     xy = list(xy or desc.get("plot", {}).get("heatmap") or varying[:2])
     if len(xy) != 2:
         raise ValueError(f"a heatmap needs two axes with several values; this sweep varies {varying}")
+    # (a name that is no axis raised a bare KeyError naming it; one axis twice drew a misplaced grid)
+    bad = [a for a in xy if a not in desc["axes"]]
+    if bad or xy[0] == xy[1]:
+        raise ValueError(f"the heatmap's axes must be two different axes of the sweep, not {xy}; its axes: "
+                         f"{', '.join(desc['axes']) or 'none'}")
     xa, ya = xy
     axes = list(desc["axes"])
     summary = rounds_to_eps(rows, axes, eps, metric)
@@ -207,12 +213,19 @@ def plot_results(results: str | Path, out: str | Path | None = None, *, metric: 
     out = Path(out) if out else results / "plots"
     out.mkdir(parents=True, exist_ok=True)
     desc, rows = read_table(results)
+    if not rows:  # every figure would be empty axes, written without a word
+        failed = json.loads((results / "failures.json").read_text()) if (results / "failures.json").is_file() else []
+        raise ValueError(f"{results}: results.csv holds no rows, nothing to draw: "
+                         + (f"{len(failed)} of its runs failed (see failures.json)" if failed
+                            else "no run has finished (or every run has 0 rounds)"))
     cfg = desc.get("plot", {})
     metric = metric or cfg.get("metric") or _DEFAULT_METRIC.get(desc.get("kind"), "mse")
     if rows and metric not in rows[0]:
         columns = [c for c in rows[0] if c not in (*desc["axes"], "seed", "run_seed", "key", "round")]
         raise ValueError(f"{results}: no metric {metric!r} in results.csv; its metrics: {', '.join(columns)}")
     eps = eps if eps is not None else float(cfg.get("eps", 1e-9))
+    if math.isnan(eps):  # no metric is <= nan: every cell "never got there"
+        raise ValueError("eps must be a number, not nan")
     figs = {"metric_vs_rounds.png": metric_vs_rounds(desc, rows, metric)}
     if len(heatmap or cfg.get("heatmap") or _varying(desc)) >= 2:
         figs["rounds_to_eps.png"] = rounds_to_eps_heatmap(desc, rows, metric, eps, heatmap)

@@ -729,8 +729,14 @@ def read_table(out: str | Path) -> tuple[dict, list[dict]]:
     desc = json.loads((out / "sweep.json").read_text())
     rows = []
     with open(out / "results.csv", newline="") as f:
-        for row in csv.DictReader(f):
+        reader = csv.DictReader(f)
+        for row in reader:
             rows.append({k: _parse(v) for k, v in row.items()})
+    # the axes in the sweep file's order, as results.csv's columns have them: sweep.json's keys are
+    # sorted, and plots took their default lines axis ("its last axis") and heatmap axes ("the first
+    # two") from that alphabetical order instead
+    order = [c for c in (reader.fieldnames or []) if c in desc["axes"]]
+    desc["axes"] = {a: desc["axes"][a] for a in [*order, *(a for a in desc["axes"] if a not in order)]}
     return desc, rows
 
 
@@ -904,8 +910,12 @@ def cmd_sweep(args) -> int:
     if args.plot:
         from .plot import plot_results
 
-        for path in plot_results(out):
-            sys.stderr.write(f"  {path}\n")
+        try:
+            for path in plot_results(out):
+                sys.stderr.write(f"  {path}\n")
+        except ValueError as e:  # nothing to draw (every run failed): said, and the exit status is the sweep's
+            sys.stderr.write(f"no figures: {e}\n")
+            return 1 if res.failures else 2
     return 1 if res.failures else 0
 
 

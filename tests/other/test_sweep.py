@@ -463,3 +463,44 @@ def test_sweep_keys_of_the_wrong_type_are_refused_naming_the_key(tmp_path, text,
     path.write_text(text)
     with pytest.raises(ValueError, match=re.escape(expect)):
         load_sweep(path)
+
+
+def test_plot_refuses_a_heatmap_axis_that_is_none_and_results_with_no_rows(tmp_path, capsys):
+    """`--heatmap a b` raised a bare KeyError ('a'); a results folder whose every run failed drew three
+    empty figures and exited 0, saying nothing."""
+    pytest.importorskip("matplotlib")
+    from sim.__main__ import main
+
+    s = _small(tmp_path)
+    run_sweep(s, tmp_path / "out", workers=0, quiet=True)
+    assert main(["plot", str(tmp_path / "out"), "--heatmap", "a", "unavailability"]) == 2
+    err = capsys.readouterr().err
+    assert "the heatmap's axes must be two different axes of the sweep, not ['a', 'unavailability']; its axes: " \
+           "unavailability, protocol.target_group_size" in err, err
+    bad = dataclasses.replace(s, name="bad", axes={"network.loss": [1.5]}, seeds=[0])
+    assert run_sweep(bad, tmp_path / "bad", workers=0, quiet=True, stream=io.StringIO()).failures
+    assert main(["plot", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert "results.csv holds no rows, nothing to draw: 1 of its runs failed (see failures.json)" in err, err
+    assert not (tmp_path / "bad" / "plots").exists() or not list((tmp_path / "bad" / "plots").iterdir())
+
+
+def test_plots_take_their_default_axes_in_the_sweep_files_order(tmp_path):
+    """sweep.json stores the axes with sorted keys, and the plots took "the last axis" (one line per
+    value) and "the first two" (the heatmap) from that alphabetical order: SMALL's lines were
+    unavailability, not its last axis protocol.target_group_size."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from sim.plot import metric_vs_rounds, rounds_to_eps_heatmap
+
+    run_sweep(_small(tmp_path), tmp_path / "out", workers=0, quiet=True)
+    desc, rows = read_table(tmp_path / "out")
+    assert list(desc["axes"]) == ["unavailability", "protocol.target_group_size"]
+    fig = metric_vs_rounds(desc, rows)
+    assert fig.axes[0].get_legend().get_title().get_text() == "protocol.target_group_size"
+    assert fig.axes[0].get_title() == "unavailability=0.0"
+    plt.close(fig)
+    fig = rounds_to_eps_heatmap(desc, rows)
+    assert (fig.axes[0].get_xlabel(), fig.axes[0].get_ylabel()) == ("unavailability", "protocol.target_group_size")
+    plt.close(fig)
