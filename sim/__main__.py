@@ -189,12 +189,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _shape(text: str) -> list[int]:
-    return [int(x) for x in text.lower().split("x")] if text else []
+def grid_shape(text: str) -> list[int]:
+    """The argparse type of ``--grid``: ``32x32`` as [32, 32], empty as [] (no grid); anything else is
+    refused naming the option ("abc" said "invalid literal for int() with base 10", naming none)."""
+    try:
+        shape = [int(x) for x in text.lower().split("x")] if text else []
+    except ValueError:
+        shape = [0]
+    if any(m < 1 for m in shape):
+        raise argparse.ArgumentTypeError(f"must be sizes >= 1 joined by x (e.g. 32x32), or empty for no grid, "
+                                         f"got {text!r}")
+    return shape
 
 
 def cmd_moshpit(args: argparse.Namespace) -> int:
-    grid = _shape(args.grid)
+    grid = args.grid
     if args.level == "round":
         from .roundlevel import RoundLevelSwarm
 
@@ -422,13 +431,15 @@ def _main(argv: list[str]) -> int:
     tr.add_argument("--json", action="store_true", help="print the results JSON instead of the tables")
     tr.set_defaults(fn=cmd_train)
     m = sub.add_parser("moshpit", help="a Moshpit averaging experiment from flags")
-    m.add_argument("--peers", type=int, default=1024, help="number of peers (default 1024)")
-    m.add_argument("--group-size", type=int, default=32, help="target group size (default 32)")
-    m.add_argument("--grid", default="32x32", help="e.g. 32x32 (the default); empty for random groups (round level)")
+    # (--peers 0 at the round level ran into numpy's "mean of empty slice" warnings and a reshape error)
+    m.add_argument("--peers", type=positive_int, default=1024, help="number of peers (default 1024)")
+    m.add_argument("--group-size", type=positive_int, default=32, help="target group size (default 32)")
+    m.add_argument("--grid", type=grid_shape, default="32x32",
+                   help="e.g. 32x32 (the default); empty for random groups (round level)")
     m.add_argument("--dropout", type=float, default=0.0, help="per-round unavailability probability")
-    m.add_argument("--rounds", type=int, default=5, help="averaging rounds (default 5)")
-    m.add_argument("--seed", type=int, default=0, help="seed of the run (default 0)")
-    m.add_argument("--numel", type=int, default=1, help="values per peer (message level; default 1)")
+    m.add_argument("--rounds", type=nonnegative_int, default=5, help="averaging rounds (default 5)")
+    m.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the run (default 0)")
+    m.add_argument("--numel", type=positive_int, default=1, help="values per peer (message level; default 1)")
     m.add_argument("--placement", default="distinct", choices=["full", "distinct", "random"],
                    help="how peers take grid cells: every cell (full), distinct cells, or random with collisions "
                         "(default distinct)")

@@ -291,3 +291,22 @@ def test_a_faults_table_for_an_array_of_tables_ends_the_cli_in_one_line(tmp_path
     p = _run_cli(["run", str(path), "--quiet"], "0")
     assert p.returncode == 2, p.stderr
     assert "faults must be a list of tables ([[faults]])" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["--peers", "0", "--level", "round"], "argument --peers: must be a whole number >= 1, got '0'"),
+    (["--grid", "abc"], "argument --grid: must be sizes >= 1 joined by x (e.g. 32x32), or empty for no grid, got 'abc'"),
+    (["--grid", "4x0", "--level", "round"], "argument --grid: must be sizes >= 1"),
+])
+def test_moshpit_cli_refuses_counts_and_grids_that_mean_nothing(args, expect, capsys):
+    """--peers 0 at the round level ran into numpy's empty-slice warnings and "cannot reshape array of
+    size 0"; --grid abc said "invalid literal for int() with base 10", naming no option."""
+    from sim.__main__ import main
+
+    with pytest.raises(SystemExit) as stop:  # argparse's error: one line, exit status 2
+        main(["moshpit", "--rounds", "1", *args])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert expect in err and "Warning" not in err, err
+    assert main(["moshpit", "--peers", "16", "--rounds", "1", "--level", "round", "--json"]) == 0  # default grid 32x32
+    assert json.loads(capsys.readouterr().out)["rounds"][0]["participants"] > 0
