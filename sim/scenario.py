@@ -343,6 +343,13 @@ def check_network_values(net: dict) -> None:
     loss = net.get("loss", 0.0)
     if not _is_number(loss) or not 0 <= loss < 1:
         raise ValueError(f"[network] loss must be a probability in [0, 1), not {loss!r}")
+    tcp = net.get("tcp")
+    if tcp is not None and not isinstance(tcp, dict):
+        raise ValueError(f"[network] tcp must be a table of TCP settings (e.g. {{mss = 1448}}), not {tcp!r}")
+    if tcp:  # the settings given (a profile's are the machine's): their types and ranges, at load
+        from .tcp import TcpParams
+
+        TcpParams.from_dict({**TcpParams().to_dict(), **{k: v for k, v in tcp.items() if k != "profile"}})
     bw = net.get("bandwidth")
     rates = {"bandwidth": bw} if not isinstance(bw, dict) else {f"bandwidth of {k}": v for k, v in bw.items()}
     for name, v in rates.items():
