@@ -267,6 +267,7 @@ class Scenario:
             if bad and not self.churn:
                 raise ValueError(f"a {f.get('kind')} fault names peer {bad[0]}, but the scenario has peers "
                                  f"0..{self.peers - 1}")
+        check_slow_faults(self.faults, self.network, self.profiles, self.hosts)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -357,6 +358,20 @@ def check_network_values(net: dict) -> None:
             continue
         if not _is_number(v) or not v > 0:
             raise ValueError(f"[network] {name} must be > 0 bytes/s (leave it out for unlimited), not {v!r}")
+
+
+def check_slow_faults(faults: list, network: dict, profiles: dict, hosts: list) -> None:
+    """A `slow` fault divides its peer's link rates; a peer with no rate (no [[hosts]], no profiles, no
+    [network] bandwidth for it: unlimited) has nothing to divide, and the fault did nothing, silently."""
+    bw = network.get("bandwidth")
+    for f in faults:
+        if f.get("kind") != "slow" or hosts or profiles:
+            continue
+        peer = f.get("peer")
+        limited = bw.get(f"sim://peer{peer}") is not None if isinstance(bw, dict) else bw is not None
+        if not limited:
+            raise ValueError(f"a slow fault on peer {peer} would do nothing: that peer's links have no bandwidth "
+                             "limit to divide; give one ([network] bandwidth in bytes/s, profiles or [[hosts]])")
 
 
 def check_profile_fractions(profiles: dict) -> None:

@@ -73,7 +73,7 @@ from zgossip.grid import MoshpitGrid, seed_from
 from .driver import SimCluster, SimPeer
 from .faults import Churn, SimFaultContext, fault_from_dict
 from .network import PROFILES, NetworkModel
-from .scenario import HostSpec, check_network_values, check_profile_fractions
+from .scenario import HostSpec, check_network_values, check_profile_fractions, check_slow_faults
 
 __all__ = ["TrainScenario", "TrainSpec", "TrainRun", "TrainResult", "run_train", "load_train_scenario",
            "OPTIMIZERS"]
@@ -186,6 +186,7 @@ class TrainScenario:
             raise ValueError("membership must be gossip or static")
         for f in self.faults:
             fault_from_dict(f)
+        check_slow_faults(self.faults, self.network, self.profiles, self.hosts)
         spec = self.spec
         if spec.grid and spec.optimizer == "moshpit" and int(np.prod(spec.grid)) < self.peers:
             raise ValueError(f"{self.peers} peers do not fit the grid {list(spec.grid)}")

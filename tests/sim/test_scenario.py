@@ -310,3 +310,18 @@ def test_moshpit_cli_refuses_counts_and_grids_that_mean_nothing(args, expect, ca
     assert expect in err and "Warning" not in err, err
     assert main(["moshpit", "--peers", "16", "--rounds", "1", "--level", "round", "--json"]) == 0  # default grid 32x32
     assert json.loads(capsys.readouterr().out)["rounds"][0]["participants"] > 0
+
+
+def test_a_slow_fault_on_a_peer_without_a_rate_is_refused_and_with_one_slows_its_rounds():
+    """With no bandwidth limit (the default) a slow fault divided an unlimited rate: factor 1e9 left
+    every round as fast as without it, silently."""
+    slow = {"kind": "slow", "peer": 1, "start": 0.0, "end": 100.0, "factor": 10.0}
+    base = {"peers": 4, "grid": [], "rounds": 1, "numel": 20000, "bootstrap_time": 0.5}
+    with pytest.raises(ValueError, match=r"a slow fault on peer 1 would do nothing: that peer's links have no "
+                                         r"bandwidth limit to divide"):
+        Scenario.from_dict({**base, "faults": [slow]})
+    net = {"bandwidth": 1e7}
+    fast = run_scenario({**base, "network": net}).rounds[0]
+    slowed = run_scenario({**base, "network": net, "faults": [slow]}).rounds[0]
+    assert fast["succeeded"] == slowed["succeeded"] == 4
+    assert slowed["sim_seconds"] > 3 * fast["sim_seconds"], (fast["sim_seconds"], slowed["sim_seconds"])
