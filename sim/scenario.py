@@ -46,9 +46,11 @@ never inside them). Keys, with defaults:
                                 # true: only sides[0] -> sides[1] is cut), slow
     [churn]                     # arrival_rate, departure_rate, until
 
-Metrics per round: mean squared distance to the global mean of round 0 (the Moshpit
-paper's metric) and its max, the spread among live peers, group sizes, participants
-and outcomes, bytes sent/received per peer, simulated time.
+Metrics per round: mean squared distance of the live peers' values to the mean of the
+initial `peers`' values, drawn at t = 0 (the Moshpit paper's metric; peers that arrive by
+churn or crash later move the live mean away from it) and its max, the spread among live
+peers, group sizes, participants and outcomes, bytes sent/received in the round (mean and
+max over the peers that stepped: encoded message bytes, headers included), simulated time.
 """
 from __future__ import annotations
 
@@ -636,7 +638,7 @@ def round_metrics(r: int, t0: float, seconds: float, live_tensors: list[np.ndarr
                   participants: int, outcomes: list[tuple], sent: list[int], recv: list[int]) -> dict:
     """One round's metrics, shared by the simulator and the testbed (`sim.testbed`) so both report the same.
 
-    ``live_tensors``: the tensor of every live peer after the round; ``truth``: the round-0 global mean;
+    ``live_tensors``: the tensor of every live peer after the round; ``truth``: the mean of the initial peers' values;
     ``outcomes``: one per stepping peer, ``("done", group_id, group_size)``, ``("failed", error_type_name)``
     or ``("unfinished",)``; ``sent``/``recv``: bytes per stepping peer during the round."""
     xs = np.stack(live_tensors) if live_tensors else np.zeros((0, numel))
