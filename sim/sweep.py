@@ -658,6 +658,8 @@ class Progress:
         now = time.perf_counter()
         if not final and now - self._last < (0.2 if self.tty else 10.0):
             return
+        if not final and not self.tty and self.done >= self.total:  # the final line follows: printed once
+            return
         self._last = now
         el = now - self.start
         fresh = self.done - self.reused

@@ -504,3 +504,12 @@ def test_plots_take_their_default_axes_in_the_sweep_files_order(tmp_path):
     fig = rounds_to_eps_heatmap(desc, rows)
     assert (fig.axes[0].get_xlabel(), fig.axes[0].get_ylabel()) == ("unavailability", "protocol.target_group_size")
     plt.close(fig)
+
+
+def test_progress_to_a_file_prints_the_finished_line_once(tmp_path):
+    """Off a terminal (a log file, CI), a sweep whose first progress update was also its last (one run,
+    or every run in one finished chunk) printed "[####] 1/1 runs, 0 failed, ..., done" twice."""
+    err = io.StringIO()
+    run_sweep(dataclasses.replace(_small(tmp_path), axes={}, seeds=[0]), tmp_path / "out", workers=0, stream=err)
+    lines = err.getvalue().splitlines()
+    assert sum("1/1 runs" in line for line in lines) == 1, lines
