@@ -107,6 +107,16 @@ class _UsageError(Exception):
     pass
 
 
+def _check_outputs(prog: str, paths: list[str | None]) -> None:
+    """--out/--csv checked before the run: a missing folder or a directory given for a file failed
+    only when the results were written, after the whole simulation, which was lost."""
+    from .testbed import check_output_paths
+
+    reason = check_output_paths(paths)
+    if reason:
+        raise _UsageError(f"{prog}: error: {reason}")
+
+
 def _table(rows: list[dict], keys: Sequence[tuple[str, str, str]]) -> str:
     head = " ".join(f"{title:>{len(title) if len(title) > 8 else 8}}" for title, _, _ in keys)
     lines = [head]
@@ -145,6 +155,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .scenario import run_scenario
 
     sc = _load(args.scenario, "python -m sim run")
+    _check_outputs("python -m sim run", [args.out, args.csv])
     res = run_scenario(sc, progress=None if args.quiet else _progress())
     if args.out:
         with open(args.out, "w") as f:
@@ -163,6 +174,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .train import load_train_scenario, run_train
 
     sc = load_train_scenario(args.scenario)
+    _check_outputs("python -m sim train", [args.out])
     res = run_train(sc)
     if args.out:
         with open(args.out, "w") as f:

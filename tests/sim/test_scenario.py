@@ -325,3 +325,20 @@ def test_a_slow_fault_on_a_peer_without_a_rate_is_refused_and_with_one_slows_its
     slowed = run_scenario({**base, "network": net, "faults": [slow]}).rounds[0]
     assert fast["succeeded"] == slowed["succeeded"] == 4
     assert slowed["sim_seconds"] > 3 * fast["sim_seconds"], (fast["sim_seconds"], slowed["sim_seconds"])
+
+
+def test_run_checks_its_output_paths_before_simulating(tmp_path, capsys, monkeypatch):
+    """--out in a missing folder (or --csv naming a folder) failed only when the results were written,
+    after the whole simulation, which was lost."""
+    import sim.scenario
+    from sim.__main__ import main
+
+    path = tmp_path / "s.toml"
+    path.write_text("peers = 2\ngrid = []\nrounds = 1\n")
+    ran = []
+    monkeypatch.setattr(sim.scenario, "run_scenario", lambda *a, **k: ran.append(1))
+    assert main(["run", str(path), "--quiet", "--out", str(tmp_path / "no" / "r.json")]) == 2
+    assert main(["run", str(path), "--quiet", "--csv", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("python -m sim run: error: cannot write") for line in err), err
+    assert not ran and sorted(p.name for p in tmp_path.iterdir()) == ["s.toml"]
