@@ -125,10 +125,13 @@ def code_version() -> str:
 
 def _set_path(d: dict, dotted: str, value: Any) -> None:
     keys = dotted.split(".")
-    for k in keys[:-1]:
+    for i, k in enumerate(keys[:-1]):
         nxt = d.get(k)
-        if not isinstance(nxt, dict):
+        if nxt is None:
             nxt = d[k] = {}
+        elif not isinstance(nxt, dict):  # it was replaced by a table, silently: latency = 0.02 became {median = ...}
+            raise ValueError(f"axis {dotted!r} reaches into {'.'.join(keys[:i + 1])}, which the base sets to "
+                             f"{nxt!r}, not a table; vary {'.'.join(keys[:i + 1])} itself, or make it a table in the base")
         d = nxt
     d[keys[-1]] = copy.deepcopy(value)
 

@@ -513,3 +513,12 @@ def test_progress_to_a_file_prints_the_finished_line_once(tmp_path):
     run_sweep(dataclasses.replace(_small(tmp_path), axes={}, seeds=[0]), tmp_path / "out", workers=0, stream=err)
     lines = err.getvalue().splitlines()
     assert sum("1/1 runs" in line for line in lines) == 1, lines
+
+
+def test_an_axis_reaching_into_a_base_value_that_is_no_table_is_refused_before_any_run(tmp_path):
+    """`network.latency.median = [...]` over a base `latency = 0.02` replaced the number with
+    {median = ...}, silently, and every run failed on the half-made distribution."""
+    s = _small(tmp_path, SMALL.replace("[axes]", "network = {latency = 0.02}\n[axes]\nnetwork.latency.median = [0.01]"))
+    with pytest.raises(ValueError, match=r"axis 'network.latency.median' reaches into network.latency, which the "
+                                         r"base sets to 0.02, not a table"):
+        s.runs()
