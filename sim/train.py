@@ -33,7 +33,8 @@ and a ``[train]`` table:
     steps = 50              # local steps of each initial trainer
     average_every = 1       # local steps per averaging round (decentralized kinds)
     step_time = 0.2         # virtual seconds of compute per step
-    grid = []               # moshpit grid; [] = the squarest 2-d grid that holds the peers
+    grid = []               # moshpit grid; [] = the squarest 2-d grid that holds the peers (one
+                            # dimension for up to 3 peers)
     eval_every = 5          # held-out loss of every live trainer every k steps
     eval_samples = 256
     noise = 0.1             # std of the target noise
@@ -210,7 +211,13 @@ def load_train_scenario(path: str | Path) -> TrainScenario:
     return TrainScenario.from_dict(tomllib.loads(path.read_text()))
 
 
-def _square_grid(n: int) -> tuple[int, int]:
+def _square_grid(n: int) -> tuple[int, ...]:
+    """The default Moshpit grid of `n` trainers: the squarest 2-d grid that holds them, or one
+    dimension for up to 3. (2 trainers got (1, 2): alone along the first axis, each GroupNotFound
+    waited out the matchmaking window, the steps meanwhile skipped their rounds, and the two never
+    averaged once; 3 got (2, 2), where one of them is alone along each axis.)"""
+    if n <= 3:
+        return (max(1, n),)
     a = max(1, int(math.isqrt(n)))
     while a * a < n and a * (a + 1) < n:
         a += 1

@@ -147,3 +147,14 @@ def test_a_lone_trainer_trains_and_non_finite_values_are_refused():
     for bad in ({"lr": float("nan")}, {"step_time": float("inf")}, {"noise": float("nan")}):
         with pytest.raises(ValueError, match=r"needs finite steps >= 0"):
             TrainScenario.from_dict({"train": {"params": 100, **bad}})
+
+
+@pytest.mark.parametrize("peers", [2, 3])
+def test_two_or_three_moshpit_trainers_on_the_default_grid_average_every_round(peers):
+    """The default grid for 2 trainers was (1, 2): each was alone along the first axis, each failed
+    round waited out the matchmaking window while the steps skipped theirs, and the two never averaged
+    (0 rounds done, 2 distinct parameter sets); 3 trainers got (2, 2), one alone along each axis."""
+    res = run_train({"seed": 1, "peers": peers, "train": {"optimizer": "moshpit", "params": 200, "steps": 4,
+                                                          "step_time": 0.2, "eval_every": 2}})
+    assert all(t["rounds"]["failed"] == 0 and t["rounds"]["done"] >= 4 for t in res.trainers), res.trainers
+    assert res.final["identical"], res.final
