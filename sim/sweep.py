@@ -240,6 +240,15 @@ def _moshpit_run(spec: dict) -> dict:
     unknown = set(spec) - _MOSHPIT_KEYS
     if unknown:
         raise ValueError(f"unknown moshpit keys {sorted(unknown)} (known: {sorted(_MOSHPIT_KEYS)})")
+    # (n = 2.5 ran with 2 peers and cap = -1 with no round, silently; n = 0 ended in numpy's empty-slice
+    # warnings and a reshape error; p = "x" in "could not convert string to float")
+    for key, low in (("n", 1), ("cap", 0)):
+        v = spec.get(key, 50 if key == "cap" else None)
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"moshpit: {key} must be a whole number >= {low}, not {v!r}")
+    p = spec.get("p")
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
+        raise ValueError(f"moshpit: p must be a probability in [0, 1], not {p!r}")
     named = {s.name: s for s in METHODS + EXTRA_METHODS}
     if spec["method"] not in named:
         raise ValueError(f"unknown method {spec['method']!r}; known: {sorted(named)}")

@@ -522,3 +522,16 @@ def test_an_axis_reaching_into_a_base_value_that_is_no_table_is_refused_before_a
     with pytest.raises(ValueError, match=r"axis 'network.latency.median' reaches into network.latency, which the "
                                          r"base sets to 0.02, not a table"):
         s.runs()
+
+
+@pytest.mark.parametrize("spec, expect", [
+    ({"n": 2.5}, "moshpit: n must be a whole number >= 1, not 2.5"),
+    ({"n": 0}, "moshpit: n must be a whole number >= 1, not 0"),
+    ({"cap": -1}, "moshpit: cap must be a whole number >= 0, not -1"),
+    ({"p": "x"}, "moshpit: p must be a probability in [0, 1], not 'x'"),
+])
+def test_a_moshpit_run_refuses_counts_and_rates_that_mean_nothing(spec, expect):
+    """n = 2.5 ran with 2 peers and cap = -1 with no round at all, silently; n = 0 ended in numpy's
+    empty-slice warnings and a reshape error."""
+    with pytest.raises(ValueError, match=re.escape(expect)):
+        sw._moshpit_run({"n": 16, "p": 0.0, "method": "random", "seed": 0, "restart": 0, "cap": 2, **spec})
