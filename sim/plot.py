@@ -198,6 +198,19 @@ def plot_results(results: str | Path, out: str | Path | None = None, *, metric: 
     """Draw the standard figures of a sweep's results folder into ``out`` (default RESULTS/plots)."""
     import sys
 
+    results = Path(results)
+    if not (results / "sweep.json").is_file():  # (before anything is created under it)
+        if (results / "runs").is_dir():  # the tables are written at the end: an interrupted sweep has none
+            raise ValueError(f"{results} holds runs but no sweep.json: its sweep has not finished (interrupted?); "
+                             "run `python -m sim sweep FILE --out FOLDER` again to finish it and write its tables")
+        raise ValueError(f"{results} is not a sweep's results folder (it holds no sweep.json): give the --out "
+                         "folder of `python -m sim sweep FILE --out FOLDER`")
+    desc, rows = read_table(results)
+    if not rows:  # every figure would be empty axes, written without a word
+        failed = json.loads((results / "failures.json").read_text()) if (results / "failures.json").is_file() else []
+        raise ValueError(f"{results}: results.csv holds no rows, nothing to draw: "
+                         + (f"{len(failed)} of its runs failed (see failures.json)" if failed
+                            else "no run has finished (or every run has 0 rounds)"))
     import matplotlib
 
     if "matplotlib.pyplot" not in sys.modules:
@@ -206,38 +219,32 @@ def plot_results(results: str | Path, out: str | Path | None = None, *, metric: 
     # notebook on Agg, where the user's later figures no longer showed inline
     import matplotlib.pyplot as plt
 
-    results = Path(results)
-    if not (results / "sweep.json").is_file():  # (before anything is created under it)
-        raise ValueError(f"{results} is not a sweep's results folder (it holds no sweep.json): give the --out "
-                         "folder of `python -m sim sweep FILE --out FOLDER`")
-    out = Path(out) if out else results / "plots"
-    out.mkdir(parents=True, exist_ok=True)
-    desc, rows = read_table(results)
-    if not rows:  # every figure would be empty axes, written without a word
-        failed = json.loads((results / "failures.json").read_text()) if (results / "failures.json").is_file() else []
-        raise ValueError(f"{results}: results.csv holds no rows, nothing to draw: "
-                         + (f"{len(failed)} of its runs failed (see failures.json)" if failed
-                            else "no run has finished (or every run has 0 rounds)"))
     cfg = desc.get("plot", {})
     metric = metric or cfg.get("metric") or _DEFAULT_METRIC.get(desc.get("kind"), "mse")
-    if rows and metric not in rows[0]:
+    if metric not in rows[0]:
         columns = [c for c in rows[0] if c not in (*desc["axes"], "seed", "run_seed", "key", "round")]
         raise ValueError(f"{results}: no metric {metric!r} in results.csv; its metrics: {', '.join(columns)}")
     eps = eps if eps is not None else float(cfg.get("eps", 1e-9))
     if math.isnan(eps):  # no metric is <= nan: every cell "never got there"
         raise ValueError("eps must be a number, not nan")
-    figs = {"metric_vs_rounds.png": metric_vs_rounds(desc, rows, metric)}
-    if len(heatmap or cfg.get("heatmap") or _varying(desc)) >= 2:
-        figs["rounds_to_eps.png"] = rounds_to_eps_heatmap(desc, rows, metric, eps, heatmap)
-    if rows and "bytes_sent_cum" in rows[0]:
-        figs["bytes_vs_accuracy.png"] = bytes_vs_accuracy(desc, rows, metric)
-    paths = []
-    for name, fig in figs.items():
-        path = out / name
-        # no timestamp in the PNG metadata: the same results draw the same file
-        fig.savefig(path, dpi=110, metadata={"Software": None})
-        plt.close(fig)
-        paths.append(path)
+    figs = {}
+    try:  # a figure left open when a later one fails stays in pyplot (a notebook shows it)
+        figs["metric_vs_rounds.png"] = metric_vs_rounds(desc, rows, metric)
+        if len(heatmap or cfg.get("heatmap") or _varying(desc)) >= 2:
+            figs["rounds_to_eps.png"] = rounds_to_eps_heatmap(desc, rows, metric, eps, heatmap)
+        if "bytes_sent_cum" in rows[0]:
+            figs["bytes_vs_accuracy.png"] = bytes_vs_accuracy(desc, rows, metric)
+        out = Path(out) if out else results / "plots"
+        out.mkdir(parents=True, exist_ok=True)
+        paths = []
+        for name, fig in figs.items():
+            path = out / name
+            # no timestamp in the PNG metadata: the same results draw the same file
+            fig.savefig(path, dpi=110, metadata={"Software": None})
+            paths.append(path)
+    finally:
+        for fig in figs.values():
+            plt.close(fig)
     return paths
 
 

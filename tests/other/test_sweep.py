@@ -138,6 +138,11 @@ def test_interrupted_sweep_resumes_and_computes_only_the_rest(tmp_path):
         run_sweep(s, out, workers=0, quiet=True, on_result=interrupt_after_three)
     stored = sorted(p.name for p in (out / "runs").iterdir())
     assert stored == sorted(f"{k}.json" for k in seen)  # the three finished runs, and no temporary file
+    # plotting the unfinished folder says so (it said the folder was no sweep's --out folder at all)
+    from sim.plot import plot_results
+
+    with pytest.raises(ValueError, match="holds runs but no sweep.json: its sweep has not finished"):
+        plot_results(out)
     again = run_sweep(s, out, workers=2, quiet=True)
     assert (again.computed, again.reused) == (5, 3)
     full = run_sweep(s, tmp_path / "whole", workers=0, quiet=True)
@@ -473,7 +478,10 @@ def test_plot_refuses_a_heatmap_axis_that_is_none_and_results_with_no_rows(tmp_p
 
     s = _small(tmp_path)
     run_sweep(s, tmp_path / "out", workers=0, quiet=True)
+    import matplotlib.pyplot as plt
+
     assert main(["plot", str(tmp_path / "out"), "--heatmap", "a", "unavailability"]) == 2
+    assert not plt.get_fignums()  # the figure drawn before the heatmap failed is closed too
     err = capsys.readouterr().err
     assert "the heatmap's axes must be two different axes of the sweep, not ['a', 'unavailability']; its axes: " \
            "unavailability, protocol.target_group_size" in err, err
@@ -482,7 +490,7 @@ def test_plot_refuses_a_heatmap_axis_that_is_none_and_results_with_no_rows(tmp_p
     assert main(["plot", str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err
     assert "results.csv holds no rows, nothing to draw: 1 of its runs failed (see failures.json)" in err, err
-    assert not (tmp_path / "bad" / "plots").exists() or not list((tmp_path / "bad" / "plots").iterdir())
+    assert not (tmp_path / "bad" / "plots").exists()
 
 
 def test_plots_take_their_default_axes_in_the_sweep_files_order(tmp_path):
