@@ -11,7 +11,9 @@
 * ``bytes_vs_accuracy.png`` — message-level sweeps only: cumulative bytes sent per
   stepping peer against the metric, per point (median over seeds), one marker per round.
 
-Everything here reads ``results.csv`` and ``sweep.json``; nothing reruns a simulation.
+A figure holds at most 16 panels (``bytes_vs_accuracy``: 20 points), the first in sweep order; one
+that leaves some out says so in its title. Everything here reads ``results.csv`` and ``sweep.json``;
+nothing reruns a simulation.
 """
 from __future__ import annotations
 
@@ -49,6 +51,14 @@ def _panels(n: int):
     for ax in axes.flat[n:]:
         ax.set_visible(False)
     return fig, list(axes.flat[:n])
+
+
+def _note_cut(fig, drawn: int, total: int, what: str) -> None:
+    """Say on the figure that it shows only the first `drawn` of `total` panels or points (a sweep with
+    more lost the rest from its figures without a word)."""
+    if drawn < total:
+        fig.suptitle(f"the first {drawn} of {total} {what} (python -m sim plot draws at most {drawn}; "
+                     f"pick the axes with [plot] lines / heatmap)", fontsize=9)
 
 
 def _combos(desc: dict, names: Sequence[str]) -> list[dict]:
@@ -93,8 +103,10 @@ def metric_vs_rounds(desc: dict, rows: list[dict], metric: str = "mse", lines: s
     axes = list(desc["axes"])
     lines = lines or desc.get("plot", {}).get("lines") or (axes[-1] if axes else None)
     others = [a for a in axes if a != lines]
-    panels = _combos(desc, others)[:_MAX_PANELS]
+    combos = _combos(desc, others)
+    panels = combos[:_MAX_PANELS]
     fig, axs = _panels(len(panels))
+    _note_cut(fig, len(panels), len(combos), "panels")
     groups = _by_point(desc, rows)
     log = metric in ("mse", "max_abs", "spread")
     for ax, fixed in zip(axs, panels):
@@ -108,7 +120,10 @@ def metric_vs_rounds(desc: dict, rows: list[dict], metric: str = "mse", lines: s
                 continue
             y = _floor(metric, y)
             color = f"C{i % 10}"
-            ax.plot(x, np.nanmedian(y, axis=0), color=color, label=_label(value) if lines else None)
+            # a curve of one round is one point: a line alone draws nothing there (a 1-round sweep
+            # plotted empty panels under a legend), so it gets a marker
+            ax.plot(x, np.nanmedian(y, axis=0), color=color, label=_label(value) if lines else None,
+                    marker="o" if len(x) == 1 else None)
             ax.fill_between(x, np.nanmin(y, axis=0), np.nanmax(y, axis=0), color=color, alpha=0.15, lw=0)
         if log:
             ax.set_yscale("log")
@@ -138,7 +153,8 @@ def rounds_to_eps_heatmap(desc: dict, rows: list[dict], metric: str = "mse", eps
     axes = list(desc["axes"])
     summary = rounds_to_eps(rows, axes, eps, metric)
     others = [a for a in axes if a not in xy]
-    panels = _combos(desc, others)[:_MAX_PANELS]
+    combos = _combos(desc, others)
+    panels = combos[:_MAX_PANELS]
     xs, ys = desc["axes"][xa], desc["axes"][ya]
     fig, axs = _panels(len(panels))
     vmax = max((s["rounds"] for s in summary), default=1.0)
@@ -162,7 +178,8 @@ def rounds_to_eps_heatmap(desc: dict, rows: list[dict], metric: str = "mse", eps
         ax.set_xlabel(xa)
         ax.set_ylabel(ya)
         ax.set_title(", ".join(f"{a}={_label(v)}" for a, v in fixed.items()) or desc["name"], fontsize=9)
-    fig.suptitle(f"mean rounds to {metric} <= {eps:g} (* = some seeds never got there)", fontsize=10)
+    cut = f"\nthe first {len(panels)} of {len(combos)} panels" if len(panels) < len(combos) else ""
+    fig.suptitle(f"mean rounds to {metric} <= {eps:g} (* = some seeds never got there){cut}", fontsize=10)
     fig.tight_layout()
     if im is not None:
         fig.colorbar(im, ax=axs, shrink=0.8)
@@ -175,7 +192,9 @@ def bytes_vs_accuracy(desc: dict, rows: list[dict], metric: str = "mse"):
     axes = list(desc["axes"])
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     groups = _by_point(desc, rows)
-    for i, point in enumerate(_combos(desc, axes)[:20]):
+    points = _combos(desc, axes)
+    _note_cut(fig, min(20, len(points)), len(points), "points")
+    for i, point in enumerate(points[:20]):
         pr = _point_rows(desc, groups, point)
         if not pr:
             continue

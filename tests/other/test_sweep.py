@@ -543,3 +543,23 @@ def test_a_moshpit_run_refuses_counts_and_rates_that_mean_nothing(spec, expect):
     empty-slice warnings and a reshape error."""
     with pytest.raises(ValueError, match=re.escape(expect)):
         sw._moshpit_run({"n": 16, "p": 0.0, "method": "random", "seed": 0, "restart": 0, "cap": 2, **spec})
+
+
+def test_figures_say_when_they_leave_panels_out_and_draw_one_round_curves(tmp_path):
+    """A sweep with more than 16 panel combinations lost the rest from its figures without a word; a
+    1-round sweep drew every curve as a line of one point, i.e. nothing, under a legend."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from sim.plot import metric_vs_rounds
+
+    desc = {"name": "many", "axes": {"a": list(range(5)), "b": list(range(5)), "c": [0, 1]}, "seeds": [0], "plot": {}}
+    rows = [{"a": a, "b": b, "c": c, "seed": 0, "round": 1, "mse": 0.5} for a in range(5) for b in range(5)
+            for c in (0, 1)]
+    fig = metric_vs_rounds(desc, rows)
+    try:
+        assert len(fig.axes) == 16 and fig.get_suptitle().startswith("the first 16 of 25 panels")
+        line = fig.axes[0].get_lines()[0]
+        assert line.get_marker() == "o" and list(line.get_ydata()) == [0.5]
+    finally:
+        plt.close(fig)
