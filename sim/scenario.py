@@ -27,7 +27,8 @@ never inside them). Keys, with defaults:
     compression = "none"        # wire codec of the tensor: none, fp16, bf16, int8 (zgossip.codecs)
     error_feedback = false      # carry each peer's quantization residual to its next step
     [protocol]                  # zgossip.NodeConfig fields, e.g. target_group_size, part_timeout
-    [network]                   # latency (number or {dist=...}), bandwidth, loss, jitter,
+    [network]                   # latency (number or {dist=...}; default 0.005 s one way, added to
+                                # every message, [[hosts]] scenarios too), bandwidth, loss, jitter,
                                 # transfer = "tcp" | "fifo" (sim.tcp / sim.network; default: "tcp"
                                 # with [[hosts]], else "fifo"), tcp = {profile = PATH, mss, init_cwnd,
                                 # rmem_max, congestion_control, ...} (Linux defaults unless given)
@@ -41,7 +42,8 @@ never inside them). Keys, with defaults:
                                 # hint (the protocol's `bandwidth` for this peer, a number or
                                 # "auto" = measured; omitted = 1.0),
                                 # count (this many identical hosts). The testbed (sim.testbed)
-                                # builds exactly these links.
+                                # builds exactly these links; the simulator adds [network] latency
+                                # (0.005 s unless given) to each message on top of them.
     [[faults]]                  # see sim.faults: crash, crash_rejoin, pause, partition (one_way =
                                 # true: only sides[0] -> sides[1] is cut), slow
     [churn]                     # arrival_rate, departure_rate, until
