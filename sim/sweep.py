@@ -776,8 +776,15 @@ def rounds_to_eps(rows: Sequence[dict], axes: Sequence[str], eps: float, metric:
     """Per point (in first-seen order): mean over seeds of the first round with ``metric <= eps``
     (a run that never gets there counts as its last round) and the fraction of runs that got there."""
     runs: dict[tuple, dict] = {}
+    keys: dict[tuple, Any] = {}
     for row in rows:
         pk = tuple(canonical(row[a]) for a in axes)
+        # one run per (point, seed): rows of a sweep with an axis not named here (a moshpit sweep over
+        # group_size read by table_from_sweep's n, p, method) were merged into one run, silently
+        k = keys.setdefault((pk, row["seed"]), row.get("key"))
+        if k != row.get("key"):
+            raise ValueError(f"the rows hold several runs for one point of {list(axes)} and seed {row['seed']}: "
+                             f"the sweep has an axis not among them; select one value of each other axis first")
         run = runs.setdefault(pk, {"point": {a: row[a] for a in axes}, "by_seed": {}})
         first = run["by_seed"].setdefault(row["seed"], {"first": None, "last": 0})
         rnd = row["round"]

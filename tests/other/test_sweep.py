@@ -563,3 +563,16 @@ def test_figures_say_when_they_leave_panels_out_and_draw_one_round_curves(tmp_pa
         assert line.get_marker() == "o" and list(line.get_ydata()) == [0.5]
     finally:
         plt.close(fig)
+
+
+def test_rounds_to_eps_refuses_rows_of_a_sweep_with_an_axis_it_was_not_given(tmp_path):
+    """table_from_sweep reads n, p and method: a moshpit sweep over group_size too had the runs of both
+    group sizes merged into one per seed (the first round either reached eps), silently."""
+    from sim.moshpit import table_from_sweep
+
+    s = _small(tmp_path, TINY_MOSHPIT.replace('method = ["moshpit"]', 'method = ["moshpit"]\ngroup_size = [4, 8]'))
+    run_sweep(s, tmp_path / "out", workers=0, quiet=True)
+    _, rows = read_table(tmp_path / "out")
+    with pytest.raises(ValueError, match="several runs for one point of \\['n', 'p', 'method'\\] and seed 0"):
+        table_from_sweep(rows)
+    assert len(table_from_sweep([r for r in rows if r["group_size"] == 4])) == 2
