@@ -203,6 +203,8 @@ def fault_from_dict(d: dict) -> Fault:
                     and all(isinstance(side, (list, tuple)) for side in sides)):
                 raise ValueError(f"partition: sides must be two lists of peer indices, e.g. [[0, 1], [2, 3]], "
                                  f"not {sides!r}")
+            if not sides[0] or not sides[1] or set(sides[0]) & set(sides[1]):  # (cut nothing, silently)
+                raise ValueError(f"partition: sides must be two non-empty lists with no peer on both, not {sides!r}")
             one_way = args.get("one_way", False)
             if not isinstance(one_way, bool):
                 raise ValueError(f"a partition's one_way must be true or false, got {one_way!r}")
