@@ -107,6 +107,16 @@ class _UsageError(Exception):
     pass
 
 
+def _check_outputs(prog: str, paths: list[str | None]) -> None:
+    """--out/--csv checked before the run: a missing folder or a directory given for a file failed
+    only when the results were written, after the whole simulation, which was lost."""
+    from .testbed import check_output_paths
+
+    reason = check_output_paths(paths)
+    if reason:
+        raise _UsageError(f"{prog}: error: {reason}")
+
+
 def _table(rows: list[dict], keys: Sequence[tuple[str, str, str]]) -> str:
     head = " ".join(f"{title:>{len(title) if len(title) > 8 else 8}}" for title, _, _ in keys)
     lines = [head]
@@ -145,6 +155,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .scenario import run_scenario
 
     sc = _load(args.scenario, "python -m sim run")
+    _check_outputs("python -m sim run", [args.out, args.csv])
     res = run_scenario(sc, progress=None if args.quiet else _progress())
     if args.out:
         with open(args.out, "w") as f:
@@ -163,6 +174,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .train import load_train_scenario, run_train
 
     sc = load_train_scenario(args.scenario)
+    _check_outputs("python -m sim train", [args.out])
     res = run_train(sc)
     if args.out:
         with open(args.out, "w") as f:
@@ -189,12 +201,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _shape(text: str) -> list[int]:
-    return [int(x) for x in text.lower().split("x")] if text else []
+def grid_shape(text: str) -> list[int]:
+    """The argparse type of ``--grid``: ``32x32`` as [32, 32], empty as [] (no grid); anything else is
+    refused naming the option ("abc" said "invalid literal for int() with base 10", naming none)."""
+    try:
+        shape = [int(x) for x in text.lower().split("x")] if text else []
+    except ValueError:
+        shape = [0]
+    if any(m < 1 for m in shape):
+        raise argparse.ArgumentTypeError(f"must be sizes >= 1 joined by x (e.g. 32x32), or empty for no grid, "
+                                         f"got {text!r}")
+    return shape
 
 
 def cmd_moshpit(args: argparse.Namespace) -> int:
-    grid = _shape(args.grid)
+    grid = args.grid
     if args.level == "round":
         from .roundlevel import RoundLevelSwarm
 
@@ -422,13 +443,15 @@ def _main(argv: list[str]) -> int:
     tr.add_argument("--json", action="store_true", help="print the results JSON instead of the tables")
     tr.set_defaults(fn=cmd_train)
     m = sub.add_parser("moshpit", help="a Moshpit averaging experiment from flags")
-    m.add_argument("--peers", type=int, default=1024, help="number of peers (default 1024)")
-    m.add_argument("--group-size", type=int, default=32, help="target group size (default 32)")
-    m.add_argument("--grid", default="32x32", help="e.g. 32x32 (the default); empty for random groups (round level)")
+    # (--peers 0 at the round level ran into numpy's "mean of empty slice" warnings and a reshape error)
+    m.add_argument("--peers", type=positive_int, default=1024, help="number of peers (default 1024)")
+    m.add_argument("--group-size", type=positive_int, default=32, help="target group size (default 32)")
+    m.add_argument("--grid", type=grid_shape, default="32x32",
+                   help="e.g. 32x32 (the default); empty for random groups (round level)")
     m.add_argument("--dropout", type=float, default=0.0, help="per-round unavailability probability")
-    m.add_argument("--rounds", type=int, default=5, help="averaging rounds (default 5)")
-    m.add_argument("--seed", type=int, default=0, help="seed of the run (default 0)")
-    m.add_argument("--numel", type=int, default=1, help="values per peer (message level; default 1)")
+    m.add_argument("--rounds", type=nonnegative_int, default=5, help="averaging rounds (default 5)")
+    m.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the run (default 0)")
+    m.add_argument("--numel", type=positive_int, default=1, help="values per peer (message level; default 1)")
     m.add_argument("--placement", default="distinct", choices=["full", "distinct", "random"],
                    help="how peers take grid cells: every cell (full), distinct cells, or random with collisions "
                         "(default distinct)")

@@ -31,10 +31,28 @@ from .network import Partition, SlowLink
 __all__ = ["Fault", "Crash", "CrashRejoin", "Pause", "PartitionFault", "Slow", "Churn", "fault_from_dict"]
 
 
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+
+
 def _check_time(kind: str, name: str, t: float) -> None:
     # a time before 0 would fire at 0 (`SimFaultContext.at`): a typo, not a wish
-    if not 0 <= t < math.inf:
+    if not _is_number(t) or not 0 <= t < math.inf:
         raise ValueError(f"{kind}: {name} must be a time >= 0 seconds, not {t!r}")
+
+
+def _time(kind: str, name: str, v: Any) -> float:
+    """A fault's time field as float seconds, or a ValueError naming it ("soon" said only "could not
+    convert string to float: 'soon'", naming neither the fault nor the field)."""
+    _check_time(kind, name, v)
+    return float(v)
+
+
+def _slot(kind: str, v: Any, name: str = "peer") -> int:
+    """A peer slot: a whole number (int() made 1.7 peer 1 and true peer 1, silently)."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 0:
+        raise ValueError(f"{kind}: {name} must be a peer index (a whole number >= 0), not {v!r}")
+    return int(v)
 
 
 def _check_window(kind: str, start: float, end: float) -> None:
@@ -110,7 +128,7 @@ class Slow:
 
     def __post_init__(self) -> None:
         _check_window("slow", self.start, self.end)
-        if not 0 < self.factor < math.inf:  # the link's rate is divided by it
+        if not _is_number(self.factor) or not 0 < self.factor < math.inf:  # the link's rate is divided by it
             raise ValueError(f"slow: factor must be a number > 0, not {self.factor!r}")
 
     def install(self, ctx: "FaultContext") -> None:
@@ -126,9 +144,9 @@ class Churn:
     def __post_init__(self) -> None:
         for name in ("arrival_rate", "departure_rate"):
             rate = getattr(self, name)
-            if not 0 <= rate < math.inf:  # a negative rate was taken as no churn at all
+            if not _is_number(rate) or not 0 <= rate < math.inf:  # a negative rate was taken as no churn at all
                 raise ValueError(f"churn: {name} must be a finite rate >= 0 per second, not {rate!r}")
-        if not self.until >= 0:
+        if not _is_number(self.until) or not self.until >= 0:
             raise ValueError(f"churn: until must be a time >= 0 seconds, not {self.until!r}")
 
     def install(self, ctx: "FaultContext") -> None:
@@ -162,6 +180,9 @@ _FAULT_FIELDS = {"crash": ("peer", "at"), "crash_rejoin": ("peer", "at", "back")
 
 
 def fault_from_dict(d: dict) -> Fault:
+    if not isinstance(d, dict):  # `[faults]` for `[[faults]]`, or `faults = [...]` of numbers or strings
+        raise ValueError(f"each [[faults]] entry is a table with a kind ({', '.join(_FAULT_FIELDS)}) and its "
+                         f"fields, not {d!r}")
     kind = d.get("kind")
     args = {k: v for k, v in d.items() if k != "kind"}
     valid = _FAULT_FIELDS.get(kind) if isinstance(kind, str) else None
@@ -171,20 +192,31 @@ def fault_from_dict(d: dict) -> Fault:
                          f"(valid: kind, {', '.join(valid)})")
     try:
         if kind == "crash":
-            return Crash(int(args["peer"]), float(args["at"]))
+            return Crash(_slot(kind, args["peer"]), _time(kind, "at", args["at"]))
         if kind == "crash_rejoin":
-            return CrashRejoin(int(args["peer"]), float(args["at"]), float(args["back"]))
+            return CrashRejoin(_slot(kind, args["peer"]), _time(kind, "at", args["at"]), _time(kind, "back", args["back"]))
         if kind == "pause":
-            return Pause(int(args["peer"]), float(args["start"]), float(args["end"]))
+            return Pause(_slot(kind, args["peer"]), _time(kind, "start", args["start"]), _time(kind, "end", args["end"]))
         if kind == "partition":
-            a, b = args["sides"]
+            sides = args["sides"]
+            if not (isinstance(sides, (list, tuple)) and len(sides) == 2
+                    and all(isinstance(side, (list, tuple)) for side in sides)):
+                raise ValueError(f"partition: sides must be two lists of peer indices, e.g. [[0, 1], [2, 3]], "
+                                 f"not {sides!r}")
+            if not sides[0] or not sides[1] or set(sides[0]) & set(sides[1]):  # (cut nothing, silently)
+                raise ValueError(f"partition: sides must be two non-empty lists with no peer on both, not {sides!r}")
             one_way = args.get("one_way", False)
             if not isinstance(one_way, bool):
                 raise ValueError(f"a partition's one_way must be true or false, got {one_way!r}")
-            return PartitionFault((tuple(int(x) for x in a), tuple(int(x) for x in b)),
-                                  float(args["start"]), float(args["end"]), one_way)
+            return PartitionFault((tuple(_slot(kind, x, "sides") for x in sides[0]),
+                                   tuple(_slot(kind, x, "sides") for x in sides[1])),
+                                  _time(kind, "start", args["start"]), _time(kind, "end", args["end"]), one_way)
         if kind == "slow":
-            return Slow(int(args["peer"]), float(args["start"]), float(args["end"]), float(args["factor"]))
+            factor = args["factor"]
+            if not _is_number(factor):
+                raise ValueError(f"slow: factor must be a number > 0, not {factor!r}")
+            return Slow(_slot(kind, args["peer"]), _time(kind, "start", args["start"]), _time(kind, "end", args["end"]),
+                        float(factor))
     except KeyError as e:
         raise ValueError(f"fault {kind!r} needs field {e.args[0]!r}") from None
     raise ValueError(f"unknown fault kind {kind!r} (crash, crash_rejoin, pause, partition, slow)")

@@ -177,6 +177,8 @@ class NetworkModel:
 
                 base = TcpParams.from_dict(json.loads(Path(prof).read_text()).get("tcp", {}))
             self.tcp = TcpParams.from_dict({**base.to_dict(), **spec})
+        elif not isinstance(self.tcp, TcpParams):  # (kept, and used only once a tcp transfer ran)
+            raise ValueError(f"[network] tcp must be a table of TCP settings (e.g. {{mss = 1448}}), not {self.tcp!r}")
 
     def _bw(self, peer: str, up: bool, t: float) -> float | None:
         prof = self.profiles.get(peer)

@@ -11,11 +11,14 @@
 * ``bytes_vs_accuracy.png`` — message-level sweeps only: cumulative bytes sent per
   stepping peer against the metric, per point (median over seeds), one marker per round.
 
-Everything here reads ``results.csv`` and ``sweep.json``; nothing reruns a simulation.
+A figure holds at most 16 panels (``bytes_vs_accuracy``: 20 points), the first in sweep order; one
+that leaves some out says so in its title. Everything here reads ``results.csv`` and ``sweep.json``;
+nothing reruns a simulation.
 """
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from pathlib import Path
 from typing import Any, Sequence
@@ -48,6 +51,14 @@ def _panels(n: int):
     for ax in axes.flat[n:]:
         ax.set_visible(False)
     return fig, list(axes.flat[:n])
+
+
+def _note_cut(fig, drawn: int, total: int, what: str) -> None:
+    """Say on the figure that it shows only the first `drawn` of `total` panels or points (a sweep with
+    more lost the rest from its figures without a word)."""
+    if drawn < total:
+        fig.suptitle(f"the first {drawn} of {total} {what} (python -m sim plot draws at most {drawn}; "
+                     f"pick the axes with [plot] lines / heatmap)", fontsize=9)
 
 
 def _combos(desc: dict, names: Sequence[str]) -> list[dict]:
@@ -92,8 +103,10 @@ def metric_vs_rounds(desc: dict, rows: list[dict], metric: str = "mse", lines: s
     axes = list(desc["axes"])
     lines = lines or desc.get("plot", {}).get("lines") or (axes[-1] if axes else None)
     others = [a for a in axes if a != lines]
-    panels = _combos(desc, others)[:_MAX_PANELS]
+    combos = _combos(desc, others)
+    panels = combos[:_MAX_PANELS]
     fig, axs = _panels(len(panels))
+    _note_cut(fig, len(panels), len(combos), "panels")
     groups = _by_point(desc, rows)
     log = metric in ("mse", "max_abs", "spread")
     for ax, fixed in zip(axs, panels):
@@ -107,7 +120,10 @@ def metric_vs_rounds(desc: dict, rows: list[dict], metric: str = "mse", lines: s
                 continue
             y = _floor(metric, y)
             color = f"C{i % 10}"
-            ax.plot(x, np.nanmedian(y, axis=0), color=color, label=_label(value) if lines else None)
+            # a curve of one round is one point: a line alone draws nothing there (a 1-round sweep
+            # plotted empty panels under a legend), so it gets a marker
+            ax.plot(x, np.nanmedian(y, axis=0), color=color, label=_label(value) if lines else None,
+                    marker="o" if len(x) == 1 else None)
             ax.fill_between(x, np.nanmin(y, axis=0), np.nanmax(y, axis=0), color=color, alpha=0.15, lw=0)
         if log:
             ax.set_yscale("log")
@@ -128,11 +144,17 @@ def rounds_to_eps_heatmap(desc: dict, rows: list[dict], metric: str = "mse", eps
     xy = list(xy or desc.get("plot", {}).get("heatmap") or varying[:2])
     if len(xy) != 2:
         raise ValueError(f"a heatmap needs two axes with several values; this sweep varies {varying}")
+    # (a name that is no axis raised a bare KeyError naming it; one axis twice drew a misplaced grid)
+    bad = [a for a in xy if a not in desc["axes"]]
+    if bad or xy[0] == xy[1]:
+        raise ValueError(f"the heatmap's axes must be two different axes of the sweep, not {xy}; its axes: "
+                         f"{', '.join(desc['axes']) or 'none'}")
     xa, ya = xy
     axes = list(desc["axes"])
     summary = rounds_to_eps(rows, axes, eps, metric)
     others = [a for a in axes if a not in xy]
-    panels = _combos(desc, others)[:_MAX_PANELS]
+    combos = _combos(desc, others)
+    panels = combos[:_MAX_PANELS]
     xs, ys = desc["axes"][xa], desc["axes"][ya]
     fig, axs = _panels(len(panels))
     vmax = max((s["rounds"] for s in summary), default=1.0)
@@ -156,7 +178,8 @@ def rounds_to_eps_heatmap(desc: dict, rows: list[dict], metric: str = "mse", eps
         ax.set_xlabel(xa)
         ax.set_ylabel(ya)
         ax.set_title(", ".join(f"{a}={_label(v)}" for a, v in fixed.items()) or desc["name"], fontsize=9)
-    fig.suptitle(f"mean rounds to {metric} <= {eps:g} (* = some seeds never got there)", fontsize=10)
+    cut = f"\nthe first {len(panels)} of {len(combos)} panels" if len(panels) < len(combos) else ""
+    fig.suptitle(f"mean rounds to {metric} <= {eps:g} (* = some seeds never got there){cut}", fontsize=10)
     fig.tight_layout()
     if im is not None:
         fig.colorbar(im, ax=axs, shrink=0.8)
@@ -169,7 +192,9 @@ def bytes_vs_accuracy(desc: dict, rows: list[dict], metric: str = "mse"):
     axes = list(desc["axes"])
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     groups = _by_point(desc, rows)
-    for i, point in enumerate(_combos(desc, axes)[:20]):
+    points = _combos(desc, axes)
+    _note_cut(fig, min(20, len(points)), len(points), "points")
+    for i, point in enumerate(points[:20]):
         pr = _point_rows(desc, groups, point)
         if not pr:
             continue
@@ -192,6 +217,19 @@ def plot_results(results: str | Path, out: str | Path | None = None, *, metric: 
     """Draw the standard figures of a sweep's results folder into ``out`` (default RESULTS/plots)."""
     import sys
 
+    results = Path(results)
+    if not (results / "sweep.json").is_file():  # (before anything is created under it)
+        if (results / "runs").is_dir():  # the tables are written at the end: an interrupted sweep has none
+            raise ValueError(f"{results} holds runs but no sweep.json: its sweep has not finished (interrupted?); "
+                             "run `python -m sim sweep FILE --out FOLDER` again to finish it and write its tables")
+        raise ValueError(f"{results} is not a sweep's results folder (it holds no sweep.json): give the --out "
+                         "folder of `python -m sim sweep FILE --out FOLDER`")
+    desc, rows = read_table(results)
+    if not rows:  # every figure would be empty axes, written without a word
+        failed = json.loads((results / "failures.json").read_text()) if (results / "failures.json").is_file() else []
+        raise ValueError(f"{results}: results.csv holds no rows, nothing to draw: "
+                         + (f"{len(failed)} of its runs failed (see failures.json)" if failed
+                            else "no run has finished (or every run has 0 rounds)"))
     import matplotlib
 
     if "matplotlib.pyplot" not in sys.modules:
@@ -200,31 +238,32 @@ def plot_results(results: str | Path, out: str | Path | None = None, *, metric: 
     # notebook on Agg, where the user's later figures no longer showed inline
     import matplotlib.pyplot as plt
 
-    results = Path(results)
-    if not (results / "sweep.json").is_file():  # (before anything is created under it)
-        raise ValueError(f"{results} is not a sweep's results folder (it holds no sweep.json): give the --out "
-                         "folder of `python -m sim sweep FILE --out FOLDER`")
-    out = Path(out) if out else results / "plots"
-    out.mkdir(parents=True, exist_ok=True)
-    desc, rows = read_table(results)
     cfg = desc.get("plot", {})
     metric = metric or cfg.get("metric") or _DEFAULT_METRIC.get(desc.get("kind"), "mse")
-    if rows and metric not in rows[0]:
+    if metric not in rows[0]:
         columns = [c for c in rows[0] if c not in (*desc["axes"], "seed", "run_seed", "key", "round")]
         raise ValueError(f"{results}: no metric {metric!r} in results.csv; its metrics: {', '.join(columns)}")
     eps = eps if eps is not None else float(cfg.get("eps", 1e-9))
-    figs = {"metric_vs_rounds.png": metric_vs_rounds(desc, rows, metric)}
-    if len(heatmap or cfg.get("heatmap") or _varying(desc)) >= 2:
-        figs["rounds_to_eps.png"] = rounds_to_eps_heatmap(desc, rows, metric, eps, heatmap)
-    if rows and "bytes_sent_cum" in rows[0]:
-        figs["bytes_vs_accuracy.png"] = bytes_vs_accuracy(desc, rows, metric)
-    paths = []
-    for name, fig in figs.items():
-        path = out / name
-        # no timestamp in the PNG metadata: the same results draw the same file
-        fig.savefig(path, dpi=110, metadata={"Software": None})
-        plt.close(fig)
-        paths.append(path)
+    if math.isnan(eps):  # no metric is <= nan: every cell "never got there"
+        raise ValueError("eps must be a number, not nan")
+    figs = {}
+    try:  # a figure left open when a later one fails stays in pyplot (a notebook shows it)
+        figs["metric_vs_rounds.png"] = metric_vs_rounds(desc, rows, metric)
+        if len(heatmap or cfg.get("heatmap") or _varying(desc)) >= 2:
+            figs["rounds_to_eps.png"] = rounds_to_eps_heatmap(desc, rows, metric, eps, heatmap)
+        if "bytes_sent_cum" in rows[0]:
+            figs["bytes_vs_accuracy.png"] = bytes_vs_accuracy(desc, rows, metric)
+        out = Path(out) if out else results / "plots"
+        out.mkdir(parents=True, exist_ok=True)
+        paths = []
+        for name, fig in figs.items():
+            path = out / name
+            # no timestamp in the PNG metadata: the same results draw the same file
+            fig.savefig(path, dpi=110, metadata={"Software": None})
+            paths.append(path)
+    finally:
+        for fig in figs.values():
+            plt.close(fig)
     return paths
 
 

@@ -11,7 +11,7 @@ never inside them). Keys, with defaults:
     numel = 1                   # values per peer, drawn from N(0, 1)
     dtype = "float64"           # "float64" or "float32" (what real runs average)
     rounds = 5
-    grid = [4, 4]               # Moshpit grid; [] = no grid (one key per round)
+    grid = [4, 4]               # Moshpit grid, every dimension >= 2; [] = no grid (one key per round)
     placement = "full"          # full: grid order (needs peers == cells); distinct: random distinct
                                 # cells; random: independent random coordinates
     unavailability = 0.0        # each round each peer sits out with this probability
@@ -27,7 +27,8 @@ never inside them). Keys, with defaults:
     compression = "none"        # wire codec of the tensor: none, fp16, bf16, int8 (zgossip.codecs)
     error_feedback = false      # carry each peer's quantization residual to its next step
     [protocol]                  # zgossip.NodeConfig fields, e.g. target_group_size, part_timeout
-    [network]                   # latency (number or {dist=...}), bandwidth, loss, jitter,
+    [network]                   # latency (number or {dist=...}; default 0.005 s one way, added to
+                                # every message, [[hosts]] scenarios too), bandwidth, loss, jitter,
                                 # transfer = "tcp" | "fifo" (sim.tcp / sim.network; default: "tcp"
                                 # with [[hosts]], else "fifo"), tcp = {profile = PATH, mss, init_cwnd,
                                 # rmem_max, congestion_control, ...} (Linux defaults unless given)
@@ -41,14 +42,17 @@ never inside them). Keys, with defaults:
                                 # hint (the protocol's `bandwidth` for this peer, a number or
                                 # "auto" = measured; omitted = 1.0),
                                 # count (this many identical hosts). The testbed (sim.testbed)
-                                # builds exactly these links.
+                                # builds exactly these links; the simulator adds [network] latency
+                                # (0.005 s unless given) to each message on top of them.
     [[faults]]                  # see sim.faults: crash, crash_rejoin, pause, partition (one_way =
                                 # true: only sides[0] -> sides[1] is cut), slow
     [churn]                     # arrival_rate, departure_rate, until
 
-Metrics per round: mean squared distance to the global mean of round 0 (the Moshpit
-paper's metric) and its max, the spread among live peers, group sizes, participants
-and outcomes, bytes sent/received per peer, simulated time.
+Metrics per round: mean squared distance of the live peers' values to the mean of the
+initial `peers`' values, drawn at t = 0 (the Moshpit paper's metric; peers that arrive by
+churn or crash later move the live mean away from it) and its max, the spread among live
+peers, group sizes, participants and outcomes, bytes sent/received in the round (mean and
+max over the peers that stepped: encoded message bytes, headers included), simulated time.
 """
 from __future__ import annotations
 
@@ -173,6 +177,8 @@ class Scenario:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Scenario":
+        if not isinstance(d, dict):  # a JSON file holding a list listed its items as unknown keys
+            raise ValueError(f"a scenario is a table of settings (peers, grid, rounds, ...), not {type(d).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
@@ -206,6 +212,22 @@ class Scenario:
             setattr(self, name, int(v))
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, not {self.seed}")
+        # types first: a string where a number goes raised "'<=' not supported between instances of
+        # 'float' and 'str'" (no key named), and encode = "no" ran with the codec on, any string being true
+        for name in ("unavailability", "step_timeout", "round_gap", "step_ahead", "bootstrap_time"):
+            if not _is_number(getattr(self, name)):
+                raise ValueError(f"{name} must be a number, not {getattr(self, name)!r}")
+        for name in ("encode", "error_feedback"):
+            v = getattr(self, name)
+            if not isinstance(v, (bool, np.bool_)):
+                raise ValueError(f"{name} must be true or false, not {v!r}")
+            setattr(self, name, bool(v))
+        if not isinstance(self.profiles, dict):  # (a string listed its letters as unknown profiles)
+            raise ValueError(f"profiles must be a table of fractions, e.g. {{home = 0.7, datacenter = 0.3}}, "
+                             f"not {self.profiles!r}")
+        if not isinstance(self.faults, list):  # `[faults]` for `[[faults]]`
+            raise ValueError(f"faults must be a list of tables ([[faults]]), not {self.faults!r}")
+        self.grid = check_grid(self.grid)
         if self.peers < 1 or self.rounds < 0 or self.numel < 1:
             raise ValueError("peers >= 1, rounds >= 0 and numel >= 1 are required")
         if not 0.0 <= self.unavailability <= 1.0:
@@ -249,6 +271,7 @@ class Scenario:
             if bad and not self.churn:
                 raise ValueError(f"a {f.get('kind')} fault names peer {bad[0]}, but the scenario has peers "
                                  f"0..{self.peers - 1}")
+        check_slow_faults(self.faults, self.network, self.profiles, self.hosts)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -264,33 +287,95 @@ def _check_keys(section: str, given: Any, known: set[str]) -> None:
 
 
 def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+
+
+def check_grid(grid: Any) -> list[int]:
+    """`grid` as a list of whole numbers >= 2, or [] (no grid). A dimension of size 1 leaves every peer
+    alone along it: every round along it, every peer failed with GroupNotFound after the whole
+    matchmaking window (grid = [1, 4] failed every other round); a string or a number failed deep in
+    numpy, naming no key."""
+    if not isinstance(grid, (list, tuple)) or not all(
+            isinstance(m, (int, np.integer)) and not isinstance(m, (bool, np.bool_)) for m in grid):
+        raise ValueError(f"grid must be a list of whole numbers, e.g. [4, 4], or [] for no grid, not {grid!r}")
+    if any(m < 1 for m in grid):
+        raise ValueError(f"grid dimensions must be >= 1, not {list(grid)}")
+    if any(m == 1 for m in grid):
+        rest = [int(m) for m in grid if m > 1]
+        raise ValueError(f"grid = {list(grid)} has a dimension of size 1: every peer is alone along it, so every "
+                         f"round along it fails; leave it out (grid = {rest}{' puts every peer under one key' * (not rest)})")
+    return [int(m) for m in grid]
+
+
+# the fields each latency distribution needs (`sim.network._sampler`)
+_LATENCY_FIELDS = {"constant": ("value",), "uniform": ("low", "high"), "normal": ("mean", "std"),
+                   "lognormal": ("median", "sigma")}
 
 
 def check_network_values(net: dict) -> None:
-    """Signs and ranges of the [network] numbers, at load: the network model took a negative jitter
-    or bandwidth silently and failed on a negative latency only once a message used it. (A value
-    of the wrong type is left to the model, whose error names the types it takes.)"""
+    """Types, signs and ranges of the [network] numbers, at load: the network model took a negative
+    jitter or bandwidth silently and failed on a negative latency only once a message used it; a
+    string for loss, jitter or bandwidth failed in a comparison or a division that named no key, and
+    a distribution without one of its fields raised a bare KeyError ('sigma')."""
     lat = net.get("latency")
-    times = {"latency": lat}
+    times = {"latency": lat} if lat is not None and not callable(lat) else {}
     if isinstance(lat, dict):  # a distribution (`sim.network._sampler`); a normal's mean is clipped at 0
+        dist = lat.get("dist", "constant")
+        if dist not in (*_LATENCY_FIELDS, "regions"):
+            raise ValueError(f"[network] unknown latency distribution {dist!r} (known: {', '.join(_LATENCY_FIELDS)}, "
+                             "regions)")
+        need = _LATENCY_FIELDS.get(dist, ("region_of", "matrix"))
+        missing = [k for k in need if k not in lat]
+        if missing:
+            raise ValueError(f"[network] latency {{dist = \"{dist}\"}} needs {' and '.join(need)}; "
+                             f"{', '.join(missing)} missing")
+        for k in ("sigma", "mean"):  # numbers of any sign
+            if k in lat and not (_is_number(lat[k]) and math.isfinite(lat[k])):
+                raise ValueError(f"[network] latency {k} must be a finite number, not {lat[k]!r}")
         times = {f"latency {k}": lat[k] for k in ("value", "low", "high", "median", "std") if k in lat}
+        if dist == "uniform" and _is_number(lat["low"]) and _is_number(lat["high"]) and lat["low"] > lat["high"]:
+            raise ValueError(f"[network] latency low ({lat['low']!r}) must not exceed high ({lat['high']!r})")
         matrix = lat.get("matrix")
         if isinstance(matrix, dict):
             times.update({f"latency matrix[{a}][{b}]": v for a, row in matrix.items() if isinstance(row, dict)
                           for b, v in row.items()})
     times["jitter"] = net.get("jitter", 0.0)
     for name, v in times.items():
-        if _is_number(v) and not 0 <= v < math.inf:
+        if isinstance(v, dict) and name == "latency":
+            continue
+        if not _is_number(v) or not 0 <= v < math.inf:
             raise ValueError(f"[network] {name} must be a finite number of seconds >= 0, not {v!r}")
     loss = net.get("loss", 0.0)
-    if _is_number(loss) and not 0 <= loss < 1:
+    if not _is_number(loss) or not 0 <= loss < 1:
         raise ValueError(f"[network] loss must be a probability in [0, 1), not {loss!r}")
+    tcp = net.get("tcp")
+    if tcp is not None and not isinstance(tcp, dict):
+        raise ValueError(f"[network] tcp must be a table of TCP settings (e.g. {{mss = 1448}}), not {tcp!r}")
+    if tcp:  # the settings given (a profile's are the machine's): their types and ranges, at load
+        from .tcp import TcpParams
+
+        TcpParams.from_dict({**TcpParams().to_dict(), **{k: v for k, v in tcp.items() if k != "profile"}})
     bw = net.get("bandwidth")
     rates = {"bandwidth": bw} if not isinstance(bw, dict) else {f"bandwidth of {k}": v for k, v in bw.items()}
     for name, v in rates.items():
-        if _is_number(v) and not v > 0:  # leaving it out is the way to say unlimited
+        if v is None and name == "bandwidth":  # leaving it out (None) is the way to say unlimited
+            continue
+        if not _is_number(v) or not v > 0:
             raise ValueError(f"[network] {name} must be > 0 bytes/s (leave it out for unlimited), not {v!r}")
+
+
+def check_slow_faults(faults: list, network: dict, profiles: dict, hosts: list) -> None:
+    """A `slow` fault divides its peer's link rates; a peer with no rate (no [[hosts]], no profiles, no
+    [network] bandwidth for it: unlimited) has nothing to divide, and the fault did nothing, silently."""
+    bw = network.get("bandwidth")
+    for f in faults:
+        if f.get("kind") != "slow" or hosts or profiles:
+            continue
+        peer = f.get("peer")
+        limited = bw.get(f"sim://peer{peer}") is not None if isinstance(bw, dict) else bw is not None
+        if not limited:
+            raise ValueError(f"a slow fault on peer {peer} would do nothing: that peer's links have no bandwidth "
+                             "limit to divide; give one ([network] bandwidth in bytes/s, profiles or [[hosts]])")
 
 
 def check_profile_fractions(profiles: dict) -> None:
@@ -579,7 +664,7 @@ def round_metrics(r: int, t0: float, seconds: float, live_tensors: list[np.ndarr
                   participants: int, outcomes: list[tuple], sent: list[int], recv: list[int]) -> dict:
     """One round's metrics, shared by the simulator and the testbed (`sim.testbed`) so both report the same.
 
-    ``live_tensors``: the tensor of every live peer after the round; ``truth``: the round-0 global mean;
+    ``live_tensors``: the tensor of every live peer after the round; ``truth``: the mean of the initial peers' values;
     ``outcomes``: one per stepping peer, ``("done", group_id, group_size)``, ``("failed", error_type_name)``
     or ``("unfinished",)``; ``sent``/``recv``: bytes per stepping peer during the round."""
     xs = np.stack(live_tensors) if live_tensors else np.zeros((0, numel))

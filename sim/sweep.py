@@ -125,10 +125,13 @@ def code_version() -> str:
 
 def _set_path(d: dict, dotted: str, value: Any) -> None:
     keys = dotted.split(".")
-    for k in keys[:-1]:
+    for i, k in enumerate(keys[:-1]):
         nxt = d.get(k)
-        if not isinstance(nxt, dict):
+        if nxt is None:
             nxt = d[k] = {}
+        elif not isinstance(nxt, dict):  # it was replaced by a table, silently: latency = 0.02 became {median = ...}
+            raise ValueError(f"axis {dotted!r} reaches into {'.'.join(keys[:i + 1])}, which the base sets to "
+                             f"{nxt!r}, not a table; vary {'.'.join(keys[:i + 1])} itself, or make it a table in the base")
         d = nxt
     d[keys[-1]] = copy.deepcopy(value)
 
@@ -237,6 +240,15 @@ def _moshpit_run(spec: dict) -> dict:
     unknown = set(spec) - _MOSHPIT_KEYS
     if unknown:
         raise ValueError(f"unknown moshpit keys {sorted(unknown)} (known: {sorted(_MOSHPIT_KEYS)})")
+    # (n = 2.5 ran with 2 peers and cap = -1 with no round, silently; n = 0 ended in numpy's empty-slice
+    # warnings and a reshape error; p = "x" in "could not convert string to float")
+    for key, low in (("n", 1), ("cap", 0)):
+        v = spec.get(key, 50 if key == "cap" else None)
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"moshpit: {key} must be a whole number >= {low}, not {v!r}")
+    p = spec.get("p")
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
+        raise ValueError(f"moshpit: p must be a probability in [0, 1], not {p!r}")
     named = {s.name: s for s in METHODS + EXTRA_METHODS}
     if spec["method"] not in named:
         raise ValueError(f"unknown method {spec['method']!r}; known: {sorted(named)}")
@@ -378,15 +390,46 @@ def load_sweep(path: str | Path) -> Sweep:
     unknown = set(d) - _SWEEP_KEYS
     if unknown:
         raise ValueError(f"{path}: unknown sweep keys {sorted(unknown)} (known: {sorted(_SWEEP_KEYS)})")
+    _check_sweep_types(path, d)
     base: dict = {}
     if "scenario" in d:
         base = _read_toml((path.parent / d["scenario"]).resolve())
+        if not isinstance(base, dict):
+            raise ValueError(f"{path}: the base scenario {d['scenario']} is not a table of settings")
     base = _deep_merge(base, d.get("base", {}))
     seeds = d.get("seeds", 1)
     seeds = list(range(seeds)) if isinstance(seeds, int) else [int(s) for s in seeds]
     return Sweep(name=d.get("name", path.stem), kind=d.get("kind", "scenario"), base=base,
                  axes=_flatten_axes(d.get("axes", {})), seeds=seeds, seed=int(d.get("seed", 0)),
                  plot=d.get("plot", {}))
+
+
+def _whole(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_sweep_types(path: Path, d: Any) -> None:
+    """The sweep file's own keys, by type: `axes = [...]` or `base = 3` ended the command in an
+    AttributeError traceback, `seeds = 2.5` in "'float' object is not iterable", `seed = "x"` in an
+    int() error naming no key, and `seeds = true` ran one seed, silently."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: a sweep file is a table (kind, seed, seeds, scenario, [base], [axes], [plot]), "
+                         f"not {type(d).__name__}")
+    for key in ("base", "axes", "plot"):
+        if key in d and not isinstance(d[key], dict):
+            raise ValueError(f"{path}: {key} must be a table ([{key}]), not {d[key]!r}")
+    for key in ("name", "kind", "scenario"):
+        if key in d and not isinstance(d[key], str):
+            raise ValueError(f"{path}: {key} must be a string, not {d[key]!r}")
+    if "seed" in d and not (_whole(d["seed"]) and d["seed"] >= 0):
+        raise ValueError(f"{path}: seed must be a whole number >= 0, not {d['seed']!r}")
+    seeds = d.get("seeds", 1)
+    if _whole(seeds):
+        if seeds < 1:
+            raise ValueError(f"{path}: seeds must be a count >= 1 or a list of seed indices, not {seeds!r}")
+    elif not (isinstance(seeds, list) and all(_whole(s) and s >= 0 for s in seeds)):
+        raise ValueError(f"{path}: seeds must be a count >= 1 or a list of seed indices (whole numbers >= 0), "
+                         f"not {seeds!r}")
 
 
 # ---------------------------------------------------------------------------------------- running one chunk
@@ -627,6 +670,8 @@ class Progress:
         now = time.perf_counter()
         if not final and now - self._last < (0.2 if self.tty else 10.0):
             return
+        if not final and not self.tty and self.done >= self.total:  # the final line follows: printed once
+            return
         self._last = now
         el = now - self.start
         fresh = self.done - self.reused
@@ -698,8 +743,14 @@ def read_table(out: str | Path) -> tuple[dict, list[dict]]:
     desc = json.loads((out / "sweep.json").read_text())
     rows = []
     with open(out / "results.csv", newline="") as f:
-        for row in csv.DictReader(f):
+        reader = csv.DictReader(f)
+        for row in reader:
             rows.append({k: _parse(v) for k, v in row.items()})
+    # the axes in the sweep file's order, as results.csv's columns have them: sweep.json's keys are
+    # sorted, and plots took their default lines axis ("its last axis") and heatmap axes ("the first
+    # two") from that alphabetical order instead
+    order = [c for c in (reader.fieldnames or []) if c in desc["axes"]]
+    desc["axes"] = {a: desc["axes"][a] for a in [*order, *(a for a in desc["axes"] if a not in order)]}
     return desc, rows
 
 
@@ -725,8 +776,15 @@ def rounds_to_eps(rows: Sequence[dict], axes: Sequence[str], eps: float, metric:
     """Per point (in first-seen order): mean over seeds of the first round with ``metric <= eps``
     (a run that never gets there counts as its last round) and the fraction of runs that got there."""
     runs: dict[tuple, dict] = {}
+    keys: dict[tuple, Any] = {}
     for row in rows:
         pk = tuple(canonical(row[a]) for a in axes)
+        # one run per (point, seed): rows of a sweep with an axis not named here (a moshpit sweep over
+        # group_size read by table_from_sweep's n, p, method) were merged into one run, silently
+        k = keys.setdefault((pk, row["seed"]), row.get("key"))
+        if k != row.get("key"):
+            raise ValueError(f"the rows hold several runs for one point of {list(axes)} and seed {row['seed']}: "
+                             f"the sweep has an axis not among them; select one value of each other axis first")
         run = runs.setdefault(pk, {"point": {a: row[a] for a in axes}, "by_seed": {}})
         first = run["by_seed"].setdefault(row["seed"], {"first": None, "last": 0})
         rnd = row["round"]
@@ -873,8 +931,12 @@ def cmd_sweep(args) -> int:
     if args.plot:
         from .plot import plot_results
 
-        for path in plot_results(out):
-            sys.stderr.write(f"  {path}\n")
+        try:
+            for path in plot_results(out):
+                sys.stderr.write(f"  {path}\n")
+        except ValueError as e:  # nothing to draw (every run failed): said, and the exit status is the sweep's
+            sys.stderr.write(f"no figures: {e}\n")
+            return 1 if res.failures else 2
     return 1 if res.failures else 0
 
 

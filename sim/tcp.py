@@ -112,6 +112,35 @@ class TcpParams:
     # stop before the link is full keep it in startup); see "Pacing" in the module docstring
     pacing_gain: float = 2.885
 
+    def __post_init__(self) -> None:
+        # every setting by type and range: mss = 0 ended a run in a ZeroDivisionError, mss = -5 or
+        # init_cwnd = 0 moved no byte (every step failed, silently), a negative frame_bytes made the
+        # link faster than its rate, mss = "x" said "could not convert string to float: 'xxxxxxxxxx'"
+        def whole(v: Any) -> bool:
+            return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+        for name, low in (("mss", 1), ("init_cwnd", 1), ("rmem_max", 1), ("wmem_max", 1), ("ack_every", 1),
+                          ("frame_bytes", 0)):
+            v = getattr(self, name)
+            if not whole(v) or v < low:
+                raise ValueError(f"[network] tcp: {name} must be a whole number >= {low}, not {v!r}")
+        if not whole(self.adv_win_scale) or not -31 <= self.adv_win_scale <= 31:  # the sysctl's range
+            raise ValueError(f"[network] tcp: adv_win_scale must be a whole number in [-31, 31], "
+                             f"not {self.adv_win_scale!r}")
+        for name, positive in (("rto_min", True), ("syn_timeout", True), ("pacing_gain", True),
+                               ("handshake_rtts", False), ("share_interval", False)):
+            v = getattr(self, name)
+            if (not isinstance(v, (int, float, np.integer, np.floating)) or isinstance(v, (bool, np.bool_))
+                    or not math.isfinite(v) or v < 0 or (positive and v == 0)):
+                raise ValueError(f"[network] tcp: {name} must be a finite number {'> 0' if positive else '>= 0'}, "
+                                 f"not {v!r}")
+        if not isinstance(self.slow_start_after_idle, (bool, np.bool_)):
+            raise ValueError(f"[network] tcp: slow_start_after_idle must be true or false, "
+                             f"not {self.slow_start_after_idle!r}")
+        if not isinstance(self.congestion_control, str) or not self.congestion_control:
+            raise ValueError(f"[network] tcp: congestion_control must be a name (cubic, reno, bbr, ...), "
+                             f"not {self.congestion_control!r}")
+
     @classmethod
     def from_dict(cls, d: dict) -> "TcpParams":
         known = {f.name for f in fields(cls)}

@@ -40,7 +40,8 @@ and a ``[train]`` table:
     outer_lr = 0.7          # diloco: the outer SGD's lr
     outer_momentum = 0.9    # diloco: its (Nesterov) momentum; 0 = plain SGD
     step_time = 0.2         # virtual seconds of compute per step
-    grid = []               # moshpit grid; [] = the squarest 2-d grid that holds the peers
+    grid = []               # moshpit grid; [] = the squarest 2-d grid that holds the peers (one
+                            # dimension for up to 3 peers)
     eval_every = 5          # held-out loss of every live trainer every k steps
     eval_samples = 256
     noise = 0.1             # std of the target noise
@@ -82,7 +83,8 @@ from zgossip.grid import MoshpitGrid, seed_from
 from .driver import Departed, SimCluster, SimPeer
 from .faults import Churn, SimFaultContext, fault_from_dict
 from .network import PROFILES, NetworkModel
-from .scenario import HostSpec, check_network_values, check_profile_fractions
+from .scenario import (HostSpec, _is_number, check_grid, check_network_values, check_profile_fractions,
+                       check_slow_faults)
 
 __all__ = ["TrainScenario", "TrainSpec", "TrainRun", "TrainResult", "run_train", "load_train_scenario",
            "OPTIMIZERS"]
@@ -123,12 +125,25 @@ class TrainSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainSpec":
+        if not isinstance(d, dict):
+            raise ValueError(f"[train] must be a table of settings, not {d!r}")
         unknown = set(d) - {f.name for f in fields(cls)}
         if unknown:
             raise ValueError(f"unknown [train] keys {sorted(unknown)} (known: {sorted(f.name for f in fields(cls))})")
         d = dict(d)
+        # types first: params = 2.5 loaded, steps = "x" said "could not convert string to float: 'x'" and
+        # grid = "4x4" "invalid literal for int()", naming no key
+        for name in ("params", "d_in", "d_out", "batch_size", "steps", "average_every", "eval_every", "eval_samples",
+                     "steps_per_epoch"):
+            if name in d and not _is_whole(d[name]):
+                raise ValueError(f"[train] {name} must be a whole number, not {d[name]!r}")
+        for name in ("lr", "momentum", "step_time", "noise"):
+            if name in d and not _is_number(d[name]):
+                raise ValueError(f"[train] {name} must be a number, not {d[name]!r}")
+        if "final_round" in d and not isinstance(d["final_round"], bool):
+            raise ValueError(f"[train] final_round must be true or false, not {d['final_round']!r}")
         if "grid" in d:
-            d["grid"] = tuple(int(x) for x in d["grid"])
+            d["grid"] = tuple(check_grid(d["grid"]))
         t = cls(**d)
         if t.optimizer not in OPTIMIZERS:
             raise ValueError(f"[train] optimizer must be one of {OPTIMIZERS}, not {t.optimizer!r}")
@@ -185,8 +200,22 @@ class TrainScenario:
         return sc
 
     def validate(self) -> None:
-        if self.peers < 1:
-            raise ValueError("peers >= 1 is required")
+        # types first, as `sim.scenario.Scenario.validate` does: seed = "x", peers = 2.5, encode = "no" or
+        # bootstrap_time = -1 loaded, and failed (or ran with the codec on) only later
+        for name in ("seed", "peers"):
+            if not _is_whole(getattr(self, name)):
+                raise ValueError(f"{name} must be a whole number, not {getattr(self, name)!r}")
+        if self.seed < 0 or self.peers < 1:
+            raise ValueError(f"seed >= 0 and peers >= 1 are required, not seed = {self.seed}, peers = {self.peers}")
+        if not _is_number(self.bootstrap_time) or not 0 <= self.bootstrap_time < math.inf:
+            raise ValueError(f"bootstrap_time must be a finite number of seconds >= 0, not {self.bootstrap_time!r}")
+        if not isinstance(self.encode, bool):
+            raise ValueError(f"encode must be true or false, not {self.encode!r}")
+        for name in ("profiles", "protocol", "network", "churn"):
+            if not isinstance(getattr(self, name), dict):
+                raise ValueError(f"{name} must be a table of settings, not {getattr(self, name)!r}")
+        if not isinstance(self.faults, list):
+            raise ValueError(f"faults must be a list of tables ([[faults]]), not {self.faults!r}")
         if self.hosts and self.profiles:
             raise ValueError("give either [[hosts]] or profiles, not both")
         bad = set(self.profiles) - set(PROFILES)
@@ -202,6 +231,7 @@ class TrainScenario:
             raise ValueError("membership must be gossip or static")
         for f in self.faults:
             fault_from_dict(f)
+        check_slow_faults(self.faults, self.network, self.profiles, self.hosts)
         spec = self.spec
         if spec.grid and spec.optimizer == "moshpit" and int(np.prod(spec.grid)) < self.peers:
             raise ValueError(f"{self.peers} peers do not fit the grid {list(spec.grid)}")
@@ -225,7 +255,17 @@ def load_train_scenario(path: str | Path) -> TrainScenario:
     return TrainScenario.from_dict(tomllib.loads(path.read_text()))
 
 
-def _square_grid(n: int) -> tuple[int, int]:
+def _is_whole(v: Any) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _square_grid(n: int) -> tuple[int, ...]:
+    """The default Moshpit grid of `n` trainers: the squarest 2-d grid that holds them, or one
+    dimension for up to 3. (2 trainers got (1, 2): alone along the first axis, each GroupNotFound
+    waited out the matchmaking window, the steps meanwhile skipped their rounds, and the two never
+    averaged once; 3 got (2, 2), where one of them is alone along each axis.)"""
+    if n <= 3:
+        return (max(1, n),)
     a = max(1, int(math.isqrt(n)))
     while a * a < n and a * (a + 1) < n:
         a += 1

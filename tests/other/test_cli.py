@@ -169,7 +169,9 @@ def test_scenario_errors_are_one_line(tmp_path, text, expect):
 
 @pytest.mark.parametrize("args, text, expect", [
     (["run"], "peers = 4\ngrid = [2, 2]\n[network]\ntransfer = \"udp\"\n", "transfer must be 'fifo' or 'tcp'"),
-    (["run"], "peers = 4\ngrid = [2, 2]\n[network]\nlatency = \"abc\"\n", "TypeError: latency must be"),
+    (["run"], "peers = 4\ngrid = [2, 2]\n[network]\nlatency = \"abc\"\n", "[network] latency must be"),
+    (["run"], "peers = 4\ngrid = [2, 2]\n[network]\nlatency = {dist = \"regions\", region_of = {}, matrix = {}}\n",
+     "KeyError"),
     (["sweep", "--serial", "--quiet", "--out", "OUT"], "kind = \"blah\"\n", "python -m sim sweep:"),
     (["compare"], "{truncated", "python -m sim compare:"),
 ])

@@ -6,6 +6,7 @@ import io
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -137,6 +138,11 @@ def test_interrupted_sweep_resumes_and_computes_only_the_rest(tmp_path):
         run_sweep(s, out, workers=0, quiet=True, on_result=interrupt_after_three)
     stored = sorted(p.name for p in (out / "runs").iterdir())
     assert stored == sorted(f"{k}.json" for k in seen)  # the three finished runs, and no temporary file
+    # plotting the unfinished folder says so (it said the folder was no sweep's --out folder at all)
+    from sim.plot import plot_results
+
+    with pytest.raises(ValueError, match="holds runs but no sweep.json: its sweep has not finished"):
+        plot_results(out)
     again = run_sweep(s, out, workers=2, quiet=True)
     assert (again.computed, again.reused) == (5, 3)
     full = run_sweep(s, tmp_path / "whole", workers=0, quiet=True)
@@ -443,3 +449,130 @@ def test_plot_of_a_folder_that_is_no_sweep_says_so_and_creates_nothing(tmp_path,
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"{tmp_path} is not a sweep's results folder (it holds no sweep.json)" in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("text, expect", [
+    ("axes = [1, 2]\n", "axes must be a table ([axes]), not [1, 2]"),
+    ("base = 3\n", "base must be a table ([base]), not 3"),
+    ('plot = "x"\n', "plot must be a table ([plot]), not 'x'"),
+    ("seeds = 2.5\n", "seeds must be a count >= 1 or a list of seed indices (whole numbers >= 0), not 2.5"),
+    ("seeds = true\n", "seeds must be a count >= 1 or a list of seed indices (whole numbers >= 0), not True"),
+    ("seeds = [-1, 0]\n", "not [-1, 0]"),
+    ('seed = "x"\n', "seed must be a whole number >= 0, not 'x'"),
+])
+def test_sweep_keys_of_the_wrong_type_are_refused_naming_the_key(tmp_path, text, expect):
+    """`axes = [...]` or `base = 3` ended `python -m sim sweep` in an AttributeError traceback (exit 1),
+    `seeds = 2.5` in "'float' object is not iterable", `seed = "x"` in an int() error naming no key;
+    `seeds = true` ran one seed, silently."""
+    path = tmp_path / "s.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=re.escape(expect)):
+        load_sweep(path)
+
+
+def test_plot_refuses_a_heatmap_axis_that_is_none_and_results_with_no_rows(tmp_path, capsys):
+    """`--heatmap a b` raised a bare KeyError ('a'); a results folder whose every run failed drew three
+    empty figures and exited 0, saying nothing."""
+    pytest.importorskip("matplotlib")
+    from sim.__main__ import main
+
+    s = _small(tmp_path)
+    run_sweep(s, tmp_path / "out", workers=0, quiet=True)
+    import matplotlib.pyplot as plt
+
+    assert main(["plot", str(tmp_path / "out"), "--heatmap", "a", "unavailability"]) == 2
+    assert not plt.get_fignums()  # the figure drawn before the heatmap failed is closed too
+    err = capsys.readouterr().err
+    assert "the heatmap's axes must be two different axes of the sweep, not ['a', 'unavailability']; its axes: " \
+           "unavailability, protocol.target_group_size" in err, err
+    bad = dataclasses.replace(s, name="bad", axes={"network.loss": [1.5]}, seeds=[0])
+    assert run_sweep(bad, tmp_path / "bad", workers=0, quiet=True, stream=io.StringIO()).failures
+    assert main(["plot", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert "results.csv holds no rows, nothing to draw: 1 of its runs failed (see failures.json)" in err, err
+    assert not (tmp_path / "bad" / "plots").exists()
+
+
+def test_plots_take_their_default_axes_in_the_sweep_files_order(tmp_path):
+    """sweep.json stores the axes with sorted keys, and the plots took "the last axis" (one line per
+    value) and "the first two" (the heatmap) from that alphabetical order: SMALL's lines were
+    unavailability, not its last axis protocol.target_group_size."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from sim.plot import metric_vs_rounds, rounds_to_eps_heatmap
+
+    run_sweep(_small(tmp_path), tmp_path / "out", workers=0, quiet=True)
+    desc, rows = read_table(tmp_path / "out")
+    assert list(desc["axes"]) == ["unavailability", "protocol.target_group_size"]
+    fig = metric_vs_rounds(desc, rows)
+    assert fig.axes[0].get_legend().get_title().get_text() == "protocol.target_group_size"
+    assert fig.axes[0].get_title() == "unavailability=0.0"
+    plt.close(fig)
+    fig = rounds_to_eps_heatmap(desc, rows)
+    assert (fig.axes[0].get_xlabel(), fig.axes[0].get_ylabel()) == ("unavailability", "protocol.target_group_size")
+    plt.close(fig)
+
+
+def test_progress_to_a_file_prints_the_finished_line_once(tmp_path):
+    """Off a terminal (a log file, CI), a sweep whose first progress update was also its last (one run,
+    or every run in one finished chunk) printed "[####] 1/1 runs, 0 failed, ..., done" twice."""
+    err = io.StringIO()
+    run_sweep(dataclasses.replace(_small(tmp_path), axes={}, seeds=[0]), tmp_path / "out", workers=0, stream=err)
+    lines = err.getvalue().splitlines()
+    assert sum("1/1 runs" in line for line in lines) == 1, lines
+
+
+def test_an_axis_reaching_into_a_base_value_that_is_no_table_is_refused_before_any_run(tmp_path):
+    """`network.latency.median = [...]` over a base `latency = 0.02` replaced the number with
+    {median = ...}, silently, and every run failed on the half-made distribution."""
+    s = _small(tmp_path, SMALL.replace("[axes]", "network = {latency = 0.02}\n[axes]\nnetwork.latency.median = [0.01]"))
+    with pytest.raises(ValueError, match=r"axis 'network.latency.median' reaches into network.latency, which the "
+                                         r"base sets to 0.02, not a table"):
+        s.runs()
+
+
+@pytest.mark.parametrize("spec, expect", [
+    ({"n": 2.5}, "moshpit: n must be a whole number >= 1, not 2.5"),
+    ({"n": 0}, "moshpit: n must be a whole number >= 1, not 0"),
+    ({"cap": -1}, "moshpit: cap must be a whole number >= 0, not -1"),
+    ({"p": "x"}, "moshpit: p must be a probability in [0, 1], not 'x'"),
+])
+def test_a_moshpit_run_refuses_counts_and_rates_that_mean_nothing(spec, expect):
+    """n = 2.5 ran with 2 peers and cap = -1 with no round at all, silently; n = 0 ended in numpy's
+    empty-slice warnings and a reshape error."""
+    with pytest.raises(ValueError, match=re.escape(expect)):
+        sw._moshpit_run({"n": 16, "p": 0.0, "method": "random", "seed": 0, "restart": 0, "cap": 2, **spec})
+
+
+def test_figures_say_when_they_leave_panels_out_and_draw_one_round_curves(tmp_path):
+    """A sweep with more than 16 panel combinations lost the rest from its figures without a word; a
+    1-round sweep drew every curve as a line of one point, i.e. nothing, under a legend."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from sim.plot import metric_vs_rounds
+
+    desc = {"name": "many", "axes": {"a": list(range(5)), "b": list(range(5)), "c": [0, 1]}, "seeds": [0], "plot": {}}
+    rows = [{"a": a, "b": b, "c": c, "seed": 0, "round": 1, "mse": 0.5} for a in range(5) for b in range(5)
+            for c in (0, 1)]
+    fig = metric_vs_rounds(desc, rows)
+    try:
+        assert len(fig.axes) == 16 and fig.get_suptitle().startswith("the first 16 of 25 panels")
+        line = fig.axes[0].get_lines()[0]
+        assert line.get_marker() == "o" and list(line.get_ydata()) == [0.5]
+    finally:
+        plt.close(fig)
+
+
+def test_rounds_to_eps_refuses_rows_of_a_sweep_with_an_axis_it_was_not_given(tmp_path):
+    """table_from_sweep reads n, p and method: a moshpit sweep over group_size too had the runs of both
+    group sizes merged into one per seed (the first round either reached eps), silently."""
+    from sim.moshpit import table_from_sweep
+
+    s = _small(tmp_path, TINY_MOSHPIT.replace('method = ["moshpit"]', 'method = ["moshpit"]\ngroup_size = [4, 8]'))
+    run_sweep(s, tmp_path / "out", workers=0, quiet=True)
+    _, rows = read_table(tmp_path / "out")
+    with pytest.raises(ValueError, match="several runs for one point of \\['n', 'p', 'method'\\] and seed 0"):
+        table_from_sweep(rows)
+    assert len(table_from_sweep([r for r in rows if r["group_size"] == 4])) == 2

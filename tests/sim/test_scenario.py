@@ -250,3 +250,99 @@ def test_churn_without_an_end_schedules_arrivals_as_the_run_goes():
     run = ScenarioRun(sc)
     run.run_rounds()
     assert len(run.slots) > 4  # peers arrived during the rounds
+
+
+@pytest.mark.parametrize("bad, expect", [
+    ({"unavailability": "0.1"}, "unavailability must be a number, not '0.1'"),
+    ({"step_timeout": "5"}, "step_timeout must be a number, not '5'"),
+    ({"round_gap": "1"}, "round_gap must be a number, not '1'"),
+    ({"encode": "no"}, "encode must be true or false, not 'no'"),
+    ({"error_feedback": 1}, "error_feedback must be true or false, not 1"),
+    ({"grid": "4x4"}, "grid must be a list of whole numbers, e.g. [4, 4], or [] for no grid, not '4x4'"),
+    ({"grid": [2.5, 2]}, "grid must be a list of whole numbers"),
+    ({"grid": [1, 4]}, "grid = [1, 4] has a dimension of size 1: every peer is alone along it, so every round "
+                       "along it fails; leave it out (grid = [4])"),
+    ({"profiles": "home"}, "profiles must be a table of fractions"),
+    ({"faults": {"kind": "crash", "peer": 1, "at": 1.0}}, "faults must be a list of tables ([[faults]])"),
+    ({"faults": [3]}, "each [[faults]] entry is a table with a kind"),
+    ({"faults": [{"kind": "crash", "peer": 1, "at": "soon"}]}, "crash: at must be a time >= 0 seconds, not 'soon'"),
+    ({"faults": [{"kind": "crash", "peer": 1.7, "at": 1.0}]}, "crash: peer must be a peer index (a whole number >= 0), not 1.7"),
+    ({"faults": [{"kind": "partition", "sides": [[0, 1]], "start": 1.0, "end": 2.0}]},
+     "partition: sides must be two lists of peer indices"),
+    ({"faults": [{"kind": "partition", "sides": [[0, 1], []], "start": 1.0, "end": 2.0}]},
+     "partition: sides must be two non-empty lists with no peer on both"),
+    ({"faults": [{"kind": "partition", "sides": [[0, 1], [1, 2]], "start": 1.0, "end": 2.0}]},
+     "partition: sides must be two non-empty lists with no peer on both"),
+    ({"churn": {"arrival_rate": "1"}}, "churn: arrival_rate must be a finite rate >= 0 per second, not '1'"),
+    ({"network": {"loss": "0.1"}}, "[network] loss must be a probability in [0, 1), not '0.1'"),
+    ({"network": {"bandwidth": "1G"}}, "[network] bandwidth must be > 0 bytes/s (leave it out for unlimited), not '1G'"),
+    ({"network": {"latency": {"dist": "lognormal", "median": 0.02}}},
+     '[network] latency {dist = "lognormal"} needs median and sigma; sigma missing'),
+    ({"network": {"latency": {"dist": "pareto"}}}, "[network] unknown latency distribution 'pareto'"),
+])
+def test_values_of_the_wrong_type_are_refused_at_load_naming_the_field(bad, expect):
+    """A string where a number goes raised "'<=' not supported between instances of 'float' and 'str'"
+    or "could not convert string to float: 'soon'" (no key named); `[faults]` for `[[faults]]` ended
+    `python -m sim run` in an AttributeError traceback; encode = "no" ran with the codec on and a fault's
+    peer = 1.7 crashed peer 1 (both silently); grid = [1, 4] failed every other round, every peer."""
+    with pytest.raises(ValueError, match=re.escape(expect)):
+        Scenario.from_dict({"peers": 4, "grid": [], "numel": 4, "rounds": 1, **bad})
+
+
+def test_a_faults_table_for_an_array_of_tables_ends_the_cli_in_one_line(tmp_path):
+    path = tmp_path / "s.toml"
+    path.write_text('peers = 4\ngrid = []\n[faults]\nkind = "crash"\npeer = 1\nat = 1.0\n')
+    p = _run_cli(["run", str(path), "--quiet"], "0")
+    assert p.returncode == 2, p.stderr
+    assert "faults must be a list of tables ([[faults]])" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["--peers", "0", "--level", "round"], "argument --peers: must be a whole number >= 1, got '0'"),
+    (["--grid", "abc"], "argument --grid: must be sizes >= 1 joined by x (e.g. 32x32), or empty for no grid, got 'abc'"),
+    (["--grid", "4x0", "--level", "round"], "argument --grid: must be sizes >= 1"),
+])
+def test_moshpit_cli_refuses_counts_and_grids_that_mean_nothing(args, expect, capsys):
+    """--peers 0 at the round level ran into numpy's empty-slice warnings and "cannot reshape array of
+    size 0"; --grid abc said "invalid literal for int() with base 10", naming no option."""
+    from sim.__main__ import main
+
+    with pytest.raises(SystemExit) as stop:  # argparse's error: one line, exit status 2
+        main(["moshpit", "--rounds", "1", *args])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert expect in err and "Warning" not in err, err
+    assert main(["moshpit", "--peers", "16", "--rounds", "1", "--level", "round", "--json"]) == 0  # default grid 32x32
+    assert json.loads(capsys.readouterr().out)["rounds"][0]["participants"] > 0
+
+
+def test_a_slow_fault_on_a_peer_without_a_rate_is_refused_and_with_one_slows_its_rounds():
+    """With no bandwidth limit (the default) a slow fault divided an unlimited rate: factor 1e9 left
+    every round as fast as without it, silently."""
+    slow = {"kind": "slow", "peer": 1, "start": 0.0, "end": 100.0, "factor": 10.0}
+    base = {"peers": 4, "grid": [], "rounds": 1, "numel": 20000, "bootstrap_time": 0.5}
+    with pytest.raises(ValueError, match=r"a slow fault on peer 1 would do nothing: that peer's links have no "
+                                         r"bandwidth limit to divide"):
+        Scenario.from_dict({**base, "faults": [slow]})
+    net = {"bandwidth": 1e7}
+    fast = run_scenario({**base, "network": net}).rounds[0]
+    slowed = run_scenario({**base, "network": net, "faults": [slow]}).rounds[0]
+    assert fast["succeeded"] == slowed["succeeded"] == 4
+    assert slowed["sim_seconds"] > 3 * fast["sim_seconds"], (fast["sim_seconds"], slowed["sim_seconds"])
+
+
+def test_run_checks_its_output_paths_before_simulating(tmp_path, capsys, monkeypatch):
+    """--out in a missing folder (or --csv naming a folder) failed only when the results were written,
+    after the whole simulation, which was lost."""
+    import sim.scenario
+    from sim.__main__ import main
+
+    path = tmp_path / "s.toml"
+    path.write_text("peers = 2\ngrid = []\nrounds = 1\n")
+    ran = []
+    monkeypatch.setattr(sim.scenario, "run_scenario", lambda *a, **k: ran.append(1))
+    assert main(["run", str(path), "--quiet", "--out", str(tmp_path / "no" / "r.json")]) == 2
+    assert main(["run", str(path), "--quiet", "--csv", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("python -m sim run: error: cannot write") for line in err), err
+    assert not ran and sorted(p.name for p in tmp_path.iterdir()) == ["s.toml"]

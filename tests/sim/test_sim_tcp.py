@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -356,3 +357,24 @@ def test_hosts_scenario_is_identical_across_hash_seeds(tmp_path):
         assert p.returncode == 0, p.stderr
         outs.append(out.read_text())
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("tcp, expect", [
+    ({"mss": 0}, "[network] tcp: mss must be a whole number >= 1, not 0"),
+    ({"mss": -5}, "[network] tcp: mss must be a whole number >= 1, not -5"),
+    ({"init_cwnd": 0}, "[network] tcp: init_cwnd must be a whole number >= 1, not 0"),
+    ({"mss": "x"}, "[network] tcp: mss must be a whole number >= 1, not 'x'"),
+    ({"frame_bytes": -100}, "[network] tcp: frame_bytes must be a whole number >= 0, not -100"),
+    ({"rto_min": float("nan")}, "[network] tcp: rto_min must be a finite number > 0, not nan"),
+    (3, "[network] tcp must be a table of TCP settings"),
+])
+def test_tcp_settings_that_mean_nothing_are_refused_at_load(tcp, expect):
+    """mss = 0 ended a run in a ZeroDivisionError; mss = -5 or init_cwnd = 0 moved no byte (every step
+    failed with GroupNotFound, silently); a negative frame_bytes made links faster than their rate."""
+    from sim.scenario import Scenario
+
+    with pytest.raises(ValueError, match=re.escape(expect)):
+        Scenario.from_dict({"peers": 2, "grid": [], "network": {"transfer": "tcp", "tcp": tcp}})
+    if isinstance(tcp, dict):
+        with pytest.raises(ValueError, match=re.escape(expect)):
+            TcpParams(**tcp)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -168,3 +169,32 @@ def test_a_lone_trainer_trains_and_non_finite_values_are_refused():
     for bad in ({"lr": float("nan")}, {"step_time": float("inf")}, {"noise": float("nan")}):
         with pytest.raises(ValueError, match=r"needs finite steps >= 0"):
             TrainScenario.from_dict({"train": {"params": 100, **bad}})
+
+
+@pytest.mark.parametrize("peers", [2, 3])
+def test_two_or_three_moshpit_trainers_on_the_default_grid_average_every_round(peers):
+    """The default grid for 2 trainers was (1, 2): each was alone along the first axis, each failed
+    round waited out the matchmaking window while the steps skipped theirs, and the two never averaged
+    (0 rounds done, 2 distinct parameter sets); 3 trainers got (2, 2), one alone along each axis."""
+    res = run_train({"seed": 1, "peers": peers, "train": {"optimizer": "moshpit", "params": 200, "steps": 4,
+                                                          "step_time": 0.2, "eval_every": 2}})
+    assert all(t["rounds"]["failed"] == 0 and t["rounds"]["done"] >= 4 for t in res.trainers), res.trainers
+    assert res.final["identical"], res.final
+
+
+@pytest.mark.parametrize("extra, expect", [
+    ({"seed": "x"}, "seed must be a whole number, not 'x'"),
+    ({"peers": 2.5}, "peers must be a whole number, not 2.5"),
+    ({"bootstrap_time": -1.0}, "bootstrap_time must be a finite number of seconds >= 0, not -1.0"),
+    ({"encode": "no"}, "encode must be true or false, not 'no'"),
+    ({"train": {"params": 2.5}}, "[train] params must be a whole number, not 2.5"),
+    ({"train": {"steps": "x"}}, "[train] steps must be a whole number, not 'x'"),
+    ({"train": {"lr": "0.1"}}, "[train] lr must be a number, not '0.1'"),
+    ({"train": {"grid": "4x4"}}, "grid must be a list of whole numbers"),
+    ({"train": 3}, "[train] must be a table of settings, not 3"),
+])
+def test_train_scenario_values_of_the_wrong_type_are_refused_naming_the_key(extra, expect):
+    """seed = "x", peers = 2.5, encode = "no", bootstrap_time = -1 and params = 2.5 loaded (encode = "no"
+    ran with the codec on); steps = "x" said "could not convert string to float: 'x'", naming no key."""
+    with pytest.raises(ValueError, match=re.escape(expect)):
+        TrainScenario.from_dict({"peers": 4, **extra})
