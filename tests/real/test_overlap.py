@@ -125,6 +125,14 @@ def test_overlapped_updates_stay_in_sync_with_staleness_at_most_one_step():
         for o in opts:
             o.apply_pending(wait=True, timeout=20)
             assert o.pending_update is None
+        # the loops stop once both reached the epoch; a peer whose last step began the next epoch's round
+        # then runs it alone (the other no longer steps), fails it and steps on local gradients, an epoch
+        # ahead and out of sync (about 1 run in 16): the documented recovery, a resynchronisation, evens them
+        deadline = time.monotonic() + 15
+        while opts[0].local_epoch != opts[1].local_epoch and time.monotonic() < deadline:
+            for o in opts:
+                o.synchronize()
+            time.sleep(0.1)
         applied = [r for r in out["rounds"][0] if r.get("delayed")]
         assert applied and all(r["ok"] and r["stepped"] for r in applied), out["rounds"][0]
         stale = [r["staleness"] for r in applied]
