@@ -63,7 +63,7 @@ import torch
 
 from .errors import RoundTimeout, ZGossipError
 from .overlap import OffloadedParams, PendingUpdate
-from .progress import PeerProgress, SwarmView
+from .progress import SwarmView, reference_digest
 from .trainer import SchedulerLike, TrainerPeer, first_nonfinite, params_digest
 from .training_state import LayoutMismatch
 
@@ -541,18 +541,14 @@ class CollaborativeOptimizer(TrainerPeer):
         several groups, e.g. target_group_size < peers), the largest set of equal digests (ties: the one
         holding the lowest peer id) is the reference, and every other peer marks itself out of sync.
         A set of client-mode peers alone is never the reference: nobody could download its state."""
-        groups: dict[str, list[PeerProgress]] = {}
-        for p in view.at(self.local_epoch):
-            if p.in_sync and p.digest:
-                groups.setdefault(p.digest, []).append(p)
-        if len(groups) < 2:
+        found = reference_digest(view, self.local_epoch)
+        if found is None:
             return
-        ref = sorted(groups.items(), key=lambda kv: (all(p.client for p in kv[1]), -len(kv[1]),
-                                                     min(p.peer_id for p in kv[1])))[0][0]
+        ref, different = found
         if ref != self._param_digest:
             log.warning("%s: at epoch %d the peers hold %d different sets of parameters (groups split? "
                         "target_group_size=%d, live peers=%d): resynchronising with the majority",
-                        self.peer_id[:8], self.local_epoch, len(groups), self.averager.config.target_group_size,
+                        self.peer_id[:8], self.local_epoch, different, self.averager.config.target_group_size,
                         view.num_peers)
             self.in_sync = False
             self._update_sharing()

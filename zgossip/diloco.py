@@ -63,7 +63,7 @@ import numpy as np
 import torch
 
 from .errors import StateUnavailable, ZGossipError
-from .progress import SwarmView
+from .progress import SwarmView, reference_digest
 from .trainer import SchedulerLike, TrainerPeer, first_nonfinite, params_digest
 from .training_state import LayoutMismatch, copy_arrays, pack_state, unpack_state
 
@@ -336,17 +336,13 @@ class DiLoCoOptimizer(TrainerPeer):
         """Peers at one epoch hold one anchor. If they do not (a failed or partial round, different
         initial parameters), the largest set of equal digests (ties: the one holding the lowest peer id;
         never a set of clients alone, which nobody can download from) is the reference."""
-        groups: dict[str, list] = {}
-        for p in view.at(self.local_epoch):
-            if p.in_sync and p.digest:
-                groups.setdefault(p.digest, []).append(p)
-        if len(groups) < 2:
+        found = reference_digest(view, self.local_epoch)
+        if found is None:
             return
-        ref = sorted(groups.items(), key=lambda kv: (all(p.client for p in kv[1]), -len(kv[1]),
-                                                     min(p.peer_id for p in kv[1])))[0][0]
+        ref, different = found
         if ref != self._param_digest:
             log.warning("%s: at outer step %d the peers hold %d different anchors: resynchronising with the "
-                        "reference", self.peer_id[:8], self.local_epoch, len(groups))
+                        "reference", self.peer_id[:8], self.local_epoch, different)
             self.in_sync = False
             self._update_sharing()
 

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-__all__ = ["PeerProgress", "SwarmView", "run_digest", "progress_record"]
+__all__ = ["PeerProgress", "SwarmView", "run_digest", "progress_record", "reference_digest"]
 
 _IN_SYNC, _READY, _WANTS, _AVERAGING, _CLIENT = 1, 2, 4, 8, 16
 
@@ -152,3 +152,19 @@ class SwarmView:
         once the records have spread)."""
         ready = [p for p in self.peers if p.ready] or list(self.peers)
         return min(ready, key=lambda p: (-p.epoch, p.peer_id))
+
+
+def reference_digest(view: "SwarmView", epoch: int) -> tuple[str, int] | None:
+    """Peers at one epoch should hold one set of parameters (or one anchor). When the in-sync peers at
+    `epoch` publish different digests: (the reference, how many different digests) -- the reference is
+    the largest set of equal digests (ties: the set holding the lowest peer id), never a set of
+    client-mode peers alone (nobody can download from a client). None when they agree."""
+    groups: dict[str, list[PeerProgress]] = {}
+    for p in view.at(epoch):
+        if p.in_sync and p.digest:
+            groups.setdefault(p.digest, []).append(p)
+    if len(groups) < 2:
+        return None
+    ref = sorted(groups.items(), key=lambda kv: (all(p.client for p in kv[1]), -len(kv[1]),
+                                                 min(p.peer_id for p in kv[1])))[0][0]
+    return ref, len(groups)
