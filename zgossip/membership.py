@@ -54,6 +54,9 @@ class PeerRecord:
     updated: float  # local time the heartbeat last grew, or of direct contact
     share: float | None = None  # state-sharing priority it declared, None = does not share
     info: dict = field(default_factory=dict)  # small public record it gossips (e.g. training progress)
+    # seen alive by this node: direct contact, or its heartbeat grew here after we first heard of
+    # it. Only such records are relayed in our digests (see `Membership._digest_message`)
+    heard: bool = True
 
 
 def _is_ip_endpoint(endpoint: str) -> bool:
@@ -240,11 +243,15 @@ class Membership:
         else:
             rec.updated = now
             rec.endpoint = endpoint
+            rec.heard = True
 
     def on_gossip(self, msg: Gossip | GossipReply, now: float) -> None:
         if self._left.pop(msg.sender, None) is not None:
             self.observe(msg.sender, msg.endpoint, now)  # it said goodbye, and now gossips again: back
         self.merge(msg.peers, now)
+        rec = self.peers.get(msg.sender) or self.clients.get(msg.sender)
+        if rec is not None and rec.endpoint == msg.endpoint:
+            rec.heard = True  # its own entry: the digest is direct contact (the node observes it too)
         if self.said_goodbye:
             return  # we left: answering would only tell others about us again
         if type(msg) is Gossip:
@@ -296,12 +303,12 @@ class Membership:
                 self._tombstones.pop(pid, None)
                 if ep in self.initial_peers:
                     self._reached.add(ep)
-                self.peers[pid] = PeerRecord(pid, ep, hb, now, share, self.clean_info(pid, info))
+                self.peers[pid] = PeerRecord(pid, ep, hb, now, share, self.clean_info(pid, info), heard=False)
                 self.clients.pop(pid, None)  # a client restarted as a listening peer
                 self.discovered.append(ep)
                 self._changed()
             elif hb > rec.heartbeat:
-                rec.heartbeat, rec.endpoint, rec.updated, rec.share = hb, ep, now, share
+                rec.heartbeat, rec.endpoint, rec.updated, rec.share, rec.heard = hb, ep, now, share, True
                 rec.info = self.clean_info(pid, info)
 
     def goodbye(self, now: float) -> None:
@@ -365,11 +372,12 @@ class Membership:
                 self.clients[pid] = PeerRecord(pid, ep, hb, now)
             else:
                 # a client serves no state (nobody can connect to it): its declared priority is not kept
-                self.clients[pid] = PeerRecord(pid, ep, max(hb, entry[0]), now, None, self.clean_info(pid, entry[2]))
+                self.clients[pid] = PeerRecord(pid, ep, max(hb, entry[0]), now, None, self.clean_info(pid, entry[2]),
+                                               heard=False)
         elif entry is None:
-            rec.updated = now
+            rec.updated, rec.heard = now, True
         elif entry[0] > rec.heartbeat:
-            rec.heartbeat, rec.updated = entry[0], now
+            rec.heartbeat, rec.updated, rec.heard = entry[0], now, True
             rec.info = self.clean_info(pid, entry[2])
 
     def _expire(self, now: float) -> None:
@@ -392,9 +400,15 @@ class Membership:
         return [self.peers[ids[i]].endpoint for i in sorted(chosen)]
 
     def _digest_message(self, kind: type[Gossip] | type[GossipReply]) -> Gossip | GossipReply:
-        ids = self.live_ids()
+        # Only records this node saw alive are relayed. One it merely heard of is held back until its
+        # heartbeat grows here: a peer that joined after another died has no tombstone for it, and
+        # would otherwise pass on the dead peer's last digest entry as fresh news for a whole
+        # peer_timeout -- under churn with lives shorter than peer_timeout, dead records went round
+        # for ever (a live node held ~110 dead records against ~10 live ones; `tests/sim/test_membership_churn.py`).
+        # A live peer's heartbeat grows every gossip interval, so this delays its relaying by about one.
+        ids = [p for p in self.live_ids() if self.peers[p].heard]
         if self.clients:  # relayed too, so that every peer learns of a client that gossips to a few
-            ids = ids + sorted(self.clients)
+            ids = ids + sorted(p for p, r in self.clients.items() if r.heard)
         if len(ids) > self.max_digest - 1:
             pick = self._rng.choice(len(ids), size=self.max_digest - 1, replace=False)
             ids = [ids[i] for i in sorted(pick)]

@@ -41,7 +41,7 @@ def test_gossip_is_merged_and_answered_a_reply_is_not():
     assert m.peers[pid(3)].share == 1.5 and m.peers[pid(3)].info == {"epoch": 2}
     [(to, reply)] = out.take()
     assert to == ep(2) and isinstance(reply, M.GossipReply)
-    assert {r[0] for r in reply.peers} == {pid(1), pid(2), pid(3)}
+    assert {r[0] for r in reply.peers} == {pid(1), pid(2)}  # pid(3) is second-hand news: not relayed yet
     m.on_gossip(M.GossipReply(pid(2), ep(2), heartbeat=6, peers=((pid(2), ep(2), 6, None, {}),)), 0.2)
     assert not out.take()
     assert [r.peer_id for r in m.donors()] == [pid(3)]
@@ -137,3 +137,32 @@ def test_a_client_that_says_goodbye_is_forgotten_at_once_and_entries_must_be_add
     m.merge([(pid(7), "client://" + pid(7), 1, None, {})], 0.3)
     m.observe(pid(7), "client://" + pid(7), 0.3)
     assert not m.clients
+
+
+def test_second_hand_news_is_relayed_only_once_its_heartbeat_grew_here():
+    """A record learned from someone's digest is passed on only after this node saw the peer alive
+    (its heartbeat grew here, or it made contact). A node that joined after a peer died has no
+    tombstone for it: relaying the dead peer's last entry would make it fresh news for another
+    `peer_timeout` at every node that hears it, and under churn with short lives the dead were
+    passed round for ever (tests/sim/test_membership_churn.py)."""
+    m, out = make()
+    m.start(0.0)
+    out.take()
+    m.on_gossip(digest(2, 5, (pid(3), ep(3), 7, None, {}), (pid(4), ep(4), 3, None, {})), 0.1)
+    relayed = lambda: {r[0] for r in out.take()[-1][1].peers}
+    assert relayed() == {pid(1), pid(2)}
+    assert set(m.live_ids()) == {pid(2), pid(3), pid(4)}  # counted live all the same
+    m.on_gossip(digest(2, 6, (pid(3), ep(3), 8, None, {}), (pid(4), ep(4), 3, None, {})), 0.6)
+    assert relayed() == {pid(1), pid(2), pid(3)}  # pid(3)'s heartbeat grew: alive; pid(4)'s did not
+    m.observe(pid(4), ep(4), 0.7)  # direct contact
+    m.on_gossip(digest(2, 7), 0.8)
+    assert relayed() == {pid(1), pid(2), pid(3), pid(4)}
+    # a dead peer's last entry, heard only second-hand, expires here after peer_timeout, never relayed
+    m2, out2 = make(5)
+    m2.start(0.0)
+    m2.on_gossip(digest(2, 9, (pid(6), ep(6), 4, None, {})), 0.1)
+    for t in np.arange(0.5, 2.6, 0.5):
+        m2.on_timer(float(t))
+        m2.on_gossip(digest(2, 10 + int(2 * t), (pid(6), ep(6), 4, None, {})), float(t) + 0.01)
+        assert all(pid(6) not in {r[0] for r in msg.peers} for _, msg in out2.take())
+    assert pid(6) not in m2.live_ids()
