@@ -50,6 +50,10 @@ def _grid_shape(args: argparse.Namespace) -> tuple[int, ...]:
         raise ValueError(f"--grid takes sizes separated by x, such as 4x2, not {args.grid!r}") from None
     if min(shape) < 1:
         raise ValueError(f"--grid sizes must be at least 1, not {args.grid!r}")
+    if 1 in shape:
+        rest = "x".join(str(m) for m in shape if m != 1)
+        raise ValueError(f"--grid {args.grid} has a dimension of size 1: every peer is alone along it, so every "
+                         f"round along it fails; leave it out (--grid {rest})")
     if int(np.prod(shape)) != args.peers:
         raise ValueError(f"--grid {args.grid} has {int(np.prod(shape))} cells but --peers is {args.peers}")
     return shape

@@ -146,6 +146,12 @@ class NodeConfig:
             raise ValueError("timeouts must be positive")
         if not self.prefix or len(self.prefix) > 200:
             raise ValueError("prefix must be 1..200 characters")
+        if any(int(m) == 1 for m in self.grid):
+            # on a grid that each peer has a cell of, every group along that axis is one peer: every
+            # round along it failed with GroupNotFound after the whole matchmaking window
+            rest = tuple(int(m) for m in self.grid if int(m) != 1)
+            raise ValueError(f"grid {tuple(self.grid)} has a dimension of size 1: every peer is alone along it, so "
+                             f"every round along it fails; leave it out (grid={rest})")
         if self.grid_auto and (self.grid or self.grid_coords is not None):
             raise ValueError('grid="auto" derives the shape and coordinates itself: give no grid_coords')
 

@@ -297,7 +297,9 @@ def test_demo_with_peers_alone_picks_a_grid_that_fits(peers, grid):
     p = argparse.ArgumentParser()
     demo.add_arguments(p)
     assert demo._grid_shape(p.parse_args(["--peers", str(peers)])) == grid
-    assert demo._grid_shape(p.parse_args(["--peers", "4", "--grid", "4x1"])) == (4, 1)  # a grid given is kept
+    assert demo._grid_shape(p.parse_args(["--peers", "4", "--grid", "2x2"])) == (2, 2)  # a grid given is kept
+    with pytest.raises(ValueError, match=r"--grid 4x1 has a dimension of size 1.*leave it out \(--grid 4\)"):
+        demo._grid_shape(p.parse_args(["--peers", "4", "--grid", "4x1"]))  # every other round failed
 
 
 @pytest.mark.parametrize("args, expect", [

@@ -175,6 +175,7 @@ def test_timeout_must_be_finite_and_bounded(timeout):
     (dict(part_timeout="5"), "part_timeout must be a finite number"),
     (dict(min_group_size=2.5), "min_group_size must be an int"),
     (dict(min_group_size=5, target_group_size=2), "min_group_size=5, target_group_size=2"),
+    (dict(grid=(4, 1)), r"grid \(4, 1\) has a dimension of size 1.*leave it out \(grid=\(4,\)\)"),
 ])
 def test_settings_of_the_wrong_type_are_refused_naming_the_setting(setting, match):
     """hivemind's defaults (target_group_size=None, allreduce_timeout=None, bandwidth=None) passed along by a
