@@ -334,6 +334,10 @@ class DecentralizedOptimizer(TrainerPeer):
             for t, buf, snap in zip(targets, self._bufs, self._snaps):
                 if self.averaging_alpha == 1.0 and torch.equal(t, snap):
                     t.copy_(buf)  # nothing changed since the snapshot: take the mean exactly
+                elif t.dtype in (torch.float16, torch.bfloat16):
+                    # in float32: the difference of two fp16 values overflows to inf past 65504 (a mean of
+                    # 40000 against a snapshot of -40000), and one rounding at the end beats two
+                    t.copy_(t.float().add_(buf.float() - snap.float(), alpha=self.averaging_alpha))
                 else:
                     t.add_(buf - snap, alpha=self.averaging_alpha)
         self.rounds["done"] += 1

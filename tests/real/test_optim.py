@@ -296,3 +296,34 @@ def test_model_layout_names_the_tensor_that_differs():
     c = ModelLayout.of([torch.zeros(4, 3)], ["fc.weight"])
     assert a.difference(c) == "this peer has 2 tensors, the other peer has 1"
     assert a.fingerprint != b.fingerprint and len(a.signature) == 2
+
+
+def test_the_delta_rule_on_float16_parameters_does_not_overflow():
+    """``x += mean - snapshot`` was computed in the parameter's dtype: with float16 parameters the
+    difference of two values in range overflows (a mean of -23,328 against a snapshot of 60,000 is
+    -83,328, past float16's 65,504), and a peer that had made local progress got -inf. It is now
+    computed in float32 and rounded once. Three peers in virtual time."""
+
+    def make(i: int, peers: list, opts: dict) -> DecentralizedSGD:
+        p = torch.nn.Parameter(torch.full((4,), 60000.0 if i == 0 else -65000.0, dtype=torch.float16))
+        return DecentralizedSGD([p], lr=0.1, prefix="fp16-delta", average_every=None, average_period=3600.0,
+                                matchmaking_time=0.5, target_group_size=3, min_group_size=3, initial_peers=peers,
+                                averager_opts=opts)
+
+    def body(i: int, o: DecentralizedSGD) -> torch.Tensor:
+        clock = o.clock
+        while o.num_peers < 3:
+            clock.sleep(0.05)
+        assert clock.result(o.average(wait=False), 10).complete
+        if i == 0:
+            with torch.no_grad():
+                o.params[0].add_(32.0)  # local progress while the result waited: the delta path
+        assert o.apply_pending() is not None
+        out = o.params[0].detach().clone()
+        o.shutdown()
+        return out
+
+    _, out = _virtual_swarm(3, make, body)
+    mean = torch.tensor((60000.0 - 2 * 65000.0) / 3).to(torch.float16)  # the averaged buffer, in float16
+    assert torch.equal(out[0], torch.full((4,), 60032.0 + (mean.item() - 60000.0)).to(torch.float16)), out[0]
+    assert all(torch.equal(o, torch.full((4,), mean.item(), dtype=torch.float16)) for o in out[1:]), out
