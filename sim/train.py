@@ -387,6 +387,7 @@ class TrainRun(SimFaultContext):
         self._rec_opts: list[Any] = []
         self.progress: dict[int, int] = {}  # slot -> steps made, for the trainers training now
         self.t_end: float | None = None
+        self._training: dict[int, dict] = {}  # slot -> the record of the trainer training there now
         for i in range(sc.peers):
             self._start(i, late=False)
         for f in sc.faults:
@@ -399,6 +400,11 @@ class TrainRun(SimFaultContext):
         if index < len(self.slots) and self.slots[index].alive:
             peer = self.slots[index]
             peer.crash()
+            # the trainer ends now: its thread may still sit in a wait the crash cannot cut short (an
+            # outer step waiting for its round), and that wait is no time the swarm spent training
+            rec = self._training.pop(index, None)
+            if rec is not None:
+                self._ended(rec, float(self.env.now), crashed=True)
             gone = self.cluster.peers.get(peer.endpoint)
             if isinstance(gone, Departed) and gone.peer_id == peer.peer_id:
                 self.slots[index] = gone
@@ -470,6 +476,7 @@ class TrainRun(SimFaultContext):
         rec = {"slot": index, "late": late, "joined": float(self.env.now), "started": None, "ended": None,
                "first_step": 0, "steps": 0, "crashed": False, "epoch": 0, "downloaded": False}
         self.records.append(rec)
+        self._training[index] = rec
         self._rec_opts.append(None)
         self.threads.append(self.cluster.spawn(self._trainer, index, peer, boot, opts, rec, len(self.records) - 1,
                                                name=f"trainer{index}"))
@@ -601,14 +608,20 @@ class TrainRun(SimFaultContext):
             self.progress.pop(index, None)
             # (a DiLoCo trainer may take up a step of the axis again: count the steps it made)
             rec["steps"] = opt.local_step if spec.optimizer == "diloco" else step - rec["first_step"]
-            rec["ended"] = float(clock.now())
-            rec["crashed"] = not peer.alive
             rec["epoch"] = int(opt.local_epoch)
-            if not late:
-                self.initial_left -= 1
-                if self.initial_left == 0:
-                    self.stop = True
-                    self.t_end = float(clock.now())
+            if self._training.get(index) is rec:
+                del self._training[index]
+                self._ended(rec, float(clock.now()), crashed=not peer.alive)
+
+    def _ended(self, rec: dict, now: float, crashed: bool) -> None:
+        """A trainer is over: finished, or crashed (then at the crash, not when its thread next runs)."""
+        rec["ended"] = now
+        rec["crashed"] = crashed
+        if not rec["late"]:
+            self.initial_left -= 1
+            if self.initial_left == 0:
+                self.stop = True
+                self.t_end = now
 
     # ---------------------------------------------------------------- run
     def run(self) -> TrainResult:

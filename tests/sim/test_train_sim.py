@@ -108,6 +108,19 @@ def test_diloco_one_seed_one_run_and_every_outer_step_averages_the_whole_swarm()
         TrainScenario.from_dict({"train": {"optimizer": "diloco", "outer_momentum": 1.0}})
 
 
+def test_a_crashed_trainer_ends_at_its_crash():
+    """A trainer that crashed inside an outer step (its thread waiting for the round) was counted
+    as ended only when that wait ran out, 0.2 s after the crash here -- and had it been the last
+    initial trainer, the run's `t_end` with it. It ends at the crash."""
+    spec = {"seed": 4, "peers": 4, "profiles": {"home": 1.0}, "faults": [{"kind": "crash", "peer": 1, "at": 2.2}],
+            "train": {"optimizer": "diloco", "params": 2000, "steps": 6, "step_time": 0.25, "eval_every": 2,
+                      "average_every": 3}}
+    r = run_train(spec)
+    [crashed] = [t for t in r.trainers if t["crashed"]]
+    assert crashed["slot"] == 1 and crashed["ended"] == 2.2
+    assert r.final["t_end"] == max(t["ended"] for t in r.trainers) > 2.2
+
+
 def test_scenario_validation_names_the_problem():
     with pytest.raises(ValueError, match="optimizer"):
         TrainScenario.from_dict({"train": {"optimizer": "adamw"}})
