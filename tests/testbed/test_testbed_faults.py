@@ -193,7 +193,7 @@ def test_closing_a_paused_peer_does_not_wait_for_it_to_answer(tmp_path):
 
 
 def test_a_peer_that_fails_to_start_is_reported_by_its_error_first():
-    """A grid the peer's coordinates do not fit (protocol grid [1], placed on a 2 x 2 grid) passes the
+    """A grid the peer's coordinates do not fit (protocol grid [3], placed on a 2 x 2 grid) passes the
     scenario's checks and NodeConfig's, and every peer process raises at start: the error read "peer 0
     failed to start: None; its stderr ends:" and the cause came last, after 800 characters of traceback.
     (Group sizes used to serve here; NodeConfig now refuses them before anything is built.)"""
@@ -201,7 +201,7 @@ def test_a_peer_that_fails_to_start_is_reported_by_its_error_first():
 
     sc = _scenario([{"up_mbit": 100}] * 2, 16)
     sc.update(grid=[2, 2], placement="distinct")
-    sc["protocol"]["grid"] = [1]
+    sc["protocol"]["grid"] = [3]
     with pytest.raises(RuntimeError) as e:
         run_testbed(sc)
     first = str(e.value).splitlines()[0]
