@@ -57,7 +57,7 @@ def test_four_processes_reach_identical_parameters_and_a_late_peer_catches_up():
     """3 processes start, a 4th joins once the run is past epoch 3: it downloads the state and continues
     at the swarm's epoch. At the end all 4 hold bit-identical parameters, and the held-out loss is within
     a small factor of one process trained with the global batch size for the same number of epochs."""
-    epochs, late_at = 20, 3
+    epochs, late_at = 14, 3
     cfg = dict(epochs=epochs, target_batch_size=384, batch_size=32, lr=0.02, data_seed=1, step_delay=0.1,
                target_group_size=4, matchmaking_time=1.0, averager_opts=dict(FAST), time_limit=90.0, linger=60.0)
     procs = _Procs()

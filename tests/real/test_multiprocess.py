@@ -135,10 +135,10 @@ def assert_documented_semantics(
                          ids=["timeouts", "disconnect-notice", "disconnect-notice-tcp"])
 def test_sigkill_during_allreduce_survivors_finish_with_documented_semantics(part_timeout: float,
                                                                              local_ipc: bool) -> None:
-    # many small parts make a round take ~1 s on this machine, so a kill lands mid-round. With a
-    # part_timeout of 30 s only the transport's notice of the dropped connection can end it early
-    # (on Unix sockets, the default between local peers, and on TCP).
-    numel, part_bytes = 1 << 20, 1024
+    # many small parts make a round take ~0.5 s on this machine, so a kill at 0.4 of a round lands
+    # mid-round. With a part_timeout of 30 s only the transport's notice of the dropped connection
+    # can end it early (on Unix sockets, the default between local peers, and on TCP).
+    numel, part_bytes = 1 << 19, 1024
     allreduce_timeout = 60.0
     kwargs = dict(FAST, part_size_bytes=part_bytes, part_timeout=part_timeout, allreduce_timeout=allreduce_timeout,
                   local_ipc=local_ipc)
