@@ -264,8 +264,10 @@ def _square_grid(n: int) -> tuple[int, ...]:
     dimension for up to 3. (2 trainers got (1, 2): alone along the first axis, each GroupNotFound
     waited out the matchmaking window, the steps meanwhile skipped their rounds, and the two never
     averaged once; 3 got (2, 2), where one of them is alone along each axis.)"""
+    if n <= 1:
+        return ()  # a lone trainer: no grid (a dimension of size 1 is refused by NodeConfig)
     if n <= 3:
-        return (max(1, n),)
+        return (n,)
     a = max(1, int(math.isqrt(n)))
     while a * a < n and a * (a + 1) < n:
         a += 1
@@ -432,7 +434,7 @@ class TrainRun(SimFaultContext):
             opts.update(target_group_size=2, min_group_size=2)
         elif spec.optimizer == "moshpit":
             # (at least 2, the averager's least group: a swarm of one trains alone, its rounds find no group)
-            opts.update(target_group_size=max(2, *self.grid.shape), grid=self.grid.shape,
+            opts.update(target_group_size=max((2, *self.grid.shape)), grid=self.grid.shape,
                         grid_coords=self._cells[index] if index < len(self._cells)
                         else self.grid.random_coords(self._place_rng))
         else:  # a group of all (capped at twice the initial swarm: the protocol bounds group sizes)

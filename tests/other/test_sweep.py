@@ -209,7 +209,11 @@ def test_ctrl_c_keeps_finished_runs_and_stops_every_worker(tmp_path):
     path, out, marker, env = _long_sweep(tmp_path)
     proc = subprocess.Popen([sys.executable, "-m", "sim", "sweep", str(path), "--out", str(out), "--workers", "2",
                              "--quiet"], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True,
+                            # SIGINT at its default, as a terminal's job has it: a suite started in the
+                            # background by a script (`pytest &`) ignores SIGINT, and the sweep inherited
+                            # that -- it ran all 800 runs to the end
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and len(list((out / "runs").glob("*.json"))) < 4:

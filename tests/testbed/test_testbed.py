@@ -179,10 +179,16 @@ def test_ctrl_c_during_teardown_still_removes_everything(monkeypatch):
         return real(ns)
 
     monkeypatch.setattr(tbmod, "_kill_ns", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        with Testbed([HostSpec(), HostSpec()], seed=1) as tb:
-            run_id = tb.id
-            open(tb.shm_path("x"), "w").close()
+    # Python's own Ctrl-C handler, as in a terminal: a suite started in the background by a script
+    # (`pytest &`) has SIGINT ignored, and the signal raised above did nothing
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with Testbed([HostSpec(), HostSpec()], seed=1) as tb:
+                run_id = tb.id
+                open(tb.shm_path("x"), "w").close()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert calls
     assert_clean(run_id)
     assert not (tbmod.STATE_DIR / f"{run_id}.json").exists()
