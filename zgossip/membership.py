@@ -303,7 +303,8 @@ class Membership:
                 self._tombstones.pop(pid, None)
                 if ep in self.initial_peers:
                     self._reached.add(ep)
-                self.peers[pid] = PeerRecord(pid, ep, hb, now, share, self.clean_info(pid, info), heard=False)
+                # (a heartbeat past its tombstone's grew under our watch: it came back, and we may say so)
+                self.peers[pid] = PeerRecord(pid, ep, hb, now, share, self.clean_info(pid, info), heard=tomb is not None)
                 self.clients.pop(pid, None)  # a client restarted as a listening peer
                 self.discovered.append(ep)
                 self._changed()

@@ -166,3 +166,12 @@ def test_second_hand_news_is_relayed_only_once_its_heartbeat_grew_here():
         m2.on_gossip(digest(2, 10 + int(2 * t), (pid(6), ep(6), 4, None, {})), float(t) + 0.01)
         assert all(pid(6) not in {r[0] for r in msg.peers} for _, msg in out2.take())
     assert pid(6) not in m2.live_ids()
+    # a peer we buried whose heartbeat is now past its tombstone's came back: that growth we saw
+    m2.on_gossip(digest(2, 30, (pid(6), ep(6), 5, None, {})), 3.0)
+    assert pid(6) in m2.live_ids() and pid(6) in _relayed_after_a_digest(m2, out2)
+
+
+def _relayed_after_a_digest(m: Membership, out) -> set:
+    out.take()
+    m.on_gossip(digest(2, 99), 3.1)
+    return {r[0] for r in out.take()[-1][1].peers}
