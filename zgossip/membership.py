@@ -13,7 +13,9 @@ peer it knows, then it stops gossiping): the others forget it at once (`on_bye`)
 counting it live for ``peer_timeout``. Its last heartbeat goes into the tombstone, so digests
 that still carry it cannot bring it back, and for ``peer_timeout`` a late message of it (a
 result on the other lane) does not count as contact either; a peer restarted under the same id
-announces itself by gossip, which does.
+announces itself by gossip, which does. A restarted peer counts its heartbeat from 0 again while
+the swarm holds its last life's: the first digest that names it with a higher one makes it go on
+from there (`merge`), or peers that know it only second-hand would take its news for stale.
 
 **Client-mode peers** (endpoint ``client://<id>``, `zgossip.endpoints.listens` is False) bind
 nothing, so nobody may gossip to them, connect to them or meet at them: they are never entered
@@ -41,9 +43,14 @@ from .endpoints import listens, peer_check
 from .rendezvous import RankingCache
 from .messages import Bye, Gossip, GossipReply, Message
 
-__all__ = ["PeerRecord", "Membership"]
+__all__ = ["PeerRecord", "Membership", "MAX_HEARTBEAT"]
 
 log = logging.getLogger(__name__)
+
+#: the highest heartbeat a node takes over from news of its own earlier life (half the wire's
+#: limit, `messages.MAX_ROUND`): a liar naming one at the limit would otherwise push this node's
+#: heartbeat past what a message may carry. Honest nodes count one per gossip interval.
+MAX_HEARTBEAT = 1 << 61
 
 
 @dataclass
@@ -284,7 +291,14 @@ class Membership:
 
     def merge(self, entries: Iterable[tuple[str, str, int, float | None, dict]], now: float) -> None:
         for pid, ep, hb, share, info in entries:
-            if pid == self.peer_id or not self.admit(pid):
+            if pid == self.peer_id:
+                if self.heartbeat < hb < MAX_HEARTBEAT:
+                    # news of an earlier life of ours (we restarted under this id): its heartbeat is
+                    # the one to beat, or peers that hear of us second-hand take our records for stale
+                    # and expire us until ours grows past it, on its own, after as long as it lived
+                    self.heartbeat = hb + 1
+                continue
+            if not self.admit(pid):
                 continue
             if not listens(ep):
                 if not self.endpoint_ok(ep):
