@@ -118,6 +118,13 @@ class Membership:
         # client-mode peers' records (see the module docstring): counted, never sent to
         self.clients: dict[str, PeerRecord] = {}
         self.max_clients = 4 * max_digest  # a flood of invented client ids fills this, not memory
+        # and peers likewise: a digest carries at most `max_digest` entries (every honest one does),
+        # and the table holds at most `max_peers`. Without keys anyone may gossip invented ids; with
+        # no bound one peer's 4096-entry digests entered 600,000 records in 3 s (300 MB) and cost
+        # 80 s of CPU. Entries refused so (past a digest's limit, or a full table) are counted here
+        # (the node adds them to stats["dropped"])
+        self.max_peers = 16 * max_digest
+        self.refused_entries = 0
         self.version = 0  # grows whenever the set of live peers changes (for callers' caches)
         self._sorted: list[str] | None = None
         self._ranking = RankingCache()
@@ -227,6 +234,9 @@ class Membership:
             return  # (a listening peer of that id is the newer news)
         table = self.clients if client else self.peers
         rec = table.get(peer_id)
+        if rec is None and len(table) >= (self.max_clients if client else self.max_peers):
+            self.refused_entries += 1
+            return
         if (rec is None or rec.endpoint != endpoint) and not self.endpoint_ok(endpoint):
             self.bad_endpoints += 1
             return
@@ -255,7 +265,11 @@ class Membership:
     def on_gossip(self, msg: Gossip | GossipReply, now: float) -> None:
         if self._left.pop(msg.sender, None) is not None:
             self.observe(msg.sender, msg.endpoint, now)  # it said goodbye, and now gossips again: back
-        self.merge(msg.peers, now)
+        peers = msg.peers
+        if len(peers) > self.max_digest:
+            self.refused_entries += len(peers) - self.max_digest
+            peers = peers[: self.max_digest]
+        self.merge(peers, now)
         rec = self.peers.get(msg.sender) or self.clients.get(msg.sender)
         if rec is not None and rec.endpoint == msg.endpoint:
             rec.heard = True  # its own entry: the digest is direct contact (the node observes it too)
@@ -307,6 +321,9 @@ class Membership:
                     self._enter_client(pid, ep, (hb, share, info), now)
                 continue
             rec = self.peers.get(pid)
+            if rec is None and len(self.peers) >= self.max_peers:
+                self.refused_entries += 1
+                continue
             if (rec is None or rec.endpoint != ep) and not self.endpoint_ok(ep):
                 self.bad_endpoints += 1  # (checked once per new endpoint: a known one passed already)
                 continue
@@ -380,6 +397,7 @@ class Membership:
             if not direct and tomb is not None and entry is not None and entry[0] <= tomb[0]:
                 return  # stale news of a client we already buried
             if len(self.clients) >= self.max_clients:
+                self.refused_entries += 1
                 return
             self._tombstones.pop(pid, None)
             hb = tomb[0] if tomb is not None and direct else 0

@@ -1053,6 +1053,17 @@ class Node:
 
     # ------------------------------------------------------------------ dispatch
     def _dispatch(self, msg: Message, now: float) -> None:
+        over = getattr(self.membership, "refused_entries", 0)
+        self._dispatch_checked(msg, now)
+        over = getattr(self.membership, "refused_entries", 0) - over
+        if over:
+            mem = self.membership
+            self.stats["dropped"] += over
+            self.drops.note(log, f"{msg.sender[:16]} at {msg.endpoint}", "peer records past the membership's bounds",
+                            f"{over} not entered (a digest carries at most {mem.max_digest} entries; the table "
+                            f"holds at most {mem.max_peers} peers and {mem.max_clients} clients)")
+
+    def _dispatch_checked(self, msg: Message, now: float) -> None:
         if msg.sender != self.peer_id:
             chunks = type(msg) is StateReq and msg.count > 0  # paced by `_on_state_req` instead
             if type(msg) in _LIMITED and not chunks and not self._limits.allow(msg.sender, now):
