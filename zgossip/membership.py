@@ -115,6 +115,7 @@ class Membership:
         self.share: float | None = None  # this node's state-sharing priority, gossiped with its heartbeat
         self.info: dict = {}  # this node's public record, gossiped with its heartbeat
         self.peers: dict[str, PeerRecord] = {}
+        self._at: dict[str, int] = {}  # endpoint -> how many records in `peers` name it
         # client-mode peers' records (see the module docstring): counted, never sent to
         self.clients: dict[str, PeerRecord] = {}
         self.max_clients = 4 * max_digest  # a flood of invented client ids fills this, not memory
@@ -253,13 +254,10 @@ class Membership:
         if rec is None:
             tomb = self._tombstones.pop(peer_id, None)
             hb = tomb[0] if tomb else 0
-            self.peers[peer_id] = PeerRecord(peer_id, endpoint, hb, now)
-            self.clients.pop(peer_id, None)  # a client restarted as a listening peer
-            self.discovered.append(endpoint)
-            self._changed()
+            self._enter(PeerRecord(peer_id, endpoint, hb, now))
         else:
             rec.updated = now
-            rec.endpoint = endpoint
+            self._move(rec, endpoint)
             rec.heard = True
 
     def on_gossip(self, msg: Gossip | GossipReply, now: float) -> None:
@@ -335,12 +333,10 @@ class Membership:
                 if ep in self.initial_peers:
                     self._reached.add(ep)
                 # (a heartbeat past its tombstone's grew under our watch: it came back, and we may say so)
-                self.peers[pid] = PeerRecord(pid, ep, hb, now, share, self.clean_info(pid, info), heard=tomb is not None)
-                self.clients.pop(pid, None)  # a client restarted as a listening peer
-                self.discovered.append(ep)
-                self._changed()
+                self._enter(PeerRecord(pid, ep, hb, now, share, self.clean_info(pid, info), heard=tomb is not None))
             elif hb > rec.heartbeat:
-                rec.heartbeat, rec.endpoint, rec.updated, rec.share, rec.heard = hb, ep, now, share, True
+                rec.heartbeat, rec.updated, rec.share, rec.heard = hb, now, share, True
+                self._move(rec, ep)
                 rec.info = self.clean_info(pid, info)
 
     def goodbye(self, now: float) -> None:
@@ -381,12 +377,39 @@ class Membership:
         if rec is not None:
             self._changed()
             self._tombstones[peer_id] = (rec.heartbeat, now)
-            self.forgotten.append(rec.endpoint)
-            self._pinged.pop(rec.endpoint, None)
-            self._rtt.pop(rec.endpoint, None)
+            self._left_endpoint(rec.endpoint)
             log.info("%s: forgot peer %s at %s (%s)", self.peer_id, peer_id, rec.endpoint, why)
 
     # -- internals -----------------------------------------------------------------------
+    def _enter(self, rec: PeerRecord) -> None:
+        self.peers[rec.peer_id] = rec
+        self._at[rec.endpoint] = self._at.get(rec.endpoint, 0) + 1
+        self.clients.pop(rec.peer_id, None)  # a client restarted as a listening peer
+        self.discovered.append(rec.endpoint)
+        self._changed()
+
+    def _move(self, rec: PeerRecord, endpoint: str) -> None:
+        """A known peer now at another endpoint (restarted elsewhere under its id): the connection
+        to the old one is closed like a forgotten peer's, unless another record still names it, and
+        one to the new one opened like a newly met peer's. (The old one's was kept open for good,
+        reconnecting to a dead address, and held one of the node's `warm_peers` slots.)"""
+        if endpoint == rec.endpoint:
+            return
+        old, rec.endpoint = rec.endpoint, endpoint
+        self._at[endpoint] = self._at.get(endpoint, 0) + 1
+        self._left_endpoint(old)
+        self.discovered.append(endpoint)
+
+    def _left_endpoint(self, endpoint: str) -> None:
+        """A record no longer names `endpoint`: once none does, its connection is closed."""
+        n = self._at.pop(endpoint, 0) - 1
+        if n > 0:
+            self._at[endpoint] = n
+            return
+        self.forgotten.append(endpoint)
+        self._pinged.pop(endpoint, None)
+        self._rtt.pop(endpoint, None)
+
     def _enter_client(self, pid: str, ep: str, entry: tuple[int, float | None, dict] | None, now: float,
                       direct: bool = False) -> None:
         """A client-mode peer's record: `entry` = (heartbeat, share, info) from a digest, or None for
