@@ -190,3 +190,20 @@ def test_invented_peers_are_bounded_per_digest_and_in_the_table_and_each_refusal
     assert node.stats["dropped"] == dropped + 100 + 1 + 1  # pid(3): as the sender, and its digest's entry
     lines = [r.getMessage() for r in caplog.records if "membership's bounds" in r.getMessage()]
     assert len(lines) == 2, lines  # one per source
+
+
+def test_a_join_sent_to_a_client_mode_peer_is_refused_and_counted(caplog) -> None:
+    """A client-mode peer hosts no rendezvous. One that knew no peer yet failed on the empty ranking
+    of a JOIN (an IndexError the driver logged with its traceback as an internal error, at every
+    such JOIN); one that knew peers opened a pool. Now the JOIN is dropped, counted, logged once."""
+    caplog.set_level(logging.INFO, logger="zgossip")
+    me = "c1" * 8
+    node = Node(me, f"client://{me}", NodeConfig(prefix="t", gossip_interval=0.5, bandwidth=0),
+                np.random.default_rng(0), initial_peers=[ep(2)])
+    node.start(0.0)
+    node.take_actions()
+    for k, (sender, at) in enumerate([("c2" * 8, "client://" + "c2" * 8), (pid(3), ep(3)), (pid(3), ep(3))]):
+        node.on_message(Join(sender, at, key="t", step_id=f"s{k}", bandwidth=1.0, layout="L", hops=2 * k, want=2,
+                             gathers=True), 0.1 + k)
+    assert node.stats["dropped"] == 3 and not node.matchmaker.pools and _sends(node) == []
+    assert len([r for r in caplog.records if "client-mode peer" in r.getMessage()]) == 2  # once per source
