@@ -479,7 +479,7 @@ class Node:
     def _estimate(self) -> int:
         """grid="auto": the swarm's size as far as this node can tell (`zgossip.autogrid`): its own
         quantised count of the live peers of its prefix (kept in `_size`, announced), or the largest
-        size another live peer announced."""
+        size at least two other live peers announced (`autogrid.swarm_size`)."""
         mine, sizes = 1, []
         for rec in self.membership.peers.values():
             a = announce.Announcement.read(rec.info)
