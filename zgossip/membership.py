@@ -91,6 +91,8 @@ class Membership:
     ) -> None:
         if gossip_interval <= 0 or peer_timeout <= gossip_interval:
             raise ValueError("need 0 < gossip_interval < peer_timeout")
+        if fanout < 1 or max_digest < 2:
+            raise ValueError("need fanout >= 1 and max_digest >= 2")
         self.peer_id = peer_id
         self.endpoint = endpoint
         # A client-mode peer (`zgossip.endpoints.listens`) is never entered in anyone's table: it

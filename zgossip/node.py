@@ -120,6 +120,18 @@ class NodeConfig:
                                               or not math.isfinite(v)):
                 raise ValueError(f"{f.name} must be a finite number of seconds, not {v!r} (every wait here has a "
                                  "deadline: there is no 'None = no limit')")
+        for name in ("control_rate", "matchmaking_rate"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 < v < math.inf:
+                # (a NaN rate switched the limit off without a word; 0 failed later, naming no setting)
+                raise ValueError(f"{name} must be a finite number of messages per second > 0, not {v!r}")
+        if self.fanout < 1:
+            # 0: the node stopped gossiping once it knew a peer, and the others expired it; < 0 failed
+            # at every gossip tick inside the I/O loop
+            raise ValueError(f"fanout must be at least 1 (peers gossiped to per gossip_interval), not {self.fanout!r}")
+        for name in ("control_burst", "matchmaking_burst"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1 (messages taken at once), not {getattr(self, name)!r}")
         if not 1 <= self.min_group_size <= self.target_group_size:
             raise ValueError(f"need 1 <= min_group_size <= target_group_size (got min_group_size={self.min_group_size}, "
                              f"target_group_size={self.target_group_size})")
