@@ -166,6 +166,11 @@ class Membership:
         self.version += 1
         self._sorted = None
 
+    def left_lately(self, peer_id: str, now: float) -> bool:
+        """It said goodbye less than ``peer_timeout`` ago: a late message of it is no contact."""
+        left = self._left.get(peer_id)
+        return left is not None and now - left < self.peer_timeout
+
     def endpoint_of(self, peer_id: str) -> str | None:
         if peer_id == self.peer_id:
             return self.endpoint

@@ -880,6 +880,10 @@ class Node:
 
     def _on_bye(self, msg: Bye, now: float) -> None:
         self.membership.on_bye(msg, now)
+        if not listens(msg.endpoint):
+            # a client that left is no longer expected by our pools (`_may_join`): kept, a small swarm
+            # waited the whole matchmaking window at every step for peer_timeout after its goodbye
+            self._clients.pop(msg.sender, None)
         if self.matchmaker.pools:
             self.matchmaker.recheck(now)
         self.on_peer_down(msg.endpoint, now)  # gone: a join waiting on it asks the next candidate now
@@ -1085,7 +1089,9 @@ class Node:
                 self._rate_limited(msg, f"dropping matchmaking messages past {self._mm_limits.rate:.0f}/s")
                 return
             self.membership.observe(msg.sender, msg.endpoint, now)
-            if not listens(msg.endpoint):
+            if not listens(msg.endpoint) and not (
+                    type(msg) not in (Gossip, GossipReply) and isinstance(self.membership, Membership)
+                    and self.membership.left_lately(msg.sender, now)):  # (gossip again: it is back)
                 self._heard_client(msg, now)
         mm = self.matchmaker
         dropped, late = mm.dropped, mm.late
