@@ -6,7 +6,7 @@ rounds, and one sized for 512 splits a swarm of 16 into lines of one or two. So 
 derived, deterministically, from one number every peer can agree on:
 
 * **Estimate.** Each node counts the live peers of its prefix in its membership view (itself
-  included) and quantises the count to a power of two, with hysteresis: it moves only once the
+  and client-mode peers included) and quantises the count to a power of two, with hysteresis: it moves only once the
   count is more than 2^0.75 (x1.68) away from the current value, so a swarm near a boundary does
   not flip between shapes (`quantise`). It announces that value (`zgossip.announce`).
 * **Agreement.** The swarm's size is the *largest* value that at least two live peers of the

@@ -9,6 +9,7 @@ its own rendezvous peer) are delivered inside the node without touching the driv
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import numbers
@@ -491,9 +492,11 @@ class Node:
     def _estimate(self) -> int:
         """grid="auto": the swarm's size as far as this node can tell (`zgossip.autogrid`): its own
         quantised count of the live peers of its prefix (kept in `_size`, announced), or the largest
-        size at least two other live peers announced (`autogrid.swarm_size`)."""
+        size at least two other live peers announced (`autogrid.swarm_size`). Client-mode peers
+        count: they take places on the grid's lines like any peer (4 peers and 12 clients, target 4,
+        took no grid, as if they were 4)."""
         mine, sizes = 1, []
-        for rec in self.membership.peers.values():
+        for rec in itertools.chain(self.membership.peers.values(), self.membership.clients.values()):
             a = announce.Announcement.read(rec.info)
             if a is not None and a.prefix == self._prefix_tag:
                 mine += 1

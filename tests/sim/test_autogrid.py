@@ -116,3 +116,17 @@ def test_one_peer_announcing_a_false_size_does_not_set_the_grid():
     lie()
     cl.run(until=2.0)
     assert {p.node.grid.shape for p in peers[:-1]} == {(4, 2)}
+
+
+def test_client_mode_peers_count_toward_the_size():
+    """4 listening peers and 12 client-mode peers, target 4: 16 peers take places on the grid's lines,
+    so the shape is (4, 4). The estimate counted only the peers table: no grid, as if they were 4."""
+    cl = SimCluster(seed=3, network=NetworkModel(latency=0.005, bandwidth=1e8))
+    cfg = NodeConfig(prefix="auto", target_group_size=4, min_group_size=2, matchmaking_time=0.5,
+                     request_timeout=0.3, gossip_interval=0.1, peer_timeout=2.0, grid_auto=True)
+    first = cl.add_peer(cfg, tensors=[np.zeros(4)])
+    peers = [first] + [cl.add_peer(cfg, tensors=[np.ones(4)], initial_peers=[first.endpoint]) for _ in range(3)]
+    peers += [cl.add_peer(cfg, tensors=[np.ones(4)], initial_peers=[peers[i % 4].endpoint], client=True)
+              for i in range(12)]
+    cl.run(until=3.0)
+    assert {p.node.grid.shape for p in peers} == {(4, 4)}
