@@ -3,7 +3,7 @@
 Every node gossips, in the reserved ``zg.`` entries of its membership record, an
 `Announcement`: the round it expects next, a tag of its prefix, a tag of the matchmaking
 key it will use in that round, and (``grid="auto"``) its estimate of the swarm's size. Two
-entries, so that a user keeps 14 of the record's 16 (`zgossip.messages` caps it):
+entries, so that a user keeps 14 of the record's 24 (`zgossip.messages` caps it):
 
     zg.round   = 7                      the next round (an int, as before)
     zg.prefix  = "<prefix tag>:<key tag>[:<size>]"

@@ -6,13 +6,16 @@ rounds, and one sized for 512 splits a swarm of 16 into lines of one or two. So 
 derived, deterministically, from one number every peer can agree on:
 
 * **Estimate.** Each node counts the live peers of its prefix in its membership view (itself
-  included) and quantises the count to a power of two, with hysteresis: it moves only once the
+  and client-mode peers included) and quantises the count to a power of two, with hysteresis: it moves only once the
   count is more than 2^0.75 (x1.68) away from the current value, so a swarm near a boundary does
   not flip between shapes (`quantise`). It announces that value (`zgossip.announce`).
-* **Agreement.** The swarm's size is the *largest* value announced by live peers of the prefix
-  (`swarm_size`): gossip spreads a maximum in a few intervals, so peers converge on one value
-  even though their views differ; as a swarm shrinks, each survivor's own count drops once it
-  has expired the dead (``peer_timeout``), and with it the maximum.
+* **Agreement.** The swarm's size is the *largest* value that at least two live peers of the
+  prefix announced, or this node's own if larger (`swarm_size`): gossip spreads a maximum in a
+  few intervals, so peers converge on one value even though their views differ; as a swarm
+  shrinks, each survivor's own count drops once it has expired the dead (``peer_timeout``), and
+  with it the maximum. The maximum of single announcements let one peer set everyone's shape: a
+  peer announcing 2^30 put a swarm of 8 (target 4) on a 15-axis grid, where no step ever found a
+  group; the value of one peer alone is never adopted.
 * **Shape** (`shape_for`): no grid while the swarm fits one group (size <= target); else
   d = ceil(log2(size) / floor(log2(target))) axes, the size's bits split as evenly as possible
   (larger axes first): 512 peers with target 16 -> (8, 8, 8); 64 -> (8, 8); 32 -> (8, 4).
@@ -57,5 +60,7 @@ def shape_for(size: int, target_group_size: int) -> tuple[int, ...]:
 
 
 def swarm_size(own: int, announced: Iterable[int]) -> int:
-    """The swarm's size as every peer will eventually agree on it: the largest announced value."""
-    return max([own, *announced])
+    """The swarm's size as every peer will eventually agree on it: the largest value that at least
+    two other peers announced (one peer alone cannot set it), or this node's own if larger."""
+    top = sorted(announced, reverse=True)[:2]
+    return max(own, top[1]) if len(top) == 2 else own

@@ -54,6 +54,7 @@ import numpy as np
 
 from . import layouts
 from .droplog import DropLog
+from .endpoints import listens
 from .errors import GroupNotFound, IllegalTransition, ProtocolError
 from .messages import Abort, Group, Join, JoinAck, JoinNote, Leave, MemberInfo, Message, NoGroup, Redirect
 from .rendezvous import rendezvous_order
@@ -539,6 +540,14 @@ class Matchmaker:
     def on_join(self, msg: Join, now: float) -> None:
         key = msg.key
         log.debug("%s t=%.3f JOIN <- %s hops=%d", self.peer_id[:8], now, msg.sender[:8], msg.hops)
+        if not listens(self.endpoint):
+            # a client-mode peer hosts no rendezvous (nobody ranks it; an honest joiner never asks
+            # it): refused. Knowing no peer yet, it used to fail here on an empty ranking
+            self.dropped += 1
+            if self.drops is not None:
+                self.drops.note(log, f"{msg.sender[:16]} at {msg.endpoint}", "a JOIN sent to a client-mode peer",
+                                f"key {key[:80]!r}")
+            return
         if msg.hops < 2:
             best = self.ranking(key)[0]
             if best != self.peer_id and best != msg.sender:

@@ -13,7 +13,9 @@ peer it knows, then it stops gossiping): the others forget it at once (`on_bye`)
 counting it live for ``peer_timeout``. Its last heartbeat goes into the tombstone, so digests
 that still carry it cannot bring it back, and for ``peer_timeout`` a late message of it (a
 result on the other lane) does not count as contact either; a peer restarted under the same id
-announces itself by gossip, which does.
+announces itself by gossip, which does. A restarted peer counts its heartbeat from 0 again while
+the swarm holds its last life's: the first digest that names it with a higher one makes it go on
+from there (`merge`), or peers that know it only second-hand would take its news for stale.
 
 **Client-mode peers** (endpoint ``client://<id>``, `zgossip.endpoints.listens` is False) bind
 nothing, so nobody may gossip to them, connect to them or meet at them: they are never entered
@@ -41,9 +43,14 @@ from .endpoints import listens, peer_check
 from .rendezvous import RankingCache
 from .messages import Bye, Gossip, GossipReply, Message
 
-__all__ = ["PeerRecord", "Membership"]
+__all__ = ["PeerRecord", "Membership", "MAX_HEARTBEAT"]
 
 log = logging.getLogger(__name__)
+
+#: the highest heartbeat a node takes over from news of its own earlier life (half the wire's
+#: limit, `messages.MAX_ROUND`): a liar naming one at the limit would otherwise push this node's
+#: heartbeat past what a message may carry. Honest nodes count one per gossip interval.
+MAX_HEARTBEAT = 1 << 61
 
 
 @dataclass
@@ -84,6 +91,8 @@ class Membership:
     ) -> None:
         if gossip_interval <= 0 or peer_timeout <= gossip_interval:
             raise ValueError("need 0 < gossip_interval < peer_timeout")
+        if fanout < 1 or max_digest < 2:
+            raise ValueError("need fanout >= 1 and max_digest >= 2")
         self.peer_id = peer_id
         self.endpoint = endpoint
         # A client-mode peer (`zgossip.endpoints.listens`) is never entered in anyone's table: it
@@ -108,9 +117,17 @@ class Membership:
         self.share: float | None = None  # this node's state-sharing priority, gossiped with its heartbeat
         self.info: dict = {}  # this node's public record, gossiped with its heartbeat
         self.peers: dict[str, PeerRecord] = {}
+        self._at: dict[str, int] = {}  # endpoint -> how many records in `peers` name it
         # client-mode peers' records (see the module docstring): counted, never sent to
         self.clients: dict[str, PeerRecord] = {}
         self.max_clients = 4 * max_digest  # a flood of invented client ids fills this, not memory
+        # and peers likewise: a digest carries at most `max_digest` entries (every honest one does),
+        # and the table holds at most `max_peers`. Without keys anyone may gossip invented ids; with
+        # no bound one peer's 4096-entry digests entered 600,000 records in 3 s (300 MB) and cost
+        # 80 s of CPU. Entries refused so (past a digest's limit, or a full table) are counted here
+        # (the node adds them to stats["dropped"])
+        self.max_peers = 16 * max_digest
+        self.refused_entries = 0
         self.version = 0  # grows whenever the set of live peers changes (for callers' caches)
         self._sorted: list[str] | None = None
         self._ranking = RankingCache()
@@ -148,6 +165,11 @@ class Membership:
     def _changed(self) -> None:
         self.version += 1
         self._sorted = None
+
+    def left_lately(self, peer_id: str, now: float) -> bool:
+        """It said goodbye less than ``peer_timeout`` ago: a late message of it is no contact."""
+        left = self._left.get(peer_id)
+        return left is not None and now - left < self.peer_timeout
 
     def endpoint_of(self, peer_id: str) -> str | None:
         if peer_id == self.peer_id:
@@ -220,6 +242,9 @@ class Membership:
             return  # (a listening peer of that id is the newer news)
         table = self.clients if client else self.peers
         rec = table.get(peer_id)
+        if rec is None and len(table) >= (self.max_clients if client else self.max_peers):
+            self.refused_entries += 1
+            return
         if (rec is None or rec.endpoint != endpoint) and not self.endpoint_ok(endpoint):
             self.bad_endpoints += 1
             return
@@ -236,19 +261,20 @@ class Membership:
         if rec is None:
             tomb = self._tombstones.pop(peer_id, None)
             hb = tomb[0] if tomb else 0
-            self.peers[peer_id] = PeerRecord(peer_id, endpoint, hb, now)
-            self.clients.pop(peer_id, None)  # a client restarted as a listening peer
-            self.discovered.append(endpoint)
-            self._changed()
+            self._enter(PeerRecord(peer_id, endpoint, hb, now))
         else:
             rec.updated = now
-            rec.endpoint = endpoint
+            self._move(rec, endpoint)
             rec.heard = True
 
     def on_gossip(self, msg: Gossip | GossipReply, now: float) -> None:
         if self._left.pop(msg.sender, None) is not None:
             self.observe(msg.sender, msg.endpoint, now)  # it said goodbye, and now gossips again: back
-        self.merge(msg.peers, now)
+        peers = msg.peers
+        if len(peers) > self.max_digest:
+            self.refused_entries += len(peers) - self.max_digest
+            peers = peers[: self.max_digest]
+        self.merge(peers, now)
         rec = self.peers.get(msg.sender) or self.clients.get(msg.sender)
         if rec is not None and rec.endpoint == msg.endpoint:
             rec.heard = True  # its own entry: the digest is direct contact (the node observes it too)
@@ -284,7 +310,14 @@ class Membership:
 
     def merge(self, entries: Iterable[tuple[str, str, int, float | None, dict]], now: float) -> None:
         for pid, ep, hb, share, info in entries:
-            if pid == self.peer_id or not self.admit(pid):
+            if pid == self.peer_id:
+                if self.heartbeat < hb < MAX_HEARTBEAT:
+                    # news of an earlier life of ours (we restarted under this id): its heartbeat is
+                    # the one to beat, or peers that hear of us second-hand take our records for stale
+                    # and expire us until ours grows past it, on its own, after as long as it lived
+                    self.heartbeat = hb + 1
+                continue
+            if not self.admit(pid):
                 continue
             if not listens(ep):
                 if not self.endpoint_ok(ep):
@@ -293,6 +326,9 @@ class Membership:
                     self._enter_client(pid, ep, (hb, share, info), now)
                 continue
             rec = self.peers.get(pid)
+            if rec is None and len(self.peers) >= self.max_peers:
+                self.refused_entries += 1
+                continue
             if (rec is None or rec.endpoint != ep) and not self.endpoint_ok(ep):
                 self.bad_endpoints += 1  # (checked once per new endpoint: a known one passed already)
                 continue
@@ -304,12 +340,10 @@ class Membership:
                 if ep in self.initial_peers:
                     self._reached.add(ep)
                 # (a heartbeat past its tombstone's grew under our watch: it came back, and we may say so)
-                self.peers[pid] = PeerRecord(pid, ep, hb, now, share, self.clean_info(pid, info), heard=tomb is not None)
-                self.clients.pop(pid, None)  # a client restarted as a listening peer
-                self.discovered.append(ep)
-                self._changed()
+                self._enter(PeerRecord(pid, ep, hb, now, share, self.clean_info(pid, info), heard=tomb is not None))
             elif hb > rec.heartbeat:
-                rec.heartbeat, rec.endpoint, rec.updated, rec.share, rec.heard = hb, ep, now, share, True
+                rec.heartbeat, rec.updated, rec.share, rec.heard = hb, now, share, True
+                self._move(rec, ep)
                 rec.info = self.clean_info(pid, info)
 
     def goodbye(self, now: float) -> None:
@@ -350,12 +384,39 @@ class Membership:
         if rec is not None:
             self._changed()
             self._tombstones[peer_id] = (rec.heartbeat, now)
-            self.forgotten.append(rec.endpoint)
-            self._pinged.pop(rec.endpoint, None)
-            self._rtt.pop(rec.endpoint, None)
+            self._left_endpoint(rec.endpoint)
             log.info("%s: forgot peer %s at %s (%s)", self.peer_id, peer_id, rec.endpoint, why)
 
     # -- internals -----------------------------------------------------------------------
+    def _enter(self, rec: PeerRecord) -> None:
+        self.peers[rec.peer_id] = rec
+        self._at[rec.endpoint] = self._at.get(rec.endpoint, 0) + 1
+        self.clients.pop(rec.peer_id, None)  # a client restarted as a listening peer
+        self.discovered.append(rec.endpoint)
+        self._changed()
+
+    def _move(self, rec: PeerRecord, endpoint: str) -> None:
+        """A known peer now at another endpoint (restarted elsewhere under its id): the connection
+        to the old one is closed like a forgotten peer's, unless another record still names it, and
+        one to the new one opened like a newly met peer's. (The old one's was kept open for good,
+        reconnecting to a dead address, and held one of the node's `warm_peers` slots.)"""
+        if endpoint == rec.endpoint:
+            return
+        old, rec.endpoint = rec.endpoint, endpoint
+        self._at[endpoint] = self._at.get(endpoint, 0) + 1
+        self._left_endpoint(old)
+        self.discovered.append(endpoint)
+
+    def _left_endpoint(self, endpoint: str) -> None:
+        """A record no longer names `endpoint`: once none does, its connection is closed."""
+        n = self._at.pop(endpoint, 0) - 1
+        if n > 0:
+            self._at[endpoint] = n
+            return
+        self.forgotten.append(endpoint)
+        self._pinged.pop(endpoint, None)
+        self._rtt.pop(endpoint, None)
+
     def _enter_client(self, pid: str, ep: str, entry: tuple[int, float | None, dict] | None, now: float,
                       direct: bool = False) -> None:
         """A client-mode peer's record: `entry` = (heartbeat, share, info) from a digest, or None for
@@ -366,6 +427,7 @@ class Membership:
             if not direct and tomb is not None and entry is not None and entry[0] <= tomb[0]:
                 return  # stale news of a client we already buried
             if len(self.clients) >= self.max_clients:
+                self.refused_entries += 1
                 return
             self._tombstones.pop(pid, None)
             hb = tomb[0] if tomb is not None and direct else 0

@@ -9,6 +9,7 @@ its own rendezvous peer) are delivered inside the node without touching the driv
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import numbers
@@ -120,6 +121,18 @@ class NodeConfig:
                                               or not math.isfinite(v)):
                 raise ValueError(f"{f.name} must be a finite number of seconds, not {v!r} (every wait here has a "
                                  "deadline: there is no 'None = no limit')")
+        for name in ("control_rate", "matchmaking_rate"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 < v < math.inf:
+                # (a NaN rate switched the limit off without a word; 0 failed later, naming no setting)
+                raise ValueError(f"{name} must be a finite number of messages per second > 0, not {v!r}")
+        if self.fanout < 1:
+            # 0: the node stopped gossiping once it knew a peer, and the others expired it; < 0 failed
+            # at every gossip tick inside the I/O loop
+            raise ValueError(f"fanout must be at least 1 (peers gossiped to per gossip_interval), not {self.fanout!r}")
+        for name in ("control_burst", "matchmaking_burst"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1 (messages taken at once), not {getattr(self, name)!r}")
         if not 1 <= self.min_group_size <= self.target_group_size:
             raise ValueError(f"need 1 <= min_group_size <= target_group_size (got min_group_size={self.min_group_size}, "
                              f"target_group_size={self.target_group_size})")
@@ -479,9 +492,11 @@ class Node:
     def _estimate(self) -> int:
         """grid="auto": the swarm's size as far as this node can tell (`zgossip.autogrid`): its own
         quantised count of the live peers of its prefix (kept in `_size`, announced), or the largest
-        size another live peer announced."""
+        size at least two other live peers announced (`autogrid.swarm_size`). Client-mode peers
+        count: they take places on the grid's lines like any peer (4 peers and 12 clients, target 4,
+        took no grid, as if they were 4)."""
         mine, sizes = 1, []
-        for rec in self.membership.peers.values():
+        for rec in itertools.chain(self.membership.peers.values(), self.membership.clients.values()):
             a = announce.Announcement.read(rec.info)
             if a is not None and a.prefix == self._prefix_tag:
                 mine += 1
@@ -868,6 +883,10 @@ class Node:
 
     def _on_bye(self, msg: Bye, now: float) -> None:
         self.membership.on_bye(msg, now)
+        if not listens(msg.endpoint):
+            # a client that left is no longer expected by our pools (`_may_join`): kept, a small swarm
+            # waited the whole matchmaking window at every step for peer_timeout after its goodbye
+            self._clients.pop(msg.sender, None)
         if self.matchmaker.pools:
             self.matchmaker.recheck(now)
         self.on_peer_down(msg.endpoint, now)  # gone: a join waiting on it asks the next candidate now
@@ -1053,6 +1072,17 @@ class Node:
 
     # ------------------------------------------------------------------ dispatch
     def _dispatch(self, msg: Message, now: float) -> None:
+        over = getattr(self.membership, "refused_entries", 0)
+        self._dispatch_checked(msg, now)
+        over = getattr(self.membership, "refused_entries", 0) - over
+        if over:
+            mem = self.membership
+            self.stats["dropped"] += over
+            self.drops.note(log, f"{msg.sender[:16]} at {msg.endpoint}", "peer records past the membership's bounds",
+                            f"{over} not entered (a digest carries at most {mem.max_digest} entries; the table "
+                            f"holds at most {mem.max_peers} peers and {mem.max_clients} clients)")
+
+    def _dispatch_checked(self, msg: Message, now: float) -> None:
         if msg.sender != self.peer_id:
             chunks = type(msg) is StateReq and msg.count > 0  # paced by `_on_state_req` instead
             if type(msg) in _LIMITED and not chunks and not self._limits.allow(msg.sender, now):
@@ -1062,7 +1092,9 @@ class Node:
                 self._rate_limited(msg, f"dropping matchmaking messages past {self._mm_limits.rate:.0f}/s")
                 return
             self.membership.observe(msg.sender, msg.endpoint, now)
-            if not listens(msg.endpoint):
+            if not listens(msg.endpoint) and not (
+                    type(msg) not in (Gossip, GossipReply) and isinstance(self.membership, Membership)
+                    and self.membership.left_lately(msg.sender, now)):  # (gossip again: it is back)
                 self._heard_client(msg, now)
         mm = self.matchmaker
         dropped, late = mm.dropped, mm.late

@@ -18,7 +18,7 @@ import zgossip
 from harness import FAST
 from zgossip import wire
 from zgossip.messages import MAX_WEIGHT, Gather
-from zgossip.node import StepRequest
+from zgossip.node import NodeConfig, StepRequest
 
 
 def _pair(t0, t1, prefix="edge", **kw):
@@ -182,6 +182,20 @@ def test_settings_of_the_wrong_type_are_refused_naming_the_setting(setting, matc
     migrating user failed with "'<=' not supported between instances of 'int' and 'NoneType'"."""
     with pytest.raises(ValueError, match=match):
         zgossip.Averager([np.zeros(3, np.float32)], prefix="edge-cfg", **setting)
+
+
+@pytest.mark.parametrize("setting, match", [
+    (dict(matchmaking_rate=float("nan")), "matchmaking_rate must be a finite number of messages per second > 0"),
+    (dict(control_rate=-1), "control_rate must be a finite number of messages per second > 0"),
+    (dict(matchmaking_burst=0), "matchmaking_burst must be at least 1"),
+    (dict(fanout=0), "fanout must be at least 1"),
+])
+def test_rate_limits_and_fanout_that_cannot_work_are_refused_naming_the_setting(setting, match):
+    """A NaN rate switched its rate limit off without a word, a negative one was taken, 0 failed when
+    the node was built naming no setting; fanout=0 made a node stop gossiping once it knew a peer (so
+    every other peer expired it), a negative one failed at every gossip tick inside the I/O loop."""
+    with pytest.raises(ValueError, match=match):
+        NodeConfig(prefix="edge-cfg", **setting)
 
 
 def test_a_node_that_refuses_its_settings_leaves_no_socket_behind():

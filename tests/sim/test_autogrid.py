@@ -35,7 +35,8 @@ def test_quantise_moves_in_powers_of_two_with_hysteresis():
     assert quantise(22, 16) == 16 and quantise(27, 16) == 32  # 16 holds up to 16 * 2^0.75 = 26.9
     assert quantise(10, 16) == 16 and quantise(9, 16) == 8
     assert quantise(64, 512) == 64  # a shrinking swarm drops at once, not one step at a time
-    assert swarm_size(8, [16, 4]) == 16 and swarm_size(8, []) == 8
+    assert swarm_size(8, [16, 16, 4]) == 16 and swarm_size(8, []) == 8 and swarm_size(16, [4]) == 16
+    assert swarm_size(8, [1 << 30, 4, 8]) == 8  # one peer alone does not set it
 
 
 def test_the_size_travels_in_the_announcement_and_bad_sizes_read_as_nothing():
@@ -95,3 +96,37 @@ def test_churn_auto_grid_averages_per_round_like_a_hand_sized_grid():
         floor = 1e-3
         assert all(np.maximum(auto[1:], floor) <= 4 * np.maximum(hand[1:], floor)), (n, auto, hand)
         assert auto[-1] < 0.05 * auto[0], (n, auto)  # and it does converge
+
+
+def test_one_peer_announcing_a_false_size_does_not_set_the_grid():
+    """One peer of 8 (target 4) announces a swarm of 2^30. Under the plain maximum every peer took
+    a 15-axis grid, where no step ever found a group; a value only one peer announces is not adopted."""
+    cl = SimCluster(seed=3, network=NetworkModel(latency=0.005, bandwidth=1e8))
+    cfg = NodeConfig(prefix="auto", target_group_size=4, min_group_size=2, matchmaking_time=0.5,
+                     request_timeout=0.3, gossip_interval=0.1, peer_timeout=2.0, grid_auto=True)
+    first = cl.add_peer(cfg, tensors=[np.zeros(4)])
+    peers = [first] + [cl.add_peer(cfg, tensors=[np.ones(4)], initial_peers=[first.endpoint]) for _ in range(7)]
+    liar = peers[-1].node
+    publish = liar._publish_round
+
+    def lie() -> None:
+        liar._size = 1 << 30
+        publish()
+    liar._publish_round = lie
+    lie()
+    cl.run(until=2.0)
+    assert {p.node.grid.shape for p in peers[:-1]} == {(4, 2)}
+
+
+def test_client_mode_peers_count_toward_the_size():
+    """4 listening peers and 12 client-mode peers, target 4: 16 peers take places on the grid's lines,
+    so the shape is (4, 4). The estimate counted only the peers table: no grid, as if they were 4."""
+    cl = SimCluster(seed=3, network=NetworkModel(latency=0.005, bandwidth=1e8))
+    cfg = NodeConfig(prefix="auto", target_group_size=4, min_group_size=2, matchmaking_time=0.5,
+                     request_timeout=0.3, gossip_interval=0.1, peer_timeout=2.0, grid_auto=True)
+    first = cl.add_peer(cfg, tensors=[np.zeros(4)])
+    peers = [first] + [cl.add_peer(cfg, tensors=[np.ones(4)], initial_peers=[first.endpoint]) for _ in range(3)]
+    peers += [cl.add_peer(cfg, tensors=[np.ones(4)], initial_peers=[peers[i % 4].endpoint], client=True)
+              for i in range(12)]
+    cl.run(until=3.0)
+    assert {p.node.grid.shape for p in peers} == {(4, 4)}

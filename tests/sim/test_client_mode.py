@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from sim import NetworkModel, SimCluster
+from zgossip.messages import Leave
 from zgossip.node import NodeConfig, StepDone
 
 NUMEL = 4096
@@ -61,3 +62,31 @@ def test_what_waits_for_a_client_that_never_connects_expires_as_in_the_zeromq_dr
     cl._transmit(server, client.endpoint, msg(2))  # the two old ones expire as a new one is queued
     assert [m.group_id for _, m in cl._backlog[(server.endpoint, client.endpoint)]] == ["%016x" % 2]
     assert cl.unreachable - before == 2
+
+
+def test_a_client_that_said_goodbye_is_not_waited_for():
+    """Two peers and a client, target 16: the small swarm closes its pool once all three joined. After
+    the client's clean goodbye, the rendezvous peer still counted it as coming (it had spoken within
+    peer_timeout), so every step of the other two waited out the whole matchmaking window (2.02 s
+    instead of 0.02 s) for peer_timeout -- as a listening peer's goodbye does not make them wait."""
+    cl = SimCluster(seed=2, network=NetworkModel(latency=0.005, bandwidth=1e8))
+    cfg = NodeConfig(prefix="cb", target_group_size=16, min_group_size=2, matchmaking_time=2.0, request_timeout=0.3,
+                     gossip_interval=0.2, peer_timeout=4.0)
+    a = cl.add_peer(cfg, tensors=[np.zeros(4)])
+    b = cl.add_peer(cfg, tensors=[np.ones(4)], initial_peers=[a.endpoint])
+    c = cl.add_peer(cfg, tensors=[np.ones(4)], initial_peers=[a.endpoint], client=True)
+    cl.run(until=2.0)
+    evs = [p.step_tensors(timeout=5.0) for p in (a, b, c)]
+    cl.run(until=cl.env.all_of(evs))
+    assert all(isinstance(e.value, StepDone) for e in evs)
+    cl.run(until=c.shutdown())
+    cl.run(until=cl.env.now + 0.3)
+    late = Leave(c.peer_id, c.endpoint, key="k", step_id="late")  # a late message of it, on another lane
+    for p in (a, b):
+        p.node.on_message(late, cl.env.now)
+    assert c.peer_id not in a.node._clients and c.peer_id not in b.node._clients
+    t0 = cl.env.now
+    evs = [p.step_tensors(timeout=5.0) for p in (a, b)]
+    cl.run(until=cl.env.all_of(evs))
+    assert all(isinstance(e.value, StepDone) for e in evs)
+    assert cl.env.now - t0 < 0.5 * cfg.matchmaking_time

@@ -81,3 +81,25 @@ def test_the_reclose_fires_at_the_deadline_the_node_reports() -> None:
         assert nxt is not None and nxt >= now
         now = max(nxt, now)
     assert closed and now == 0.5 + 0.9  # peer_timeout after the first tick that saw the send
+
+
+def test_a_peer_that_moved_to_another_endpoint_has_its_old_connection_closed() -> None:
+    """A peer restarted under its id at another address (a key file keeps the id; the port or
+    host changed): its record follows it, and the connection to the old address, which nothing
+    closed before (it reconnected to a dead address for good and kept one of the `warm_peers`
+    slots), is closed -- unless another record still names that address."""
+    from zgossip.actions import Connect
+    node = Node(pid(1), ep(1), NodeConfig(prefix="t", gossip_interval=0.5), np.random.default_rng(0))
+    node.start(0.0)
+    node.take_actions()
+    old, new = ep(2), "tcp://10.0.0.2:6666"
+    node.on_message(_gossip(2, 1), 0.1)
+    node.on_message(Gossip(pid(9), old, heartbeat=1, peers=((pid(9), old, 1, None, {}),)), 0.1)  # a namesake there
+    assert [(type(a), a.endpoint) for a in node.take_actions() if type(a) is Connect] == [(Connect, old)]
+    node.on_message(Gossip(pid(2), new, heartbeat=2, peers=((pid(2), new, 2, None, {}),)), 0.2)
+    acts = [(type(a), a.endpoint) for a in node.take_actions() if type(a) in (Connect, Disconnect)]
+    assert acts == [(Connect, new)]  # pid(9) still names the old address: its connection stays
+    node.on_message(Gossip(pid(9), "tcp://10.0.0.9:1", heartbeat=2, peers=()), 0.3)
+    acts = [(type(a), a.endpoint) for a in node.take_actions() if type(a) in (Connect, Disconnect)]
+    assert acts == [(Disconnect, old), (Connect, "tcp://10.0.0.9:1")]
+    assert node.membership.endpoint_of(pid(2)) == new and old not in node._warm

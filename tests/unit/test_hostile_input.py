@@ -165,3 +165,45 @@ def test_a_round_announced_near_the_wire_limit_is_not_adopted() -> None:
                                                                Announcement(tag, MAX_ANNOUNCED_ROUND).record()),)), 1.0)
     assert node.swarm_round() == MAX_ANNOUNCED_ROUND
     assert MAX_ANNOUNCED_ROUND + 10 ** 9 < MAX_ROUND  # room for a billion more steps
+
+
+def test_invented_peers_are_bounded_per_digest_and_in_the_table_and_each_refusal_is_counted(caplog) -> None:
+    """Without keys anyone may gossip invented peers at well-formed addresses. A digest of 4096 of
+    them (what the wire allows) was entered whole, and the table had no bound: one peer entered
+    600,000 records in 3 s (300 MB) and cost the node 80 s of CPU. Now a digest counts for at most
+    `max_digest` entries (every honest one holds no more) and the table for at most `max_peers`;
+    what is refused is counted in stats["dropped"], logged once per source."""
+    caplog.set_level(logging.INFO, logger="zgossip")
+    node = _node()
+    mem = node.membership
+    fake = lambda k, i: (f"{k:08x}{i:08x}", f"tcp://10.{k}.{i >> 8}.{i & 255}:1", 1, None, {})
+    node.on_message(Gossip(pid(2), ep(2), heartbeat=1, peers=tuple(fake(1, i) for i in range(4096))), 0.1)
+    assert len(mem.peers) == 1 + mem.max_digest and node.stats["dropped"] == 4096 - mem.max_digest  # + the sender
+    t, k = 0.1, 2
+    while len(mem.peers) < mem.max_peers:  # the liar's next digests, within its rate limit
+        t, k = t + 0.1, k + 1
+        node.on_message(Gossip(pid(2), ep(2), heartbeat=k, peers=tuple(fake(k, i) for i in range(mem.max_digest))), t)
+    dropped = node.stats["dropped"]
+    node.on_message(Gossip(pid(2), ep(2), heartbeat=k + 1, peers=tuple(fake(k + 1, i) for i in range(100))), t + 0.1)
+    node.on_message(Gossip(pid(3), ep(3), heartbeat=1, peers=((pid(3), ep(3), 1, None, {}),)), t + 0.1)  # direct
+    assert len(mem.peers) == mem.max_peers and pid(3) not in mem.peers
+    assert node.stats["dropped"] == dropped + 100 + 1 + 1  # pid(3): as the sender, and its digest's entry
+    lines = [r.getMessage() for r in caplog.records if "membership's bounds" in r.getMessage()]
+    assert len(lines) == 2, lines  # one per source
+
+
+def test_a_join_sent_to_a_client_mode_peer_is_refused_and_counted(caplog) -> None:
+    """A client-mode peer hosts no rendezvous. One that knew no peer yet failed on the empty ranking
+    of a JOIN (an IndexError the driver logged with its traceback as an internal error, at every
+    such JOIN); one that knew peers opened a pool. Now the JOIN is dropped, counted, logged once."""
+    caplog.set_level(logging.INFO, logger="zgossip")
+    me = "c1" * 8
+    node = Node(me, f"client://{me}", NodeConfig(prefix="t", gossip_interval=0.5, bandwidth=0),
+                np.random.default_rng(0), initial_peers=[ep(2)])
+    node.start(0.0)
+    node.take_actions()
+    for k, (sender, at) in enumerate([("c2" * 8, "client://" + "c2" * 8), (pid(3), ep(3)), (pid(3), ep(3))]):
+        node.on_message(Join(sender, at, key="t", step_id=f"s{k}", bandwidth=1.0, layout="L", hops=2 * k, want=2,
+                             gathers=True), 0.1 + k)
+    assert node.stats["dropped"] == 3 and not node.matchmaker.pools and _sends(node) == []
+    assert len([r for r in caplog.records if "client-mode peer" in r.getMessage()]) == 2  # once per source

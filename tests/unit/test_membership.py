@@ -175,3 +175,30 @@ def _relayed_after_a_digest(m: Membership, out) -> set:
     out.take()
     m.on_gossip(digest(2, 99), 3.1)
     return {r[0] for r in out.take()[-1][1].peers}
+
+
+def test_a_peer_restarted_under_its_id_takes_up_its_old_heartbeat_so_second_hand_news_of_it_counts():
+    """A peer restarted under the same id counts its heartbeat from 0 again, while the swarm holds
+    its last life's (here 500). Peers that hear of it only second-hand took every record of it for
+    stale news and expired it, until its heartbeat grew past 500 on its own -- as long as it had
+    lived (a 32-peer swarm, 60 s of life: a third of the peers lost it for 60 s). A digest that
+    names the node itself with a higher heartbeat tells it so: it continues from there."""
+    old_life = 500
+    me, out = make(1)
+    me.start(0.0)
+    out.take()
+    me.on_gossip(digest(2, 9, (pid(1), ep(1), old_life, None, {})), 0.1)  # a peer that knew us before
+    assert me.heartbeat > old_life
+    me.on_timer(0.5)
+    [mine] = {msg.peers[0][2] for _, msg in out.take() if isinstance(msg, M.Gossip)}
+    # a peer that knows us only second-hand (at our old heartbeat, or buried) takes this as news
+    other, _ = make(3)
+    other.start(0.0)
+    other.merge([(pid(1), ep(1), old_life, None, {})], 0.0)
+    other.merge([(pid(1), ep(1), mine, None, {})], 0.6)
+    assert other.peers[pid(1)].heartbeat == mine > old_life and other.peers[pid(1)].updated == 0.6
+    # a liar naming our id near the wire's limit cannot push our heartbeat past what a message carries
+    me.merge([(pid(1), ep(1), 1 << 62, None, {})], 0.7)
+    assert me.heartbeat == mine
+    me.on_gossip(digest(2, 10, (pid(1), ep(1), mine - 5, None, {})), 0.8)  # our own news, relayed back late
+    assert me.heartbeat == mine
