@@ -31,7 +31,7 @@ import torch
 
 from .training_state import LayoutMismatch, ModelLayout
 
-__all__ = ["FORMAT", "checkpoint_dict", "check_checkpoint", "whole_number"]
+__all__ = ["FORMAT", "checkpoint_dict", "check_checkpoint", "nonfinite_state", "whole_number"]
 
 FORMAT = 1
 _TOP = ("optimizer", "scheduler", "zgossip")
@@ -49,6 +49,21 @@ def whole_number(name: str, value: Any, least: int = 0) -> int:
     if n is None or n < least:
         raise ValueError(f"{name} must be a whole number >= {least}, not {value!r}")
     return n
+
+
+def nonfinite_state(state: Mapping, layout: ModelLayout) -> str | None:
+    """Which entry of an optimizer state dict's ``"state"`` holds a floating-point tensor with NaN or inf
+    (e.g. "'exp_avg' of tensor 0 '0.weight' ..."), or None. Training never puts one there (the wrappers
+    drop non-finite batches): it comes from a checkpoint saved after the run diverged, or a damaged one."""
+    for key, entry in state.items():
+        if not isinstance(entry, Mapping):
+            continue
+        for name, value in entry.items():
+            if (isinstance(value, torch.Tensor) and value.layout == torch.strided and value.is_floating_point()
+                    and value.numel() and not bool(torch.isfinite(value).all())):
+                where = layout.describe(key) if isinstance(key, int) and 0 <= key < len(layout.names) else repr(key)
+                return f"{str(name)!r} of {where}"
+    return None
 
 
 def checkpoint_dict(*, wrapper: str, kind: str, optimizer: torch.optim.Optimizer, scheduler: Any,
@@ -69,7 +84,7 @@ def check_checkpoint(sd: Any, *, wrapper: str, kind: str, optimizer: torch.optim
     """Check `sd` against the wrapper that is to load it; its "progress" entries, converted (ints >= 0, bools).
 
     Raises TypeError (not a dict), ValueError (missing or malformed entries; another kind of wrapper,
-    optimizer or scheduler) or `LayoutMismatch` (other parameters, or the same ones split into other
+    optimizer or scheduler; NaN/inf in the optimizer's state) or `LayoutMismatch` (other parameters, or the same ones split into other
     param groups). The wrapped optimizer's and scheduler's own checks run later, when they load."""
     if not isinstance(sd, Mapping):
         raise TypeError(f"{wrapper}.load_state_dict expects the dict {wrapper}.state_dict() returned, "
@@ -124,6 +139,10 @@ def check_checkpoint(sd: Any, *, wrapper: str, kind: str, optimizer: torch.optim
                                                for g in groups) or not isinstance(opt_sd.get("state"), Mapping):
         raise ValueError("the state dict's 'optimizer' entry is not an optimizer state dict "
                          "(expected {'state': {...}, 'param_groups': [{'params': [...], ...}, ...]})")
+    bad = nonfinite_state(opt_sd["state"], layout)
+    if bad is not None:
+        raise ValueError(f"the state dict's optimizer state {bad} holds NaN/inf: it was saved after the training "
+                         "diverged, or it is damaged. Resume from an earlier checkpoint")
     if sd["scheduler"] is not None and not isinstance(sd["scheduler"], Mapping):
         raise ValueError(f"the state dict's 'scheduler' entry must be a scheduler's state dict or None, "
                          f"not a {type(sd['scheduler']).__name__}")

@@ -62,6 +62,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from .checkpoint import nonfinite_state
 from .errors import StateUnavailable, ZGossipError
 from .progress import SwarmView, reference_digest
 from .trainer import SchedulerLike, TrainerPeer, first_nonfinite, params_digest
@@ -230,10 +231,12 @@ class DiLoCoOptimizer(TrainerPeer):
 
     def _check_outer_groups(self, outer: Any, whose: str) -> None:
         groups = outer.get("param_groups") if isinstance(outer, Mapping) else None
-        if not isinstance(groups, list) or not all(isinstance(g, Mapping) and isinstance(g.get("params"), list)
-                                                   for g in groups):
-            raise LayoutMismatch(f"{whose} state holds no outer optimizer state: every peer of a run must build "
-                                 "the same DiLoCoOptimizer")
+        # torch's load_state_dict reads "state" too: checked here, before the inner optimizer's state is written
+        if not isinstance(groups, list) or not isinstance(outer.get("state"), Mapping) or not all(
+                isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups):
+            raise LayoutMismatch(f"{whose} outer optimizer state is missing or malformed (expected {{'state': {{...}}, "
+                                 "'param_groups': [{'params': [...], ...}, ...]}): every peer of a run must build "
+                                 "the same DiLoCoOptimizer, and a checkpoint must be what its state_dict() returned")
         mine = [len(g["params"]) for g in self.outer.param_groups]
         theirs = [len(g["params"]) for g in groups]
         if mine != theirs:
@@ -270,10 +273,18 @@ class DiLoCoOptimizer(TrainerPeer):
             if not isinstance(a, torch.Tensor) or a.shape != p.shape or a.dtype != p.dtype:
                 raise ValueError(f"the state dict's anchor of {self.param_layout.describe(i)} is not a "
                                  f"{p.dtype} tensor of shape {tuple(p.shape)}")
+        bad = first_nonfinite(anchor)
+        if bad is not None:  # it would become the parameters at the next outer step, on every peer that downloads
+            raise ValueError(f"the state dict's anchor of {self.param_layout.describe(bad)} holds NaN/inf: it was "
+                             "saved after the training diverged, or it is damaged. Resume from an earlier checkpoint")
         try:
             self._check_outer_groups(d["outer"], "the state dict's")
         except LayoutMismatch as e:
             raise ValueError(str(e)) from None
+        where = nonfinite_state(d["outer"]["state"], self.param_layout)
+        if where is not None:
+            raise ValueError(f"the state dict's outer optimizer state {where} holds NaN/inf: it was saved after the "
+                             "training diverged, or it is damaged. Resume from an earlier checkpoint")
         self._loading = {"outer": d["outer"], "anchor": anchor}
 
     def _restore_progress(self, progress: dict) -> None:

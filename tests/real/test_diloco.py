@@ -357,7 +357,33 @@ def test_state_dict_round_trip_keeps_the_anchor_and_the_outer_state():
                                         "outer": ckpt["opt"]["diloco"]["outer"]})
         with pytest.raises(ValueError, match="anchor"):
             fresh.load_state_dict(bad)
-        assert fresh.local_epoch == 2
+        # the outer optimizer's state loads after the inner one's: a malformed one used to raise KeyError
+        # there, with the inner state and the epoch already replaced; NaN in the anchor or either optimizer's
+        # state (a run that diverged, or a damaged file) used to load, and the anchor becomes the parameters
+        opt_sd = ckpt["opt"]
+        nan_anchor = [a.clone() for a in opt_sd["diloco"]["anchor"]]
+        nan_anchor[2][0] = float("nan")
+        nan_outer = copy.deepcopy(opt_sd["diloco"]["outer"])
+        nan_outer["state"][1]["momentum_buffer"][0] = float("inf")
+        nan_inner = copy.deepcopy(opt_sd["optimizer"])
+        nan_inner["state"][0]["exp_avg_sq"][0, 0] = float("nan")
+        cases = [
+            (dict(opt_sd, diloco={"anchor": opt_sd["diloco"]["anchor"],
+                                  "outer": {"param_groups": opt_sd["diloco"]["outer"]["param_groups"]}}),
+             "outer optimizer state is missing or malformed"),
+            (dict(opt_sd, diloco={"anchor": nan_anchor, "outer": opt_sd["diloco"]["outer"]}),
+             r"anchor of tensor 2 '2.weight' \(shape \(2, 16\), float32\) holds NaN/inf"),
+            (dict(opt_sd, diloco={"anchor": opt_sd["diloco"]["anchor"], "outer": nan_outer}),
+             r"outer optimizer state 'momentum_buffer' of tensor 1 '0.bias' .* holds NaN/inf"),
+            (dict(opt_sd, optimizer=nan_inner), r"optimizer state 'exp_avg_sq' of tensor 0 '0.weight' .* NaN/inf"),
+        ]
+        before = copy.deepcopy((fresh.opt.state_dict(), fresh.outer.state_dict(), fresh._anchor))
+        for sd, match in cases:
+            with pytest.raises(ValueError, match=match):
+                fresh.load_state_dict(sd)
+        assert (fresh.local_epoch, fresh.steps_in_epoch, fresh.local_step) == (2, 1, 2 * H + 1)
+        after = (fresh.opt.state_dict(), fresh.outer.state_dict(), fresh._anchor)
+        torch.testing.assert_close(after, before, rtol=0, atol=0)  # nothing was written
     finally:
         opt.shutdown()
         fresh.shutdown()
