@@ -40,7 +40,8 @@ What this module owns, beyond that arithmetic:
   (the inner step is skipped; it still counts as one of the H steps, so the schedule holds) and
   counted in `nonfinite_batches`. A non-finite delta (the inner optimizer diverged) is never
   sent: this peer joins the round with a zero delta and weight ~0, so it receives the others'
-  mean; alone, or if that round fails, it skips the outer step (parameters reset to the anchor).
+  mean; alone, if that round fails, or if every member of it was in this case (a mean of nothing), it
+  skips the outer step (parameters reset to the anchor).
   The delta is checked again after the round: the averager never puts another member's NaN/inf
   into it (a member whose terms are not finite is left out of that span and keeps its own values
   there), so a non-finite value left in it is this peer's own, sent unflagged (a bug); this peer
@@ -430,7 +431,15 @@ class DiLoCoOptimizer(TrainerPeer):
                 rnd["error"] = "no other peer"
             else:
                 result = self._average(epoch, weight=_NOTHING if bad is not None else 1.0, rnd=rnd)
-            do_step = not (bad is not None and result is None)  # no finite pseudo-gradient at all: nothing to step on
+            # no finite pseudo-gradient at all: nothing to step on. That includes a round in which every member's
+            # delta was non-finite: its "mean" is of zeros, and an outer step on it would move the anchor by the outer
+            # optimizer's momentum alone. Every member of a complete round sees these weights and skips alike
+            nobody = result is not None and bad is not None and max(result.weights.values(), default=0.0) <= _NOTHING
+            if nobody:
+                log.error("%s: every member of the round of outer step %d had a NaN/inf pseudo-gradient: skipping "
+                          "the outer step", self.peer_id[:8], epoch)
+                rnd["nonfinite_everywhere"] = True
+            do_step = not (bad is not None and result is None) and not nobody
             if result is None and not alone:
                 self.in_sync = False  # others exist and this anchor is now this peer's alone: resync at the next step
             if result is not None and not result.complete:

@@ -273,6 +273,64 @@ def test_a_diverged_peer_receives_the_others_mean_and_a_peer_holding_nan_skips_i
             o.shutdown()
 
 
+def _virtual_swarm(n: int, make: Any, body: Any, seed: int = 0) -> list:
+    """`n` DiLoCo peers on the simulator's transport, each built by ``make(i, initial_peers, averager_opts)``
+    and trained by ``body(i, opt)`` in its own simulated thread (virtual time: waits cost no wall time, one
+    seed gives one run); each is shut down in its thread. The bodies' results."""
+    from sim import NetworkModel, SimCluster, SimPeer
+
+    cl = SimCluster(seed=seed, network=NetworkModel(latency=0.005))
+    out: list = [None] * n
+
+    def life(i: int) -> None:
+        ep = f"sim://peer{i}"
+        peer = SimPeer(cl, ep)
+        cl.peers[ep] = peer
+        opt = make(i, [] if i == 0 else ["sim://peer0"], {**FAST, "transport": peer, "seed": [seed, i]})
+        peer.averager = opt.averager
+        try:
+            while opt.num_peers < n:
+                opt.clock.sleep(0.05)
+            out[i] = body(i, opt)
+            opt.clock.sleep(0.5)  # the others finish their round before this peer says goodbye
+        finally:
+            opt.shutdown()
+
+    threads = [cl.spawn(life, i, name=f"trainer{i}") for i in range(n)]
+    cl.run(until=cl.env.all_of([t.done for t in threads]))
+    cl.clock.close()
+    return out
+
+
+def test_a_round_in_which_every_member_diverged_skips_the_outer_step_and_keeps_the_momentum():
+    """Every member's delta non-finite: each sent a zero delta with weight ~0, so the round's "mean" is of
+    zeros. The outer step used to be taken on it: with momentum it moved the anchor (and decayed the
+    momentum) on no pseudo-gradient at all. Now every member skips it, as a lone diverged peer does, and
+    the peers stay in sync on the unchanged anchor and outer state."""
+    models = [_model(0), _model(0)]
+
+    def make(i: int, peers: list, averager_opts: dict) -> DiLoCoOptimizer:
+        return _make(models[i], peers, outer=_nesterov, prefix="dl-allnan", averager_opts=averager_opts)
+
+    def body(i: int, opt: DiLoCoOptimizer) -> tuple:
+        g = torch.Generator().manual_seed(i)
+        _batches(models[i], opt, g, H)  # one good outer step: the outer optimizer holds momentum
+        anchor = _params(models[i])
+        momentum = [opt.outer.state[p]["momentum_buffer"].clone() for p in opt.params]
+        _batches(models[i], opt, g, H - 1)
+        with torch.no_grad():
+            next(models[i].parameters())[0, 0] = float("nan")  # the inner optimizer "diverged" on every peer
+        _batches(models[i], opt, g, 1)
+        kept = all(torch.equal(m, opt.outer.state[p]["momentum_buffer"]) for m, p in zip(momentum, opt.params))
+        return anchor, kept, dict(opt.last_round), opt.in_sync, opt.local_epoch
+
+    for i, (anchor, kept, rnd, in_sync, epoch) in enumerate(_virtual_swarm(2, make, body)):
+        assert rnd["ok"] and rnd["complete"] and rnd["nonfinite_delta"], rnd
+        assert all(torch.equal(p, a) for p, a in zip(models[i].parameters(), anchor))
+        assert kept and not rnd["outer_step"] and rnd.get("nonfinite_everywhere"), rnd
+        assert in_sync and epoch == 2
+
+
 def test_peers_started_from_different_parameters_converge_onto_one_anchor():
     """Pseudo-gradient averaging never pulls anchors together, so peers compare anchor digests: at one
     epoch the reference (here a tie: the lowest peer id's) is downloaded by the others."""
