@@ -874,8 +874,13 @@ class CollaborativeOptimizer(TrainerPeer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._offload is not None:
+            # only the model's: the gradients of the optimizer's own copies are the averaged buffers, which a
+            # delayed update on the worker sets as their .grad and clears, under the lock. Clearing them here,
+            # on the training thread, raced with it: the update then stepped on no gradient (or, with
+            # set_to_none=False, a zeroed one) and was lost, with last_round["stepped"] True
             self._offload.zero_model_grads(set_to_none)
-        super().zero_grad(set_to_none)
+        else:
+            super().zero_grad(set_to_none)
 
     def shutdown(self) -> None:
         super().shutdown()  # a round in flight fails at once (AveragerClosed), so the worker ends soon
