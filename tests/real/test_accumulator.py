@@ -190,6 +190,32 @@ def test_nan_gradients_are_dropped_and_a_skipping_peer_still_receives_the_mean()
         b.shutdown()
 
 
+def test_float16_and_bfloat16_gradients_are_summed_in_float32():
+    """320 one-sample batches of the same gradient: the reduced gradient is that gradient. The sums used
+    to accumulate in the parameters' dtype: in bfloat16 a sum stops growing at 256 times the gradient, so
+    3.0 came out 3.2; in float16 320 * 256 overflowed, and the lone peer handed p.grad = inf to the user."""
+    bf, half = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16)), torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))
+    want_bf, want_half = torch.tensor([3.0, 0.5, 1.0 / 3], dtype=torch.bfloat16), torch.tensor([256.0, 0.1], dtype=torch.float16)
+    acc = Accumulator("lowp", [bf, half], group=Group("lowp", **FAST), virtual_batch_size=320)
+    try:
+        acc.update()
+        batches = 0
+
+        def one_batch() -> None:
+            nonlocal batches
+            acc.update()
+            if acc.wants_gradients():
+                bf.grad, half.grad = want_bf.clone(), want_half.clone()
+                acc.reduce_gradients(1)
+                batches += 1
+
+        _until(acc.has_gradients, 20, "the reduced gradients", tick=one_batch)
+        assert batches == 320
+        assert torch.equal(bf.grad, want_bf) and torch.equal(half.grad, want_half)
+    finally:
+        acc.shutdown()
+
+
 def test_connect_and_misuse():
     g = Group("c")
     g.connect("127.0.0.1:5555")
