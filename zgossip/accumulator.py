@@ -637,6 +637,8 @@ class Accumulator:
             for p, g in zip(self.params, self._grads):
                 if p.grad is None:
                     p.grad = g.clone()
+                elif p.grad.layout != torch.strided:  # sparse (Embedding(sparse=True)): handed back sparse, as
+                    p.grad = g.to_sparse(p.grad.sparse_dim())  # the user's optimizer (SparseAdam) expects
                 else:
                     p.grad.copy_(g)
         self._stats["batch_size"] = total

@@ -511,6 +511,8 @@ class CollaborativeOptimizer(TrainerPeer):
                 for acc, g in zip(self._acc, grads):
                     if g is None:
                         acc.zero_()
+                    elif g.layout != torch.strided:  # a sparse gradient (Embedding(sparse=True)): added to zeros
+                        acc.zero_().add_(g, alpha=bs)
                     else:
                         acc.copy_(g).mul_(bs)  # (a float32 accumulator: the product in float32, not in g's dtype)
                 self._acc_stale = False

@@ -723,6 +723,24 @@ def test_float16_and_bfloat16_gradients_accumulate_in_float32(delay):
         assert full.item() == -0.25
 
 
+def test_sparse_gradients_accumulate():
+    """An Embedding(sparse=True): the first batch of an epoch used to be written into the accumulator with
+    torch.mul(g, bs, out=acc), which fails inside torch for a sparse g ("INTERNAL ASSERT FAILED")."""
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    before = emb.weight.detach().clone()
+    opt = CollaborativeOptimizer(torch.optim.SGD(emb.parameters(), lr=0.5), prefix="sparse", target_batch_size=4,
+                                 batch_size=2, load_state_on_start=False, averager_opts=dict(FAST))
+    with opt:
+        for rows in ([1, 2], [2, 3]):
+            emb(torch.tensor(rows)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert opt.local_epoch == 1
+        # mean gradient per sample: rows 1 and 3 got 1 in one batch of 2, row 2 in both: 2/4, 4/4, 2/4
+        step = (before - emb.weight.detach())[:, 0].tolist()
+        assert step == pytest.approx([0, 0.25, 0.5, 0.25, 0, 0, 0, 0, 0, 0], abs=1e-6)
+
+
 def test_train_demo_late_peer_builds_its_optimizer_before_saying_ready(monkeypatch):
     """`zgossip train-demo`'s late joiner pays its start-up costs before "ready", so that it joins when
     told (--late-at). The first torch optimizer of a process imports torch's compiler stack (2-3 s here),
