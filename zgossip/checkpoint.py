@@ -31,7 +31,7 @@ import torch
 
 from .training_state import LayoutMismatch, ModelLayout
 
-__all__ = ["FORMAT", "checkpoint_dict", "check_checkpoint", "nonfinite_state", "whole_number"]
+__all__ = ["FORMAT", "checkpoint_dict", "check_checkpoint", "check_state_keys", "nonfinite_state", "whole_number"]
 
 FORMAT = 1
 _TOP = ("optimizer", "scheduler", "zgossip")
@@ -64,6 +64,23 @@ def nonfinite_state(state: Mapping, layout: ModelLayout) -> str | None:
                 where = layout.describe(key) if isinstance(key, int) and 0 <= key < len(layout.names) else repr(key)
                 return f"{str(name)!r} of {where}"
     return None
+
+
+def check_state_keys(opt_sd: Mapping, whose: str) -> None:
+    """ValueError if an optimizer state dict (its "state" a Mapping, its "param_groups" a list of dicts with
+    "params" lists) holds state under an id that no param group lists. torch maps the state to the
+    parameters through those ids and keeps the others unused: the optimizer would silently start those
+    parameters' state afresh (e.g. int keys turned into strings by a trip through JSON)."""
+    try:
+        ids = {i for g in opt_sd["param_groups"] for i in g["params"]}
+        strays = [k for k in opt_sd["state"] if k not in ids]
+    except TypeError:
+        strays = ["an unhashable id"]
+    if strays:
+        raise ValueError(f"{whose} state has entries for {', '.join(map(repr, strays[:3]))}, which no param group "
+                         "lists: they would be ignored, and the optimizer would start those parameters' state afresh "
+                         "(keys converted on the way, e.g. ints to strings through JSON?). Pass what state_dict() "
+                         "returned")
 
 
 def checkpoint_dict(*, wrapper: str, kind: str, optimizer: torch.optim.Optimizer, scheduler: Any,
@@ -139,6 +156,7 @@ def check_checkpoint(sd: Any, *, wrapper: str, kind: str, optimizer: torch.optim
                                                for g in groups) or not isinstance(opt_sd.get("state"), Mapping):
         raise ValueError("the state dict's 'optimizer' entry is not an optimizer state dict "
                          "(expected {'state': {...}, 'param_groups': [{'params': [...], ...}, ...]})")
+    check_state_keys(opt_sd, "the state dict's optimizer")
     bad = nonfinite_state(opt_sd["state"], layout)
     if bad is not None:
         raise ValueError(f"the state dict's optimizer state {bad} holds NaN/inf: it was saved after the training "

@@ -63,7 +63,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from .checkpoint import nonfinite_state
+from .checkpoint import check_state_keys, nonfinite_state
 from .errors import StateUnavailable, ZGossipError
 from .progress import SwarmView, reference_digest
 from .trainer import SchedulerLike, TrainerPeer, first_nonfinite, params_digest
@@ -282,6 +282,7 @@ class DiLoCoOptimizer(TrainerPeer):
             self._check_outer_groups(d["outer"], "the state dict's")
         except LayoutMismatch as e:
             raise ValueError(str(e)) from None
+        check_state_keys(d["outer"], "the state dict's outer optimizer")
         where = nonfinite_state(d["outer"]["state"], self.param_layout)
         if where is not None:
             raise ValueError(f"the state dict's outer optimizer state {where} holds NaN/inf: it was saved after the "

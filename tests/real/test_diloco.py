@@ -434,6 +434,9 @@ def test_state_dict_round_trip_keeps_the_anchor_and_the_outer_state():
             (dict(opt_sd, diloco={"anchor": opt_sd["diloco"]["anchor"], "outer": nan_outer}),
              r"outer optimizer state 'momentum_buffer' of tensor 1 '0.bias' .* holds NaN/inf"),
             (dict(opt_sd, optimizer=nan_inner), r"optimizer state 'exp_avg_sq' of tensor 0 '0.weight' .* NaN/inf"),
+            (dict(opt_sd, diloco={"anchor": opt_sd["diloco"]["anchor"], "outer": {
+                **opt_sd["diloco"]["outer"], "state": {str(k): v for k, v in opt_sd["diloco"]["outer"]["state"].items()}}}),
+             "outer optimizer state has entries for '0', '1', '2', which no param group lists"),
         ]
         before = copy.deepcopy((fresh.opt.state_dict(), fresh.outer.state_dict(), fresh._anchor))
         for sd, match in cases:
