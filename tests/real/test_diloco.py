@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.harness import virtual_swarm
 from zgossip.optim import DiLoCoOptimizer
 
 FAST = dict(gossip_interval=0.05, peer_timeout=2.0, request_timeout=0.3, part_timeout=2.0)
@@ -273,35 +274,6 @@ def test_a_diverged_peer_receives_the_others_mean_and_a_peer_holding_nan_skips_i
             o.shutdown()
 
 
-def _virtual_swarm(n: int, make: Any, body: Any, seed: int = 0) -> list:
-    """`n` DiLoCo peers on the simulator's transport, each built by ``make(i, initial_peers, averager_opts)``
-    and trained by ``body(i, opt)`` in its own simulated thread (virtual time: waits cost no wall time, one
-    seed gives one run); each is shut down in its thread. The bodies' results."""
-    from sim import NetworkModel, SimCluster, SimPeer
-
-    cl = SimCluster(seed=seed, network=NetworkModel(latency=0.005))
-    out: list = [None] * n
-
-    def life(i: int) -> None:
-        ep = f"sim://peer{i}"
-        peer = SimPeer(cl, ep)
-        cl.peers[ep] = peer
-        opt = make(i, [] if i == 0 else ["sim://peer0"], {**FAST, "transport": peer, "seed": [seed, i]})
-        peer.averager = opt.averager
-        try:
-            while opt.num_peers < n:
-                opt.clock.sleep(0.05)
-            out[i] = body(i, opt)
-            opt.clock.sleep(0.5)  # the others finish their round before this peer says goodbye
-        finally:
-            opt.shutdown()
-
-    threads = [cl.spawn(life, i, name=f"trainer{i}") for i in range(n)]
-    cl.run(until=cl.env.all_of([t.done for t in threads]))
-    cl.clock.close()
-    return out
-
-
 def test_a_round_in_which_every_member_diverged_skips_the_outer_step_and_keeps_the_momentum():
     """Every member's delta non-finite: each sent a zero delta with weight ~0, so the round's "mean" is of
     zeros. The outer step used to be taken on it: with momentum it moved the anchor (and decayed the
@@ -313,6 +285,15 @@ def test_a_round_in_which_every_member_diverged_skips_the_outer_step_and_keeps_t
         return _make(models[i], peers, outer=_nesterov, prefix="dl-allnan", averager_opts=averager_opts)
 
     def body(i: int, opt: DiLoCoOptimizer) -> tuple:
+        try:
+            while opt.num_peers < 2:
+                opt.clock.sleep(0.05)
+            return train(i, opt)
+        finally:
+            opt.clock.sleep(0.5)  # the other peer finishes its round before this one says goodbye
+            opt.shutdown()
+
+    def train(i: int, opt: DiLoCoOptimizer) -> tuple:
         g = torch.Generator().manual_seed(i)
         _batches(models[i], opt, g, H)  # one good outer step: the outer optimizer holds momentum
         anchor = _params(models[i])
@@ -324,7 +305,8 @@ def test_a_round_in_which_every_member_diverged_skips_the_outer_step_and_keeps_t
         kept = all(torch.equal(m, opt.outer.state[p]["momentum_buffer"]) for m, p in zip(momentum, opt.params))
         return anchor, kept, dict(opt.last_round), opt.in_sync, opt.local_epoch
 
-    for i, (anchor, kept, rnd, in_sync, epoch) in enumerate(_virtual_swarm(2, make, body)):
+    _, out = virtual_swarm(2, make, body, fast=FAST)
+    for i, (anchor, kept, rnd, in_sync, epoch) in enumerate(out):
         assert rnd["ok"] and rnd["complete"] and rnd["nonfinite_delta"], rnd
         assert all(torch.equal(p, a) for p, a in zip(models[i].parameters(), anchor))
         assert kept and not rnd["outer_step"] and rnd.get("nonfinite_everywhere"), rnd
