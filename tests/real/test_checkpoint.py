@@ -275,6 +275,11 @@ def test_bad_state_dicts_are_refused_with_clear_errors_and_change_nothing():
         for opt, sd, error, match in cases:
             with pytest.raises(error, match=match):
                 opt.load_state_dict(sd)
+        # used to fail deep in a wait, if at all (TypeError on '>', OverflowError for inf, a RoundTimeout
+        # "after nans" for NaN), and only with a delayed update in flight
+        for timeout in ("5", -1.0, float("nan"), float("inf"), True):
+            with pytest.raises(ValueError, match="timeout must be None .* or a finite number of seconds >= 0"):
+                sgd.load_state_dict(good, timeout=timeout)
         for opt in others:  # nothing was written
             assert opt.local_epoch == 0 and (opt.scheduler is None or opt.scheduler.last_epoch == 0)
         after = _save(model, sgd)["opt"]
