@@ -174,6 +174,11 @@ class Accumulator:
         self._phase = _Phase.NEW
         self._averager: ServingAverager | None = None
         self._grads: list[torch.Tensor] = [torch.zeros(p.shape, dtype=p.dtype) for p in self.params]
+        # the batches' sums: in the averaged tensors themselves, but in float32 for float16/bfloat16 parameters
+        # (a bfloat16 sum stops growing at 256 times a batch's gradient, 2**8; a float16 one overflows past
+        # 65504): a round starts from their mean, rounded to the parameters' dtype once
+        self._sums: list[torch.Tensor] = [torch.zeros(g.shape, dtype=torch.float32)
+                                          if g.dtype in (torch.float16, torch.bfloat16) else g for g in self._grads]
         self._samples = 0
         self._rate = 0.0
         self._last_reduce: float | None = None
@@ -297,7 +302,7 @@ class Accumulator:
                         self.peer_id[:8], self.layout.describe(bad), batch_size)
         else:
             with torch.no_grad(), self._averager.get_tensors():
-                for acc, g in zip(self._grads, grads):
+                for acc, g in zip(self._sums, grads):
                     if g is not None:
                         acc.add_(g, alpha=float(batch_size))
             self._samples += int(batch_size)
@@ -508,8 +513,10 @@ class Accumulator:
     # ------------------------------------------------------------------ gradient rounds
     def _reset_accumulation(self) -> None:
         with torch.no_grad(), self._averager.get_tensors():
-            for g in self._grads:
+            for g, acc in zip(self._grads, self._sums):
                 g.zero_()
+                if acc is not g:
+                    acc.zero_()
         self._samples = 0
         self._skipped = False
 
@@ -542,8 +549,10 @@ class Accumulator:
         ready = [p for p in view.peers if p.ready]
         n = self._samples
         with torch.no_grad(), self._averager.get_tensors():
-            if n > 0:
-                for g in self._grads:
+            for g, acc in zip(self._grads, self._sums):
+                if acc is not g:  # a float32 sum: its mean, rounded once (the sum stays for a round that fails)
+                    torch.div(acc, max(n, 1), out=g)
+                elif n > 0:
                     g.div_(n)
         self._round_meta = {"version": self._version, "samples": n, "t0": self.clock.now(),
                             "expected": len(ready)}
@@ -613,8 +622,9 @@ class Accumulator:
         self._next_round = self.clock.now() + self._gossip
         if keep > 0:
             with torch.no_grad(), self._averager.get_tensors():
-                for g in self._grads:
-                    g.mul_(keep)  # back to the sum of batch gradients (the round started from their mean)
+                for g, acc in zip(self._grads, self._sums):
+                    if acc is g:
+                        g.mul_(keep)  # back to the sum of batch gradients (the round started from their mean)
             log.warning("%s: the round for version %d %s; no update: the %d samples wait for the next round",
                         self.peer_id[:8], version, what, keep)
         else:
@@ -627,6 +637,8 @@ class Accumulator:
             for p, g in zip(self.params, self._grads):
                 if p.grad is None:
                     p.grad = g.clone()
+                elif p.grad.layout != torch.strided:  # sparse (Embedding(sparse=True)): handed back sparse, as
+                    p.grad = g.to_sparse(p.grad.sparse_dim())  # the user's optimizer (SparseAdam) expects
                 else:
                     p.grad.copy_(g)
         self._stats["batch_size"] = total

@@ -311,7 +311,14 @@ class Averager:
         self._codec = self.layout.codec_map(self._residual)
         if state_compression is not None:  # a bad spec fails here, not when serving
             if type(self).get_current_state is Averager.get_current_state:
-                codecs.resolve(state_compression, self.layout.shapes, self.layout.dtypes)
+                ids = codecs.resolve(state_compression, self.layout.shapes, self.layout.dtypes)
+                lossy = [i for i in bf16 if ids[i] == codecs.INT8]
+                if lossy:
+                    # int8 decodes to float32 values a bfloat16 cannot hold, which `set_tensors` refuses (they
+                    # look like a float32 peer's state): every download from this peer would fail
+                    raise ValueError(f"state_compression int8 for bfloat16 tensor(s) {lossy}: a newcomer would refuse "
+                                     "the values it decodes (a bfloat16 cannot hold them exactly). Use bf16 (the "
+                                     "default for bfloat16 tensors: exact, half the bytes of float32) or fp16")
             elif isinstance(state_compression, str):
                 codecs.check_name(state_compression)
             elif isinstance(state_compression, (list, tuple)):

@@ -31,7 +31,7 @@ import torch
 
 from .training_state import LayoutMismatch, ModelLayout
 
-__all__ = ["FORMAT", "checkpoint_dict", "check_checkpoint", "whole_number"]
+__all__ = ["FORMAT", "checkpoint_dict", "check_checkpoint", "check_state_keys", "nonfinite_state", "whole_number"]
 
 FORMAT = 1
 _TOP = ("optimizer", "scheduler", "zgossip")
@@ -49,6 +49,38 @@ def whole_number(name: str, value: Any, least: int = 0) -> int:
     if n is None or n < least:
         raise ValueError(f"{name} must be a whole number >= {least}, not {value!r}")
     return n
+
+
+def nonfinite_state(state: Mapping, layout: ModelLayout) -> str | None:
+    """Which entry of an optimizer state dict's ``"state"`` holds a floating-point tensor with NaN or inf
+    (e.g. "'exp_avg' of tensor 0 '0.weight' ..."), or None. Training never puts one there (the wrappers
+    drop non-finite batches): it comes from a checkpoint saved after the run diverged, or a damaged one."""
+    for key, entry in state.items():
+        if not isinstance(entry, Mapping):
+            continue
+        for name, value in entry.items():
+            if (isinstance(value, torch.Tensor) and value.layout == torch.strided and value.is_floating_point()
+                    and value.numel() and not bool(torch.isfinite(value).all())):
+                where = layout.describe(key) if isinstance(key, int) and 0 <= key < len(layout.names) else repr(key)
+                return f"{str(name)!r} of {where}"
+    return None
+
+
+def check_state_keys(opt_sd: Mapping, whose: str) -> None:
+    """ValueError if an optimizer state dict (its "state" a Mapping, its "param_groups" a list of dicts with
+    "params" lists) holds state under an id that no param group lists. torch maps the state to the
+    parameters through those ids and keeps the others unused: the optimizer would silently start those
+    parameters' state afresh (e.g. int keys turned into strings by a trip through JSON)."""
+    try:
+        ids = {i for g in opt_sd["param_groups"] for i in g["params"]}
+        strays = [k for k in opt_sd["state"] if k not in ids]
+    except TypeError:
+        strays = ["an unhashable id"]
+    if strays:
+        raise ValueError(f"{whose} state has entries for {', '.join(map(repr, strays[:3]))}, which no param group "
+                         "lists: they would be ignored, and the optimizer would start those parameters' state afresh "
+                         "(keys converted on the way, e.g. ints to strings through JSON?). Pass what state_dict() "
+                         "returned")
 
 
 def checkpoint_dict(*, wrapper: str, kind: str, optimizer: torch.optim.Optimizer, scheduler: Any,
@@ -69,7 +101,7 @@ def check_checkpoint(sd: Any, *, wrapper: str, kind: str, optimizer: torch.optim
     """Check `sd` against the wrapper that is to load it; its "progress" entries, converted (ints >= 0, bools).
 
     Raises TypeError (not a dict), ValueError (missing or malformed entries; another kind of wrapper,
-    optimizer or scheduler) or `LayoutMismatch` (other parameters, or the same ones split into other
+    optimizer or scheduler; NaN/inf in the optimizer's state) or `LayoutMismatch` (other parameters, or the same ones split into other
     param groups). The wrapped optimizer's and scheduler's own checks run later, when they load."""
     if not isinstance(sd, Mapping):
         raise TypeError(f"{wrapper}.load_state_dict expects the dict {wrapper}.state_dict() returned, "
@@ -124,6 +156,11 @@ def check_checkpoint(sd: Any, *, wrapper: str, kind: str, optimizer: torch.optim
                                                for g in groups) or not isinstance(opt_sd.get("state"), Mapping):
         raise ValueError("the state dict's 'optimizer' entry is not an optimizer state dict "
                          "(expected {'state': {...}, 'param_groups': [{'params': [...], ...}, ...]})")
+    check_state_keys(opt_sd, "the state dict's optimizer")
+    bad = nonfinite_state(opt_sd["state"], layout)
+    if bad is not None:
+        raise ValueError(f"the state dict's optimizer state {bad} holds NaN/inf: it was saved after the training "
+                         "diverged, or it is damaged. Resume from an earlier checkpoint")
     if sd["scheduler"] is not None and not isinstance(sd["scheduler"], Mapping):
         raise ValueError(f"the state dict's 'scheduler' entry must be a scheduler's state dict or None, "
                          f"not a {type(sd['scheduler']).__name__}")

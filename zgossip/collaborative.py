@@ -224,8 +224,12 @@ class CollaborativeOptimizer(TrainerPeer):
         self._param_digest = params_digest(self.params, self.local_epoch)  # published from the first record on
         self._grads = [torch.zeros(p.shape, dtype=p.dtype) for p in self.params]
         # the gradients accumulate where the round averages them, unless a delayed round may still be
-        # averaging the previous epoch's while this one's accumulate
-        self._acc = [torch.zeros_like(g) for g in self._grads] if self.delay_optimizer_step else self._grads
+        # averaging the previous epoch's while this one's accumulate, or the parameters are float16/bfloat16:
+        # their sums accumulate in float32 (in bfloat16 a sum stops growing once it is 256 times the batch's
+        # gradient, 2**8: the mean of 512 equal gradients came out halved; in float16 a sum of finite
+        # gradients overflows to inf past 65504), and the epoch's mean is rounded to their dtype once
+        self._acc = [torch.zeros(g.shape, dtype=torch.float32) if g.dtype in (torch.float16, torch.bfloat16)
+                     else torch.zeros_like(g) if self.delay_optimizer_step else g for g in self._grads]
         return self._grads, list(self.param_names)
 
     def _model_tensors(self) -> list[torch.Tensor]:
@@ -507,8 +511,10 @@ class CollaborativeOptimizer(TrainerPeer):
                 for acc, g in zip(self._acc, grads):
                     if g is None:
                         acc.zero_()
+                    elif g.layout != torch.strided:  # a sparse gradient (Embedding(sparse=True)): added to zeros
+                        acc.zero_().add_(g, alpha=bs)
                     else:
-                        torch.mul(g, bs, out=acc)
+                        acc.copy_(g).mul_(bs)  # (a float32 accumulator: the product in float32, not in g's dtype)
                 self._acc_stale = False
             else:
                 for acc, g in zip(self._acc, grads):
@@ -565,9 +571,12 @@ class CollaborativeOptimizer(TrainerPeer):
                 for g in self._grads:
                     g.zero_()
                 self._acc_stale = False
-            if n > 0:
-                for g in self._grads:
-                    g.div_(n)
+            else:
+                for g, acc in zip(self._grads, self._acc):
+                    if acc is not g:  # a float32 sum of float16/bfloat16 gradients: the mean, rounded once
+                        torch.div(acc, max(n, 1), out=g)
+                    elif n > 0:
+                        g.div_(n)
         # every live peer of the run is expected, not only those whose record shows this epoch: right
         # after an epoch ends, records still show the previous one for a gossip delay, and a fast peer
         # that "found itself alone" then would step without the others and drift away
@@ -874,8 +883,13 @@ class CollaborativeOptimizer(TrainerPeer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._offload is not None:
+            # only the model's: the gradients of the optimizer's own copies are the averaged buffers, which a
+            # delayed update on the worker sets as their .grad and clears, under the lock. Clearing them here,
+            # on the training thread, raced with it: the update then stepped on no gradient (or, with
+            # set_to_none=False, a zeroed one) and was lost, with last_round["stepped"] True
             self._offload.zero_model_grads(set_to_none)
-        super().zero_grad(set_to_none)
+        else:
+            super().zero_grad(set_to_none)
 
     def shutdown(self) -> None:
         super().shutdown()  # a round in flight fails at once (AveragerClosed), so the worker ends soon

@@ -40,7 +40,8 @@ What this module owns, beyond that arithmetic:
   (the inner step is skipped; it still counts as one of the H steps, so the schedule holds) and
   counted in `nonfinite_batches`. A non-finite delta (the inner optimizer diverged) is never
   sent: this peer joins the round with a zero delta and weight ~0, so it receives the others'
-  mean; alone, or if that round fails, it skips the outer step (parameters reset to the anchor).
+  mean; alone, if that round fails, or if every member of it was in this case (a mean of nothing), it
+  skips the outer step (parameters reset to the anchor).
   The delta is checked again after the round: the averager never puts another member's NaN/inf
   into it (a member whose terms are not finite is left out of that span and keeps its own values
   there), so a non-finite value left in it is this peer's own, sent unflagged (a bug); this peer
@@ -62,6 +63,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from .checkpoint import check_state_keys, nonfinite_state
 from .errors import StateUnavailable, ZGossipError
 from .progress import SwarmView, reference_digest
 from .trainer import SchedulerLike, TrainerPeer, first_nonfinite, params_digest
@@ -230,10 +232,12 @@ class DiLoCoOptimizer(TrainerPeer):
 
     def _check_outer_groups(self, outer: Any, whose: str) -> None:
         groups = outer.get("param_groups") if isinstance(outer, Mapping) else None
-        if not isinstance(groups, list) or not all(isinstance(g, Mapping) and isinstance(g.get("params"), list)
-                                                   for g in groups):
-            raise LayoutMismatch(f"{whose} state holds no outer optimizer state: every peer of a run must build "
-                                 "the same DiLoCoOptimizer")
+        # torch's load_state_dict reads "state" too: checked here, before the inner optimizer's state is written
+        if not isinstance(groups, list) or not isinstance(outer.get("state"), Mapping) or not all(
+                isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups):
+            raise LayoutMismatch(f"{whose} outer optimizer state is missing or malformed (expected {{'state': {{...}}, "
+                                 "'param_groups': [{'params': [...], ...}, ...]}): every peer of a run must build "
+                                 "the same DiLoCoOptimizer, and a checkpoint must be what its state_dict() returned")
         mine = [len(g["params"]) for g in self.outer.param_groups]
         theirs = [len(g["params"]) for g in groups]
         if mine != theirs:
@@ -270,10 +274,19 @@ class DiLoCoOptimizer(TrainerPeer):
             if not isinstance(a, torch.Tensor) or a.shape != p.shape or a.dtype != p.dtype:
                 raise ValueError(f"the state dict's anchor of {self.param_layout.describe(i)} is not a "
                                  f"{p.dtype} tensor of shape {tuple(p.shape)}")
+        bad = first_nonfinite(anchor)
+        if bad is not None:  # it would become the parameters at the next outer step, on every peer that downloads
+            raise ValueError(f"the state dict's anchor of {self.param_layout.describe(bad)} holds NaN/inf: it was "
+                             "saved after the training diverged, or it is damaged. Resume from an earlier checkpoint")
         try:
             self._check_outer_groups(d["outer"], "the state dict's")
         except LayoutMismatch as e:
             raise ValueError(str(e)) from None
+        check_state_keys(d["outer"], "the state dict's outer optimizer")
+        where = nonfinite_state(d["outer"]["state"], self.param_layout)
+        if where is not None:
+            raise ValueError(f"the state dict's outer optimizer state {where} holds NaN/inf: it was saved after the "
+                             "training diverged, or it is damaged. Resume from an earlier checkpoint")
         self._loading = {"outer": d["outer"], "anchor": anchor}
 
     def _restore_progress(self, progress: dict) -> None:
@@ -419,7 +432,15 @@ class DiLoCoOptimizer(TrainerPeer):
                 rnd["error"] = "no other peer"
             else:
                 result = self._average(epoch, weight=_NOTHING if bad is not None else 1.0, rnd=rnd)
-            do_step = not (bad is not None and result is None)  # no finite pseudo-gradient at all: nothing to step on
+            # no finite pseudo-gradient at all: nothing to step on. That includes a round in which every member's
+            # delta was non-finite: its "mean" is of zeros, and an outer step on it would move the anchor by the outer
+            # optimizer's momentum alone. Every member of a complete round sees these weights and skips alike
+            nobody = result is not None and bad is not None and max(result.weights.values(), default=0.0) <= _NOTHING
+            if nobody:
+                log.error("%s: every member of the round of outer step %d had a NaN/inf pseudo-gradient: skipping "
+                          "the outer step", self.peer_id[:8], epoch)
+                rnd["nonfinite_everywhere"] = True
+            do_step = not (bad is not None and result is None) and not nobody
             if result is None and not alone:
                 self.in_sync = False  # others exist and this anchor is now this peer's alone: resync at the next step
             if result is not None and not result.complete:

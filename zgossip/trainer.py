@@ -242,6 +242,10 @@ class TrainerPeer:
         is settled first as the wrapper documents (``timeout`` bounds that wait). Load the model's own
         ``state_dict()`` too, before or after this."""
         self._raise_if_closed()
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not 0 <= timeout < math.inf):
+            raise ValueError(f"timeout must be None (the wrapper's own bound) or a finite number of seconds >= 0, "
+                             f"not {timeout!r}: every wait here has a bound")
         progress = check_checkpoint(state_dict, wrapper=type(self).__name__, kind=self.kind, optimizer=self.opt,
                                     scheduler=self.scheduler, layout=self.param_layout,
                                     progress_keys=self._PROGRESS_KEYS)

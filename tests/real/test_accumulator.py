@@ -190,6 +190,56 @@ def test_nan_gradients_are_dropped_and_a_skipping_peer_still_receives_the_mean()
         b.shutdown()
 
 
+def test_float16_and_bfloat16_gradients_are_summed_in_float32():
+    """320 one-sample batches of the same gradient: the reduced gradient is that gradient. The sums used
+    to accumulate in the parameters' dtype: in bfloat16 a sum stops growing at 256 times the gradient, so
+    3.0 came out 3.2; in float16 320 * 256 overflowed, and the lone peer handed p.grad = inf to the user."""
+    bf, half = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16)), torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))
+    want_bf, want_half = torch.tensor([3.0, 0.5, 1.0 / 3], dtype=torch.bfloat16), torch.tensor([256.0, 0.1], dtype=torch.float16)
+    acc = Accumulator("lowp", [bf, half], group=Group("lowp", **FAST), virtual_batch_size=320)
+    try:
+        batches, deadline = 0, time.monotonic() + 20
+        while not acc.has_gradients():
+            assert time.monotonic() < deadline, "timed out waiting for the reduced gradients"
+            acc.update()
+            if acc.wants_gradients():
+                bf.grad, half.grad = want_bf.clone(), want_half.clone()
+                acc.reduce_gradients(1)
+                batches += 1
+            else:
+                time.sleep(0.005)
+        assert batches == 320
+        assert torch.equal(bf.grad, want_bf) and torch.equal(half.grad, want_half)
+    finally:
+        acc.shutdown()
+
+
+def test_sparse_gradients_are_reduced_and_handed_back_sparse():
+    """An Embedding(sparse=True) gives sparse gradients: handing back the reduced (dense) gradient raised
+    "copy_() between dense and sparse Tensors is not implemented". It is handed back sparse, so SparseAdam,
+    the optimizer such gradients are meant for, steps on it."""
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    before = emb.weight.detach().clone()
+    acc = Accumulator("sparse", emb.parameters(), group=Group("sparse", **FAST), virtual_batch_size=4)
+    try:
+        acc.update()
+
+        def one_batch() -> None:
+            acc.update()
+            if acc.wants_gradients():
+                emb(torch.tensor([1, 2])).sum().backward()
+                acc.reduce_gradients(2)
+
+        _until(acc.has_gradients, 10, "the reduced gradients", tick=one_batch)
+        grad = emb.weight.grad
+        assert grad.is_sparse and torch.equal(grad.to_dense()[1:3], torch.ones(2, 3)) and grad.to_dense().sum() == 6
+        torch.optim.SparseAdam(emb.parameters(), lr=0.1).step()
+        moved = (emb.weight.detach() != before).any(dim=1)
+        assert moved.tolist() == [i in (1, 2) for i in range(10)]
+    finally:
+        acc.shutdown()
+
+
 def test_connect_and_misuse():
     g = Group("c")
     g.connect("127.0.0.1:5555")

@@ -263,10 +263,23 @@ def test_bad_state_dicts_are_refused_with_clear_errors_and_change_nothing():
                                           "float32 at the checkpoint"),
             (split, good, LayoutMismatch, r"param groups hold \[4\] tensors, this optimizer's \[2, 2\]"),
             (stats, plain.state_dict(), ValueError, "no statistic 'momentum_buffer'"),
+            # keys turned into strings (a trip through JSON): torch would keep them unused and start the
+            # momentum afresh, silently
+            (sgd, {**good, "optimizer": {**good["optimizer"], "state": {
+                str(k): v for k, v in good["optimizer"]["state"].items()}}}, ValueError,
+             r"optimizer state has entries for '0', '1', '2', which no param group lists"),
+            (sgd, {**good, "optimizer": {**good["optimizer"], "state": {
+                **good["optimizer"]["state"], 0: {"momentum_buffer": torch.full((16, 8), float("nan"))}}}},
+             ValueError, r"optimizer state 'momentum_buffer' of tensor 0 '#0' \(shape \(16, 8\), float32\) holds NaN/inf"),
         ]
         for opt, sd, error, match in cases:
             with pytest.raises(error, match=match):
                 opt.load_state_dict(sd)
+        # used to fail deep in a wait, if at all (TypeError on '>', OverflowError for inf, a RoundTimeout
+        # "after nans" for NaN), and only with a delayed update in flight
+        for timeout in ("5", -1.0, float("nan"), float("inf"), True):
+            with pytest.raises(ValueError, match="timeout must be None .* or a finite number of seconds >= 0"):
+                sgd.load_state_dict(good, timeout=timeout)
         for opt in others:  # nothing was written
             assert opt.local_epoch == 0 and (opt.scheduler is None or opt.scheduler.last_epoch == 0)
         after = _save(model, sgd)["opt"]

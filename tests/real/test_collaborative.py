@@ -699,6 +699,48 @@ def test_an_optimizer_step_that_raises_drops_the_epoch_instead_of_mis_weighting_
         assert p.item() == -10.0 and opt.local_epoch == 1 and opt.last_round["local_samples"] == 4
 
 
+@pytest.mark.parametrize("delay", [False, True], ids=["synchronous", "delay_optimizer_step"])
+def test_float16_and_bfloat16_gradients_accumulate_in_float32(delay):
+    """A lone peer, 320 batches of one sample with the same gradient: the epoch's mean is that gradient.
+    The sums used to accumulate in the parameters' dtype: in bfloat16 a sum stops growing at 256 times the
+    gradient (2**8), so the mean came out too small (3 -> 2.4); in float16 320 * 256 overflowed to inf."""
+    bf, half = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16)), torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))
+    full = torch.nn.Parameter(torch.zeros(1))
+    opt = CollaborativeOptimizer(torch.optim.SGD([bf, half, full], lr=1.0), prefix="lowp", target_batch_size=320,
+                                 batch_size=1, delay_optimizer_step=delay, load_state_on_start=False,
+                                 averager_opts=dict(FAST))
+    with opt:
+        for _ in range(320):
+            bf.grad = torch.tensor([3.0, 0.5, 1.0 / 3], dtype=torch.bfloat16)
+            half.grad = torch.tensor([256.0, 0.1], dtype=torch.float16)
+            full.grad = torch.tensor([0.25])
+            opt.step()
+            opt.zero_grad()
+        opt.apply_pending(wait=True, timeout=10)
+        assert opt.local_epoch == 1
+        assert torch.equal(bf.detach(), -torch.tensor([3.0, 0.5, 1.0 / 3], dtype=torch.bfloat16))
+        assert torch.equal(half.detach(), -torch.tensor([256.0, 0.1], dtype=torch.float16))
+        assert full.item() == -0.25
+
+
+def test_sparse_gradients_accumulate():
+    """An Embedding(sparse=True): the first batch of an epoch used to be written into the accumulator with
+    torch.mul(g, bs, out=acc), which fails inside torch for a sparse g ("INTERNAL ASSERT FAILED")."""
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    before = emb.weight.detach().clone()
+    opt = CollaborativeOptimizer(torch.optim.SGD(emb.parameters(), lr=0.5), prefix="sparse", target_batch_size=4,
+                                 batch_size=2, load_state_on_start=False, averager_opts=dict(FAST))
+    with opt:
+        for rows in ([1, 2], [2, 3]):
+            emb(torch.tensor(rows)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert opt.local_epoch == 1
+        # mean gradient per sample: rows 1 and 3 got 1 in one batch of 2, row 2 in both: 2/4, 4/4, 2/4
+        step = (before - emb.weight.detach())[:, 0].tolist()
+        assert step == pytest.approx([0, 0.25, 0.5, 0.25, 0, 0, 0, 0, 0, 0], abs=1e-6)
+
+
 def test_train_demo_late_peer_builds_its_optimizer_before_saying_ready(monkeypatch):
     """`zgossip train-demo`'s late joiner pays its start-up costs before "ready", so that it joins when
     told (--late-at). The first torch optimizer of a process imports torch's compiler stack (2-3 s here),

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.harness import virtual_swarm
 from zgossip.optim import DiLoCoOptimizer
 
 FAST = dict(gossip_interval=0.05, peer_timeout=2.0, request_timeout=0.3, part_timeout=2.0)
@@ -273,6 +274,45 @@ def test_a_diverged_peer_receives_the_others_mean_and_a_peer_holding_nan_skips_i
             o.shutdown()
 
 
+def test_a_round_in_which_every_member_diverged_skips_the_outer_step_and_keeps_the_momentum():
+    """Every member's delta non-finite: each sent a zero delta with weight ~0, so the round's "mean" is of
+    zeros. The outer step used to be taken on it: with momentum it moved the anchor (and decayed the
+    momentum) on no pseudo-gradient at all. Now every member skips it, as a lone diverged peer does, and
+    the peers stay in sync on the unchanged anchor and outer state."""
+    models = [_model(0), _model(0)]
+
+    def make(i: int, peers: list, averager_opts: dict) -> DiLoCoOptimizer:
+        return _make(models[i], peers, outer=_nesterov, prefix="dl-allnan", averager_opts=averager_opts)
+
+    def body(i: int, opt: DiLoCoOptimizer) -> tuple:
+        try:
+            while opt.num_peers < 2:
+                opt.clock.sleep(0.05)
+            return train(i, opt)
+        finally:
+            opt.clock.sleep(0.5)  # the other peer finishes its round before this one says goodbye
+            opt.shutdown()
+
+    def train(i: int, opt: DiLoCoOptimizer) -> tuple:
+        g = torch.Generator().manual_seed(i)
+        _batches(models[i], opt, g, H)  # one good outer step: the outer optimizer holds momentum
+        anchor = _params(models[i])
+        momentum = [opt.outer.state[p]["momentum_buffer"].clone() for p in opt.params]
+        _batches(models[i], opt, g, H - 1)
+        with torch.no_grad():
+            next(models[i].parameters())[0, 0] = float("nan")  # the inner optimizer "diverged" on every peer
+        _batches(models[i], opt, g, 1)
+        kept = all(torch.equal(m, opt.outer.state[p]["momentum_buffer"]) for m, p in zip(momentum, opt.params))
+        return anchor, kept, dict(opt.last_round), opt.in_sync, opt.local_epoch
+
+    _, out = virtual_swarm(2, make, body, fast=FAST)
+    for i, (anchor, kept, rnd, in_sync, epoch) in enumerate(out):
+        assert rnd["ok"] and rnd["complete"] and rnd["nonfinite_delta"], rnd
+        assert all(torch.equal(p, a) for p, a in zip(models[i].parameters(), anchor))
+        assert kept and not rnd["outer_step"] and rnd.get("nonfinite_everywhere"), rnd
+        assert in_sync and epoch == 2
+
+
 def test_peers_started_from_different_parameters_converge_onto_one_anchor():
     """Pseudo-gradient averaging never pulls anchors together, so peers compare anchor digests: at one
     epoch the reference (here a tie: the lowest peer id's) is downloaded by the others."""
@@ -357,7 +397,36 @@ def test_state_dict_round_trip_keeps_the_anchor_and_the_outer_state():
                                         "outer": ckpt["opt"]["diloco"]["outer"]})
         with pytest.raises(ValueError, match="anchor"):
             fresh.load_state_dict(bad)
-        assert fresh.local_epoch == 2
+        # the outer optimizer's state loads after the inner one's: a malformed one used to raise KeyError
+        # there, with the inner state and the epoch already replaced; NaN in the anchor or either optimizer's
+        # state (a run that diverged, or a damaged file) used to load, and the anchor becomes the parameters
+        opt_sd = ckpt["opt"]
+        nan_anchor = [a.clone() for a in opt_sd["diloco"]["anchor"]]
+        nan_anchor[2][0] = float("nan")
+        nan_outer = copy.deepcopy(opt_sd["diloco"]["outer"])
+        nan_outer["state"][1]["momentum_buffer"][0] = float("inf")
+        nan_inner = copy.deepcopy(opt_sd["optimizer"])
+        nan_inner["state"][0]["exp_avg_sq"][0, 0] = float("nan")
+        cases = [
+            (dict(opt_sd, diloco={"anchor": opt_sd["diloco"]["anchor"],
+                                  "outer": {"param_groups": opt_sd["diloco"]["outer"]["param_groups"]}}),
+             "outer optimizer state is missing or malformed"),
+            (dict(opt_sd, diloco={"anchor": nan_anchor, "outer": opt_sd["diloco"]["outer"]}),
+             r"anchor of tensor 2 '2.weight' \(shape \(2, 16\), float32\) holds NaN/inf"),
+            (dict(opt_sd, diloco={"anchor": opt_sd["diloco"]["anchor"], "outer": nan_outer}),
+             r"outer optimizer state 'momentum_buffer' of tensor 1 '0.bias' .* holds NaN/inf"),
+            (dict(opt_sd, optimizer=nan_inner), r"optimizer state 'exp_avg_sq' of tensor 0 '0.weight' .* NaN/inf"),
+            (dict(opt_sd, diloco={"anchor": opt_sd["diloco"]["anchor"], "outer": {
+                **opt_sd["diloco"]["outer"], "state": {str(k): v for k, v in opt_sd["diloco"]["outer"]["state"].items()}}}),
+             "outer optimizer state has entries for '0', '1', '2', which no param group lists"),
+        ]
+        before = copy.deepcopy((fresh.opt.state_dict(), fresh.outer.state_dict(), fresh._anchor))
+        for sd, match in cases:
+            with pytest.raises(ValueError, match=match):
+                fresh.load_state_dict(sd)
+        assert (fresh.local_epoch, fresh.steps_in_epoch, fresh.local_step) == (2, 1, 2 * H + 1)
+        after = (fresh.opt.state_dict(), fresh.outer.state_dict(), fresh._anchor)
+        torch.testing.assert_close(after, before, rtol=0, atol=0)  # nothing was written
     finally:
         opt.shutdown()
         fresh.shutdown()

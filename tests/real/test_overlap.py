@@ -113,6 +113,36 @@ def test_delayed_update_applied_at_once_equals_the_synchronous_path_bit_for_bit(
             assert torch.equal(a, b), f"{mode} differs from the synchronous path"
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_while_the_delayed_update_steps_leaves_its_gradients_alone(set_to_none):
+    """The usual loop calls ``zero_grad()`` right after the ``step()`` that ended an epoch, while the worker
+    runs the delayed update. zero_grad also cleared the .grad of the optimizer's own copies, which the worker
+    had just set to the averaged gradients: landing before its optimizer step, it made the update step on no
+    gradient (set_to_none=False: a zeroed one) and be lost -- the parameters unchanged, last_round["stepped"]
+    True. Here the worker's optimizer step waits until zero_grad ran, so that order happens every time."""
+    entered, released = threading.Event(), threading.Event()
+
+    class Gated(torch.optim.SGD):
+        def step(self, closure: Any = None) -> Any:
+            entered.set()
+            assert released.wait(10), "the test never released the optimizer step"
+            return super().step(closure)
+
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = CollaborativeOptimizer(Gated([p], lr=1.0), prefix=f"zg-race-{set_to_none}", target_batch_size=2,
+                                 batch_size=2, delay_optimizer_step=True, load_state_on_start=False,
+                                 averager_opts=dict(FAST))
+    with opt:
+        p.grad = torch.tensor([1.0, -2.0])
+        opt.step()  # ends the epoch: the update runs on the worker
+        assert entered.wait(10), "the delayed update did not start"
+        opt.zero_grad(set_to_none=set_to_none)
+        released.set()
+        assert opt.apply_pending(wait=True, timeout=10)
+        assert opt.last_round["stepped"] and opt.local_epoch == 1
+        assert p.tolist() == [-1.0, 2.0]
+
+
 def test_overlapped_updates_stay_in_sync_with_staleness_at_most_one_step():
     """With the delay on and nobody waiting, batches are computed while the round runs: the staleness is
     reported (at most one global step), both peers hold identical parameters, and the result differs from

@@ -189,6 +189,10 @@ def test_bf16_state_downloads_exactly_in_half_the_bytes_and_a_float32_state_is_r
     with pytest.raises(zgossip.ZGossipError, match="bfloat16 cannot hold exactly"):
         avg.set_tensors([np.full(20000, 0.1, np.float32)])
     assert torch.equal(got, x)
+    # so int8 (it decodes to such values) is refused when the donor is made: every download from it used
+    # to fail, with "peers sharing state must hold the same dtypes" although they did
+    with pytest.raises(ValueError, match=r"state_compression int8 for bfloat16 tensor\(s\) \[0\]"):
+        _download(x, "int8")
 
 
 def test_decentralized_adam_on_a_bf16_model_late_joiner_loads_state_and_peers_stay_identical():
