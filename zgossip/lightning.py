@@ -24,6 +24,8 @@ zgossip imports this module, so zgossip imports fine without Lightning.
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 import os
 from typing import Any, Callable, Sequence
 
@@ -108,6 +110,61 @@ def _check_optimizer_kwargs(kwargs: dict) -> None:
                             f"those of CollaborativeOptimizer are taken ({', '.join(sorted(known - set(_SET_BY_STRATEGY)))})")
 
 
+#: Averager arguments the strategy fills in itself (in `averager_opts` they clashed at the first training batch)
+_AVERAGER_SET_BY_STRATEGY = {"tensors": "(the model's gradients)", "prefix": "run_id", "listen": "listen",
+                             "initial_peers": "initial_peers", "state_fn": "(the optimizer's state)"}
+
+
+def _seconds(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"ZGossipStrategy({name}=...) must be a positive, finite number of seconds, not {value!r}")
+    return float(value)
+
+
+def _check_options(run_id: Any, averager_opts: Any, peers: Any, listen: Any, scheduler_fn: Any) -> list[str]:
+    """Refuse, when the strategy is made, the options that `CollaborativeOptimizer` and the `Averager` refused
+    only at the first training batch, inside ``trainer.fit`` (some as an ``AttributeError`` or a ``TypeError``
+    about ``encode`` or iteration); return the initial peers as a list."""
+    import inspect
+
+    from .averager import Averager
+    from .endpoints import check_endpoint
+    from .identity import split_peer
+
+    if not isinstance(run_id, str) or not 1 <= len(run_id) <= 200:
+        raise ValueError(f"ZGossipStrategy(run_id=...) must be a string of 1..200 characters, not {run_id!r}")
+    if averager_opts is not None and not isinstance(averager_opts, dict):
+        raise TypeError(f"ZGossipStrategy(averager_opts=...) must be a dict of zgossip.Averager keyword arguments, "
+                        f"not {type(averager_opts).__name__}")
+    opts = averager_opts or {}
+    known = set(inspect.signature(Averager.__init__).parameters) - {"self"}
+    for name in opts:
+        if name in _AVERAGER_SET_BY_STRATEGY:
+            raise TypeError(f"ZGossipStrategy sets the averager's {name!r} itself: use "
+                            f"{_AVERAGER_SET_BY_STRATEGY[name]}")
+        if name not in known:
+            raise TypeError(f"ZGossipStrategy(averager_opts=...) got {name!r}, which zgossip.Averager does not take "
+                            f"({', '.join(sorted(known - set(_AVERAGER_SET_BY_STRATEGY)))})")
+    if isinstance(peers, str):
+        peers = [p.strip() for p in peers.split(",") if p.strip()]
+    elif peers is None:
+        peers = []
+    elif isinstance(peers, (list, tuple)) and all(isinstance(p, str) for p in peers):
+        peers = list(peers)
+    else:
+        raise TypeError(f"initial_peers must be 'tcp://HOST:PORT', a comma-separated string of them or a list, "
+                        f"not {peers!r}")
+    if opts.get("transport") is None:  # another transport names peers its own way
+        for p in peers:
+            check_endpoint(split_peer(p)[0], "initial peer address")
+        if not opts.get("client_mode"):
+            check_endpoint(listen, "listen address", listen=True)
+    if scheduler_fn is not None and not callable(scheduler_fn) and not hasattr(scheduler_fn, "step"):
+        raise TypeError(f"ZGossipStrategy(scheduler_fn=...) must be a callable optimizer -> LR scheduler, or a "
+                        f"scheduler, not {scheduler_fn!r}")
+    return peers
+
+
 def strategy_for(package: str | None = None) -> type:
     """The strategy class built on `package` ("lightning.pytorch" or "pytorch_lightning"; None: the first
     installed). Trainers of one package refuse strategies of the other."""
@@ -165,10 +222,10 @@ def strategy_for(package: str | None = None) -> type:
                 batch_size = _count("batch_size", batch_size, 0)
             if delay_grad_averaging and delay_optimizer_step is False:
                 raise ValueError("delay_grad_averaging needs delay_optimizer_step")
-            peers = os.environ.get(INITIAL_PEERS_ENV) or initial_peers
-            if isinstance(peers, str):
-                peers = [p.strip() for p in peers.split(",") if p.strip()]
-            self._initial_peers = list(peers or [])
+            matchmaking_time = _seconds("matchmaking_time", matchmaking_time)
+            averaging_timeout = _seconds("averaging_timeout", averaging_timeout)
+            self._initial_peers = _check_options(run_id, averager_opts, os.environ.get(INITIAL_PEERS_ENV) or initial_peers,
+                                                 listen, scheduler_fn)
             self._target_batch_size = int(target_batch_size)
             self._batch_size = batch_size
             self._scheduler_fn = scheduler_fn
@@ -204,6 +261,7 @@ def strategy_for(package: str | None = None) -> type:
             self._batches = 0  # batches since the last optimizer.step (accumulate_grad_batches > 1)
             self._samples = 0  # their samples
             self._last_peers: list[str] = []  # addresses of the run's peers when the previous fit ended
+            self._final_num_peers = 1  # the run's peers (this one included) when the previous fit ended
             self._restored_epoch = 0  # the global step of the checkpoint this fit resumes from (0: none)
             if verbose:
                 logging.getLogger("zgossip").setLevel(logging.INFO)
@@ -222,7 +280,11 @@ def strategy_for(package: str | None = None) -> type:
 
         @property
         def num_peers(self) -> int:
-            return self._opt.num_peers if self._opt is not None else 1
+            """Live peers of the run, this one included (1 before the first training batch; after `fit`, as many
+            as there were when it ended: the shut-down averager sees nobody)."""
+            if self._opt is None:
+                return 1
+            return self._opt.num_peers if self._live else self._final_num_peers
 
         # ---------------------------------------------------------------- Lightning hooks
         def _infer_batch_size(self, batch: Any) -> int:
@@ -352,6 +414,10 @@ def strategy_for(package: str | None = None) -> type:
                 except Exception as e:  # a failed last update must not hide the training's own outcome
                     log.warning("ZGossipStrategy: the last delayed update was not applied: %s", e)
                 self._last_peers = self._run_peer_endpoints()
+                try:
+                    self._final_num_peers = self._opt.num_peers
+                except Exception:  # best effort, as the endpoints: the averager may have failed
+                    self._final_num_peers = 1
                 self._opt.shutdown()
                 self._live = False  # the next fit (if any) wraps its own optimizer
                 if self._raw_optimizer is not None:

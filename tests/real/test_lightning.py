@@ -221,6 +221,10 @@ out["fit1"], out["epoch1"], w.rows, w.prev = w.rows, s.zgossip_optimizer.local_e
 t.fit_loop.max_epochs = 2
 t.fit(m, data())
 out["fit2"], out["epoch2"], out["closed2"] = w.rows, s.zgossip_optimizer.local_epoch, s.zgossip_optimizer._closed
+try:
+    out["num_peers_after_fit"] = s.num_peers
+except Exception as e:
+    out["num_peers_after_fit"] = [type(e).__name__, str(e)]
 
 s = Strategy(target_batch_size=64, run_id="accumulate", listen="tcp://127.0.0.1:0", averager_opts=fast)
 t = trainer(s, max_steps=6, accumulate_grad_batches=4)
@@ -318,6 +322,15 @@ for kw in (dict(host_maddrs=["/ip4/0.0.0.0/tcp/0"]), dict(target_group_sise=4), 
         out["bad_kwargs"][",".join(kw)] = None
     except Exception as e:
         out["bad_kwargs"][",".join(kw)] = [type(e).__name__, str(e)]
+out["bad_options"] = {}
+for kw in (dict(run_id=None), dict(matchmaking_time="5"), dict(averaging_timeout=-1), dict(initial_peers=123),
+           dict(initial_peers="/ip4/10.0.0.5/tcp/41000"), dict(listen="0.0.0.0:0"), dict(averager_opts=["x"]),
+           dict(averager_opts={"gossip_intervall": 0.1}), dict(averager_opts={"prefix": "x"}), dict(scheduler_fn=0.5)):
+    try:
+        Strategy(**{"target_batch_size": 64, "listen": "tcp://127.0.0.1:0", **kw})
+        out["bad_options"][",".join(kw)] = None
+    except Exception as e:
+        out["bad_options"].setdefault(",".join(kw), []).append([type(e).__name__, str(e)])
 print(json.dumps(out))
 '''
 
@@ -405,6 +418,30 @@ def test_start_message_says_what_was_reached(single):
     """An initial peer nobody listens at: the message says it was given, and that none was reached."""
     (msg,) = single["start"]
     assert "given 1 initial peer(s), none reachable yet" in msg and "joined" not in msg, msg
+
+
+def test_num_peers_stays_readable_after_fit(single):
+    """After `fit` the strategy's optimizer is shut down: ``strategy.num_peers`` raised AveragerClosed (HivemindStrategy's
+    reads its last progress); it now says how many peers the run had when the fit ended (this one, alone)."""
+    assert single["num_peers_after_fit"] == 1, single["num_peers_after_fit"]
+
+
+def test_bad_strategy_options_are_refused_when_the_strategy_is_made(single):
+    """Each of these was accepted by the constructor and failed only at the first training batch, inside
+    ``trainer.fit``, several with messages that named nothing (``'NoneType' object has no attribute 'encode'``,
+    ``could not convert string to float``, ``'int' object is not iterable``, a clash of keyword arguments)."""
+    bad = single["bad_options"]
+    want = {"run_id": ("ValueError", "run_id"), "matchmaking_time": ("ValueError", "matchmaking_time"),
+            "averaging_timeout": ("ValueError", "averaging_timeout"), "listen": ("ValueError", "listen address"),
+            "scheduler_fn": ("TypeError", "scheduler_fn")}
+    for name, (kind, says) in want.items():
+        assert bad[name] and bad[name][0][0] == kind and says in bad[name][0][1], (name, bad[name])
+    peers = bad["initial_peers"]  # an int, then a hivemind multiaddr
+    assert peers[0][0] == "TypeError" and "initial_peers" in peers[0][1], peers
+    assert peers[1][0] == "ValueError" and "tcp://HOST:PORT" in peers[1][1], peers
+    opts = bad["averager_opts"]  # a list, a misspelt name, a name the strategy sets itself
+    assert [o[0] for o in opts] == ["TypeError"] * 3, opts
+    assert "gossip_intervall" in opts[1][1] and "gossip_interval" in opts[1][1] and "run_id" in opts[2][1], opts
 
 
 def test_an_argument_the_optimizer_does_not_take_is_refused_when_the_strategy_is_made(single):
