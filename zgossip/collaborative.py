@@ -320,6 +320,13 @@ class CollaborativeOptimizer(TrainerPeer):
 
     # ------------------------------------------------------------------ public
     @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The wrapped torch optimizer (`opt`), under the name Lightning's ``LearningRateMonitor`` reads on
+        wrapping optimizers: its curves keep the optimizer's name (``lr-AdamW``), and an optimizer with a
+        scheduler is logged once (as the scheduler's), not a second time as ``lr-CollaborativeOptimizer``."""
+        return self.opt
+
+    @property
     def delay_optimizer_step(self) -> bool:
         """Fixed at construction: it decides where the gradients accumulate (apart from the round's
         tensors, or in them) and whether the optimizer steps its own copy of the parameters."""
