@@ -212,6 +212,41 @@ def test_connect_and_misuse():
         Accumulator("c", [])
 
 
+def test_calls_out_of_order_say_why_and_a_shut_down_accumulator_refuses_to_train():
+    """Before the first update(), zero_gradients() raised AttributeError ('NoneType' ... 'get_tensors') and
+    reduce_gradients() blamed a running round or pending zero_gradients(); after shutdown(), update() and
+    reduce_gradients() were accepted and did nothing (start() even built a new averager)."""
+    model = torch.nn.Linear(3, 1)
+    acc = Accumulator("order", model.parameters(), group=Group("order", **FAST))
+    try:
+        _set_grads(model, 1.0)
+        acc.zero_gradients()  # nothing accumulated yet: it zeroes p.grad
+        assert all(not p.grad.any() for p in model.parameters()) and acc.model_version() == 0
+        for call in (lambda: acc.reduce_gradients(4), acc.skip_gradients):
+            with pytest.raises(zgossip.ZGossipError, match=r"call update\(\) first"):
+                call()
+        acc.update()
+        assert acc.connected()
+        _set_grads(model, 1.0)
+        acc.reduce_gradients(4)
+        deadline = time.monotonic() + 5
+        while not acc.has_gradients() and time.monotonic() < deadline:
+            acc.update()  # alone: it steps on its own gradients
+        assert acc.has_gradients()
+        with pytest.raises(zgossip.ZGossipError, match=r"await zero_gradients\(\)"):
+            acc.reduce_gradients(4)
+        for bad in (0, "2", 1.5):
+            with pytest.raises(ValueError, match="set_parallel_gradients"):
+                acc.set_parallel_gradients(bad)
+    finally:
+        acc.shutdown()
+    for call in (acc.update, acc.start, lambda: acc.reduce_gradients(4), acc.skip_gradients, lambda: acc.set_state({})):
+        with pytest.raises(zgossip.ZGossipError, match="shut down"):
+            call()
+    acc.zero_gradients()  # harmless after shutdown
+    acc.shutdown()
+
+
 def test_bad_batch_sizes_and_versions_are_refused_before_anything_is_accumulated():
     """A negative or fractional batch size used to be accumulated as a weight (-4 negated the gradients;
     2.5 weighted them 2.5 but counted 2 samples), and a NaN or "8" was accumulated before failing."""
