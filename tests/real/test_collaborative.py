@@ -671,6 +671,23 @@ def test_errors_are_clear():
         opt.step(batch_size=1)
 
 
+def test_a_step_without_gradients_counts_no_samples():
+    """A step with every ``p.grad`` None (no backward: Lightning's training_step returned None to skip the batch)
+    counted its samples: a lone peer with target 8 and batches of 4, one skipped, stepped after the skipped
+    batch and one real one by half that batch's gradient. Now the skipped batch counts nothing."""
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = CollaborativeOptimizer(torch.optim.SGD([p], lr=1.0), prefix="nograd", target_batch_size=8, batch_size=4,
+                                 matchmaking_time=0.1, load_state_on_start=False, averager_opts=dict(FAST))
+    with opt:
+        opt.step()  # no gradients
+        assert opt.samples == 0 and opt.local_epoch == 0
+        for _ in range(2):
+            p.grad = torch.full((1,), 2.0)
+            opt.step()
+            opt.zero_grad()
+        assert opt.local_epoch == 1 and p.item() == -2.0 and opt.last_round["local_samples"] == 8
+
+
 def test_an_optimizer_step_that_raises_drops_the_epoch_instead_of_mis_weighting_the_next():
     """The synchronous path divides the accumulated sum into a mean before the optimizer step. When that
     step raised, the mean stayed in the accumulators with the sample count, and the next epoch added its
