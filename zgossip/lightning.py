@@ -57,8 +57,14 @@ class _SteppedPerGlobalStep:
     steps the real one once per global (swarm-wide) step, so Lightning's calls to `step` do nothing."""
 
     def __init__(self, scheduler: Any) -> None:
-        self.__dict__.update({k: v for k, v in scheduler.__dict__.items() if k not in ("step", "__del__")})
         self.scheduler = scheduler
+
+    def __getattr__(self, name: str) -> Any:
+        # the real scheduler's attributes, read now (``last_epoch``, ``_last_lr``, ``optimizer``, ...): a copy taken
+        # when it was wrapped stayed at 0 and the initial rate while the real one stepped
+        if name == "scheduler":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         pass

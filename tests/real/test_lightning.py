@@ -243,6 +243,10 @@ class Scheduled(M):
         return {"optimizer": o, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(o, 1, 0.5),
                                                  "interval": "step"}}
 
+    def on_train_batch_end(self, *args):  # what the module's own scheduler says (Lightning hands it a stand-in)
+        sch = self.lr_schedulers()
+        out["module_scheduler"] = [sch.last_epoch, sch.get_last_lr(), sch._last_lr]
+
 
 import functools  # noqa: E402
 s = Strategy(target_batch_size=64, run_id="two-schedulers", listen="tcp://127.0.0.1:0", averager_opts=fast,
@@ -414,6 +418,13 @@ def test_learning_rate_monitor_reads_the_optimizer(single):
     scheduler (StepLR(1, 0.5), one step per global step of 4 batches) the curve was logged twice, as ``lr-SGD``
     (the scheduler's optimizer) and ``lr-CollaborativeOptimizer``; now once, under the optimizer's own name."""
     assert single["lrs"] == {"lr-SGD": [0.1] * 4 + [0.05] * 2}, single["lrs"]
+
+
+def test_the_module_scheduler_reads_as_the_one_that_steps(single):
+    """Lightning hands the module a stand-in for its scheduler (the optimizer steps the real one per global step):
+    the stand-in held a copy of its attributes taken at the first batch, so ``last_epoch`` stayed 0 and
+    ``_last_lr`` at 0.1 while the scheduler had stepped. Six batches of 16, target 64: one global step."""
+    assert single["module_scheduler"] == [1, [0.05], [0.05]], single["module_scheduler"]
 
 
 def test_start_message_says_what_was_reached(single):
