@@ -312,6 +312,11 @@ def strategy_for(package: str | None = None) -> type:
                 self._batches = 0
                 self._samples = 0
                 self._start()
+            elif batch_idx == 0:
+                # Lightning steps at the last batch of every epoch, so nothing is pending when one begins, unless
+                # the previous epoch was cut short (on_train_batch_start returned -1): that batch, counted here,
+                # never reached optimizer.step, and its samples were added to the next step's
+                self._batches = self._samples = 0
             self._batches += 1
             # inferred, every batch counts its own size: the last batch of an epoch is often smaller, and counted
             # as a full one it was over-weighted in the mean and swelled the global batch's count

@@ -275,6 +275,17 @@ trainer(s, max_epochs=3).fit(M(), torch.utils.data.DataLoader(torch.utils.data.T
                                                               batch_size=16))
 out["partial"] = [s.zgossip_optimizer.local_epoch, s.zgossip_optimizer.samples]
 
+
+
+class Cut(M):  # ends every epoch at its third batch, which never reaches optimizer.step
+    def on_train_batch_start(self, batch, i):
+        return -1 if i == 2 else None
+
+
+s = Strategy(target_batch_size=10**6, run_id="cut", listen="tcp://127.0.0.1:0", averager_opts=fast)
+trainer(s, max_epochs=2).fit(Cut(), data())
+out["cut_epochs"] = s.zgossip_optimizer.samples
+
 import os, tempfile  # noqa: E401
 ckdir = tempfile.mkdtemp()
 
@@ -388,6 +399,13 @@ def test_an_inferred_batch_size_counts_the_smaller_last_batch_of_an_epoch_as_it_
     so every epoch of 40 samples made a global step (3 where 120 samples make 2) and its gradient was
     over-weighted in the mean. Inferred per batch: 2 global steps, 8 samples held toward the third."""
     assert single["partial"] == [2, 8], single["partial"]
+
+
+def test_a_batch_that_ends_an_epoch_early_is_not_counted(single):
+    """``on_train_batch_start`` returning -1 ends the epoch at that batch: the strategy had counted its samples, no
+    optimizer step took them, and the next epoch's first step claimed them (its gradient weighted as two batches).
+    Two epochs of two stepped batches of 16: 64 samples (it held 80)."""
+    assert single["cut_epochs"] == 64, single["cut_epochs"]
 
 
 def test_a_checkpoint_holds_the_global_step_and_a_resumed_fit_starts_there(single):
