@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 INITIAL_PEERS_ENV = "PL_INITIAL_PEERS"  # as HivemindStrategy: comma-separated initial peers
 EPOCH_KEY = "zgossip_local_epoch"  # the swarm's global step, saved beside the optimizer's state in a checkpoint
+SCHEDULER_KEY = "zgossip_scheduler"  # scheduler_fn's scheduler's state, saved there too (Lightning saves the module's)
 
 
 def _import(package: str | None) -> Any:
@@ -269,6 +270,7 @@ def strategy_for(package: str | None = None) -> type:
             self._last_peers: list[str] = []  # addresses of the run's peers when the previous fit ended
             self._final_num_peers = 1  # the run's peers (this one included) when the previous fit ended
             self._restored_epoch = 0  # the global step of the checkpoint this fit resumes from (0: none)
+            self._restored_scheduler: dict | None = None  # and the state of scheduler_fn's scheduler it saved
             if verbose:
                 logging.getLogger("zgossip").setLevel(logging.INFO)
 
@@ -358,6 +360,14 @@ def strategy_for(package: str | None = None) -> type:
                     raise exceptions.MisconfigurationException("ZGossipStrategy does not support ReduceLROnPlateau")
                 scheduler = config.scheduler
                 config.scheduler = _SteppedPerGlobalStep(scheduler)
+            elif scheduler is not None:
+                # scheduler_fn's: Lightning neither saves nor restores it, so the checkpoint carries its state (it
+                # restarted at step 0 on resume: a warm-up ran again, LambdaLR or OneCycleLR went back to the start)
+                if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+                    scheduler = scheduler(raw)
+                if self._restored_scheduler is not None:
+                    scheduler.load_state_dict(self._restored_scheduler)
+            self._restored_scheduler = None
             # a later fit also tries the peers the previous one trained with (this peer's address changed, so
             # a first peer, which has no initial peers, would otherwise come back alone)
             peers = self._initial_peers + [p for p in self._last_peers if p not in self._initial_peers]
@@ -396,7 +406,9 @@ def strategy_for(package: str | None = None) -> type:
                 inner.apply_pending(wait=True)  # a checkpoint holds the newest parameters
                 # and the global step they belong to (as hivemind's Optimizer.state_dict): a resumed fit starts
                 # there, not at 0, where a fresh peer's initial parameters could win the digest vote over them
-                return {**inner.opt.state_dict(), EPOCH_KEY: inner.local_epoch}
+                extra = ({SCHEDULER_KEY: inner.scheduler.state_dict()}
+                         if self._scheduler_fn is not None and inner.scheduler is not None else {})
+                return {**inner.opt.state_dict(), EPOCH_KEY: inner.local_epoch, **extra}
             return super().optimizer_state(optimizer)
 
         def load_optimizer_state_dict(self, checkpoint: Any) -> None:
@@ -405,6 +417,9 @@ def strategy_for(package: str | None = None) -> type:
                 if isinstance(state, dict) and EPOCH_KEY in state:
                     state = dict(state)
                     self._restored_epoch = _count(EPOCH_KEY, state.pop(EPOCH_KEY), 0)  # the next `_start` takes it
+                if isinstance(state, dict) and SCHEDULER_KEY in state:
+                    state = dict(state)
+                    self._restored_scheduler = state.pop(SCHEDULER_KEY)
                 states.append(state)
             super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
 

@@ -301,15 +301,20 @@ class First(pl.Callback):  # the global step the resumed fit starts at
         out.setdefault("resumed_first", trainer.strategy.zgossip_optimizer.local_epoch)
 
 
-s = Strategy(target_batch_size=64, run_id="ckpt", listen="tcp://127.0.0.1:0", averager_opts=fast)
+def harmonic(o):  # lr / (global step + 1): stateful, unlike StepLR's chain, which resumes right from the lr alone
+    return torch.optim.lr_scheduler.LambdaLR(o, lambda e: 1.0 / (e + 1))
+
+
+s = Strategy(target_batch_size=64, run_id="ckpt", listen="tcp://127.0.0.1:0", averager_opts=fast, scheduler_fn=harmonic)
 t = trainer(s, max_steps=12, callbacks=[Save()])
 t.fit(M(), data())
 t.save_checkpoint(os.path.join(ckdir, "end.ckpt"))
 out["saved"] = [torch.load(os.path.join(ckdir, n), weights_only=False)["optimizer_states"][0].get("zgossip_local_epoch")
                 for n in ("mid.ckpt", "end.ckpt")]
-s = Strategy(target_batch_size=64, run_id="ckpt", listen="tcp://127.0.0.1:0", averager_opts=fast)
+s = Strategy(target_batch_size=64, run_id="ckpt", listen="tcp://127.0.0.1:0", averager_opts=fast, scheduler_fn=harmonic)
 trainer(s, max_steps=16, callbacks=[First()]).fit(M(), data(), ckpt_path=os.path.join(ckdir, "end.ckpt"))
 out["resumed_end"] = s.zgossip_optimizer.local_epoch
+out["resumed_scheduler"] = [s.zgossip_optimizer.scheduler.last_epoch, s.zgossip_optimizer.param_groups[0]["lr"]]
 
 CSVLogger = __import__(pl.__name__ + ".loggers", fromlist=["CSVLogger"]).CSVLogger  # LearningRateMonitor needs one
 s = Strategy(target_batch_size=64, run_id="lrmonitor", listen="tcp://127.0.0.1:0", averager_opts=fast)
@@ -414,6 +419,13 @@ def test_a_checkpoint_holds_the_global_step_and_a_resumed_fit_starts_there(singl
     count, and a fresh peer at 0 could win the parameter-digest vote over the checkpoint's parameters)."""
     assert single["saved"] == [2, 3], single
     assert single["resumed_first"] == 3 and single["resumed_end"] == 4, single
+
+
+def test_a_resumed_fit_resumes_the_scheduler_fn_schedule(single):
+    """Lightning saves only the module's schedulers: scheduler_fn's restarted at step 0 on resume, so after
+    global step 4 a LambdaLR of lr / (step + 1) gave 0.05 (its second step) instead of 0.02."""
+    last_epoch, lr = single["resumed_scheduler"]
+    assert last_epoch == 4 and abs(lr - 0.1 / 5) < 1e-12, single["resumed_scheduler"]
 
 
 def test_validation_during_fit_sees_the_update_in_flight_applied(single):
