@@ -508,19 +508,39 @@ class Accumulator:
             log.warning("%s: state download failed, retrying: %s", self.peer_id[:8], e)
 
     def _adopt(self, meta: Any, arrays: Sequence[np.ndarray]) -> None:
+        # everything the donor sent is checked before anything is written: a malformed state (a missing key,
+        # a version that is no int, too few tensors, a tensor of another shape) used to be half written, or
+        # broadcast into the parameters, or to escape update() as a KeyError; it is a failed download now
         if not isinstance(meta, dict) or meta.get("kind") != "accumulator":
             raise ZGossipError("the donor sent a state that is not an accumulator's")
-        diff = self.layout.difference(ModelLayout.from_meta(meta["layout"]))
+        missing = {"version", "layout", "buffers", "user"} - set(meta)
+        if missing:
+            raise ZGossipError(f"the donor's state lacks {sorted(missing)}")
+        version, nb = meta["version"], meta["buffers"]
+        if type(version) is not int or version < 0 or type(nb) is not int or nb < 0:
+            raise ZGossipError(f"the donor's state has model version {version!r} and {nb!r} buffers: "
+                               "expected whole numbers >= 0")
+        diff = self.layout.difference(ModelLayout.from_meta(meta["layout"]))  # ValueError if malformed
         if diff is not None:
             raise LayoutMismatch(f"cannot adopt the swarm's state: {diff}. Every peer must build the same model.")
-        n, nb = len(self.params), int(meta["buffers"])
+        n = len(self.params)
         if nb != len(self.buffers):
             raise LayoutMismatch(f"the donor has {nb} buffers, this peer {len(self.buffers)}")
+        if len(arrays) < n + nb:
+            raise ZGossipError(f"the donor's state holds {len(arrays)} tensors, fewer than the {n} parameters "
+                               f"and {nb} buffers it describes")
+        for i, (p, a) in enumerate(zip(self.params, arrays[:n])):
+            if tuple(p.shape) != tuple(np.shape(a)):
+                raise ZGossipError(f"the donor sent {self.layout.describe(i)} with shape {tuple(np.shape(a))}, "
+                                   f"not {tuple(p.shape)}")
         for i, (b, a) in enumerate(zip(self.buffers, arrays[n:n + nb])):
             if tuple(b.shape) != tuple(a.shape):
                 raise LayoutMismatch(f"buffer {i} {self.buffer_names[i]!r}: shape {tuple(b.shape)} here, "
                                      f"{tuple(a.shape)} at the donor")
-        user = unpack_state(meta["user"], arrays[n + nb:])
+        try:
+            user = unpack_state(meta["user"], arrays[n + nb:])
+        except (KeyError, IndexError, TypeError) as e:
+            raise ZGossipError(f"the donor's user state is malformed: {e}") from None
         with torch.no_grad():
             for p, a in zip(self.params, arrays[:n]):
                 p.copy_(torch.from_numpy(np.asarray(a)))

@@ -9,6 +9,7 @@ import threading
 import time
 from typing import Any, Callable
 
+import numpy as np
 import pytest
 import torch
 
@@ -245,6 +246,33 @@ def test_calls_out_of_order_say_why_and_a_shut_down_accumulator_refuses_to_train
             call()
     acc.zero_gradients()  # harmless after shutdown
     acc.shutdown()
+
+
+def test_a_malformed_state_from_a_donor_is_refused_before_anything_is_written():
+    """A donor's state missing its version (KeyError out of update()), with a version that is no int (parameters
+    written, then ValueError), a parameter of shape (1,) (broadcast into the parameter), too few tensors (half
+    written) or a negative version (adopted) is now a failed download: a ZGossipError, which update() logs and
+    retries, before any tensor or the version changes."""
+    from zgossip.training_state import LayoutMismatch, pack_state
+
+    model = torch.nn.Linear(3, 2)
+    acc = Accumulator("adopt", model.parameters(), group=Group("adopt", **FAST))
+    try:
+        acc.start()
+        good = {"kind": "accumulator", "version": 3, "layout": acc.layout.as_meta(), "buffers": 0,
+                "user": pack_state({})[0]}
+        full = [np.zeros((2, 3), np.float32), np.zeros(2, np.float32)]
+        before = [p.detach().clone() for p in model.parameters()]
+        for meta, arrays in (({k: v for k, v in good.items() if k != "version"}, full), ({**good, "version": "3"}, full),
+                             ({**good, "version": -1}, full), (good, [np.ones(1, np.float32)] * 2), (good, full[:1])):
+            with pytest.raises(zgossip.ZGossipError) as err:
+                acc._adopt(meta, arrays)
+            assert not isinstance(err.value, LayoutMismatch), err.value  # the donor's fault: retried, not fatal
+            assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)) and acc.model_version() == 0
+        acc._adopt(good, full)  # the well-formed one is adopted
+        assert all(not p.any() for p in model.parameters()) and acc.model_version() == 3 and acc.has_new_state()
+    finally:
+        acc.shutdown()
 
 
 def test_bad_batch_sizes_and_versions_are_refused_before_anything_is_accumulated():
