@@ -164,7 +164,7 @@ def _check_options(run_id: Any, averager_opts: Any, peers: Any, listen: Any, sch
     if opts.get("transport") is None:  # another transport names peers its own way
         for p in peers:
             check_endpoint(split_peer(p)[0], "initial peer address")
-        if not opts.get("client_mode"):
+        if listen is not None and not opts.get("client_mode"):  # None: client mode (zgossip.Averager)
             check_endpoint(listen, "listen address", listen=True)
     if scheduler_fn is not None and not callable(scheduler_fn) and not hasattr(scheduler_fn, "step"):
         raise TypeError(f"ZGossipStrategy(scheduler_fn=...) must be a callable optimizer -> LR scheduler, or a "

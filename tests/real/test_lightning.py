@@ -345,10 +345,11 @@ for kw in (dict(host_maddrs=["/ip4/0.0.0.0/tcp/0"]), dict(target_group_sise=4), 
 out["bad_options"] = {}
 for kw in (dict(run_id=None), dict(matchmaking_time="5"), dict(averaging_timeout=-1), dict(initial_peers=123),
            dict(initial_peers="/ip4/10.0.0.5/tcp/41000"), dict(listen="0.0.0.0:0"), dict(averager_opts=["x"]),
-           dict(averager_opts={"gossip_intervall": 0.1}), dict(averager_opts={"prefix": "x"}), dict(scheduler_fn=0.5)):
+           dict(averager_opts={"gossip_intervall": 0.1}), dict(averager_opts={"prefix": "x"}), dict(scheduler_fn=0.5),
+           dict(listen=None), dict(averager_opts={"client_mode": True}, listen="not an address")):  # the last two: client mode
     try:
         Strategy(**{"target_batch_size": 64, "listen": "tcp://127.0.0.1:0", **kw})
-        out["bad_options"][",".join(kw)] = None
+        out["bad_options"].setdefault(",".join(kw), []).append(None)
     except Exception as e:
         out["bad_options"].setdefault(",".join(kw), []).append([type(e).__name__, str(e)])
 print(json.dumps(out))
@@ -485,6 +486,7 @@ def test_bad_strategy_options_are_refused_when_the_strategy_is_made(single):
     opts = bad["averager_opts"]  # a list, a misspelt name, a name the strategy sets itself
     assert [o[0] for o in opts] == ["TypeError"] * 3, opts
     assert "gossip_intervall" in opts[1][1] and "gossip_interval" in opts[1][1] and "run_id" in opts[2][1], opts
+    assert bad["listen"][1] is None and bad["averager_opts,listen"] == [None], bad  # client mode: no listen address
 
 
 def test_an_argument_the_optimizer_does_not_take_is_refused_when_the_strategy_is_made(single):
