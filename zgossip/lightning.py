@@ -385,10 +385,14 @@ def strategy_for(package: str | None = None) -> type:
                 others = opt.num_peers - 1
                 joined = (f"given {len(self._initial_peers)} initial peer(s), "
                           + (f"sees {others} other peer(s), " if others else "none reachable yet (training alone), "))
-            rank_zero.rank_zero_info(
-                f"ZGossipStrategy: run {self._run_id!r}, {joined}epoch {opt.local_epoch}. Other machines can join "
-                f"with:\n{INITIAL_PEERS_ENV}={opt.endpoint} python ...\nor "
-                f"ZGossipStrategy(initial_peers='{opt.endpoint}')")
+            if getattr(opt.averager, "client_mode", False):
+                # nobody can connect to a client: its endpoint (client://ID) is no address to join at
+                join = ("It runs in client mode: other machines cannot connect to it, they join through a peer "
+                        "that listens")
+            else:
+                join = (f"Other machines can join with:\n{INITIAL_PEERS_ENV}={opt.endpoint} python ...\nor "
+                        f"ZGossipStrategy(initial_peers='{opt.endpoint}')")
+            rank_zero.rank_zero_info(f"ZGossipStrategy: run {self._run_id!r}, {joined}epoch {opt.local_epoch}. {join}")
 
         def on_validation_start(self) -> None:
             # validation in the middle of a fit evaluates the newest parameters, not those an update in flight

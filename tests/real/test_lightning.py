@@ -333,6 +333,11 @@ s = Strategy(target_batch_size=64, run_id="nobody", listen="tcp://127.0.0.1:0", 
              initial_peers="tcp://127.0.0.1:1", startup_timeout=0.3)
 trainer(s, max_steps=1).fit(M(), data())
 out["start"] = [x for x in lines if x.startswith("ZGossipStrategy")]
+del lines[:]
+s = Strategy(target_batch_size=64, run_id="nobody", listen=None, averager_opts=fast,  # client mode
+             initial_peers="tcp://127.0.0.1:1", startup_timeout=0.3)
+trainer(s, max_steps=1).fit(M(), data())
+out["client_start"] = [x for x in lines if x.startswith("ZGossipStrategy")]
 
 out["bad_kwargs"] = {}
 for kw in (dict(host_maddrs=["/ip4/0.0.0.0/tcp/0"]), dict(target_group_sise=4), dict(prefix="x"),
@@ -487,6 +492,13 @@ def test_bad_strategy_options_are_refused_when_the_strategy_is_made(single):
     assert [o[0] for o in opts] == ["TypeError"] * 3, opts
     assert "gossip_intervall" in opts[1][1] and "gossip_interval" in opts[1][1] and "run_id" in opts[2][1], opts
     assert bad["listen"][1] is None and bad["averager_opts,listen"] == [None], bad  # client mode: no listen address
+
+
+def test_a_client_mode_peer_does_not_offer_its_address_to_join(single):
+    """A client-mode peer (listen=None) printed "Other machines can join with: PL_INITIAL_PEERS=client://..." --
+    an address nobody can connect to, which ZGossipStrategy(initial_peers=...) refuses."""
+    (msg,) = single["client_start"]
+    assert "client mode" in msg and "client://" not in msg and "given 1 initial peer(s)" in msg, msg
 
 
 def test_an_argument_the_optimizer_does_not_take_is_refused_when_the_strategy_is_made(single):
