@@ -62,6 +62,7 @@ How the pieces map without a broker:
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import logging
 import operator
 from enum import Enum
@@ -172,6 +173,7 @@ class Accumulator:
         self._parallel = 1
         self._version = 0
         self._phase = _Phase.NEW
+        self._closed = False
         self._averager: ServingAverager | None = None
         self._grads: list[torch.Tensor] = [torch.zeros(p.shape, dtype=p.dtype) for p in self.params]
         # the batches' sums: in the averaged tensors themselves, but in float32 for float16/bfloat16 parameters
@@ -216,6 +218,7 @@ class Accumulator:
 
     def update(self) -> None:
         """Advance: start up, read the swarm's records, run state sync and gradient rounds. Call it often."""
+        self._require_open()
         if self._phase is _Phase.NEW:
             self._start()
         now = self.clock.now()
@@ -282,6 +285,19 @@ class Accumulator:
         reduced gradients wait for `zero_gradients`, or while holding a full batch during a catch-up pause)."""
         return self._can_reduce() and not (self._holding and self._samples >= max(1, self._vbs))
 
+    def _why_no_gradients(self) -> str:
+        """Why `wants_gradients` is False, in words for an error message."""
+        if self._phase is _Phase.NEW:
+            return "the accumulator is not running yet: call update() first, and train once connected() is True"
+        if self._phase is not _Phase.READY:
+            return ("it is not connected: it is looking for the swarm or downloading its state "
+                    "(call update() until connected() is True)")
+        if self._round is not None:
+            return "a gradient round is running (call update() until has_gradients() or wants_gradients())"
+        if self._has_grads:
+            return "reduced gradients await zero_gradients() (after opt.step())"
+        return "a peer is catching up and this one already holds a full batch (call update() meanwhile)"
+
     def _can_reduce(self) -> bool:
         return self._phase is _Phase.READY and self._round is None and not self._has_grads
 
@@ -291,9 +307,10 @@ class Accumulator:
         # weight (negating the gradients, or weighting 2.5 while counting 2 samples), a NaN or a string
         # was accumulated before failing -- gradients corrupted either way
         batch_size = _count("batch_size", batch_size, 0)
+        self._require_open()
         if not self.wants_gradients():
-            raise ZGossipError("reduce_gradients() called while wants_gradients() is False: "
-                               "check it first (a round is running, or reduced gradients await zero_gradients())")
+            raise ZGossipError(f"reduce_gradients() called while wants_gradients() is False (check it first): "
+                               f"{self._why_no_gradients()}")
         grads = [p.grad for p in self.params]
         bad = first_nonfinite(grads)
         if bad is not None:
@@ -320,8 +337,10 @@ class Accumulator:
 
     def skip_gradients(self) -> None:
         """Contribute nothing to this round (still receive the others' gradients)."""
+        self._require_open()
         if not self.wants_gradients():
-            raise ZGossipError("skip_gradients() called while wants_gradients() is False")
+            raise ZGossipError(f"skip_gradients() called while wants_gradients() is False (check it first): "
+                               f"{self._why_no_gradients()}")
         self._stats["num_skipped"] += 1
         self._skipped = True
         if self._view is not None:
@@ -365,7 +384,9 @@ class Accumulator:
 
     def set_parallel_gradients(self, n: int) -> None:
         """Accepted for moolib compatibility; zgossip runs one round at a time."""
-        self._parallel = int(n)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"set_parallel_gradients() takes a whole number of rounds >= 1, not {n!r}")
+        self._parallel = n
 
     def get_gradient_stats(self) -> dict:
         """``batch_size`` (samples in the last reduction), ``num_updates``, ``num_skipped``, plus
@@ -398,6 +419,7 @@ class Accumulator:
         return self._averager.endpoint
 
     def shutdown(self) -> None:
+        self._closed = True
         if self._averager is not None:
             self._averager.shutdown()
         self._downloader.shutdown(wait=True, cancel_futures=True)
@@ -411,6 +433,7 @@ class Accumulator:
     # ------------------------------------------------------------------ start-up and state
     def start(self) -> None:
         """Start the averager now (the first `update` does it otherwise): `endpoint` becomes known."""
+        self._require_open()
         if self._phase is _Phase.NEW:
             self._start()
 
@@ -423,7 +446,12 @@ class Accumulator:
         self._phase = _Phase.DISCOVERING if g.initial_peers else _Phase.READY
         self._publish()
 
+    def _require_open(self) -> None:
+        if self._closed:
+            raise ZGossipError("this accumulator was shut down: build a new one to train again")
+
     def _require_started(self) -> None:
+        self._require_open()
         if self._averager is None:
             raise ZGossipError("call update() (or start()) first: the accumulator is not running yet")
 
@@ -485,19 +513,39 @@ class Accumulator:
             log.warning("%s: state download failed, retrying: %s", self.peer_id[:8], e)
 
     def _adopt(self, meta: Any, arrays: Sequence[np.ndarray]) -> None:
+        # everything the donor sent is checked before anything is written: a malformed state (a missing key,
+        # a version that is no int, too few tensors, a tensor of another shape) used to be half written, or
+        # broadcast into the parameters, or to escape update() as a KeyError; it is a failed download now
         if not isinstance(meta, dict) or meta.get("kind") != "accumulator":
             raise ZGossipError("the donor sent a state that is not an accumulator's")
-        diff = self.layout.difference(ModelLayout.from_meta(meta["layout"]))
+        missing = {"version", "layout", "buffers", "user"} - set(meta)
+        if missing:
+            raise ZGossipError(f"the donor's state lacks {sorted(missing)}")
+        version, nb = meta["version"], meta["buffers"]
+        if type(version) is not int or version < 0 or type(nb) is not int or nb < 0:
+            raise ZGossipError(f"the donor's state has model version {version!r} and {nb!r} buffers: "
+                               "expected whole numbers >= 0")
+        diff = self.layout.difference(ModelLayout.from_meta(meta["layout"]))  # ValueError if malformed
         if diff is not None:
             raise LayoutMismatch(f"cannot adopt the swarm's state: {diff}. Every peer must build the same model.")
-        n, nb = len(self.params), int(meta["buffers"])
+        n = len(self.params)
         if nb != len(self.buffers):
             raise LayoutMismatch(f"the donor has {nb} buffers, this peer {len(self.buffers)}")
+        if len(arrays) < n + nb:
+            raise ZGossipError(f"the donor's state holds {len(arrays)} tensors, fewer than the {n} parameters "
+                               f"and {nb} buffers it describes")
+        for i, (p, a) in enumerate(zip(self.params, arrays[:n])):
+            if tuple(p.shape) != tuple(np.shape(a)):
+                raise ZGossipError(f"the donor sent {self.layout.describe(i)} with shape {tuple(np.shape(a))}, "
+                                   f"not {tuple(p.shape)}")
         for i, (b, a) in enumerate(zip(self.buffers, arrays[n:n + nb])):
             if tuple(b.shape) != tuple(a.shape):
                 raise LayoutMismatch(f"buffer {i} {self.buffer_names[i]!r}: shape {tuple(b.shape)} here, "
                                      f"{tuple(a.shape)} at the donor")
-        user = unpack_state(meta["user"], arrays[n + nb:])
+        try:
+            user = unpack_state(meta["user"], arrays[n + nb:])
+        except (KeyError, IndexError, TypeError) as e:
+            raise ZGossipError(f"the donor's user state is malformed: {e}") from None
         with torch.no_grad():
             for p, a in zip(self.params, arrays[:n]):
                 p.copy_(torch.from_numpy(np.asarray(a)))
@@ -512,7 +560,9 @@ class Accumulator:
 
     # ------------------------------------------------------------------ gradient rounds
     def _reset_accumulation(self) -> None:
-        with torch.no_grad(), self._averager.get_tensors():
+        # before start (or after shutdown) no round can read the tensors: there is no averager to lock
+        idle = self._averager is None or self._closed
+        with torch.no_grad(), (contextlib.nullcontext() if idle else self._averager.get_tensors()):
             for g, acc in zip(self._grads, self._sums):
                 g.zero_()
                 if acc is not g:
@@ -664,7 +714,7 @@ class Accumulator:
                          self._view.mismatched)
 
     def _publish(self, averaging: bool = False) -> None:
-        if self._averager is None:
+        if self._averager is None or self._closed:
             return
         rec = progress_record(self._run, self._me(averaging))
         key = {k: v for k, v in rec.items() if k not in ("t", "sps")}

@@ -324,6 +324,13 @@ class CollaborativeOptimizer(TrainerPeer):
 
     # ------------------------------------------------------------------ public
     @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The wrapped torch optimizer (`opt`), under the name Lightning's ``LearningRateMonitor`` reads on
+        wrapping optimizers: its curves keep the optimizer's name (``lr-AdamW``), and an optimizer with a
+        scheduler is logged once (as the scheduler's), not a second time as ``lr-CollaborativeOptimizer``."""
+        return self.opt
+
+    @property
     def delay_optimizer_step(self) -> bool:
         """Fixed at construction: it decides where the gradients accumulate (apart from the round's
         tensors, or in them) and whether the optimizer steps its own copy of the parameters."""
@@ -490,6 +497,12 @@ class CollaborativeOptimizer(TrainerPeer):
                                   wait=False)
 
     def _accumulate(self, bs: int) -> None:
+        grads = [p.grad for p in self.model_params]
+        if all(g is None for g in grads):
+            # no backward ran for this batch (Lightning's training_step returned None: "skip this batch"): as a
+            # torch optimizer's step would, it changes nothing; counted, its samples diluted the mean of the
+            # others (weighted as samples with a zero gradient) and took their place in the global batch
+            bs = 0
         now = self.clock.now()
         if self._last_step_time is not None and now > self._last_step_time:
             inst = bs / (now - self._last_step_time)
@@ -497,7 +510,6 @@ class CollaborativeOptimizer(TrainerPeer):
         self._last_step_time = now
         if bs == 0:
             return
-        grads = [p.grad for p in self.model_params]
         bad = first_nonfinite(grads)
         if bad is not None:
             self.nonfinite_batches += 1

@@ -24,6 +24,8 @@ zgossip imports this module, so zgossip imports fine without Lightning.
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 import os
 from typing import Any, Callable, Sequence
 
@@ -37,6 +39,7 @@ log = logging.getLogger(__name__)
 
 INITIAL_PEERS_ENV = "PL_INITIAL_PEERS"  # as HivemindStrategy: comma-separated initial peers
 EPOCH_KEY = "zgossip_local_epoch"  # the swarm's global step, saved beside the optimizer's state in a checkpoint
+SCHEDULER_KEY = "zgossip_scheduler"  # scheduler_fn's scheduler's state, saved there too (Lightning saves the module's)
 
 
 def _import(package: str | None) -> Any:
@@ -55,8 +58,14 @@ class _SteppedPerGlobalStep:
     steps the real one once per global (swarm-wide) step, so Lightning's calls to `step` do nothing."""
 
     def __init__(self, scheduler: Any) -> None:
-        self.__dict__.update({k: v for k, v in scheduler.__dict__.items() if k not in ("step", "__del__")})
         self.scheduler = scheduler
+
+    def __getattr__(self, name: str) -> Any:
+        # the real scheduler's attributes, read now (``last_epoch``, ``_last_lr``, ``optimizer``, ...): a copy taken
+        # when it was wrapped stayed at 0 and the initial rate while the real one stepped
+        if name == "scheduler":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         pass
@@ -106,6 +115,61 @@ def _check_optimizer_kwargs(kwargs: dict) -> None:
         if name not in known:
             raise TypeError(f"ZGossipStrategy got an unexpected keyword argument {name!r}: its own arguments and "
                             f"those of CollaborativeOptimizer are taken ({', '.join(sorted(known - set(_SET_BY_STRATEGY)))})")
+
+
+#: Averager arguments the strategy fills in itself (in `averager_opts` they clashed at the first training batch)
+_AVERAGER_SET_BY_STRATEGY = {"tensors": "(the model's gradients)", "prefix": "run_id", "listen": "listen",
+                             "initial_peers": "initial_peers", "state_fn": "(the optimizer's state)"}
+
+
+def _seconds(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"ZGossipStrategy({name}=...) must be a positive, finite number of seconds, not {value!r}")
+    return float(value)
+
+
+def _check_options(run_id: Any, averager_opts: Any, peers: Any, listen: Any, scheduler_fn: Any) -> list[str]:
+    """Refuse, when the strategy is made, the options that `CollaborativeOptimizer` and the `Averager` refused
+    only at the first training batch, inside ``trainer.fit`` (some as an ``AttributeError`` or a ``TypeError``
+    about ``encode`` or iteration); return the initial peers as a list."""
+    import inspect
+
+    from .averager import Averager
+    from .endpoints import check_endpoint
+    from .identity import split_peer
+
+    if not isinstance(run_id, str) or not 1 <= len(run_id) <= 200:
+        raise ValueError(f"ZGossipStrategy(run_id=...) must be a string of 1..200 characters, not {run_id!r}")
+    if averager_opts is not None and not isinstance(averager_opts, dict):
+        raise TypeError(f"ZGossipStrategy(averager_opts=...) must be a dict of zgossip.Averager keyword arguments, "
+                        f"not {type(averager_opts).__name__}")
+    opts = averager_opts or {}
+    known = set(inspect.signature(Averager.__init__).parameters) - {"self"}
+    for name in opts:
+        if name in _AVERAGER_SET_BY_STRATEGY:
+            raise TypeError(f"ZGossipStrategy sets the averager's {name!r} itself: use "
+                            f"{_AVERAGER_SET_BY_STRATEGY[name]}")
+        if name not in known:
+            raise TypeError(f"ZGossipStrategy(averager_opts=...) got {name!r}, which zgossip.Averager does not take "
+                            f"({', '.join(sorted(known - set(_AVERAGER_SET_BY_STRATEGY)))})")
+    if isinstance(peers, str):
+        peers = [p.strip() for p in peers.split(",") if p.strip()]
+    elif peers is None:
+        peers = []
+    elif isinstance(peers, (list, tuple)) and all(isinstance(p, str) for p in peers):
+        peers = list(peers)
+    else:
+        raise TypeError(f"initial_peers must be 'tcp://HOST:PORT', a comma-separated string of them or a list, "
+                        f"not {peers!r}")
+    if opts.get("transport") is None:  # another transport names peers its own way
+        for p in peers:
+            check_endpoint(split_peer(p)[0], "initial peer address")
+        if listen is not None and not opts.get("client_mode"):  # None: client mode (zgossip.Averager)
+            check_endpoint(listen, "listen address", listen=True)
+    if scheduler_fn is not None and not callable(scheduler_fn) and not hasattr(scheduler_fn, "step"):
+        raise TypeError(f"ZGossipStrategy(scheduler_fn=...) must be a callable optimizer -> LR scheduler, or a "
+                        f"scheduler, not {scheduler_fn!r}")
+    return peers
 
 
 def strategy_for(package: str | None = None) -> type:
@@ -165,10 +229,10 @@ def strategy_for(package: str | None = None) -> type:
                 batch_size = _count("batch_size", batch_size, 0)
             if delay_grad_averaging and delay_optimizer_step is False:
                 raise ValueError("delay_grad_averaging needs delay_optimizer_step")
-            peers = os.environ.get(INITIAL_PEERS_ENV) or initial_peers
-            if isinstance(peers, str):
-                peers = [p.strip() for p in peers.split(",") if p.strip()]
-            self._initial_peers = list(peers or [])
+            matchmaking_time = _seconds("matchmaking_time", matchmaking_time)
+            averaging_timeout = _seconds("averaging_timeout", averaging_timeout)
+            self._initial_peers = _check_options(run_id, averager_opts, os.environ.get(INITIAL_PEERS_ENV) or initial_peers,
+                                                 listen, scheduler_fn)
             self._target_batch_size = int(target_batch_size)
             self._batch_size = batch_size
             self._scheduler_fn = scheduler_fn
@@ -204,7 +268,9 @@ def strategy_for(package: str | None = None) -> type:
             self._batches = 0  # batches since the last optimizer.step (accumulate_grad_batches > 1)
             self._samples = 0  # their samples
             self._last_peers: list[str] = []  # addresses of the run's peers when the previous fit ended
+            self._final_num_peers = 1  # the run's peers (this one included) when the previous fit ended
             self._restored_epoch = 0  # the global step of the checkpoint this fit resumes from (0: none)
+            self._restored_scheduler: dict | None = None  # and the state of scheduler_fn's scheduler it saved
             if verbose:
                 logging.getLogger("zgossip").setLevel(logging.INFO)
 
@@ -222,7 +288,11 @@ def strategy_for(package: str | None = None) -> type:
 
         @property
         def num_peers(self) -> int:
-            return self._opt.num_peers if self._opt is not None else 1
+            """Live peers of the run, this one included (1 before the first training batch; after `fit`, as many
+            as there were when it ended: the shut-down averager sees nobody)."""
+            if self._opt is None:
+                return 1
+            return self._opt.num_peers if self._live else self._final_num_peers
 
         # ---------------------------------------------------------------- Lightning hooks
         def _infer_batch_size(self, batch: Any) -> int:
@@ -244,6 +314,11 @@ def strategy_for(package: str | None = None) -> type:
                 self._batches = 0
                 self._samples = 0
                 self._start()
+            elif batch_idx == 0:
+                # Lightning steps at the last batch of every epoch, so nothing is pending when one begins, unless
+                # the previous epoch was cut short (on_train_batch_start returned -1): that batch, counted here,
+                # never reached optimizer.step, and its samples were added to the next step's
+                self._batches = self._samples = 0
             self._batches += 1
             # inferred, every batch counts its own size: the last batch of an epoch is often smaller, and counted
             # as a full one it was over-weighted in the mean and swelled the global batch's count
@@ -285,6 +360,14 @@ def strategy_for(package: str | None = None) -> type:
                     raise exceptions.MisconfigurationException("ZGossipStrategy does not support ReduceLROnPlateau")
                 scheduler = config.scheduler
                 config.scheduler = _SteppedPerGlobalStep(scheduler)
+            elif scheduler is not None:
+                # scheduler_fn's: Lightning neither saves nor restores it, so the checkpoint carries its state (it
+                # restarted at step 0 on resume: a warm-up ran again, LambdaLR or OneCycleLR went back to the start)
+                if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+                    scheduler = scheduler(raw)
+                if self._restored_scheduler is not None:
+                    scheduler.load_state_dict(self._restored_scheduler)
+            self._restored_scheduler = None
             # a later fit also tries the peers the previous one trained with (this peer's address changed, so
             # a first peer, which has no initial peers, would otherwise come back alone)
             peers = self._initial_peers + [p for p in self._last_peers if p not in self._initial_peers]
@@ -302,10 +385,14 @@ def strategy_for(package: str | None = None) -> type:
                 others = opt.num_peers - 1
                 joined = (f"given {len(self._initial_peers)} initial peer(s), "
                           + (f"sees {others} other peer(s), " if others else "none reachable yet (training alone), "))
-            rank_zero.rank_zero_info(
-                f"ZGossipStrategy: run {self._run_id!r}, {joined}epoch {opt.local_epoch}. Other machines can join "
-                f"with:\n{INITIAL_PEERS_ENV}={opt.endpoint} python ...\nor "
-                f"ZGossipStrategy(initial_peers='{opt.endpoint}')")
+            if getattr(opt.averager, "client_mode", False):
+                # nobody can connect to a client: its endpoint (client://ID) is no address to join at
+                join = ("It runs in client mode: other machines cannot connect to it, they join through a peer "
+                        "that listens")
+            else:
+                join = (f"Other machines can join with:\n{INITIAL_PEERS_ENV}={opt.endpoint} python ...\nor "
+                        f"ZGossipStrategy(initial_peers='{opt.endpoint}')")
+            rank_zero.rank_zero_info(f"ZGossipStrategy: run {self._run_id!r}, {joined}epoch {opt.local_epoch}. {join}")
 
         def on_validation_start(self) -> None:
             # validation in the middle of a fit evaluates the newest parameters, not those an update in flight
@@ -323,7 +410,9 @@ def strategy_for(package: str | None = None) -> type:
                 inner.apply_pending(wait=True)  # a checkpoint holds the newest parameters
                 # and the global step they belong to (as hivemind's Optimizer.state_dict): a resumed fit starts
                 # there, not at 0, where a fresh peer's initial parameters could win the digest vote over them
-                return {**inner.opt.state_dict(), EPOCH_KEY: inner.local_epoch}
+                extra = ({SCHEDULER_KEY: inner.scheduler.state_dict()}
+                         if self._scheduler_fn is not None and inner.scheduler is not None else {})
+                return {**inner.opt.state_dict(), EPOCH_KEY: inner.local_epoch, **extra}
             return super().optimizer_state(optimizer)
 
         def load_optimizer_state_dict(self, checkpoint: Any) -> None:
@@ -332,6 +421,9 @@ def strategy_for(package: str | None = None) -> type:
                 if isinstance(state, dict) and EPOCH_KEY in state:
                     state = dict(state)
                     self._restored_epoch = _count(EPOCH_KEY, state.pop(EPOCH_KEY), 0)  # the next `_start` takes it
+                if isinstance(state, dict) and SCHEDULER_KEY in state:
+                    state = dict(state)
+                    self._restored_scheduler = state.pop(SCHEDULER_KEY)
                 states.append(state)
             super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
 
@@ -352,6 +444,10 @@ def strategy_for(package: str | None = None) -> type:
                 except Exception as e:  # a failed last update must not hide the training's own outcome
                     log.warning("ZGossipStrategy: the last delayed update was not applied: %s", e)
                 self._last_peers = self._run_peer_endpoints()
+                try:
+                    self._final_num_peers = self._opt.num_peers
+                except Exception:  # best effort, as the endpoints: the averager may have failed
+                    self._final_num_peers = 1
                 self._opt.shutdown()
                 self._live = False  # the next fit (if any) wraps its own optimizer
                 if self._raw_optimizer is not None:

@@ -292,6 +292,13 @@ class TrainerPeer:
         if diff is not None or len(arrays) < n:
             raise LayoutMismatch(f"cannot load the donor's state: {diff or 'it holds too few tensors'}. "
                                  "Every peer of a run must build the same model.")
+        epoch = meta["epoch"]
+        if type(epoch) is not int or epoch < 0:  # a str failed only after this peer chose to load (ValueError)
+            raise StateUnavailable(f"the donor's state has epoch {epoch!r}: expected a whole number >= 0")
+        for i, (p, a) in enumerate(zip(self.params, arrays[:n])):
+            if tuple(p.shape) != tuple(np.shape(a)):  # copy_ would broadcast it into the parameter
+                raise StateUnavailable(f"the donor sent {self.param_layout.describe(i)} with shape "
+                                       f"{tuple(np.shape(a))}, not {tuple(p.shape)}")
         extra = unpack_state(meta["extra"], arrays[n:])
         # torch refuses optimizer state of other param groups, but only once the parameters were written: check first
         mine = [len(g["params"]) for g in self.opt.param_groups]
@@ -302,7 +309,6 @@ class TrainerPeer:
             raise LayoutMismatch(f"cannot load the donor's optimizer state: its param groups hold {theirs} tensors, "
                                  f"this optimizer's {mine}. Every peer of a run must build the same optimizer "
                                  "(the same param groups, in the same order).")
-        epoch = int(meta["epoch"])
         with self._lock:
             with torch.no_grad():
                 for p, a in zip(self.params, arrays[:n]):

@@ -9,6 +9,7 @@ import threading
 import time
 from typing import Any, Callable
 
+import numpy as np
 import pytest
 import torch
 
@@ -260,6 +261,68 @@ def test_connect_and_misuse():
         acc.shutdown()
     with pytest.raises(ValueError, match="at least one parameter"):
         Accumulator("c", [])
+
+
+def test_calls_out_of_order_say_why_and_a_shut_down_accumulator_refuses_to_train():
+    """Before the first update(), zero_gradients() raised AttributeError ('NoneType' ... 'get_tensors') and
+    reduce_gradients() blamed a running round or pending zero_gradients(); after shutdown(), update() and
+    reduce_gradients() were accepted and did nothing (start() even built a new averager)."""
+    model = torch.nn.Linear(3, 1)
+    acc = Accumulator("order", model.parameters(), group=Group("order", **FAST))
+    try:
+        _set_grads(model, 1.0)
+        acc.zero_gradients()  # nothing accumulated yet: it zeroes p.grad
+        assert all(not p.grad.any() for p in model.parameters()) and acc.model_version() == 0
+        for call in (lambda: acc.reduce_gradients(4), acc.skip_gradients):
+            with pytest.raises(zgossip.ZGossipError, match=r"call update\(\) first"):
+                call()
+        acc.update()
+        assert acc.connected()
+        _set_grads(model, 1.0)
+        acc.reduce_gradients(4)
+        deadline = time.monotonic() + 5
+        while not acc.has_gradients() and time.monotonic() < deadline:
+            acc.update()  # alone: it steps on its own gradients
+        assert acc.has_gradients()
+        with pytest.raises(zgossip.ZGossipError, match=r"await zero_gradients\(\)"):
+            acc.reduce_gradients(4)
+        for bad in (0, "2", 1.5):
+            with pytest.raises(ValueError, match="set_parallel_gradients"):
+                acc.set_parallel_gradients(bad)
+    finally:
+        acc.shutdown()
+    for call in (acc.update, acc.start, lambda: acc.reduce_gradients(4), acc.skip_gradients, lambda: acc.set_state({})):
+        with pytest.raises(zgossip.ZGossipError, match="shut down"):
+            call()
+    acc.zero_gradients()  # harmless after shutdown
+    acc.shutdown()
+
+
+def test_a_malformed_state_from_a_donor_is_refused_before_anything_is_written():
+    """A donor's state missing its version (KeyError out of update()), with a version that is no int (parameters
+    written, then ValueError), a parameter of shape (1,) (broadcast into the parameter), too few tensors (half
+    written) or a negative version (adopted) is now a failed download: a ZGossipError, which update() logs and
+    retries, before any tensor or the version changes."""
+    from zgossip.training_state import LayoutMismatch, pack_state
+
+    model = torch.nn.Linear(3, 2)
+    acc = Accumulator("adopt", model.parameters(), group=Group("adopt", **FAST))
+    try:
+        acc.start()
+        good = {"kind": "accumulator", "version": 3, "layout": acc.layout.as_meta(), "buffers": 0,
+                "user": pack_state({})[0]}
+        full = [np.zeros((2, 3), np.float32), np.zeros(2, np.float32)]
+        before = [p.detach().clone() for p in model.parameters()]
+        for meta, arrays in (({k: v for k, v in good.items() if k != "version"}, full), ({**good, "version": "3"}, full),
+                             ({**good, "version": -1}, full), (good, [np.ones(1, np.float32)] * 2), (good, full[:1])):
+            with pytest.raises(zgossip.ZGossipError) as err:
+                acc._adopt(meta, arrays)
+            assert not isinstance(err.value, LayoutMismatch), err.value  # the donor's fault: retried, not fatal
+            assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)) and acc.model_version() == 0
+        acc._adopt(good, full)  # the well-formed one is adopted
+        assert all(not p.any() for p in model.parameters()) and acc.model_version() == 3 and acc.has_new_state()
+    finally:
+        acc.shutdown()
 
 
 def test_bad_batch_sizes_and_versions_are_refused_before_anything_is_accumulated():

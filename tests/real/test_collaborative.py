@@ -22,6 +22,7 @@ from zgossip.swarm import stop_children
 import zgossip
 from zgossip.collaborative import CollaborativeOptimizer
 from zgossip.train_demo import Task, evaluate, make_model, single_process_reference, train_peer
+from zgossip.errors import StateUnavailable
 from zgossip.training_state import LayoutMismatch
 
 FAST = dict(gossip_interval=0.05, peer_timeout=2.0, request_timeout=0.3, part_timeout=2.0)
@@ -669,6 +670,42 @@ def test_errors_are_clear():
         assert seen == [0, opt.load_state_timeout]
     with pytest.raises(zgossip.ZGossipError, match="shut down"):
         opt.step(batch_size=1)
+
+
+def test_a_step_without_gradients_counts_no_samples():
+    """A step with every ``p.grad`` None (no backward: Lightning's training_step returned None to skip the batch)
+    counted its samples: a lone peer with target 8 and batches of 4, one skipped, stepped after the skipped
+    batch and one real one by half that batch's gradient. Now the skipped batch counts nothing."""
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = CollaborativeOptimizer(torch.optim.SGD([p], lr=1.0), prefix="nograd", target_batch_size=8, batch_size=4,
+                                 matchmaking_time=0.1, load_state_on_start=False, averager_opts=dict(FAST))
+    with opt:
+        opt.step()  # no gradients
+        assert opt.samples == 0 and opt.local_epoch == 0
+        for _ in range(2):
+            p.grad = torch.full((1,), 2.0)
+            opt.step()
+            opt.zero_grad()
+        assert opt.local_epoch == 1 and p.item() == -2.0 and opt.last_round["local_samples"] == 8
+
+
+def test_a_malformed_state_from_a_donor_is_a_failed_download_not_a_write():
+    """A donor's parameter array of shape (1,) was broadcast into the parameter and adopted, a negative epoch was
+    adopted, and an epoch that is no int raised ValueError out of step() (only StateUnavailable is retried)."""
+    m = torch.nn.Linear(3, 2)
+    opt = CollaborativeOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), prefix="malformed", target_batch_size=8,
+                                 batch_size=4, load_state_on_start=False, averager_opts=dict(FAST))
+    with opt:
+        meta, arrays = opt._current_state()
+        before = [p.detach().clone() for p in m.parameters()]
+        broadcast = [np.ones(1, np.float32)] * 2 + list(arrays[2:])
+        for bad_meta, bad_arrays in (({**meta, "epoch": 5}, broadcast), ({**meta, "epoch": -3}, list(arrays)),
+                                     ({**meta, "epoch": "5"}, list(arrays))):
+            with pytest.raises(StateUnavailable):
+                opt._apply_state(bad_meta, bad_arrays)
+            assert all(torch.equal(p, b) for p, b in zip(m.parameters(), before)) and opt.local_epoch == 0
+        opt._apply_state({**meta, "epoch": 5}, [np.zeros(a.shape, a.dtype) for a in arrays[:2]] + list(arrays[2:]))
+        assert all(not p.any() for p in m.parameters()) and opt.local_epoch == 5
 
 
 def test_an_optimizer_step_that_raises_drops_the_epoch_instead_of_mis_weighting_the_next():

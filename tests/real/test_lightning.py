@@ -221,6 +221,10 @@ out["fit1"], out["epoch1"], w.rows, w.prev = w.rows, s.zgossip_optimizer.local_e
 t.fit_loop.max_epochs = 2
 t.fit(m, data())
 out["fit2"], out["epoch2"], out["closed2"] = w.rows, s.zgossip_optimizer.local_epoch, s.zgossip_optimizer._closed
+try:
+    out["num_peers_after_fit"] = s.num_peers
+except Exception as e:
+    out["num_peers_after_fit"] = [type(e).__name__, str(e)]
 
 s = Strategy(target_batch_size=64, run_id="accumulate", listen="tcp://127.0.0.1:0", averager_opts=fast)
 t = trainer(s, max_steps=6, accumulate_grad_batches=4)
@@ -238,6 +242,10 @@ class Scheduled(M):
         o = torch.optim.SGD(self.parameters(), lr=0.1)
         return {"optimizer": o, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(o, 1, 0.5),
                                                  "interval": "step"}}
+
+    def on_train_batch_end(self, *args):  # what the module's own scheduler says (Lightning hands it a stand-in)
+        sch = self.lr_schedulers()
+        out["module_scheduler"] = [sch.last_epoch, sch.get_last_lr(), sch._last_lr]
 
 
 import functools  # noqa: E402
@@ -267,6 +275,17 @@ trainer(s, max_epochs=3).fit(M(), torch.utils.data.DataLoader(torch.utils.data.T
                                                               batch_size=16))
 out["partial"] = [s.zgossip_optimizer.local_epoch, s.zgossip_optimizer.samples]
 
+
+
+class Cut(M):  # ends every epoch at its third batch, which never reaches optimizer.step
+    def on_train_batch_start(self, batch, i):
+        return -1 if i == 2 else None
+
+
+s = Strategy(target_batch_size=10**6, run_id="cut", listen="tcp://127.0.0.1:0", averager_opts=fast)
+trainer(s, max_epochs=2).fit(Cut(), data())
+out["cut_epochs"] = s.zgossip_optimizer.samples
+
 import os, tempfile  # noqa: E401
 ckdir = tempfile.mkdtemp()
 
@@ -282,21 +301,26 @@ class First(pl.Callback):  # the global step the resumed fit starts at
         out.setdefault("resumed_first", trainer.strategy.zgossip_optimizer.local_epoch)
 
 
-s = Strategy(target_batch_size=64, run_id="ckpt", listen="tcp://127.0.0.1:0", averager_opts=fast)
+def harmonic(o):  # lr / (global step + 1): stateful, unlike StepLR's chain, which resumes right from the lr alone
+    return torch.optim.lr_scheduler.LambdaLR(o, lambda e: 1.0 / (e + 1))
+
+
+s = Strategy(target_batch_size=64, run_id="ckpt", listen="tcp://127.0.0.1:0", averager_opts=fast, scheduler_fn=harmonic)
 t = trainer(s, max_steps=12, callbacks=[Save()])
 t.fit(M(), data())
 t.save_checkpoint(os.path.join(ckdir, "end.ckpt"))
 out["saved"] = [torch.load(os.path.join(ckdir, n), weights_only=False)["optimizer_states"][0].get("zgossip_local_epoch")
                 for n in ("mid.ckpt", "end.ckpt")]
-s = Strategy(target_batch_size=64, run_id="ckpt", listen="tcp://127.0.0.1:0", averager_opts=fast)
+s = Strategy(target_batch_size=64, run_id="ckpt", listen="tcp://127.0.0.1:0", averager_opts=fast, scheduler_fn=harmonic)
 trainer(s, max_steps=16, callbacks=[First()]).fit(M(), data(), ckpt_path=os.path.join(ckdir, "end.ckpt"))
 out["resumed_end"] = s.zgossip_optimizer.local_epoch
+out["resumed_scheduler"] = [s.zgossip_optimizer.scheduler.last_epoch, s.zgossip_optimizer.param_groups[0]["lr"]]
 
 CSVLogger = __import__(pl.__name__ + ".loggers", fromlist=["CSVLogger"]).CSVLogger  # LearningRateMonitor needs one
 s = Strategy(target_batch_size=64, run_id="lrmonitor", listen="tcp://127.0.0.1:0", averager_opts=fast)
 lrm = pl.callbacks.LearningRateMonitor("step")
 pl.Trainer(strategy=s, accelerator="cpu", logger=CSVLogger(ckdir), enable_checkpointing=False, enable_progress_bar=False,
-           enable_model_summary=False, max_steps=3, log_every_n_steps=1, callbacks=[lrm]).fit(M(), data())
+           enable_model_summary=False, max_steps=6, log_every_n_steps=1, callbacks=[lrm]).fit(Scheduled(), data())
 out["lrs"] = {k: v for k, v in lrm.lrs.items()}
 __import__("shutil").rmtree(ckdir, ignore_errors=True)  # the checkpoints and logs: nothing stays in /tmp
 
@@ -309,6 +333,11 @@ s = Strategy(target_batch_size=64, run_id="nobody", listen="tcp://127.0.0.1:0", 
              initial_peers="tcp://127.0.0.1:1", startup_timeout=0.3)
 trainer(s, max_steps=1).fit(M(), data())
 out["start"] = [x for x in lines if x.startswith("ZGossipStrategy")]
+del lines[:]
+s = Strategy(target_batch_size=64, run_id="nobody", listen=None, averager_opts=fast,  # client mode
+             initial_peers="tcp://127.0.0.1:1", startup_timeout=0.3)
+trainer(s, max_steps=1).fit(M(), data())
+out["client_start"] = [x for x in lines if x.startswith("ZGossipStrategy")]
 
 out["bad_kwargs"] = {}
 for kw in (dict(host_maddrs=["/ip4/0.0.0.0/tcp/0"]), dict(target_group_sise=4), dict(prefix="x"),
@@ -318,6 +347,16 @@ for kw in (dict(host_maddrs=["/ip4/0.0.0.0/tcp/0"]), dict(target_group_sise=4), 
         out["bad_kwargs"][",".join(kw)] = None
     except Exception as e:
         out["bad_kwargs"][",".join(kw)] = [type(e).__name__, str(e)]
+out["bad_options"] = {}
+for kw in (dict(run_id=None), dict(matchmaking_time="5"), dict(averaging_timeout=-1), dict(initial_peers=123),
+           dict(initial_peers="/ip4/10.0.0.5/tcp/41000"), dict(listen="0.0.0.0:0"), dict(averager_opts=["x"]),
+           dict(averager_opts={"gossip_intervall": 0.1}), dict(averager_opts={"prefix": "x"}), dict(scheduler_fn=0.5),
+           dict(listen=None), dict(averager_opts={"client_mode": True}, listen="not an address")):  # the last two: client mode
+    try:
+        Strategy(**{"target_batch_size": 64, "listen": "tcp://127.0.0.1:0", **kw})
+        out["bad_options"].setdefault(",".join(kw), []).append(None)
+    except Exception as e:
+        out["bad_options"].setdefault(",".join(kw), []).append([type(e).__name__, str(e)])
 print(json.dumps(out))
 '''
 
@@ -373,12 +412,26 @@ def test_an_inferred_batch_size_counts_the_smaller_last_batch_of_an_epoch_as_it_
     assert single["partial"] == [2, 8], single["partial"]
 
 
+def test_a_batch_that_ends_an_epoch_early_is_not_counted(single):
+    """``on_train_batch_start`` returning -1 ends the epoch at that batch: the strategy had counted its samples, no
+    optimizer step took them, and the next epoch's first step claimed them (its gradient weighted as two batches).
+    Two epochs of two stepped batches of 16: 64 samples (it held 80)."""
+    assert single["cut_epochs"] == 64, single["cut_epochs"]
+
+
 def test_a_checkpoint_holds_the_global_step_and_a_resumed_fit_starts_there(single):
     """The swarm's global step travels in the checkpoint beside the optimizer's state (saved in the middle of a
     fit and after it): resumed, the strategy starts at it (it restarted at 0: a resumed swarm lost its step
     count, and a fresh peer at 0 could win the parameter-digest vote over the checkpoint's parameters)."""
     assert single["saved"] == [2, 3], single
     assert single["resumed_first"] == 3 and single["resumed_end"] == 4, single
+
+
+def test_a_resumed_fit_resumes_the_scheduler_fn_schedule(single):
+    """Lightning saves only the module's schedulers: scheduler_fn's restarted at step 0 on resume, so after
+    global step 4 a LambdaLR of lr / (step + 1) gave 0.05 (its second step) instead of 0.02."""
+    last_epoch, lr = single["resumed_scheduler"]
+    assert last_epoch == 4 and abs(lr - 0.1 / 5) < 1e-12, single["resumed_scheduler"]
 
 
 def test_validation_during_fit_sees_the_update_in_flight_applied(single):
@@ -397,14 +450,55 @@ def test_scheduler_fn_and_a_module_scheduler_together_are_refused(single):
 
 def test_learning_rate_monitor_reads_the_optimizer(single):
     """Lightning's LearningRateMonitor reads ``optimizer.defaults`` of the optimizer Lightning steps: the
-    CollaborativeOptimizer had none, and the first training batch raised AttributeError."""
-    assert single["lrs"] and all(v and set(v) == {0.1} for v in single["lrs"].values()), single["lrs"]
+    CollaborativeOptimizer had none, and the first training batch raised AttributeError. With the module's
+    scheduler (StepLR(1, 0.5), one step per global step of 4 batches) the curve was logged twice, as ``lr-SGD``
+    (the scheduler's optimizer) and ``lr-CollaborativeOptimizer``; now once, under the optimizer's own name."""
+    assert single["lrs"] == {"lr-SGD": [0.1] * 4 + [0.05] * 2}, single["lrs"]
+
+
+def test_the_module_scheduler_reads_as_the_one_that_steps(single):
+    """Lightning hands the module a stand-in for its scheduler (the optimizer steps the real one per global step):
+    the stand-in held a copy of its attributes taken at the first batch, so ``last_epoch`` stayed 0 and
+    ``_last_lr`` at 0.1 while the scheduler had stepped. Six batches of 16, target 64: one global step."""
+    assert single["module_scheduler"] == [1, [0.05], [0.05]], single["module_scheduler"]
 
 
 def test_start_message_says_what_was_reached(single):
     """An initial peer nobody listens at: the message says it was given, and that none was reached."""
     (msg,) = single["start"]
     assert "given 1 initial peer(s), none reachable yet" in msg and "joined" not in msg, msg
+
+
+def test_num_peers_stays_readable_after_fit(single):
+    """After `fit` the strategy's optimizer is shut down: ``strategy.num_peers`` raised AveragerClosed (HivemindStrategy's
+    reads its last progress); it now says how many peers the run had when the fit ended (this one, alone)."""
+    assert single["num_peers_after_fit"] == 1, single["num_peers_after_fit"]
+
+
+def test_bad_strategy_options_are_refused_when_the_strategy_is_made(single):
+    """Each of these was accepted by the constructor and failed only at the first training batch, inside
+    ``trainer.fit``, several with messages that named nothing (``'NoneType' object has no attribute 'encode'``,
+    ``could not convert string to float``, ``'int' object is not iterable``, a clash of keyword arguments)."""
+    bad = single["bad_options"]
+    want = {"run_id": ("ValueError", "run_id"), "matchmaking_time": ("ValueError", "matchmaking_time"),
+            "averaging_timeout": ("ValueError", "averaging_timeout"), "listen": ("ValueError", "listen address"),
+            "scheduler_fn": ("TypeError", "scheduler_fn")}
+    for name, (kind, says) in want.items():
+        assert bad[name] and bad[name][0][0] == kind and says in bad[name][0][1], (name, bad[name])
+    peers = bad["initial_peers"]  # an int, then a hivemind multiaddr
+    assert peers[0][0] == "TypeError" and "initial_peers" in peers[0][1], peers
+    assert peers[1][0] == "ValueError" and "tcp://HOST:PORT" in peers[1][1], peers
+    opts = bad["averager_opts"]  # a list, a misspelt name, a name the strategy sets itself
+    assert [o[0] for o in opts] == ["TypeError"] * 3, opts
+    assert "gossip_intervall" in opts[1][1] and "gossip_interval" in opts[1][1] and "run_id" in opts[2][1], opts
+    assert bad["listen"][1] is None and bad["averager_opts,listen"] == [None], bad  # client mode: no listen address
+
+
+def test_a_client_mode_peer_does_not_offer_its_address_to_join(single):
+    """A client-mode peer (listen=None) printed "Other machines can join with: PL_INITIAL_PEERS=client://..." --
+    an address nobody can connect to, which ZGossipStrategy(initial_peers=...) refuses."""
+    (msg,) = single["client_start"]
+    assert "client mode" in msg and "client://" not in msg and "given 1 initial peer(s)" in msg, msg
 
 
 def test_an_argument_the_optimizer_does_not_take_is_refused_when_the_strategy_is_made(single):
