@@ -103,18 +103,25 @@ _SET_BY_STRATEGY = {"prefix": "run_id", "target_batch_size": "target_batch_size"
 def _check_optimizer_kwargs(kwargs: dict) -> None:
     """Refuse, when the strategy is made, keyword arguments `CollaborativeOptimizer` would refuse at the first
     training batch (a misspelt name, or one of hivemind's), saying where to put them instead."""
-    import inspect
-
-    known = set(inspect.signature(CollaborativeOptimizer.__init__).parameters) - {"self", "optimizer"}
     for name in kwargs:
         if name in _HIVEMIND_NAMES:
             raise TypeError(f"ZGossipStrategy does not take {name!r} (hivemind's name): {_HIVEMIND_NAMES[name]}")
-        if name in _SET_BY_STRATEGY:
-            raise TypeError(f"ZGossipStrategy sets the optimizer's {name!r} itself: "
-                            f"use {_SET_BY_STRATEGY[name]}")
+    _refuse_names(kwargs, CollaborativeOptimizer.__init__, _SET_BY_STRATEGY, "optimizer",
+                  "ZGossipStrategy got an unexpected keyword argument {name!r}: its own arguments and those of "
+                  "CollaborativeOptimizer are taken ({known})")
+
+
+def _refuse_names(names: Any, fn: Any, set_by_strategy: dict[str, str], whose: str, unknown: str) -> None:
+    """Refuse the names the strategy fills in itself (saying which of its arguments to use instead) and those
+    `fn` does not take (`unknown`, formatted with the name and the names it takes)."""
+    import inspect
+
+    known = set(inspect.signature(fn).parameters) - {"self", "optimizer"}
+    for name in names:
+        if name in set_by_strategy:
+            raise TypeError(f"ZGossipStrategy sets the {whose}'s {name!r} itself: use {set_by_strategy[name]}")
         if name not in known:
-            raise TypeError(f"ZGossipStrategy got an unexpected keyword argument {name!r}: its own arguments and "
-                            f"those of CollaborativeOptimizer are taken ({', '.join(sorted(known - set(_SET_BY_STRATEGY)))})")
+            raise TypeError(unknown.format(name=name, known=", ".join(sorted(known - set(set_by_strategy)))))
 
 
 #: Averager arguments the strategy fills in itself (in `averager_opts` they clashed at the first training batch)
@@ -132,8 +139,6 @@ def _check_options(run_id: Any, averager_opts: Any, peers: Any, listen: Any, sch
     """Refuse, when the strategy is made, the options that `CollaborativeOptimizer` and the `Averager` refused
     only at the first training batch, inside ``trainer.fit`` (some as an ``AttributeError`` or a ``TypeError``
     about ``encode`` or iteration); return the initial peers as a list."""
-    import inspect
-
     from .averager import Averager
     from .endpoints import check_endpoint
     from .identity import split_peer
@@ -144,14 +149,8 @@ def _check_options(run_id: Any, averager_opts: Any, peers: Any, listen: Any, sch
         raise TypeError(f"ZGossipStrategy(averager_opts=...) must be a dict of zgossip.Averager keyword arguments, "
                         f"not {type(averager_opts).__name__}")
     opts = averager_opts or {}
-    known = set(inspect.signature(Averager.__init__).parameters) - {"self"}
-    for name in opts:
-        if name in _AVERAGER_SET_BY_STRATEGY:
-            raise TypeError(f"ZGossipStrategy sets the averager's {name!r} itself: use "
-                            f"{_AVERAGER_SET_BY_STRATEGY[name]}")
-        if name not in known:
-            raise TypeError(f"ZGossipStrategy(averager_opts=...) got {name!r}, which zgossip.Averager does not take "
-                            f"({', '.join(sorted(known - set(_AVERAGER_SET_BY_STRATEGY)))})")
+    _refuse_names(opts, Averager.__init__, _AVERAGER_SET_BY_STRATEGY, "averager",
+                  "ZGossipStrategy(averager_opts=...) got {name!r}, which zgossip.Averager does not take ({known})")
     if isinstance(peers, str):
         peers = [p.strip() for p in peers.split(",") if p.strip()]
     elif peers is None:
