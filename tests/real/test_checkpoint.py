@@ -19,21 +19,8 @@ from zgossip.collaborative import CollaborativeOptimizer
 from zgossip.optim import DecentralizedAdam, DecentralizedSGD
 from zgossip.training_state import LayoutMismatch
 
-FAST = dict(gossip_interval=0.05, peer_timeout=2.0, request_timeout=0.3, part_timeout=2.0)
+from training_helpers import FAST, local_steps, tiny_model
 
-
-def _model(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
-
-
-def _train(model: torch.nn.Module, opt: Any, seed: int, steps: int, inner: bool = False) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        x, y = torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)
-        ((model(x) - y) ** 2).mean().backward()
-        (opt.opt if inner else opt).step()
-        opt.zero_grad()
 
 
 def _save(model: torch.nn.Module, opt: Any) -> dict:
@@ -72,12 +59,12 @@ def test_decentralized_adam_round_trip_into_a_fresh_wrapper_continues_bit_for_bi
     torch.save/torch.load into a fresh wrapper; the next step of both is identical."""
     kw = dict(lr=0.01, average_every=None, average_period=3600.0, steps_per_epoch=2, scheduler=_step_lr,
               averager_opts=FAST)
-    model = _model(0)
+    model = tiny_model(0)
     opt = DecentralizedAdam(model.parameters(), prefix="rt-a", **kw)
-    fresh_model = _model(1)
+    fresh_model = tiny_model(1)
     fresh = DecentralizedAdam(fresh_model.parameters(), prefix="rt-b", **kw)
     try:
-        _train(model, opt, seed=0, steps=5)  # alone: epochs at steps 2 and 4, one step into epoch 2
+        local_steps(model, opt, seed=0, steps=5)  # alone: epochs at steps 2 and 4, one step into epoch 2
         assert (opt.local_epoch, opt.local_step, opt.steps_in_epoch) == (2, 5, 1)
         ckpt = _save(model, opt)
         assert ckpt["opt"]["zgossip"]["progress"] == {"local_epoch": 2, "in_sync": True, "local_step": 5,
@@ -89,8 +76,8 @@ def test_decentralized_adam_round_trip_into_a_fresh_wrapper_continues_bit_for_bi
         for p, q in zip(opt.params, fresh.params):
             for k in ("exp_avg", "exp_avg_sq", "step"):
                 assert torch.equal(opt.opt.state[p][k], fresh.opt.state[q][k])
-        _train(model, opt, seed=9, steps=1)
-        _train(fresh_model, fresh, seed=9, steps=1)
+        local_steps(model, opt, seed=9, steps=1)
+        local_steps(fresh_model, fresh, seed=9, steps=1)
         assert _equal(model, fresh_model)
         assert fresh.local_epoch == opt.local_epoch == 3  # the epoch's 2nd step, counted on both
     finally:
@@ -101,16 +88,16 @@ def test_decentralized_adam_round_trip_into_a_fresh_wrapper_continues_bit_for_bi
 def test_decentralized_resume_downloads_only_from_a_swarm_ahead_and_drops_a_round_in_flight():
     kw = dict(lr=0.01, prefix="resume", average_every=None, average_period=3600.0, steps_per_epoch=2,
               max_epoch_lag=5, matchmaking_time=0.3, target_group_size=2, averager_opts=FAST)
-    lead_model = _model(0)
+    lead_model = tiny_model(0)
     lead = DecentralizedAdam(lead_model.parameters(), **kw)
     try:
-        _train(lead_model, lead, seed=0, steps=2)
+        local_steps(lead_model, lead, seed=0, steps=2)
         at_1 = _save(lead_model, lead)
-        _train(lead_model, lead, seed=1, steps=2)
+        local_steps(lead_model, lead, seed=1, steps=2)
         at_2 = _save(lead_model, lead)
         assert lead.local_epoch == 2 and lead.steps_in_epoch == 0
-        _train(lead_model, lead, seed=2, steps=1, inner=True)  # the lead moves on (the epoch does not)
-        model = _model(1)
+        local_steps(lead_model, lead, seed=2, steps=1, inner=True)  # the lead moves on (the epoch does not)
+        model = tiny_model(1)
         opt = DecentralizedAdam(model.parameters(), initial_peers=[lead.endpoint], **kw)
         try:
             assert opt.local_epoch == 2  # a newcomer at epoch 0: it downloaded the swarm's state
@@ -123,13 +110,13 @@ def test_decentralized_resume_downloads_only_from_a_swarm_ahead_and_drops_a_roun
             for p, q in zip(model.parameters(), at_2["model"].values()):
                 assert torch.equal(p.detach(), q)
             # the swarm is at the checkpoint's epoch: training goes on without a download
-            _train(model, opt, seed=3, steps=1)
+            local_steps(model, opt, seed=3, steps=1)
             assert opt.local_epoch == 2 and not downloads
             # a checkpoint of an epoch behind the swarm: loaded, then the swarm's state downloaded at the next
             # step, as a wrapper built with local_epoch=1 would (although max_epoch_lag=5 would only adopt it)
             _resume(model, opt, at_1)
             assert opt.local_epoch == 1
-            _train(model, opt, seed=4, steps=1)
+            local_steps(model, opt, seed=4, steps=1)
             assert len(downloads) == 1 and opt.local_epoch == 2
             assert _equal(model, lead_model)
         finally:
@@ -142,15 +129,15 @@ def test_collaborative_resume_at_the_swarms_epoch_downloads_nothing_in_either_lo
     """The parameter digest a peer publishes follows the model loaded after the optimizer's state, too: else
     the peers at one epoch disagree and one downloads the other's state."""
     kw = dict(prefix="c-resume", target_batch_size=4, batch_size=4, averager_opts=FAST)
-    model_a = _model(0)
+    model_a = tiny_model(0)
     a = CollaborativeOptimizer(torch.optim.Adam(model_a.parameters(), lr=0.01), scheduler=_step_lr, **kw)
     try:
-        _train(model_a, a, seed=0, steps=1)
+        local_steps(model_a, a, seed=0, steps=1)
         at_1 = _save(model_a, a)
-        _train(model_a, a, seed=1, steps=1)
+        local_steps(model_a, a, seed=1, steps=1)
         at_2 = _save(model_a, a)
         assert a.local_epoch == 2 and at_2["opt"]["zgossip"]["progress"] == {"local_epoch": 2, "in_sync": True}
-        model = _model(1)
+        model = tiny_model(1)
         b = CollaborativeOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), scheduler=_step_lr,
                                    initial_peers=[a.endpoint], load_state_on_start=False, **kw)
         try:
@@ -224,25 +211,25 @@ def test_collaborative_delayed_update_state_dict_applies_it_and_load_waits_then_
 
 
 def test_bad_state_dicts_are_refused_with_clear_errors_and_change_nothing():
-    model = _model(0)
+    model = tiny_model(0)
     sgd = DecentralizedSGD(model.parameters(), lr=0.1, prefix="bad", momentum=0.9, averager_opts=FAST)
     others: list = []
     try:
-        _train(model, sgd, seed=0, steps=1)
+        local_steps(model, sgd, seed=0, steps=1)
         good = sgd.state_dict()
         before = _save(model, sgd)["opt"]
-        adam = DecentralizedAdam(_model(0).parameters(), prefix="bad-adam", averager_opts=FAST)
-        coll = CollaborativeOptimizer(torch.optim.SGD(_model(0).parameters(), lr=0.1, momentum=0.9),
+        adam = DecentralizedAdam(tiny_model(0).parameters(), prefix="bad-adam", averager_opts=FAST)
+        coll = CollaborativeOptimizer(torch.optim.SGD(tiny_model(0).parameters(), lr=0.1, momentum=0.9),
                                       prefix="bad-c", target_batch_size=4, averager_opts=FAST)
         other = DecentralizedSGD(torch.nn.Linear(8, 3).parameters(), lr=0.1, prefix="bad-o", averager_opts=FAST)
-        m = _model(0)
+        m = tiny_model(0)
         split = DecentralizedSGD([{"params": list(m[0].parameters())}, {"params": list(m[2].parameters())}],
                                  lr=0.1, prefix="bad-g", averager_opts=FAST)
-        sched = DecentralizedSGD(_model(0).parameters(), lr=0.1, prefix="bad-s", scheduler=_step_lr,
+        sched = DecentralizedSGD(tiny_model(0).parameters(), lr=0.1, prefix="bad-s", scheduler=_step_lr,
                                  averager_opts=FAST)
-        stats = DecentralizedSGD(_model(0).parameters(), lr=0.1, prefix="bad-m", momentum=0.9,
+        stats = DecentralizedSGD(tiny_model(0).parameters(), lr=0.1, prefix="bad-m", momentum=0.9,
                                  average_opt_statistics=("momentum_buffer",), averager_opts=FAST)
-        plain = DecentralizedSGD(_model(0).parameters(), lr=0.1, prefix="bad-n", averager_opts=FAST)
+        plain = DecentralizedSGD(tiny_model(0).parameters(), lr=0.1, prefix="bad-n", averager_opts=FAST)
         others += [adam, coll, other, split, sched, stats, plain]
 
         def edited(**progress: Any) -> dict:

@@ -7,23 +7,17 @@ from __future__ import annotations
 
 import copy
 import io
-import threading
 import time
 from typing import Any
 
 import pytest
 import torch
 
-from tests.harness import virtual_swarm
+from harness import virtual_swarm
+from training_helpers import FAST, in_threads, live_swarm, tiny_model
 from zgossip.optim import DiLoCoOptimizer
 
-FAST = dict(gossip_interval=0.05, peer_timeout=2.0, request_timeout=0.3, part_timeout=2.0)
 H = 3
-
-
-def _model(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
 
 
 def _sgd1(params: list) -> torch.optim.Optimizer:
@@ -53,39 +47,8 @@ def _params(m: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in m.parameters()]
 
 
-def _in_threads(fns: list) -> list:
-    out: list = [None] * len(fns)
-    errors: list = []
-
-    def run(i: int) -> None:
-        try:
-            out[i] = fns[i]()
-        except BaseException as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
-    return out
-
-
 def _swarm(models: list, **kw: Any) -> list[DiLoCoOptimizer]:
-    opts: list = []
-    try:
-        for m in models:
-            opts.append(_make(m, [opts[0].endpoint] if opts else [], **kw))
-        deadline = time.monotonic() + 10
-        while any(o.num_peers < len(models) for o in opts):
-            assert time.monotonic() < deadline, "peers did not see each other"
-            time.sleep(0.02)
-    except BaseException:
-        for o in opts:
-            o.shutdown()
-        raise
-    return opts
+    return live_swarm(len(models), lambda i, peers: _make(models[i], peers, **kw))
 
 
 def _outer_round(models: list, opts: list, gens: list) -> list[list[torch.Tensor]]:
@@ -105,7 +68,7 @@ def _outer_round(models: list, opts: list, gens: list) -> list[list[torch.Tensor
             q.grad = p.grad.clone()
         shadow.step()
         locals_.append([q.detach().clone() for q in shadow.param_groups[0]["params"]])
-    _in_threads([lambda o=o: o.step() for o in opts])
+    in_threads([lambda o=o: o.step() for o in opts])
     for o in opts:
         o.zero_grad()
     return locals_
@@ -115,7 +78,7 @@ def test_outer_sgd_lr1_is_parameter_averaging_and_nesterov_matches_a_hand_refere
     """Outer SGD at lr 1 without momentum: after each outer step both peers hold the mean of their
     local parameters, bit-identical on both; then a Nesterov outer optimizer (state carried across two
     outer steps) matches torch's SGD stepped by hand on the mean pseudo-gradient."""
-    models = [_model(0), _model(0)]  # DiLoCo starts every worker from the same parameters
+    models = [tiny_model(0), tiny_model(0)]  # DiLoCo starts every worker from the same parameters
     opts = _swarm(models)
     try:
         gens = [torch.Generator().manual_seed(s) for s in (1, 2)]
@@ -136,7 +99,7 @@ def test_outer_sgd_lr1_is_parameter_averaging_and_nesterov_matches_a_hand_refere
         for o in opts:
             o.shutdown()
 
-    models = [_model(3), _model(3)]
+    models = [tiny_model(3), tiny_model(3)]
     opts = _swarm(models, outer=_nesterov, prefix="dl-nesterov")
     try:
         ref_params = [p.detach().clone().requires_grad_() for p in models[0].parameters()]
@@ -164,7 +127,7 @@ def test_outer_sgd_lr1_is_parameter_averaging_and_nesterov_matches_a_hand_refere
 
 def test_a_lone_peer_and_a_failed_round_step_on_the_local_pseudo_gradient_and_nan_is_never_applied():
     # alone: no round, the outer step on its own delta (lr 1: the parameters stay where the inner steps led)
-    model = _model(0)
+    model = tiny_model(0)
     opt = _make(model, [], prefix="dl-alone")
     try:
         g = torch.Generator().manual_seed(0)
@@ -199,7 +162,7 @@ def test_a_lone_peer_and_a_failed_round_step_on_the_local_pseudo_gradient_and_na
 
     # a round that fails (the other peer never reaches the outer step): the outer step on the local
     # delta, out of sync; the peer that was left waiting downloads the stepped peer's state later
-    models = [_model(0), _model(0)]
+    models = [tiny_model(0), tiny_model(0)]
     opts = _swarm(models, prefix="dl-fail")
     try:
         opts[0].straggler_timeout = 0.2
@@ -228,7 +191,7 @@ def test_a_lone_peer_and_a_failed_round_step_on_the_local_pseudo_gradient_and_na
 
 
 def test_a_diverged_peer_receives_the_others_mean_and_a_peer_holding_nan_skips_its_outer_step():
-    models = [_model(0), _model(0)]
+    models = [tiny_model(0), tiny_model(0)]
     opts = _swarm(models, prefix="dl-nan")
     try:
         gens = [torch.Generator().manual_seed(s) for s in (1, 2)]
@@ -279,7 +242,7 @@ def test_a_round_in_which_every_member_diverged_skips_the_outer_step_and_keeps_t
     zeros. The outer step used to be taken on it: with momentum it moved the anchor (and decayed the
     momentum) on no pseudo-gradient at all. Now every member skips it, as a lone diverged peer does, and
     the peers stay in sync on the unchanged anchor and outer state."""
-    models = [_model(0), _model(0)]
+    models = [tiny_model(0), tiny_model(0)]
 
     def make(i: int, peers: list, averager_opts: dict) -> DiLoCoOptimizer:
         return _make(models[i], peers, outer=_nesterov, prefix="dl-allnan", averager_opts=averager_opts)
@@ -316,7 +279,7 @@ def test_a_round_in_which_every_member_diverged_skips_the_outer_step_and_keeps_t
 def test_peers_started_from_different_parameters_converge_onto_one_anchor():
     """Pseudo-gradient averaging never pulls anchors together, so peers compare anchor digests: at one
     epoch the reference (here a tie: the lowest peer id's) is downloaded by the others."""
-    models = [_model(0), _model(1)]
+    models = [tiny_model(0), tiny_model(1)]
     opts = _swarm(models, prefix="dl-init")
     try:
         ref = min(opts, key=lambda o: o.peer_id)
@@ -336,14 +299,14 @@ def test_peers_started_from_different_parameters_converge_onto_one_anchor():
 
 
 def test_a_late_joiner_downloads_the_anchor_and_outer_state_and_ends_bit_identical():
-    models = [_model(0), _model(0)]
+    models = [tiny_model(0), tiny_model(0)]
     opts = _swarm(models, outer=_nesterov, prefix="dl-join")
     late = None
     try:
         gens = [torch.Generator().manual_seed(s) for s in (1, 2, 3)]
         _outer_round(models, opts, gens)  # epoch 1: the outer optimizer holds momentum now
         _batches(models[0], opts[0], gens[0], 1)  # peer 0 is one inner step past the anchor
-        late_model = _model(9)  # other initial parameters: they are replaced by the anchor
+        late_model = tiny_model(9)  # other initial parameters: they are replaced by the anchor
         late = _make(late_model, [opts[0].endpoint], outer=_nesterov, prefix="dl-join")
         assert late.local_epoch == 1 and late.steps_in_epoch == 0
         assert all(torch.equal(p, a) for p, a in zip(late_model.parameters(), opts[0]._anchor))
@@ -354,7 +317,7 @@ def test_a_late_joiner_downloads_the_anchor_and_outer_state_and_ends_bit_identic
             assert time.monotonic() < deadline
             time.sleep(0.02)
         # peer 0 is one step ahead: the three finish their inner steps at different moments and still meet
-        _in_threads([lambda: _batches(models[0], opts[0], gens[0], H - 1),
+        in_threads([lambda: _batches(models[0], opts[0], gens[0], H - 1),
                      lambda: _batches(models[1], opts[1], gens[1], H),
                      lambda: _batches(late_model, late, gens[2], H)])
         for o in opts + [late]:
@@ -367,9 +330,9 @@ def test_a_late_joiner_downloads_the_anchor_and_outer_state_and_ends_bit_identic
 
 
 def test_state_dict_round_trip_keeps_the_anchor_and_the_outer_state():
-    model = _model(0)
+    model = tiny_model(0)
     opt = _make(model, [], outer=_nesterov, prefix="dl-ck-a")
-    fresh_model = _model(1)
+    fresh_model = tiny_model(1)
     fresh = _make(fresh_model, [], outer=_nesterov, prefix="dl-ck-b")
     try:
         g = torch.Generator().manual_seed(0)
@@ -433,7 +396,7 @@ def test_state_dict_round_trip_keeps_the_anchor_and_the_outer_state():
 
 
 def test_constructor_refusals():
-    model = _model(0)
+    model = tiny_model(0)
     inner = torch.optim.AdamW(model.parameters())
     with pytest.raises(ValueError, match="inner_steps"):
         DiLoCoOptimizer(inner, inner_steps=0, prefix="x")

@@ -5,9 +5,7 @@ ports); every wait is bounded and every averager is shut down.
 """
 from __future__ import annotations
 
-import threading
 import time
-from typing import Any
 
 import numpy as np
 import pytest
@@ -16,66 +14,18 @@ import torch
 from zgossip.optim import DecentralizedAdam, DecentralizedOptimizer, DecentralizedSGD, init_optimizer_state
 from zgossip.training_state import ModelLayout, pack_state, unpack_state
 
-FAST = dict(gossip_interval=0.05, peer_timeout=2.0, request_timeout=0.3, part_timeout=2.0)
-
-
-def _model(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
-
-
-def _local_steps(model: torch.nn.Module, opt: Any, seed: int, steps: int, inner: bool = False) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        x, y = torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)
-        ((model(x) - y) ** 2).mean().backward()
-        (opt.opt if inner else opt).step()
-        opt.zero_grad()
-
-
-def _in_threads(fns: list) -> list:
-    out: list = [None] * len(fns)
-    errors: list = []
-
-    def run(i: int) -> None:
-        try:
-            out[i] = fns[i]()
-        except BaseException as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
-    return out
-
-
-def _swarm(n: int, make: Any) -> list:
-    opts: list = []
-    try:
-        for i in range(n):
-            opts.append(make(i, [opts[0].endpoint] if opts else []))
-        deadline = time.monotonic() + 10
-        while any(o.num_peers < n for o in opts):
-            assert time.monotonic() < deadline, "peers did not see each other"
-            time.sleep(0.02)
-    except BaseException:
-        for o in opts:
-            o.shutdown()
-        raise
-    return opts
+from harness import virtual_swarm
+from training_helpers import FAST, in_threads, live_swarm, local_steps, tiny_model
 
 
 def test_decentralized_adam_round_averages_parameters_and_adam_statistics():
-    models = [_model(i) for i in range(3)]
-    opts = _swarm(3, lambda i, peers: DecentralizedAdam(
+    models = [tiny_model(i) for i in range(3)]
+    opts = live_swarm(3, lambda i, peers: DecentralizedAdam(
         models[i].parameters(), lr=0.01, prefix="adam", average_every=None, average_period=3600.0,
         matchmaking_time=0.5, target_group_size=3, model=models[i], initial_peers=peers, averager_opts=FAST))
     try:
         for i, (m, o) in enumerate(zip(models, opts)):
-            _local_steps(m, o, seed=i, steps=3)
+            local_steps(m, o, seed=i, steps=3)
         names = ("exp_avg", "exp_avg_sq")
 
         def snapshot(o: DecentralizedAdam) -> list[torch.Tensor]:
@@ -83,7 +33,7 @@ def test_decentralized_adam_round_averages_parameters_and_adam_statistics():
 
         before = [snapshot(o) for o in opts]
         steps_before = [[float(o.opt.state[p]["step"]) for p in o.params] for o in opts]
-        results = _in_threads([lambda o=o: o.average(wait=True, timeout=10) for o in opts])
+        results = in_threads([lambda o=o: o.average(wait=True, timeout=10) for o in opts])
         assert all(r is not None and r.complete and len(r.members) == 3 for r in results)
         after = [snapshot(o) for o in opts]
         for j in range(len(before[0])):
@@ -103,8 +53,8 @@ def test_decentralized_adam_round_averages_parameters_and_adam_statistics():
 
 def test_a_round_is_applied_between_steps_with_the_delta_rule():
     """Local progress made while a round ran is kept: x = x_now + (mean - x_at_round_start)."""
-    models = [_model(i) for i in range(2)]
-    opts = _swarm(2, lambda i, peers: DecentralizedSGD(
+    models = [tiny_model(i) for i in range(2)]
+    opts = live_swarm(2, lambda i, peers: DecentralizedSGD(
         models[i].parameters(), lr=0.1, prefix="delta", average_every=None, average_period=3600.0,
         matchmaking_time=0.3, target_group_size=2, initial_peers=peers, averager_opts=FAST))
     try:
@@ -115,7 +65,7 @@ def test_a_round_is_applied_between_steps_with_the_delta_rule():
         # the round is over but not applied: the parameters are untouched
         for o, s in zip(opts, start):
             assert all(torch.equal(p, q) for p, q in zip(o.params, s))
-        _local_steps(models[0], opts[0], seed=7, steps=2, inner=True)  # progress while the result waits
+        local_steps(models[0], opts[0], seed=7, steps=2, inner=True)  # progress while the result waits
         progressed = [p.detach().clone() for p in opts[0].params]
         assert opts[0].apply_pending() is not None
         for p, now, s0, s1 in zip(opts[0].params, progressed, start[0], start[1]):
@@ -129,36 +79,13 @@ def test_a_round_is_applied_between_steps_with_the_delta_rule():
             o.shutdown()
 
 
-def _virtual_swarm(n: int, make: Any, body: Any, seed: int = 0) -> tuple[list, list]:
-    """`n` optimizers on the simulator's transport, each built and trained by ``body(i, opt)`` in its own
-    simulated thread (virtual time: waits and sleeps cost no wall time, and one seed gives one run)."""
-    from sim import NetworkModel, SimCluster, SimPeer
-
-    cl = SimCluster(seed=seed, network=NetworkModel(latency=0.005))
-    opts: list = [None] * n
-    out: list = [None] * n
-
-    def life(i: int) -> None:
-        ep = f"sim://peer{i}"
-        peer = SimPeer(cl, ep)
-        cl.peers[ep] = peer
-        opts[i] = make(i, [] if i == 0 else ["sim://peer0"], {**FAST, "transport": peer, "seed": [seed, i]})
-        peer.averager = opts[i].averager
-        out[i] = body(i, opts[i])
-
-    threads = [cl.spawn(life, i, name=f"trainer{i}") for i in range(n)]
-    cl.run(until=cl.env.all_of([t.done for t in threads]))
-    cl.clock.close()
-    return opts, out
-
-
 @pytest.mark.parametrize("every", [{"average_every": None}, {}], ids=["average_every=None", "period alone"])
 def test_averaging_every_t_seconds(every):
     """``average_period``: a round starts when the wall clock enters a new period (the same moment on every
     peer), whatever the step rate. In virtual time: 2.5 s of steps every 10 ms with a 0.4 s period.
     Given alone (as docs/training.md shows it), the period used to be joined by average_every's default of 1:
     a round at every step (about 250 rounds here instead of 6)."""
-    models = [_model(i) for i in range(2)]
+    models = [tiny_model(i) for i in range(2)]
 
     def make(i, peers, opts):
         return DecentralizedSGD(models[i].parameters(), lr=0.01, prefix="period", **every,
@@ -169,12 +96,12 @@ def test_averaging_every_t_seconds(every):
         clock = opt.clock
         start = clock.now()
         while clock.now() < start + 2.5:
-            _local_steps(models[i], opt, seed=i, steps=1)
+            local_steps(models[i], opt, seed=i, steps=1)
             clock.sleep(0.01)
         opt.apply_pending(wait=True, timeout=10)
         return opt.rounds, clock.now() - start
 
-    opts, out = _virtual_swarm(2, make, train)
+    opts, out = virtual_swarm(2, make, train)
     for rounds, took in out:
         # 2.5 s cross 6 period boundaries (a round every 0.4 s); one may fall while the last still runs
         assert 5 <= rounds["done"] <= 7 and rounds["failed"] == 0, rounds
@@ -183,14 +110,14 @@ def test_averaging_every_t_seconds(every):
 
 
 def test_a_peer_too_far_behind_loads_state_and_one_slightly_behind_adopts_the_epoch():
-    lead_model = _model(0)
+    lead_model = tiny_model(0)
     sched = lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.9)  # noqa: E731
     lead = DecentralizedAdam(lead_model.parameters(), lr=0.01, prefix="lag", average_every=None,
                              average_period=3600.0, steps_per_epoch=5, scheduler=sched, averager_opts=FAST)
     try:
-        _local_steps(lead_model, lead, seed=0, steps=31)  # alone: 6 epochs
+        local_steps(lead_model, lead, seed=0, steps=31)  # alone: 6 epochs
         assert lead.local_epoch == 6
-        new_model = _model(1)
+        new_model = tiny_model(1)
         new = DecentralizedAdam(new_model.parameters(), lr=0.01, prefix="lag", average_every=None,
                                 average_period=3600.0, steps_per_epoch=5, max_epoch_lag=2, scheduler=sched,
                                 initial_peers=[lead.endpoint], averager_opts=FAST)
@@ -205,18 +132,18 @@ def test_a_peer_too_far_behind_loads_state_and_one_slightly_behind_adopts_the_ep
             assert new.scheduler.last_epoch == lead.scheduler.last_epoch
         finally:
             new.shutdown()
-        near_model = _model(2)
+        near_model = tiny_model(2)
         near = DecentralizedAdam(near_model.parameters(), lr=0.01, prefix="lag", average_every=None,
                                  average_period=3600.0, steps_per_epoch=5, max_epoch_lag=10,
                                  initial_peers=[lead.endpoint], load_state_on_start=False, averager_opts=FAST)
         try:
             assert near.local_epoch == 0
-            _local_steps(near_model, near, seed=2, steps=1)
+            local_steps(near_model, near, seed=2, steps=1)
             deadline = time.monotonic() + 5
             while near.local_epoch < 6:
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
-                _local_steps(near_model, near, seed=3, steps=1)
+                local_steps(near_model, near, seed=3, steps=1)
             # within the allowed lag: it only adopted the epoch, it downloaded nothing
             assert not torch.equal(next(near_model.parameters()), next(lead_model.parameters()))
         finally:
@@ -226,7 +153,7 @@ def test_a_peer_too_far_behind_loads_state_and_one_slightly_behind_adopts_the_ep
 
 
 def test_wrapping_any_optimizer_and_clear_errors():
-    m = _model(0)
+    m = tiny_model(0)
     rms = torch.optim.RMSprop(m.parameters(), lr=0.01, momentum=0.9)
     with pytest.raises(ValueError, match="nothing to average"):
         DecentralizedOptimizer(rms, prefix="e", average_parameters=False)
@@ -237,12 +164,12 @@ def test_wrapping_any_optimizer_and_clear_errors():
     with DecentralizedOptimizer(rms, prefix="e", average_opt_statistics=("square_avg", "momentum_buffer"),
                                 averager_opts=FAST) as opt:
         assert len(opt.layout.shapes) == 3 * len(opt.params)
-        _local_steps(m, opt, seed=0, steps=2)  # alone: rounds fail quietly, training goes on
+        local_steps(m, opt, seed=0, steps=2)  # alone: rounds fail quietly, training goes on
         assert opt.local_step == 2
 
 
 def test_init_optimizer_state_creates_statistics_without_training():
-    m = _model(0)
+    m = tiny_model(0)
     opt = torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.5)
     before = [p.detach().clone() for p in m.parameters()]
     init_optimizer_state(opt)
@@ -254,9 +181,9 @@ def test_init_optimizer_state_creates_statistics_without_training():
 
 
 def test_pack_state_round_trip_and_refusals():
-    m = _model(0)
+    m = tiny_model(0)
     opt = torch.optim.Adam(m.parameters(), lr=0.01, betas=(0.8, 0.9))
-    _local_steps(m, opt, seed=0, steps=2)
+    local_steps(m, opt, seed=0, steps=2)
     state = {"optimizer": opt.state_dict(), "mask": torch.tensor([True, False]), "arr": np.arange(3),
              ("a", 1): [1.5, None, "x", b"y"]}
     meta, arrays = pack_state(state)
@@ -265,11 +192,11 @@ def test_pack_state_round_trip_and_refusals():
     assert set(back["optimizer"]["state"]) == set(opt.state_dict()["state"])  # int keys survive
     assert back["mask"].dtype == torch.bool and back["mask"].tolist() == [True, False]
     assert back[("a", 1)] == [1.5, None, "x", b"y"] and back["arr"].tolist() == [0, 1, 2]
-    other = torch.optim.Adam(_model(1).parameters(), lr=0.5)
+    other = torch.optim.Adam(tiny_model(1).parameters(), lr=0.5)
     other.load_state_dict(back["optimizer"])
     assert other.param_groups[0]["lr"] == 0.01
     # the packed arrays are copies: later training does not change what would be sent
-    _local_steps(m, opt, seed=1, steps=1)
+    local_steps(m, opt, seed=1, steps=1)
     assert not torch.equal(unpack_state(meta, arrays)["optimizer"]["state"][0]["exp_avg"],
                            opt.state_dict()["state"][0]["exp_avg"])
     with pytest.raises(TypeError, match=r"state\['fn'\]: function cannot be shared"):
@@ -323,7 +250,7 @@ def test_the_delta_rule_on_float16_parameters_does_not_overflow():
         o.shutdown()
         return out
 
-    _, out = _virtual_swarm(3, make, body)
+    _, out = virtual_swarm(3, make, body)
     mean = torch.tensor((60000.0 - 2 * 65000.0) / 3).to(torch.float16)  # the averaged buffer, in float16
     assert torch.equal(out[0], torch.full((4,), 60032.0 + (mean.item() - 60000.0)).to(torch.float16)), out[0]
     assert all(torch.equal(o, torch.full((4,), mean.item(), dtype=torch.float16)) for o in out[1:]), out

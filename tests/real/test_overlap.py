@@ -18,27 +18,17 @@ from zgossip.collaborative import CollaborativeOptimizer
 from zgossip.optim import DecentralizedSGD
 from zgossip.train_demo import Task, make_model
 
-FAST = dict(gossip_interval=0.05, peer_timeout=2.0, request_timeout=0.3, part_timeout=2.0)
+from training_helpers import FAST, live_swarm
+
 BS = 16
 
 
 def _pair(prefix: str, **kw: Any) -> tuple[list, list]:
     models = [make_model(0) for _ in range(2)]
-    opts: list = []
-    try:
-        for i in range(2):
-            opts.append(CollaborativeOptimizer(
-                torch.optim.Adam(models[i].parameters(), lr=0.01), prefix=prefix, model=models[i],
-                initial_peers=[opts[0].endpoint] if opts else [], target_batch_size=BS, batch_size=BS,
-                matchmaking_time=1.0, target_group_size=2, min_group_size=2, averager_opts=dict(FAST), **kw))
-        deadline = time.monotonic() + 10
-        while any(o.num_peers < 2 for o in opts):
-            assert time.monotonic() < deadline, "peers did not see each other"
-            time.sleep(0.02)
-    except BaseException:
-        for o in opts:
-            o.shutdown()
-        raise
+    opts = live_swarm(2, lambda i, peers: CollaborativeOptimizer(
+        torch.optim.Adam(models[i].parameters(), lr=0.01), prefix=prefix, model=models[i], initial_peers=peers,
+        target_batch_size=BS, batch_size=BS, matchmaking_time=1.0, target_group_size=2, min_group_size=2,
+        averager_opts=dict(FAST), **kw))
     return opts, models
 
 
