@@ -246,6 +246,10 @@ class AllReduceRound:
         # message). A crash's disconnect notice reaches members a few ms apart, so a call can come just
         # before our own notice: it is decided when the owner is lost to us, or refused at `until`
         self._deferred: list[tuple[float, int, Message]] = []
+        # rescue parts that came right behind a deferred request (the requester sends its parts with
+        # it): (sender, owner) -> parts, replayed when the request is decided. Dropping them left the
+        # substitute waiting for parts already sent, and it gave a live member up (`_on_part`)
+        self._held: dict[tuple[int, int], list[Part]] = {}
         # members that pass no gather data send no GATHER (in large groups that all-to-all would
         # dominate the traffic); their entry is None and their weight is known to the span owners only
         self.gathered: dict[int, Any] = {i: None for i, m in enumerate(spec.members) if not m.sends_gather}
@@ -696,6 +700,8 @@ class AllReduceRound:
         rng = self._part_range(owner, p, arr)
         if rng is None:
             return self._bad(j, msg, "part index, length or dtype does not match the group's plan")
+        if msg.rescue and self._hold(j, msg):
+            return
         if self.stats is not None:  # a transfer that completed, even one too late to be used: it measures the link
             self.stats.on_payload(msg.sender, arr.nbytes, now)
         if msg.rescue:
@@ -813,8 +819,24 @@ class AllReduceRound:
         self._deferred.append((now + min(1.0, 0.25 * self.part_timeout), j, msg))
         return True
 
+    def _hold(self, j: int, msg: Part) -> bool:
+        """Keep a rescue part from j that its deferred request (`Rescue`) declared, until the request
+        is decided; True if kept. A part nobody declared is not kept (`_on_part` drops it)."""
+        r = self.rescues.get(msg.owner)
+        if r is not None and msg.part in r.declared.get(j, ()):
+            return False
+        if not any(k == j and type(m) is Rescue and m.owner == msg.owner and msg.part in m.need
+                   for _, k, m in self._deferred):
+            return False
+        held = self._held.setdefault((j, msg.owner), [])
+        if any(h.part == msg.part for h in held):
+            return False  # a duplicate: dropped and counted as one
+        held.append(msg)
+        return True
+
     def _redo_deferred(self, now: float, owner: int | None = None) -> None:
-        """Decide the deferred rescue messages about `owner` (lost to us now), or those whose grace is over."""
+        """Decide the deferred rescue messages about `owner` (lost to us now), or those whose grace is
+        over; then the rescue parts held behind a request (taken if it was, dropped and counted if not)."""
         due = [d for d in self._deferred if (owner is not None and d[2].owner == owner) or (owner is None and d[0] <= now)]
         if not due:
             return
@@ -823,6 +845,8 @@ class AllReduceRound:
         try:
             for _, j, msg in due:
                 _HANDLERS[type(msg)](self, j, msg, now)
+                for part in self._held.pop((j, msg.owner), []) if type(msg) is Rescue else []:
+                    self._on_part(j, part, now)
         finally:
             self._expiring = False
 
@@ -1007,6 +1031,7 @@ class AllReduceRound:
                     if p < self.plan.num_parts(msg.owner):
                         self._send(j, self._result(msg.owner, p, (), True, self.buf[:0]))
         self._deferred = []
+        self._held.clear()  # parts behind those requests: moot with them (their sender got notices)
         self.phase = transition(self.phase, RoundPhase.DONE, f"round {self._gid}")
         self._on_done(self, now)
 

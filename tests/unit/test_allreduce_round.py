@@ -370,6 +370,53 @@ def test_a_rescue_call_just_before_our_own_disconnect_notice_is_taken_when_it_co
     assert any(isinstance(m, Part) and m.rescue and m.owner == 1 for m in sent)
 
 
+def test_rescue_parts_that_come_with_a_request_we_held_are_taken_when_we_take_it():
+    """A crash seen by member 0 first: it asks member 2 (the owner's substitute) to rescue member 1's
+    span and sends its parts right behind the request. Member 2 still hears member 1, so it holds
+    the request -- and dropped the parts as undeclared. When its own notice came it took the request
+    and waited for parts already sent, then gave live member 0 up (a survivor "lost", seen in CI).
+    The parts are now held with the request and taken with it."""
+    bufs, w = data(3, 15), [1.0, 2.0, 3.0]
+    before = [b.copy() for b in bufs]
+    g = Group(bufs, w, part_timeout=30.0)
+    g.cut = {1}
+    g.start(0.0)
+    g.carry(0.0)
+    r0, r2 = g.rounds[0], g.rounds[2]
+    r0.peer_down(ep(1), 0.01)
+    assert r0.rescue_target.get(1) == 2
+    g.carry(0.01)  # member 2 holds the request (member 1 still heard from) and the parts behind it
+    assert r2._deferred and 1 not in r2.lost
+    r2.peer_down(ep(1), 0.02)
+    g.carry(0.02)
+    r2.on_timer(31.0)  # before: member 2 still waited for member 0's parts, and now gave it up
+    g.carry(31.0)
+    assert r2.dropped == 0 and not r2._held
+    for i in (0, 2):
+        out = g.rounds[i].outcome()
+        assert g.done[i] == 0.02 and out.lost == (pid(1),), (i, out.lost)
+        assert g.rounds[i].rescued[1] == g.rounds[i].plan.num_parts(1)  # the whole span re-reduced
+    assert np.array_equal(bufs[0], bufs[2])
+    lo, hi = r0.plan.part(1, 0)[0], r0.plan.part(1, r0.plan.num_parts(1) - 1)[1]
+    np.testing.assert_allclose(bufs[0][lo:hi], mean(before, w, [0, 2])[lo:hi], rtol=1e-12)
+
+
+def test_rescue_parts_held_with_a_request_that_is_refused_are_dropped_and_counted():
+    bufs, w = data(3, 16), [1.0, 1.0, 1.0]
+    g = Group(bufs, w)
+    g.start()
+    r0 = g.rounds[0]
+    need = (0, 1)
+    r0.on_message(Rescue(pid(2), ep(2), group_id="g1", owner=1, need=need), 0.0)
+    lo, hi = r0.plan.part(1, 0)
+    for p in need:
+        lo, hi = r0.plan.part(1, p)
+        r0.on_message(Part.trusted(pid(2), ep(2), "g1", 1, p, 1.0, True, 0, bufs[2][lo:hi].copy()), 0.0)
+    assert r0.dropped == 0 and len(r0._held[(2, 1)]) == 2
+    r0.on_timer(0.25)  # member 1 still heard from: the request is refused, the held parts dropped
+    assert r0.dropped == 1 + 2 and not r0._held and not r0.rescues
+
+
 @pytest.mark.parametrize("weights", [[1e30, 1e30, 1e30], [1e-300, 3e-300, 2e-300], [1e30, 1e-30, 2e29]])
 def test_weights_are_relative_even_past_float32s_range(weights):
     # float32 buffers: weights of 1e30 made |x| * w overflow (the part was left unchanged), weights of
