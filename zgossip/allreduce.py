@@ -250,6 +250,14 @@ class AllReduceRound:
         # it): (sender, owner) -> parts, replayed when the request is decided. Dropping them left the
         # substitute waiting for parts already sent, and it gave a live member up (`_on_part`)
         self._held: dict[tuple[int, int], list[Part]] = {}
+        # owner -> substitutes whose rescue call we refused, answering that we need nothing: they
+        # reduce that span without us and may be done before the owner is lost to us too. Asking one
+        # then found it deaf (or finished), and we gave a live member up after waiting 2 x part_timeout
+        self._declined: dict[int, set[int]] = {}
+        # owner -> members whose request to rescue that span we refused with notices: they settled
+        # those parts unchanged, so a rescue we start later counts them as needing nothing. Waiting
+        # for a declaration they had no reason to send, we gave live members up after part_timeout
+        self._refused: dict[int, set[int]] = {}
         # members that pass no gather data send no GATHER (in large groups that all-to-all would
         # dominate the traffic); their entry is None and their weight is known to the span owners only
         self.gathered: dict[int, Any] = {i: None for i, m in enumerate(spec.members) if not m.sends_gather}
@@ -620,7 +628,8 @@ class AllReduceRound:
             return
         s = substitute if substitute is not None else self._substitute_for(j)
         need = self._unresolved_parts(j)
-        if s is None or s == j:
+        if s is None or s == j or s in self._declined.get(j, ()):
+            # no substitute, or one we told we need nothing (it went on without us): ours stay unchanged
             for p in need:
                 self._resolve(j, p, None, None)
             return
@@ -652,9 +661,11 @@ class AllReduceRound:
             r = self.rescues[owner] = _Reduce(owner, self.plan, self.buf.dtype, self.n, rescue=True)
             r.excluded |= self.lost | self.aux
             r.declared.setdefault(self.rank, frozenset())
+            for k in self._refused.get(owner, ()):
+                r.declared.setdefault(k, frozenset())
             call = RescueCall(self.me.peer_id, self.me.endpoint, group_id=self._gid, owner=owner)
             for k in self._others():
-                if k != owner:
+                if k != owner and k not in r.declared:
                     self._send(k, call)
                     self._asked(k)
         return r
@@ -863,6 +874,7 @@ class AllReduceRound:
             return
         if why is not None:
             self._send(j, Rescue(self.me.peer_id, self.me.endpoint, group_id=self._gid, owner=owner, need=()))
+            self._declined.setdefault(owner, set()).add(j)
             return self._bad(j, msg, f"rescue call for span {owner} refused: {why}")
         self._member_lost(owner, now, substitute=j, tell=True)
         if owner not in self.rescue_target:  # nothing to rescue here: still answer, so j need not wait
@@ -881,6 +893,7 @@ class AllReduceRound:
                 # settle what j asked for as unchanged on its side at once (empty notices), not by its timeout
                 for p in sorted(need):
                     self._send(j, self._result(owner, p, (), True, self.buf[:0]))
+                self._refused.setdefault(owner, set()).add(j)
                 return self._bad(j, msg, f"request to rescue span {owner} refused: {why}")
             self._member_lost(owner, now, substitute=self.rank, tell=True)  # declares my own needs too
         r = self._start_rescue(owner)
