@@ -48,7 +48,7 @@ from .numeric import PassPlan, add_pass, divide, plan_pass, scaled, take_finite,
 from .linkstats import LinkStats, silence_limit
 from .partition import PartPlan, group_plan, plan_bandwidths
 
-__all__ = ["AllReduceRound", "RoundOutcome", "SpanOutcome", "RoundPhase", "PartState", "ReduceState", "MOVES", "transition"]
+__all__ = ["AllReduceRound", "FinishedRound", "RoundOutcome", "SpanOutcome", "RoundPhase", "PartState", "ReduceState", "MOVES", "transition"]
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +136,35 @@ class RoundOutcome:
         for s in self.spans:
             out.update(s.contributors)
         return tuple(p for p in self.members if p in out)
+
+
+@dataclass(frozen=True)
+class FinishedRound:
+    """What a node keeps of a round it finished (`AllReduceRound.finished`), to answer the rescue
+    messages that still come: a substitute's call hears that we need nothing, a request to rescue a
+    span gets an empty notice per part it asked for (the requester settles them unchanged at once).
+    A request to a member whose round was over went unanswered before: a member that saw the
+    owner die after we had all its results asked us, waited 2 x part_timeout and gave us up."""
+
+    me: tuple[str, str]  # our peer id and endpoint
+    group_id: str
+    members: tuple[tuple[str, str], ...]  # (peer id, endpoint) in member order
+    parts: tuple[int, ...]  # parts of each member's span
+
+    def answer(self, msg: RescueCall | Rescue) -> list[Message] | None:
+        """The replies to `msg` (to its sender; none for a request that asks for nothing, e.g. an answer
+        to a call of ours that came after our round was over), or None if it is refused: from a
+        non-member, or a request to rescue a span that is ours or the requester's."""
+        if (msg.sender, msg.endpoint) not in self.members or not 0 <= msg.owner < len(self.parts):
+            return None
+        sender, endpoint = self.me
+        if type(msg) is RescueCall:
+            return [Rescue(sender, endpoint, group_id=self.group_id, owner=msg.owner, need=())]
+        if self.members[msg.owner] in (self.me, (msg.sender, msg.endpoint)):
+            return None
+        empty = np.empty(0, np.float32)
+        return [Result.trusted(sender, endpoint, self.group_id, msg.owner, p, (), True, NONE, (), empty)
+                for p in sorted(set(msg.need)) if p < self.parts[msg.owner]]
 
 
 class _Reduce:
@@ -1047,6 +1076,12 @@ class AllReduceRound:
         self._held.clear()  # parts behind those requests: moot with them (their sender got notices)
         self.phase = transition(self.phase, RoundPhase.DONE, f"round {self._gid}")
         self._on_done(self, now)
+
+    def finished(self) -> FinishedRound:
+        """What answers the rescue messages that come after this round is over (`FinishedRound`)."""
+        return FinishedRound((self.me.peer_id, self.me.endpoint), self._gid,
+                             tuple((m.peer_id, m.endpoint) for m in self.members),
+                             tuple(self.plan.num_parts(o) for o in range(self.n)))
 
     # ------------------------------------------------------------------ result
     def outcome(self) -> RoundOutcome:

@@ -22,7 +22,7 @@ import numpy as np
 
 from . import announce, autogrid, layouts
 from .actions import Connect, Disconnect, DownloadDone, DownloadFailed, Send, ServeState, StepDone, StepFailed, StepProgress
-from .allreduce import AllReduceRound, RoundOutcome, SpanOutcome
+from .allreduce import AllReduceRound, FinishedRound, RoundOutcome, SpanOutcome
 from .codecs import CodecMap
 from .droplog import DropLog
 from .endpoints import client_endpoint, listens, peer_check
@@ -339,7 +339,7 @@ class Node:
         self._early: dict[str, list[Message]] = {}  # group id -> its round messages that came before we could use them
         self._early_bytes = 0  # their payload bytes
         self._tensor_bytes = 0  # of the latest step's buffer (or layout): sizes the early buffer
-        self._finished: dict[str, bool] = {}  # ids of recent rounds, to answer late rescue calls
+        self._finished: dict[str, FinishedRound] = {}  # recent rounds, to answer late rescue messages
         self._gone: dict[str, frozenset[str]] = {}  # recent rounds: endpoints of the members each lost
         # Shutdown: groupmates of recent rounds that have not said DONE may still wait for results
         # of ours (queued on a slow link); `owes_others` tells the driver to keep them flowing.
@@ -1113,10 +1113,16 @@ class Node:
             for arr in msg.payload:  # a transfer of a round we finished still measures our link
                 self.linkstats.on_payload(msg.sender, arr.nbytes, now, pace=type(msg) is Part)
         if done is not None:
-            if type(msg) is RescueCall:
-                # we finished already, so we need nothing: say so, so the substitute need not wait
-                reply = Rescue(self.peer_id, self.endpoint, group_id=gid, owner=msg.owner, need=())
-                self._send(msg.endpoint, reply)
+            if type(msg) in (RescueCall, Rescue):
+                # we finished already: a substitute hears that we need nothing, a member that asks us to
+                # rescue gets notices (it keeps its own values), so neither waits for us and gives us up
+                replies = done.answer(msg)
+                for reply in replies or ():
+                    self._send(msg.endpoint, reply)
+                if replies is None:
+                    self.stats["dropped"] += 1
+                elif not replies:
+                    self.stats["late"] += 1
             else:
                 self.stats["late"] += 1
             return
@@ -1310,7 +1316,7 @@ class Node:
         self.coords = self.grid.next_coords(self.coords, self.round_index, rnd.spec.group_id, rnd.rank)
         self._advance_round(self.round_index + 1)
         gid = rnd.spec.group_id
-        self._finished[gid] = True
+        self._finished[gid] = rnd.finished()
         while len(self._finished) > 8:
             self._finished.pop(next(iter(self._finished)))
         self._gone[gid] = frozenset(rnd.members[i].endpoint for i in rnd.done_with_us)

@@ -496,6 +496,43 @@ def test_a_substitute_that_refused_a_request_does_not_wait_for_that_member_when_
     assert_averaged_or_unchanged(g, before, w)
 
 
+def test_a_member_whose_round_is_over_answers_a_rescue_request_with_notices():
+    """Found by fuzzing: owner 1 dies after its results reached member 2, not member 0. Member 2
+    is done; member 0 asks it (the substitute) to re-reduce span 1. A request for a finished round
+    was dropped by the node: member 0 waited 2 x part_timeout and gave live member 2 up. What the
+    node keeps of the round (`FinishedRound`) now answers with notices: 0 keeps its own values."""
+    bufs, w = data(3, 19), [1.0, 2.0, 3.0]
+    before = [b.copy() for b in bufs]
+    g = Group(bufs, w, part_timeout=1.0)
+    g.start(0.0)
+    for o in g.outs:  # every GATHER and PART arrives ...
+        for e, m in o.take():
+            g.by_ep[e].on_message(m, 0.0)
+    g.oneway = {(1, 0)}  # ... but member 1's results reach member 2 only
+    g.carry(0.0)
+    assert g.done[2] == 0.0 and g.done[0] is None
+    g.cut = {1}
+    r0, r2 = g.rounds[0], g.rounds[2]
+    r0.peer_down(ep(1), 0.01)
+    request = [m for e, m in g.outs[0].take() if e == ep(2)]
+    assert isinstance(request[0], Rescue) and request[0].need == tuple(range(r0.plan.num_parts(1)))
+    answer = r2.finished().answer(request[0])
+    assert [m.part for m in answer] == list(request[0].need)
+    for m in answer:
+        r0.on_message(m, 0.02)
+    assert g.done[0] == 0.02 and r0.outcome().lost == (pid(1),) and r0.dropped == 0
+    assert all(s is PartState.UNCHANGED for s in r0.status[1])
+    assert_averaged_or_unchanged(g, before, w)
+    fin = r2.finished()  # and nothing for what is not a member's request for another's span
+    assert fin.answer(Rescue(pid(7), ep(7), group_id="g1", owner=1, need=(0,))) is None
+    assert fin.answer(Rescue(pid(0), ep(0), group_id="g1", owner=0, need=(0,))) is None
+    assert fin.answer(Rescue(pid(0), ep(0), group_id="g1", owner=2, need=(0,))) is None
+    assert fin.answer(Rescue(pid(0), ep(0), group_id="g1", owner=9, need=(0,))) is None
+    assert fin.answer(Rescue(pid(0), ep(0), group_id="g1", owner=1, need=())) == []  # "I need nothing": no reply
+    assert [m.part for m in fin.answer(Rescue(pid(0), ep(0), group_id="g1", owner=1, need=(1, 1, 0, 99)))] == [0, 1]
+    assert fin.answer(RescueCall(pid(0), ep(0), group_id="g1", owner=1))[0].need == ()
+
+
 @pytest.mark.parametrize("weights", [[1e30, 1e30, 1e30], [1e-300, 3e-300, 2e-300], [1e30, 1e-30, 2e29]])
 def test_weights_are_relative_even_past_float32s_range(weights):
     # float32 buffers: weights of 1e30 made |x| * w overflow (the part was left unchanged), weights of

@@ -146,3 +146,28 @@ def test_a_flood_of_one_kind_from_made_up_sources_neither_floods_the_log_nor_sil
     assert len(lines) == 8 + 1 + 1 + 1, lines  # OncePer logs only its summary line: its caller logs the rest
     assert sum("from now on only counted" in m for m in lines) == 2
     assert any("an invalid message" in m for m in lines)
+
+
+def test_a_finished_round_answers_rescue_messages_and_drops_a_strangers():
+    """A request to rescue a span that reaches a node whose round is over gets empty notices (the
+    requester keeps its own values at once, instead of giving the node up later); one from a
+    non-member is dropped and counted, a member's "I need nothing" counted late."""
+    from zgossip.allreduce import FinishedRound
+    from zgossip.messages import Rescue, Result
+
+    n = _node()
+    n.start(0.0)
+    gid = "cd" * 8
+    n._finished[gid] = FinishedRound((pid(0), ep(0)), gid, tuple((pid(i), ep(i)) for i in range(3)), (2, 3, 2))
+    n.take_actions()
+    n.on_message(Rescue(pid(2), ep(2), group_id=gid, owner=1, need=(0, 2)), 1.0)
+    sent = [(a.endpoint, a.msg) for a in n.take_actions() if hasattr(a, "msg")]
+    assert [(e, type(m), m.owner, m.part, m.contributors, m.data.size) for e, m in sent] == \
+        [(ep(2), Result, 1, p, (), 0) for p in (0, 2)]
+    dropped, late = n.stats["dropped"], n.stats["late"]
+    n.on_message(Rescue(pid(5), ep(5), group_id=gid, owner=1, need=(0,)), 1.0)
+    n.on_message(RescueCall(pid(5), ep(5), group_id=gid, owner=1), 1.0)
+    assert n.stats["dropped"] == dropped + 2 and not [a for a in n.take_actions() if hasattr(a, "msg")]
+    n.on_message(Rescue(pid(1), ep(1), group_id=gid, owner=2, need=()), 1.0)  # a member's late "I need nothing"
+    assert n.stats["late"] == late + 1 and n.stats["dropped"] == dropped + 2
+    assert not [a for a in n.take_actions() if hasattr(a, "msg")]
