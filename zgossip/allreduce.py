@@ -655,7 +655,10 @@ class AllReduceRound:
             for p in self._unresolved_parts(j):
                 self._resolve(j, p, None, None)
             return
-        s = substitute if substitute is not None else self._substitute_for(j)
+        # a substitute lost to us is none (a call it sent before it died, held for a grace, is taken
+        # when the owner is silent to us too): no limit covers a lost member, so we waited for its
+        # results until the deadline. The next live one takes over, as if the call never came.
+        s = substitute if substitute is not None and substitute not in self.lost else self._substitute_for(j)
         need = self._unresolved_parts(j)
         if s is None or s == j or s in self._declined.get(j, ()):
             # no substitute, or one we told we need nothing (it went on without us): ours stay unchanged

@@ -496,6 +496,34 @@ def test_a_substitute_that_refused_a_request_does_not_wait_for_that_member_when_
     assert_averaged_or_unchanged(g, before, w)
 
 
+def test_a_rescue_call_taken_after_its_caller_died_does_not_wait_for_the_dead_caller():
+    """Found by fuzzing: member 1 (the dead owner 0's substitute) calls members 2 and 3 in, then dies
+    too. They held the call (member 0 not silent to them yet) and took it when its grace was over --
+    with member 1, lost to them by then, as the substitute: they waited for its results, which no
+    limit covers once a member is lost, until the round's deadline (10 s). A lost member is never
+    taken as a substitute: the next live one re-reduces the span."""
+    bufs, w = data(4, 20), [1.0, 2.0, 3.0, 4.0]
+    before = [b.copy() for b in bufs]
+    g = Group(bufs, w, part_timeout=1.0, deadline=10.0)
+    g.cut = {0}
+    g.start(0.0)
+    g.carry(0.0)
+    r1, r2, r3 = g.rounds[1:]
+    r1.peer_down(ep(0), 0.4)
+    g.carry(0.4)
+    assert r2._deferred and r3._deferred  # member 0 not silent to them yet
+    g.cut = {0, 1}
+    for r in (r2, r3):
+        r.peer_down(ep(1), 0.5)
+    t = tick(g, [2, 3], 3.0)
+    assert t <= 0.65
+    for r in (r2, r3):
+        assert r.outcome().lost == (pid(0), pid(1)) and r.rescue_target.get(0) == 2
+    assert np.array_equal(bufs[2], bufs[3])
+    assert g.rounds[3].rescued[0] == r2.plan.num_parts(0)  # span 0 re-reduced by member 2
+    assert_averaged_or_unchanged(g, before, w)
+
+
 def test_a_member_whose_round_is_over_answers_a_rescue_request_with_notices():
     """Found by fuzzing: owner 1 dies after its results reached member 2, not member 0. Member 2
     is done; member 0 asks it (the substitute) to re-reduce span 1. A request for a finished round
