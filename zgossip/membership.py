@@ -364,9 +364,18 @@ class Membership:
                 # (a heartbeat past its tombstone's grew under our watch: it came back, and we may say so)
                 self._enter(PeerRecord(pid, ep, hb, now, share, self.clean_info(pid, info), heard=tomb is not None))
             elif hb > rec.heartbeat:
-                rec.heartbeat, rec.updated, rec.share, rec.heard = hb, now, share, True
+                rec.heartbeat, rec.updated, rec.share, rec.heard = self._grown(rec, hb, now), now, share, True
                 self._move(rec, ep)
                 rec.info = self.clean_info(pid, info)
+
+    def _grown(self, rec: PeerRecord, hb: int, now: float) -> int:
+        """A known record's heartbeat after news of `hb` (higher): at most 2 more than it was, plus 2 per
+        gossip interval since it last grew here. An honest heartbeat grows by 1 per interval, and a
+        record that lags is only refreshed in smaller steps; a liar that names a known peer with a
+        huge heartbeat no longer pins it -- before, every later honest digest entry of that peer
+        read as stale, so the peers that knew it second-hand expired it, and its tombstone kept it
+        out for 10 x peer_timeout, while the peer could not follow past `MAX_HEARTBEAT`."""
+        return min(hb, rec.heartbeat + 2 + int(2 * max(0.0, now - rec.updated) / self.gossip_interval))
 
     def goodbye(self, now: float) -> None:
         """Shutting down cleanly: tell every live peer to forget us now, and stop gossiping."""
@@ -464,7 +473,7 @@ class Membership:
         elif entry is None:
             rec.updated, rec.heard = now, True
         elif entry[0] > rec.heartbeat:
-            rec.heartbeat, rec.updated, rec.heard = entry[0], now, True
+            rec.heartbeat, rec.updated, rec.heard = self._grown(rec, entry[0], now), now, True
             rec.info = self.clean_info(pid, entry[2])
 
     def _expire(self, now: float) -> None:
