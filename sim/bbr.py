@@ -211,13 +211,14 @@ class Bbr:
             if r.leaves <= end:
                 r.cum_after = self.cum
         self.open = [r for r in self.open if r.cum_after is None]
+        resent = min(lost, nbytes)  # of these bytes (`lost` counts whole segments, as BBR's samples do)
         self._push(end + rtt, end, self._sample(end), end < self.app_limited_until, lost > 0, self.cum,
-                   nbytes - lost, None)
+                   nbytes - resent, None)
         if lost > 0 and retransmit_leaves is not None:
             r = _Retransmission(retransmit_leaves, lost, end)
             r.app_limited = retransmit_leaves < self.app_limited_until
             self.open.append(r)
-            self._push(retransmit_leaves + rtt, retransmit_leaves, 0.0, False, False, None, lost, r)
+            self._push(retransmit_leaves + rtt, retransmit_leaves, 0.0, False, False, None, resent, r)
 
     # ------------------------------------------------------------------ samples
     def _push(self, ack: float, sent_at: float, sample: float, app_limited: bool, losses: bool,
