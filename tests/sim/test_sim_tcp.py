@@ -14,8 +14,8 @@ import simpy
 
 from sim import NetworkModel, SimCluster
 from sim.cpu import CpuCosts, CpuSpec, calibrate
-from sim.network import Partition, Profile
-from sim.scenario import load_scenario, run_scenario
+from sim.network import Partition
+from sim.scenario import run_scenario
 from sim.tcp import TcpParams, TcpTransport
 from zgossip.node import NodeConfig
 from zgossip.wire import MsgType, lane_of, make_message, warm_lanes
