@@ -17,7 +17,9 @@ machine's cores shared by every peer. Transport mechanisms the testbed showed an
 now models: the TCP + ZMTP connection set-up (3 RTT per new connection and direction), BBR
 loss recovery and Linux's tail-loss probe, and (`sim.driver`) the in-place step's wait for
 its zero-copy sends, which makes a fast peer that owes a slow one its results wait with it.
-BBR's pacing of app-limited bursts (`sim.tcp`, "Pacing"). The testbed's forwarder runs under
+BBR's pacing of app-limited bursts and its path model as Linux's BBR v1 keeps it (`sim.bbr`: a
+bandwidth estimate over the last 10 round trips, which a retransmission at a burst's tail can
+pull down to a few segments per RTT -- the lat150-loss stalls). The testbed's forwarder runs under
 SCHED_FIFO and counts each frame's delay from the kernel's receive time, but its per-frame work
 (which includes the receiving host's softirq) still shares the cores with the peers: the replay
 charges the CPU per byte this run's forwarder spent (`sim.cpu.CpuCosts.switch_byte`) to one

@@ -39,14 +39,18 @@ What ZeroMQ over TCP gives the protocol is a reliable, ordered byte stream per c
   Under CUBIC/Reno the next round waits for the recovery; BBR keeps pacing at its bandwidth
   estimate through recovery (SACK), so only the arrivals wait (head-of-line blocking).
 * **Pacing (BBR).** BBR sends every flight at gain x its bandwidth estimate, not as fast as the
-  window allows. The estimate is the largest delivery-rate sample so far: the flight's bytes over
-  its elapsed time plus one RTT (what Linux's tcp_rate measures for a flight that began from
-  idle), or the window per RTT in a window-limited round. In startup the pacing rate never
-  falls, so it is at least gain x the initial window per RTT. An all-reduce's parts are
-  app-limited bursts after idle: a burst of B bytes raises the estimate only towards
-  B (1 - 1/gain) / RTT, so a burst on a fast long link settles near RTT / (gain - 1) of pacing
-  (~0.5 RTT) where an unpaced window would send it at once. The testbed's 300 ms RTT case shows
-  it: steady all-reduce 0.55 s measured, 0.32 s predicted without pacing, 0.61 s with it.
+  window allows, and keeps its own window (cwnd gain x estimated BDP). `sim.bbr` keeps both as
+  Linux's BBR v1 does: the estimate is the largest delivery-rate sample of the last 10 round trips,
+  app-limited samples only raise it, and a retransmission's sample counts like any other, so the
+  tail loss of a burst on a connection whose high samples aged out leaves it pacing at a few
+  segments per RTT (the testbed's lat150-loss stalls); STARTUP (gain 2.885, its pacing rate never
+  falls), DRAIN and PROBE_BW's gain cycle decide the gain. Each round tells `sim.bbr` what it sent
+  (and what of it is retransmitted, when); the samples are acted on at their ACK times. An
+  all-reduce's parts are app-limited bursts after idle: in STARTUP a burst of B bytes raises the
+  estimate only towards B (1 - 1/gain) / RTT, so a burst on a fast long link settles near
+  RTT / (gain - 1) of pacing (~0.5 RTT) where an unpaced window would send it at once. The
+  testbed's 300 ms RTT case (`lat150-1m`, 24 Nov 2026 12:20 matrix) shows it: steady steps
+  0.65-0.73 s measured, 0.69-0.81 s predicted.
 * **Partitions** stall a connection: a round that finds the path cut is retried with
   exponential RTO backoff (RTO, 2 RTO, 4 RTO ...) and resumes from one segment after the
   cut heals. Nothing is lost (Linux gives up after ``tcp_retries2`` -- about 15 minutes --
@@ -82,6 +86,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+
+from .bbr import Bbr
 
 __all__ = ["TcpParams", "TcpTransport"]
 
@@ -221,7 +227,7 @@ class _Msg:
 
 class _Conn:
     __slots__ = ("src", "dst", "lane", "owd", "rtt", "cwnd", "ssthresh", "queue", "last_sent", "busy_until",
-                 "used", "scheduled", "last_arrival", "backoff", "gen", "ready", "bw", "flight_t0", "flight_bytes")
+                 "used", "scheduled", "last_arrival", "backoff", "gen", "ready", "bbr")
 
     def __init__(self, src: str, dst: str, lane: int, owd: float, back: float, iw: float) -> None:
         self.src, self.dst, self.lane = src, dst, lane
@@ -238,9 +244,7 @@ class _Conn:
         self.backoff = 0  # RTO backoffs while a partition stalls it
         self.gen = 0  # bumped on reset, so its scheduled rounds are void
         self.ready = 0.0  # when the TCP and ZMTP handshakes are over (no data leaves before)
-        self.bw = 0.0  # BBR: the largest delivery rate measured (bytes/s; 0 = no sample yet)
-        self.flight_t0 = 0.0  # when the current flight (bytes sent since the connection was last idle) began
-        self.flight_bytes = 0.0
+        self.bbr: Bbr | None = None  # BBR's path model (paced connections only)
 
 
 class TcpTransport:
@@ -279,6 +283,8 @@ class TcpTransport:
             back = self.net.base_latency(dst, src, self.rng)
             c = _Conn(src, dst, lane, owd, back, self.p.iw)
             c.ready = self.env.now + self._handshake(c)
+            if self.p.paced and c.rtt > 0.0:
+                c.bbr = Bbr(c.rtt, self.p.mss, self.p.iw, self.p.pacing_gain, self.rng, self.p.window_cap)
             self.conns[key] = c
             self._up.setdefault(src, []).append(c)
             self._down.setdefault(dst, []).append(c)
@@ -352,6 +358,8 @@ class TcpTransport:
         c = self._conn(src, dst, lane)
         if not c.queue and not c.scheduled:
             self._restart_after_idle(c, now)
+        if c.bbr is not None and not c.queue:  # nothing unsent: what leaves next is app-limited
+            c.bbr.on_write(now, max(now, c.busy_until, c.ready))
         msg = _Msg(nbytes, token)
         c.queue.append(msg)
         self._busy_up.setdefault(src, {})[c] = None
@@ -458,6 +466,8 @@ class TcpTransport:
             c.backoff = k
             c.ssthresh = max(2.0 * p.mss, c.cwnd / 2)
             c.cwnd = float(p.mss)  # after an RTO: loss window of one segment
+            if c.bbr is not None:
+                c.bbr.cwnd = c.cwnd
             self._at(t, c)
             return
         c.backoff = 0
@@ -469,13 +479,10 @@ class TcpTransport:
                    self._level(self._busy_down.get(c.dst), c, None if down is None else down * share, now))
         queued = sum(m.left for m in c.queue)
         rtt = c.rtt
-        paced = p.paced and rtt > 0.0
-        if paced:
-            if now >= c.busy_until + rtt:  # everything sent before is acknowledged: a new flight
-                c.flight_t0, c.flight_bytes = now, 0.0
-            # in startup BBR's pacing rate never falls: at least the initial window per RTT (what it
-            # starts from), times the gain, however small the samples of short messages were
-            rate = min(rate, p.pacing_gain * max(c.bw, p.iw / rtt))
+        bbr = c.bbr
+        if bbr is not None:  # BBR paces at gain x its estimate, and keeps its own window
+            rate = min(rate, bbr.pacing_rate(now))
+            c.cwnd = bbr.cwnd
         window_limited = False
         if rtt <= 0.0:
             nbytes = queued  # no RTT, no window to wait for
@@ -494,17 +501,9 @@ class TcpTransport:
             c.used = nbytes / max(duration, rtt) if max(duration, rtt) > 0 else _INF
         else:  # sending at the rate it was given, for as long as its bytes last
             c.used = nbytes / duration if duration > 0 else _INF
-        if paced and nbytes > 0:
-            # delivery-rate samples: the flight so far over its elapsed time plus the RTT its last
-            # byte's ACK takes (what tcp_rate measures for a flight that began from idle), and for a
-            # window-limited round the window per RTT
-            c.flight_bytes += nbytes
-            sample = c.flight_bytes / (now + duration - c.flight_t0 + rtt)
-            if window_limited:
-                sample = max(sample, nbytes / max(duration, rtt))
-            c.bw = max(c.bw, sample)
         # loss: the round's bytes wait for the retransmission (head-of-line blocking)
         extra = 0.0
+        lost_bytes = 0.0
         loss = self.net._loss(c.src, c.dst)
         if loss > 0.0 and nbytes > 0:
             segs = math.ceil(nbytes / p.mss)
@@ -521,6 +520,7 @@ class TcpTransport:
                 # ~1.4 lost retransmissions per 1 MiB step of 4 hosts, nstat TCPTimeouts and
                 # TCPLostRetransmit, against ~80 fast retransmissions)
                 lost = max(1.0, segs * loss)
+                lost_bytes = lost * p.mss  # what BBR counts: whole segments, however short the message
                 if self.rng.random() < 1.0 - (1.0 - loss) ** lost:
                     extra += self._rto(c)
                 if not p.paced:  # BBR's window follows its path model, not losses
@@ -528,6 +528,8 @@ class TcpTransport:
                     c.ssthresh = c.cwnd
                 if extra > 0 and nbytes < queued and not p.paced:
                     nxt = max(nxt, now + extra)
+        if bbr is not None:  # the samples its ACKs (and those of its retransmissions) will give
+            bbr.on_sent(now, now + duration, nbytes, lost_bytes, now + duration + extra)
         # messages whose last byte is in this round arrive `owd` (+ jitter) after it left
         sent = 0.0
         while c.queue and nbytes - sent > 1e-9:
@@ -553,7 +555,7 @@ class TcpTransport:
             ev.callbacks.append(lambda _e, tok=m.token, s=now + duration, g=c.gen, c=c: self._arrive(c, g, tok, s))
         c.busy_until = now + duration
         c.last_sent = now + duration
-        if window_limited or rtt <= 0.0:
+        if (window_limited or rtt <= 0.0) and bbr is None:
             if c.cwnd < c.ssthresh:
                 c.cwnd += nbytes  # slow start: one segment per segment acknowledged
             else:

@@ -9,7 +9,7 @@ import numpy as np
 
 import zgossip
 from sim import SimCluster
-from zgossip.node import NodeConfig, StepDone, StepFailed
+from zgossip.node import NodeConfig, StepDone
 
 TRANSPORTS = ["sim", "zmq"]
 

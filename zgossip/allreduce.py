@@ -929,7 +929,19 @@ class AllReduceRound:
                 return self._bad(j, msg, f"request to rescue span {owner} refused: {why}")
             self._member_lost(owner, now, substitute=self.rank, tell=True)  # declares my own needs too
         r = self._start_rescue(owner)
-        r.declared.setdefault(j, need)
+        old = r.declared.get(j)
+        if old is None:
+            r.declared[j] = need
+        elif need - old:
+            # j declared less before: it refused our call while it still heard the owner, and lost the
+            # owner itself since. Its parts are taken where j's term can still be added in order;
+            # where the part was summed past j without it, j is told at once to keep its own values
+            # (it was not: the parts it sent were dropped as undeclared, it waited for results that
+            # never came, and each of two live members ended by giving the other up)
+            r.declared[j] = old | need
+            for p in sorted(need - old):
+                if r.state[p] is not ReduceState.COLLECTING or r.pos[p] > j:
+                    self._send(j, self._result(owner, p, (), True, self.buf[:0]))
         for p in range(r.nparts):
             self._advance(r, p, now)
 

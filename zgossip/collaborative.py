@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import math
 import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -203,6 +204,7 @@ class CollaborativeOptimizer(TrainerPeer):
         self._grads: list[torch.Tensor] = []
         self._acc_stale = True  # the accumulators hold nothing of this epoch yet (whatever their contents)
         self.pre_schedule = bool(pre_schedule)
+        self._target_checked = False  # `_check_target` warned, or found the target long enough
         self._scheduled: Any = None  # the pre-scheduled round's StepControl (pre_schedule)
         self._model_loaded = False  # a checkpoint was loaded: the model's tensors (maybe loaded later) are the truth
         opts = dict(averager_opts or {})
@@ -419,6 +421,7 @@ class CollaborativeOptimizer(TrainerPeer):
             self._accumulate(int(bs))
         self._phases = {"read_progress": t1 - t0, "accumulate": self.clock.now() - t1}
         view = self._view(infos)
+        self._check_target(view)
         # records lag by the gossip delay: extrapolate them with each peer's throughput, and follow
         # any peer that already entered the round, so that the peers of an epoch meet in one window
         horizon = 4 * self._gossip_interval
@@ -432,6 +435,25 @@ class CollaborativeOptimizer(TrainerPeer):
         return loss
 
     # ------------------------------------------------------------------ internals
+    def _check_target(self, view: SwarmView) -> None:
+        """Warn once when the swarm fills `target_batch_size` in under 5 gossip intervals (docs/training.md:
+        records arrive a few intervals late, so such a global step is decided on a guess -- two fast
+        peers with a target of 256 took 32-384 samples per step). Decided once, at the third epoch
+        this peer takes part in with others: by then the records carry measured throughputs."""
+        if self._target_checked or view.num_peers < 2 or self.local_epoch < 3:
+            return
+        rate = view.rate_at(self.local_epoch)
+        if not rate > 0:
+            return
+        self._target_checked = True
+        fill = self.target_batch_size / rate
+        if fill < 5 * self._gossip_interval:
+            log.warning("%s: the swarm trains %.0f samples/s, so target_batch_size=%d fills in %.2f s, under 5 gossip "
+                        "intervals (%.2f s): peers learn of each other's samples a few intervals late, so global steps "
+                        "will hold much more or much less than the target. Raise target_batch_size to %d or more, or "
+                        "lower gossip_interval", self.peer_id[:8], rate, self.target_batch_size, fill,
+                        5 * self._gossip_interval, math.ceil(5 * self._gossip_interval * rate))
+
     def _maybe_pre_schedule(self, view: SwarmView) -> None:
         """About one matchmaking window before the target: start matchmaking for the round now."""
         if self._scheduled is not None or view.num_peers < 2:

@@ -8,6 +8,12 @@ stale digests from resurrecting it, while a fresh heartbeat (it came back) does.
 Bootstrap is just gossip to ``initial_peers`` endpoints, repeated while the table is
 empty, so any running peer can serve as the entry point.
 
+A peer forgotten for silence may be dead or alive behind a network cut. Now and then (one
+gossip tick in ten) a node sends a digest to the endpoint of one such peer, among the last
+`REJOIN_MAX` it forgot and for `REJOIN_FOR` after it did, as it does to its initial peers: two
+halves cut apart for longer than ``peer_timeout`` meet again when the cut heals, even when no
+initial peer is alive across it.
+
 A peer that shuts down cleanly says goodbye (`goodbye`: BYE with its last heartbeat to every
 peer it knows, then it stops gossiping): the others forget it at once (`on_bye`) instead of
 counting it live for ``peer_timeout``. Its last heartbeat goes into the tombstone, so digests
@@ -51,6 +57,12 @@ log = logging.getLogger(__name__)
 #: limit, `messages.MAX_ROUND`): a liar naming one at the limit would otherwise push this node's
 #: heartbeat past what a message may carry. Honest nodes count one per gossip interval.
 MAX_HEARTBEAT = 1 << 61
+
+#: how long the endpoint of a peer forgotten for silence is knocked at now and then (`_lost`), the
+#: chance per gossip tick that one of them is, and how many are kept (the most recently forgotten)
+REJOIN_FOR = 1800.0
+REJOIN_CHANCE = 0.1
+REJOIN_MAX = 256
 
 
 @dataclass
@@ -133,6 +145,11 @@ class Membership:
         self._ranking = RankingCache()
         self._tombstones: dict[str, tuple[int, float]] = {}
         self._left: dict[str, float] = {}  # peers that said goodbye -> when (late messages are no contact)
+        # endpoints of peers we saw alive and then forgot for silence -> when: dead, or alive behind
+        # a cut. Now and then one is sent a digest (`on_timer`), so that two halves cut apart for
+        # longer than peer_timeout meet again when the cut heals -- before, only an initial peer
+        # could bridge them, and halves with none across the cut stayed apart for good
+        self._lost: dict[str, float] = {}
         self.said_goodbye = False
         self._next_tick: float | None = None
         self.forgotten: list[str] = []  # endpoints of forgotten peers, drained by the node
@@ -227,6 +244,11 @@ class Membership:
             # keep knocking on the bootstrap endpoints while alone, and now and then
             # afterwards, so that two halves that lost each other find each other again
             targets += [ep for ep in self.initial_peers if ep not in targets]
+        if self._lost and self._rng.random() < REJOIN_CHANCE:
+            lost = list(self._lost)
+            ep = lost[int(self._rng.integers(len(lost)))]
+            if ep not in targets:
+                targets.append(ep)
         if targets:
             msg = self._digest_message(Gossip)
             for ep in targets:
@@ -342,9 +364,18 @@ class Membership:
                 # (a heartbeat past its tombstone's grew under our watch: it came back, and we may say so)
                 self._enter(PeerRecord(pid, ep, hb, now, share, self.clean_info(pid, info), heard=tomb is not None))
             elif hb > rec.heartbeat:
-                rec.heartbeat, rec.updated, rec.share, rec.heard = hb, now, share, True
+                rec.heartbeat, rec.updated, rec.share, rec.heard = self._grown(rec, hb, now), now, share, True
                 self._move(rec, ep)
                 rec.info = self.clean_info(pid, info)
+
+    def _grown(self, rec: PeerRecord, hb: int, now: float) -> int:
+        """A known record's heartbeat after news of `hb` (higher): at most 2 more than it was, plus 2 per
+        gossip interval since it last grew here. An honest heartbeat grows by 1 per interval, and a
+        record that lags is only refreshed in smaller steps; a liar that names a known peer with a
+        huge heartbeat no longer pins it -- before, every later honest digest entry of that peer
+        read as stale, so the peers that knew it second-hand expired it, and its tombstone kept it
+        out for 10 x peer_timeout, while the peer could not follow past `MAX_HEARTBEAT`."""
+        return min(hb, rec.heartbeat + 2 + int(2 * max(0.0, now - rec.updated) / self.gossip_interval))
 
     def goodbye(self, now: float) -> None:
         """Shutting down cleanly: tell every live peer to forget us now, and stop gossiping."""
@@ -390,6 +421,7 @@ class Membership:
     # -- internals -----------------------------------------------------------------------
     def _enter(self, rec: PeerRecord) -> None:
         self.peers[rec.peer_id] = rec
+        self._lost.pop(rec.endpoint, None)
         self._at[rec.endpoint] = self._at.get(rec.endpoint, 0) + 1
         self.clients.pop(rec.peer_id, None)  # a client restarted as a listening peer
         self.discovered.append(rec.endpoint)
@@ -404,6 +436,7 @@ class Membership:
             return
         old, rec.endpoint = rec.endpoint, endpoint
         self._at[endpoint] = self._at.get(endpoint, 0) + 1
+        self._lost.pop(endpoint, None)
         self._left_endpoint(old)
         self.discovered.append(endpoint)
 
@@ -440,12 +473,20 @@ class Membership:
         elif entry is None:
             rec.updated, rec.heard = now, True
         elif entry[0] > rec.heartbeat:
-            rec.heartbeat, rec.updated, rec.heard = entry[0], now, True
+            rec.heartbeat, rec.updated, rec.heard = self._grown(rec, entry[0], now), now, True
             rec.info = self.clean_info(pid, entry[2])
 
     def _expire(self, now: float) -> None:
         for pid in [p for p, r in self.peers.items() if now - r.updated > self.peer_timeout]:
+            rec = self.peers[pid]
             self.forget(pid, now)
+            if rec.heard and rec.endpoint not in self._at:  # no other record names it
+                self._lost.pop(rec.endpoint, None)
+                self._lost[rec.endpoint] = now
+                if len(self._lost) > REJOIN_MAX:
+                    self._lost.pop(next(iter(self._lost)))
+        while self._lost and now - next(iter(self._lost.values())) > REJOIN_FOR:
+            self._lost.pop(next(iter(self._lost)))
         for pid in [p for p, r in self.clients.items() if now - r.updated > self.peer_timeout]:
             self.forget(pid, now)
         horizon = now - 10 * self.peer_timeout

@@ -160,10 +160,28 @@ class FlatLayout:
                     continue
                 dst = a.reshape(-1)[s - t_lo : e - t_lo]
                 src = buf[s:e]
+                if dst.dtype == np.float16:
+                    src = _within_f16(src)
                 if alpha == 1.0:
                     dst[...] = src
                 else:
                     dst[...] = _moved(dst, src, alpha)
+
+
+#: the largest finite float16
+_F16_MAX = 65504.0
+
+
+def _within_f16(avg: np.ndarray) -> np.ndarray:
+    """A mean for a float16 tensor, finite values beyond float16's range set to +-65504. The mean of
+    float16 values lies within it, but a lossy codec can overshoot: int8 with error feedback sends
+    value + residual, up to half a step (~260 at 65504) beyond, and written back as float16 that was
+    inf -- hundreds of elements of a tensor at the edge turned inf in a round. Non-finite values are
+    left as they are (the averaged ranges hold none)."""
+    big = np.abs(avg) > _F16_MAX
+    if not big.any():
+        return avg
+    return np.where(big & np.isfinite(avg), np.copysign(_F16_MAX, avg), avg).astype(avg.dtype, copy=False)
 
 
 def _moved(local: np.ndarray, avg: np.ndarray, alpha: float) -> np.ndarray:

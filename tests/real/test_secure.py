@@ -190,7 +190,13 @@ def test_a_start_that_fails_leaves_no_socket_nor_zap_gate_behind():
         fds = len(os.listdir("/proc/self/fd"))
         for _ in range(4):  # (0.2 s each: the ZAP handler thread ends with its last gate)
             attempt()
-        assert len(os.listdir("/proc/self/fd")) <= fds
+        # the leak left 1-2 descriptors per attempt (4-8 here). Descriptors are counted process-wide,
+        # and in a full suite run one of an earlier test's threads opened one meanwhile (CI: 36 vs 35):
+        # give them 3 s to settle, and allow that one
+        deadline = time.monotonic() + 3.0
+        while len(os.listdir("/proc/self/fd")) > fds and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(os.listdir("/proc/self/fd")) <= fds + 1
         assert not any(h.gates for h in zap._handlers.values())
     finally:
         taken.close()

@@ -208,3 +208,29 @@ def test_a_scheduled_step_travels_compressed_and_carries_the_residual():
     assert all(np.array_equal(g, got[0]) for g in got[1:])
     assert 0 < float(np.max(np.abs(got[0] - mean))) <= _tolerance("int8", data)
     assert all(np.any(p.averager._residual != 0) for p in peers)  # what int8 lost waits for the next step
+
+
+def test_float16_tensors_at_the_edge_of_their_range_stay_finite_under_int8_with_error_feedback():
+    """float16 tensors near +-65504 averaged with int8 and error feedback: each member sends value +
+    residual, which can lie up to half an int8 step (~260) beyond 65504, and the mean came back above
+    float16's range -- hundreds of elements turned inf from the third round on. A mean of float16
+    values is within the range; a result beyond it is now set to +-65504 when written back."""
+    rng = np.random.default_rng(1)
+    x = [(65504 - np.abs(rng.standard_normal(4096)) * 3000).astype(np.float16) for _ in range(3)]
+    for v in x:
+        v[::7] = 65504
+        v[3::11] = -65504
+    mean = np.mean(np.stack(x).astype(np.float64), axis=0)
+    h = make("sim", [[v.copy()] for v in x], target_group_size=3, min_group_size=3, compression="int8",
+             error_feedback=True)
+    for _ in range(5):
+        for i, v in enumerate(x):
+            h.tensors(i)[0][...] = v
+        res = h.step_all(timeout=3.0)
+        assert all(isinstance(r, zgossip.StepResult) and r.complete for r in res)
+        for i in range(3):
+            t = h.tensors(i)[0]
+            assert np.isfinite(t).all(), f"peer {i}: {int(np.isinf(t).sum())} elements inf"
+            # and near the mean: a few int8 half-steps (each at most 65504 / 254), those of this round
+            # and the residuals carried into it (an owner's scaled by the group's weight over its own)
+            assert np.max(np.abs(t.astype(np.float64) - mean)) <= 6 * 65504 / 254

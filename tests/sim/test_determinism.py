@@ -8,11 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
-
-from sim import NetworkModel, SimCluster
-from zgossip.node import NodeConfig, StepDone
-
 SCENARIO = r'''
 import hashlib, json, numpy as np
 from sim import NetworkModel, SimCluster

@@ -14,8 +14,8 @@ import simpy
 
 from sim import NetworkModel, SimCluster
 from sim.cpu import CpuCosts, CpuSpec, calibrate
-from sim.network import Partition, Profile
-from sim.scenario import load_scenario, run_scenario
+from sim.network import Partition
+from sim.scenario import run_scenario
 from sim.tcp import TcpParams, TcpTransport
 from zgossip.node import NodeConfig
 from zgossip.wire import MsgType, lane_of, make_message, warm_lanes
@@ -81,7 +81,10 @@ def test_window_restarts_after_idle_longer_than_an_rto_except_under_bbr():
     assert long > 1.3 * short
     no_restart = TcpParams(slow_start_after_idle=False).to_dict()
     assert _two_transfers(3.0, **no_restart) == pytest.approx(short, rel=0.05)
-    assert _two_transfers(3.0, congestion_control="bbr") == pytest.approx(short, rel=0.05)
+    # BBR keeps its window and paces the restart at 1 x its estimate (the link's rate, less BBR's
+    # 1 % margin) until the next ACK: within 10 % of the back-to-back transfer, not restarted
+    bbr = _two_transfers(3.0, congestion_control="bbr")
+    assert bbr == pytest.approx(short, rel=0.1) and bbr < long / 1.2
 
 
 def test_bbr_paces_bursts_after_idle_at_its_estimate_which_grows_burst_by_burst():

@@ -233,3 +233,44 @@ def test_background_averaging_every_k_steps_keeps_peers_together_in_virtual_time
     assert all(r["done"] >= 3 for r in rounds), rounds
     spread = max(float(np.abs(_flat(a) - _flat(b)).max()) for a in models for b in models)
     assert spread < 0.25 * initial, (spread, initial)
+
+
+@pytest.mark.parametrize("target,warns", [(64, True), (4096, False)])
+def test_a_target_batch_the_swarm_fills_within_a_few_gossip_intervals_is_warned_about(target, warns, caplog):
+    """docs/training.md: a global step shorter than ~5 gossip intervals is decided on a guess (two fast
+    peers with a target of 256 took 32-384 samples per step). Documented, never checked: a user with
+    a small target saw erratic global batches and no word why. Two peers at 640 samples/s each,
+    gossip every 0.05 s: 64 samples fill in 0.05 s (warned, once), 4096 in 3.2 s (not)."""
+    import logging
+
+    task = Task()
+    models = [make_model(i) for i in range(2)]
+
+    def make(i, peers, averager_opts):
+        opt = torch.optim.SGD(models[i].parameters(), lr=0.05)
+        return CollaborativeOptimizer(opt, prefix="tgt", target_batch_size=target, batch_size=32,
+                                      matchmaking_time=0.5, target_group_size=2, initial_peers=peers,
+                                      averager_opts=averager_opts)
+
+    def body(i, opt):
+        gen = task.stream(2, i)
+        end = opt.clock.now() + (4.0 if warns else 30.0)
+        while opt.clock.now() < end and opt.local_epoch < 5:
+            x, y = task.sample(gen, 32)
+            torch.nn.functional.cross_entropy(models[i](x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            opt.clock.sleep(0.05)
+        epoch = opt.local_epoch
+        opt.shutdown()
+        return epoch
+
+    with caplog.at_level(logging.WARNING, logger="zgossip.collaborative"):
+        _, epochs = virtual_swarm(2, make, body, seed=3)
+    assert min(epochs) >= 3, epochs  # (the check is made from the third epoch on)
+    said = [r.getMessage() for r in caplog.records if "fills in" in r.getMessage()]
+    if warns:
+        assert len(said) == 2, said  # once per peer
+        assert f"target_batch_size={target}" in said[0] and "Raise target_batch_size to" in said[0]
+    else:
+        assert said == []

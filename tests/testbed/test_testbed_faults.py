@@ -206,3 +206,27 @@ def test_a_peer_that_fails_to_start_is_reported_by_its_error_first():
         run_testbed(sc)
     first = str(e.value).splitlines()[0]
     assert first.startswith("peer ") and "failed to start: ValueError: coordinates" in first, first
+
+
+def test_halves_cut_apart_past_peer_timeout_average_together_after_the_cut_heals():
+    """Everyone bootstrapped from host 0, which crashes; then hosts {1, 2} and {3, 4} are cut apart
+    for 3x peer_timeout, so each half forgets the other. Once the cut heals, the next round must
+    find all four in one group -- before, neither half had a live initial peer across the cut to
+    knock at, and they averaged as two swarms for good (the sim test of the same case:
+    tests/sim/test_partition_heal.py). Real TCP hides this for short cuts: a gossip message queued
+    before the cut is retransmitted after it heals (even from a socket closed meanwhile) and counts
+    as contact. A cut of minutes outlasts those retries; the sysctls make TCP give up after ~3 s
+    instead (tcp_retries2, tcp_orphan_retries), so a 6 s cut stands for a long one."""
+    from sim.testbed_run import run_testbed
+
+    hosts = [{"up_mbit": 100, "down_mbit": 100, "latency_ms": 2}] * 5
+    sc = _scenario(hosts, 1 << 10, faults=[{"kind": "crash", "peer": 0, "at": 1.5},
+                                           {"kind": "partition", "sides": [[1, 2], [3, 4]], "start": 2.0, "end": 8.0}])
+    sc["bootstrap_time"] = 13.0
+    sc["protocol"].update(target_group_size=4, gossip_interval=0.25, peer_timeout=2.0)
+    res = run_testbed(sc, sysctls={"net.ipv4.tcp_retries2": "3", "net.ipv4.tcp_orphan_retries": "1"})
+    steps = {s["slot"]: s for s in res["testbed"]["steps"] if s["slot"] != 0}
+    assert sorted(steps) == [1, 2, 3, 4]
+    assert all(s["outcome"] == "done" and s["group_size"] == 4 for s in steps.values()), \
+        [(k, s["outcome"], s.get("group_size")) for k, s in steps.items()]
+    assert_clean(res["testbed"]["id"])

@@ -401,6 +401,48 @@ def test_rescue_parts_that_come_with_a_request_we_held_are_taken_when_we_take_it
     np.testing.assert_allclose(bufs[0][lo:hi], mean(before, w, [0, 2])[lo:hi], rtol=1e-12)
 
 
+def test_a_member_that_refused_a_rescue_call_and_asks_later_is_answered():
+    """The owner dies; its substitute (member 2) hears of it first and calls member 0 in, but member
+    0 heard the owner lately and refuses (its grace runs out first). Member 0 then times the owner
+    out itself and asks member 2 to rescue after all. Member 2 had taken the refusal as "needs
+    nothing" and kept it: member 0's parts were dropped as undeclared, it waited for results that
+    never came, and each of the two live members ended by giving the other up. Now the later
+    request is answered: parts that can still take member 0's term take it, the others are
+    settled as unchanged for it at once."""
+    bufs, w = data(3, 21), [1.0, 1.0, 1.0]
+    before = [b.copy() for b in bufs]
+    g = Group(bufs, w, part_timeout=1.0)
+    g.start(0.0)
+    g.cut = {1}
+    r0, r2 = g.rounds[0], g.rounds[2]
+    r2.peer_down(ep(1), 0.05)
+    g.carry(0.05)
+    assert r0._deferred  # member 0 still hears member 1: the call waits for its grace
+    t = 0.05
+    while t < 20 and None in (g.done[0], g.done[2]):
+        t = min(x for x in (r0.next_deadline(), r2.next_deadline()) if x is not None)
+        for r in (r0, r2):
+            r.on_timer(t)
+        g.carry(t)
+    for i in (0, 2):
+        assert g.rounds[i].outcome().lost == (pid(1),), (i, g.rounds[i].outcome().lost)
+        assert g.done[i] <= 1.5  # member 0's own silence limit for the owner (1 s), plus a watchdog tick
+    assert r2.dropped == 0
+    for i, r in ((0, r0), (2, r2)):
+        out = r.outcome()
+        changed = np.zeros(NUMEL, bool)
+        for lo, hi in out.updated:
+            changed[lo:hi] = True
+        assert np.array_equal(bufs[i][~changed], before[i][~changed])
+        for o in range(3):
+            for p in range(r.plan.num_parts(o)):
+                lo, hi = r.plan.part(o, p)
+                if r.status[o][p] is PartState.AVERAGED:
+                    who = list(r.part_contrib[o][p])
+                    assert i in who
+                    np.testing.assert_allclose(bufs[i][lo:hi], mean(before, w, who)[lo:hi], rtol=1e-12)
+
+
 def test_rescue_parts_held_with_a_request_that_is_refused_are_dropped_and_counted():
     bufs, w = data(3, 16), [1.0, 1.0, 1.0]
     g = Group(bufs, w)

@@ -202,3 +202,32 @@ def test_a_peer_restarted_under_its_id_takes_up_its_old_heartbeat_so_second_hand
     assert me.heartbeat == mine
     me.on_gossip(digest(2, 10, (pid(1), ep(1), mine - 5, None, {})), 0.8)  # our own news, relayed back late
     assert me.heartbeat == mine
+
+
+def test_a_huge_heartbeat_gossiped_for_a_known_peer_does_not_pin_it():
+    """A liar names peer 2 (known here at heartbeat 10) with a heartbeat near the wire's limit. The
+    record took it: every later honest entry of peer 2 read as stale, so this node, which knows peer
+    2 only second-hand, expired it, and its tombstone kept it out. A known record now grows by at
+    most 2 plus 2 per gossip interval since it last grew."""
+    m, out = make(1)
+    m.start(0.0)
+    m.merge([(pid(2), ep(2), 10, None, {})], 0.0)
+    m.merge([(pid(2), ep(2), 1 << 62, None, {})], 0.1)  # the liar (a third peer's digest)
+    assert m.peers[pid(2)].heartbeat <= 12
+    hb = 10
+    for t in np.arange(0.5, 6.01, 0.5):  # peer 2's own heartbeat, relayed by honest peers
+        hb += 1
+        m.merge([(pid(2), ep(2), hb, None, {})], float(t))
+        m.on_timer(float(t))
+    assert pid(2) in m.live_ids()  # peer_timeout is 2 s here: it was refreshed all along
+    assert m.peers[pid(2)].heartbeat == hb
+
+
+def test_a_lagging_record_catches_up_in_steps_and_stays_refreshed():
+    m, out = make(1)
+    m.start(0.0)
+    m.merge([(pid(2), ep(2), 10, None, {})], 0.0)
+    m.merge([(pid(2), ep(2), 40, None, {})], 1.0)  # a fresher path: 30 ahead after 1 s
+    assert m.peers[pid(2)].heartbeat == 10 + 2 + 4 and m.peers[pid(2)].updated == 1.0
+    m.merge([(pid(2), ep(2), 41, None, {})], 1.5)
+    assert m.peers[pid(2)].heartbeat == 16 + 2 + 2
