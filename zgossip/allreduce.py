@@ -279,10 +279,6 @@ class AllReduceRound:
         # it): (sender, owner) -> parts, replayed when the request is decided. Dropping them left the
         # substitute waiting for parts already sent, and it gave a live member up (`_on_part`)
         self._held: dict[tuple[int, int], list[Part]] = {}
-        # owner -> substitutes whose rescue call we refused, answering that we need nothing: they
-        # reduce that span without us and may be done before the owner is lost to us too. Asking one
-        # then found it deaf (or finished), and we gave a live member up after waiting 2 x part_timeout
-        self._declined: dict[int, set[int]] = {}
         # owner -> members whose request to rescue that span we refused with notices: they settled
         # those parts unchanged, so a rescue we start later counts them as needing nothing. Waiting
         # for a declaration they had no reason to send, we gave live members up after part_timeout
@@ -660,8 +656,7 @@ class AllReduceRound:
         # results until the deadline. The next live one takes over, as if the call never came.
         s = substitute if substitute is not None and substitute not in self.lost else self._substitute_for(j)
         need = self._unresolved_parts(j)
-        if s is None or s == j or s in self._declined.get(j, ()):
-            # no substitute, or one we told we need nothing (it went on without us): ours stay unchanged
+        if s is None or s == j:
             for p in need:
                 self._resolve(j, p, None, None)
             return
@@ -906,7 +901,6 @@ class AllReduceRound:
             return
         if why is not None:
             self._send(j, Rescue(self.me.peer_id, self.me.endpoint, group_id=self._gid, owner=owner, need=()))
-            self._declined.setdefault(owner, set()).add(j)
             return self._bad(j, msg, f"rescue call for span {owner} refused: {why}")
         self._member_lost(owner, now, substitute=j, tell=True)
         if owner not in self.rescue_target:  # nothing to rescue here: still answer, so j need not wait

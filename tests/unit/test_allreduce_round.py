@@ -473,36 +473,6 @@ def tick(g: Group, members: list[int], until: float) -> float:
     return t
 
 
-def test_a_member_that_refused_a_rescue_call_does_not_ask_that_substitute_later():
-    """Found by fuzzing: member 2 (the dead owner 1's substitute) calls member 0 in before 0 hears
-    of the crash; 0 refuses (member 1 not silent to it yet) and answers that it needs nothing, so
-    2 and 3 re-reduce span 1 without it. When 0's own limit for member 1 ran out, it asked 2 after
-    all -- a request 2 ignored (0 had declared its needs) or, its round over, never saw -- and gave
-    live member 2 up 2 x part_timeout later (and ended only then). 0 now keeps its own values there
-    and ends at once."""
-    bufs, w = data(4, 17), [1.0, 2.0, 3.0, 4.0]
-    before = [b.copy() for b in bufs]
-    g = Group(bufs, w, part_timeout=1.0)
-    g.cut = {1}
-    g.start(0.0)
-    g.carry(0.0)
-    r0, r2 = g.rounds[0], g.rounds[2]
-    for i in (2, 3):
-        g.rounds[i].peer_down(ep(1), 0.01)
-    g.carry(0.01)
-    assert r0._deferred and g.done[2] is None
-    r0.on_timer(0.26)  # member 1 still heard from, to 0: the call is refused
-    g.carry(0.26)
-    assert r2.rescues[1].left == 0 and 1 not in r0.lost  # 2 and 3 re-reduced span 1 without 0
-    t = tick(g, [0], 5.0)
-    assert 1.0 <= t <= 1.25 and g.done[0] == t  # member 1's silence limit, not 2 x part_timeout more
-    assert r0.outcome().lost == (pid(1),)
-    assert not any(isinstance(m, Rescue) and m.need for _, i, _, m in g.log if i == 0)
-    assert all(s is PartState.UNCHANGED for s in r0.status[1])
-    assert np.array_equal(bufs[2][slice(*r2.plan.span(1))], bufs[3][slice(*r2.plan.span(1))])
-    assert_averaged_or_unchanged(g, before, w)
-
-
 def test_a_substitute_that_refused_a_request_does_not_wait_for_that_member_when_it_rescues():
     """Found by fuzzing: member 0 hears of member 1's crash first and asks member 2 (the
     substitute) to re-reduce span 1; 2 does not hear of it yet and refuses with notices, so 0 keeps
