@@ -29,7 +29,9 @@ share takes what the others have not been given yet). A donor that refuses, stal
 ``chunk_timeout``, drops its connection, sends a chunk it was not asked for or a chunk whose
 digest is wrong is dropped: its outstanding chunks go back to the pool and are fetched from
 the others (counted in `refetched`, bad digests in `bad_chunks`), and the next candidate is
-asked. Bytes are only written into buffers this module owns: a partial download never
+asked. Once no donor of the adopted state is left, the donors passed over for holding another
+state and those that moved on from ours (refused its chunks) are asked again, once each, and the
+download starts over with the state the first of them holds. Bytes are only written into buffers this module owns: a partial download never
 reaches the user's tensors.
 
 A snapshot taken for a request may carry its float tensors compressed (``state_compression=``,
@@ -166,10 +168,11 @@ class StateDonor:
         self.served = 0  # META answers
         self.chunks_served = 0
 
-    def _meta(self, req: str, ok: bool, reason: str = "", snap: StateSnapshot | None = None) -> StateMeta:
+    def _meta(self, req: str, ok: bool, reason: str = "", snap: StateSnapshot | None = None,
+              root: str = "") -> StateMeta:
         if snap is None:
             return StateMeta(self.peer_id, self.endpoint, req=req, ok=ok, reason=reason, meta=None, specs=(),
-                             chunk_bytes=self.chunk_bytes, digest="")
+                             chunk_bytes=self.chunk_bytes, digest=root)
         return StateMeta(self.peer_id, self.endpoint, req=req, ok=ok, reason=reason, meta=snap.meta, specs=snap.specs,
                          chunk_bytes=snap.chunk_bytes, digest=snap.root, hashes=snap.hashes, codecs=snap.codecs)
 
@@ -185,8 +188,11 @@ class StateDonor:
         if snap is not None:
             self._keep(snap)
 
-    def refuse(self, req: str, endpoint: str, reason: str) -> None:
-        self._send(endpoint, self._meta(req, False, reason))
+    def refuse(self, req: str, endpoint: str, reason: str, root: str = "") -> None:
+        """Refuse a META request, or (`root`: the state it asked chunks of) a chunk request: the
+        refusal names that root, so that a downloader does not take it for an answer to a later
+        META request (one asking again a donor that moved on) or to chunk requests of another state."""
+        self._send(endpoint, self._meta(req, False, reason, root=root))
 
     def serve(self, req: str, endpoint: str, snap: StateSnapshot) -> None:
         """Answer a META request with `snap` (kept in the cache for the chunk requests that follow)."""
@@ -200,9 +206,9 @@ class StateDonor:
     def serve_chunks(self, msg: StateReq) -> None:
         snap = self._cache.get(msg.root)
         if snap is None:
-            return self.refuse(msg.req, msg.endpoint, "this peer no longer holds that state (it moved on)")
+            return self.refuse(msg.req, msg.endpoint, "this peer no longer holds that state (it moved on)", msg.root)
         if msg.count > MAX_CHUNKS_PER_REQUEST or msg.first + msg.count > len(snap.plan):
-            return self.refuse(msg.req, msg.endpoint, "chunk range outside the state")
+            return self.refuse(msg.req, msg.endpoint, "chunk range outside the state", msg.root)
         self._cache.move_to_end(msg.root)
         for i in range(msg.first, msg.first + msg.count):
             t, off, _ = snap.plan[i]
@@ -310,8 +316,9 @@ class StateDownload:
             what = "; ".join(self.history[-6:]) or "nothing to try"
             self._finish(None, None, StateUnavailable(
                 f"could not download state: {live} live peers known, {sharing} share state, "
-                f"{len(self.tried)} tried. What happened: {what}. Start a peer with allow_state_sharing=True "
-                "or retry once more peers are up."))
+                f"{len(self.tried)} tried. What happened: {what}. "
+                + ("Start a peer with allow_state_sharing=True or retry once more peers are up." if not sharing
+                   else "Every donor known failed as said above: retry later.")))
 
     def _drop(self, peer: str, now: float, why: str, bad: bool = False) -> None:
         """Give up on `peer`: its outstanding chunks go back to the pool; ask another donor. `bad`:
@@ -332,14 +339,17 @@ class StateDownload:
             self._retry = sorted(set(self._retry) | d.inflight)
         if self.phase is DownloadPhase.DONE:
             return
-        if why.startswith("holds another state"):
+        if why.startswith(("holds another state", "refused chunks")):
+            # passed over for another state, or moved on to one (it evicted ours from its cache after
+            # publishing newer versions): an honest donor, worth asking again for what it holds now
             self._other_state.append(peer)
-        elif not self._active and self._other_state:
+        if not self._active and self._other_state:
             # the state we adopted has no holder left -- its donors sent data failing its own digests,
-            # died, stalled or refused: the donors we passed over for holding another state are asked
-            # again, and the first to answer is adopted (`on_meta`: restart). A hostile donor that
-            # answered first, or a donor that died mid-download while the others had moved on to a
-            # newer state (donors that keep training), must not make the download fail while others exist
+            # died, stalled or refused: the donors we passed over for holding another state, or that
+            # moved on from ours, are asked again, and the first to answer is adopted (`on_meta`:
+            # restart). A hostile donor that answered first, a donor that died mid-download while the
+            # others had moved on to a newer state, or donors that all published newer versions while
+            # we downloaded (donors that keep training) must not make the download fail while they live
             back = [p for p in self._other_state if p not in self._readmitted]
             self._other_state.clear()
             self._readmitted.update(back)
@@ -386,10 +396,14 @@ class StateDownload:
             self.late += 1
             return
         if peer in self._active:  # a refusal of a chunk request (e.g. the donor moved on)
-            if not msg.ok:
+            if msg.ok or msg.digest not in ("", self.root):  # (of chunks of a state we since left: late)
+                self.late += 1
+            else:
                 self._drop(peer, now, f"refused chunks: {msg.reason}")
             return
-        if peer not in self._asked:
+        if peer not in self._asked or (not msg.ok and msg.digest):  # a chunk request's refusal: not an answer
+            self.late += 1
+            return
             self.late += 1
             return
         endpoint = self._asked[peer][0]

@@ -216,6 +216,27 @@ def test_a_donor_that_moved_on_refuses_chunks_and_the_others_finish():
     check_state(arrays)
 
 
+def test_when_every_donor_moved_on_the_download_starts_over_with_their_newer_state():
+    # donors that keep training publish a version per step, and their cache keeps the last two: a
+    # download slower than two steps is refused by every donor. It used to fail ("2 share state,
+    # 2 tried"); the donors are now asked again and their newer state is downloaded whole. Donor 3
+    # refuses twice (its own window, then donor 2's handed on to it): the second refusal, arriving
+    # after it was asked again, used to be taken as its answer to that new request
+    s = Swarm({2: 1.0, 3: 1.0})
+    s.dl.start(0.0)
+    s.pump(0.1, rounds=1)  # METAs answered, first chunk requests out
+    newer = [a + 2 for a in STATE]
+    for d, _ in s.donors.values():
+        d.publish(StateSnapshot.build(None, [a + 1 for a in STATE], CHUNK))
+        d.publish(StateSnapshot.build({"epoch": 9}, newer, CHUNK))
+    s.pump(0.2)
+    [(meta, arrays, err)] = s.done
+    assert err is None, err
+    assert meta == {"epoch": 9} and all(np.array_equal(a, b) for a, b in zip(arrays, newer))
+    assert sorted(s.dl.per_donor) == [pid(2), pid(3)]  # both serve the newer state: none was dropped again
+    assert s.dl.dropped == 0 and s.dl.late == 1  # the stale refusal, counted and ignored
+
+
 def test_donor_refuses_chunk_ranges_outside_its_state_and_nobody_left_says_what_happened():
     out = Outbox()
     d = StateDonor(pid(3), ep(3), out, CHUNK)
