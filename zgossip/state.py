@@ -56,6 +56,7 @@ from .droplog import DropLog
 from .errors import IllegalTransition, StateUnavailable
 from .messages import CODE_OF, DTYPES, Message, StateChunk, StateMeta, StateReq
 from .view import MembershipView
+from .wire import WireLimits, header_nbytes
 
 __all__ = ["state_digest", "chunk_digest", "StateSnapshot", "StateDonor", "StateDownload", "DownloadPhase",
            "DIGEST_BYTES", "MAX_CHUNKS_PER_REQUEST"]
@@ -66,6 +67,7 @@ DIGEST_BYTES = 16  # per chunk: 128 bits of SHA-256
 MAX_CHUNKS_PER_REQUEST = 256  # a donor queues at most this many chunks for one request
 REQUEST_BYTES = 16 << 20  # a downloader asks for at least this much per request (4 default chunks)
 MAX_DIGEST_BYTES = 16 << 15  # what STATE_META's `hashes` may hold (zgossip.messages): 32768 chunks
+MAX_META_BYTES = WireLimits().max_header_bytes  # a STATE_META's header: what every receiver accepts
 
 
 def chunk_digest(data: Any) -> bytes:
@@ -165,6 +167,7 @@ class StateDonor:
         self.max_snapshots = max(1, max_snapshots)
         self._cache: OrderedDict[str, StateSnapshot] = OrderedDict()
         self.published: StateSnapshot | None = None
+        self._unsendable = ""  # root of the last snapshot whose META could not be sent (warned once)
         self.served = 0  # META answers
         self.chunks_served = 0
 
@@ -199,9 +202,24 @@ class StateDonor:
         if len(snap.hashes) > MAX_DIGEST_BYTES:
             return self.refuse(req, endpoint, f"state has {len(snap.plan)} chunks, more than a STATE_META can list "
                                               f"({MAX_DIGEST_BYTES // DIGEST_BYTES}): use a larger state_chunk_bytes")
+        answer = self._meta(req, True, snap=snap)
+        try:  # checked here: sent, it would be dropped by the receiver (too large) or by our driver
+            size = header_nbytes(answer)  # (not packable), and the downloader would wait for nothing
+        except (TypeError, ValueError) as e:
+            return self._refuse_meta(req, endpoint, snap, f"its metadata cannot be packed ({str(e)[:200]})")
+        if size > MAX_META_BYTES:
+            return self._refuse_meta(req, endpoint, snap, f"its STATE_META takes {size} bytes, more than the "
+                                                          f"{MAX_META_BYTES} a peer accepts (its metadata is too large)")
         self._keep(snap)
-        self._send(endpoint, self._meta(req, True, snap=snap))
+        self._send(endpoint, answer)
         self.served += 1
+
+    def _refuse_meta(self, req: str, endpoint: str, snap: StateSnapshot, why: str) -> None:
+        if self._unsendable != snap.root:  # said once per snapshot: the owner must fix what it serves
+            self._unsendable = snap.root
+            log.warning("state donor %s cannot serve its state: %s. Keep large or non-msgpack data in tensors "
+                        "(the metadata is the first item get_current_state returns)", self.peer_id[:8], why)
+        self.refuse(req, endpoint, f"this peer cannot serve its state: {why}")
 
     def serve_chunks(self, msg: StateReq) -> None:
         snap = self._cache.get(msg.root)

@@ -101,6 +101,28 @@ def test_corrupted_stream_is_rejected_by_checksum():
     assert new.averager.stats["state_bad_chunks"] == 1
 
 
+def test_a_donor_meta_past_the_header_limit_is_dropped_as_invalid_as_over_zeromq():
+    """The simulator raised InvalidMessage out of the run where the ZeroMQ driver drops a message
+    whose header is past the 1 MiB limit, counting it in stats["invalid"]: here a hostile donor's
+    inflated STATE_META is dropped, and the download finishes from the honest donor."""
+    cl, donors, new = _sim(2, priorities=[9.0, 1.0])
+    donor = donors[0].node.donor
+    send = donor._send
+
+    def inflating_send(endpoint, msg):  # past the donor's own check, as a hostile peer would
+        if msg.type is MsgType.STATE_META and msg.ok:
+            msg = dataclasses.replace(msg, meta={"notes": "x" * (1 << 20)})
+        send(endpoint, msg)
+
+    donor._send = inflating_send
+    ev = new.load_state(chunk_timeout=0.3)
+    cl.run(until=ev)
+    assert isinstance(ev.value, DownloadDone)
+    for got, want in zip(ev.value.arrays, donors[1].tensors):
+        assert np.array_equal(got, want)
+    assert new.averager.stats["invalid"] == 1 and donor.served == 1
+
+
 def test_a_state_of_many_small_chunks_downloads_without_a_stall():
     """1,024 chunks of 1 KiB from one donor. Requests used to ask for 4 chunks each, and the donor
     counted them as control messages (dropped past 80 a second here): the download stalled for

@@ -251,6 +251,22 @@ def test_donor_refuses_chunk_ranges_outside_its_state_and_nobody_left_says_what_
     assert isinstance(err, StateUnavailable) and "0 share state" in str(err)
 
 
+def test_a_donor_whose_meta_no_peer_could_accept_refuses_saying_why():
+    # sent, a STATE_META past the 1 MiB header limit was dropped by the receiver, and one msgpack cannot
+    # pack by the sender's driver: the downloader waited chunk_timeout and said "no answer"
+    out = Outbox()
+    d = StateDonor(pid(3), ep(3), out, CHUNK)
+    for meta, why in (({"notes": "x" * (1 << 20)}, "more than the 1048576 a peer accepts"),
+                      ({"seen": {1, 2}}, "metadata cannot be packed")):
+        d.serve("r", ep(1), StateSnapshot.build(meta, STATE, CHUNK))
+        [(to, refusal)] = out.take()
+        assert to == ep(1) and not refusal.ok and why in refusal.reason
+    assert d.served == 0
+    d.serve("r", ep(1), StateSnapshot.build({"notes": "x" * 1000}, STATE, CHUNK))
+    [(_, answer)] = out.take()
+    assert answer.ok and d.served == 1
+
+
 def test_snapshot_refuses_a_dtype_the_stream_cannot_carry_and_size_limits_hold():
     try:
         StateSnapshot.build(None, [np.zeros(3, dtype=np.complex64)], CHUNK)
