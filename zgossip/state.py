@@ -507,7 +507,12 @@ class StateDownload:
         `digest` None if it could not be hashed), so that no late write lands in a buffer already
         given to the user (a chunk fetched again elsewhere may be placed twice)."""
         self._placing -= 1
-        self.on_chunk(msg, now, digest, placed_in)
+        if placed_in is not None and all(placed_in is not b for b in self._bufs):
+            # placed into the buffers of a state this download has left since (it started over with a
+            # donor's newer one): the chunk answers a request of that state, not of the one now wanted
+            self.late += 1
+        else:
+            self.on_chunk(msg, now, digest, placed_in)
         self._maybe_complete(now)
 
     def on_chunk(self, msg: StateChunk, now: float, digest: bytes | None = None,
@@ -534,7 +539,7 @@ class StateDownload:
         if digest != self._hashes[i * DIGEST_BYTES: (i + 1) * DIGEST_BYTES]:
             self.bad_chunks += 1
             return self._drop(peer, now, f"chunk {i} failed its checksum", bad=True)
-        if placed_in is None or placed_in is not self._bufs[t]:  # not written by the caller (or a state since replaced)
+        if placed_in is None or placed_in is not self._bufs[t]:  # not written by the caller
             self._bufs[t][off: off + length] = raw
         d.inflight.discard(i)
         d.got += 1

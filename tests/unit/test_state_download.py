@@ -8,7 +8,7 @@ import numpy as np
 from handfed import Outbox, ep, membership_with, pid
 from zgossip import messages as M
 from zgossip.errors import StateUnavailable
-from zgossip.state import DownloadPhase, StateDonor, StateDownload, StateSnapshot
+from zgossip.state import DownloadPhase, StateDonor, StateDownload, StateSnapshot, chunk_digest
 
 STATE = [np.arange(400, dtype=np.float32).reshape(40, 10), np.arange(30, dtype=np.int64)]
 CHUNK = 64  # 1600 + 240 bytes: 25 + 4 chunks
@@ -235,6 +235,45 @@ def test_when_every_donor_moved_on_the_download_starts_over_with_their_newer_sta
     assert meta == {"epoch": 9} and all(np.array_equal(a, b) for a, b in zip(arrays, newer))
     assert sorted(s.dl.per_donor) == [pid(2), pid(3)]  # both serve the newer state: none was dropped again
     assert s.dl.dropped == 0 and s.dl.late == 1  # the stale refusal, counted and ignored
+
+
+def test_chunks_hashed_elsewhere_for_a_state_left_since_do_not_drop_their_honest_donor():
+    # a driver hashing chunks off its I/O thread (the ZeroMQ one) hands them back late: here donor 2's
+    # chunks of the first state come back after both donors moved on and the download started over with
+    # their newer state. They were checked against the new state's plan and donor 2 was dropped as
+    # sending data failing its checks ("sent chunk 0, which it was not asked for")
+    s = Swarm({2: 1.0, 3: 1.0})
+    (d2, _), (d3, _) = s.donors[ep(2)], s.donors[ep(3)]
+    newer = [a + 2 for a in STATE]
+
+    def move_on(d):
+        d.publish(StateSnapshot.build(None, [a + 1 for a in STATE], CHUNK))
+        d.publish(StateSnapshot.build({"epoch": 9}, newer, CHUNK))
+
+    s.dl.start(0.0)
+    s.pump(0.1, rounds=1)  # METAs answered, each donor asked for its share
+    first = s.dl.root
+    move_on(d3)
+    hashing = []
+
+    def mutate(e, msg):
+        if isinstance(msg, M.StateChunk) and e == ep(2) and s.dl.root == first:
+            hashing.append((msg, s.dl.target(msg)))  # handed to a hashing thread that finishes late
+            return None
+        if isinstance(msg, M.StateMeta) and e == ep(3) and not msg.ok and first in d2._cache:
+            move_on(d2)  # donor 2 moves on too, before it is asked for donor 3's share
+        return msg
+
+    s.pump(0.2, mutate=mutate)
+    assert s.dl.root != first and hashing and not s.done  # started over; waits for the chunks handed out
+    for msg, (buf, off, n, want) in hashing:
+        raw = msg.data.view(np.uint8)
+        assert chunk_digest(raw) == want
+        buf[off: off + n] = raw
+        s.dl.on_placed(msg, 0.3, want, buf)
+    [(meta, arrays, err)] = s.done
+    assert err is None and meta == {"epoch": 9} and all(np.array_equal(a, b) for a, b in zip(arrays, newer))
+    assert s.dl.dropped == 0 and s.dl.late >= len(hashing)
 
 
 def test_donor_refuses_chunk_ranges_outside_its_state_and_nobody_left_says_what_happened():
