@@ -935,7 +935,7 @@ class Averager:
             if not fut.done():
                 _settle_future(fut, error=AveragerClosed("averager shut down during the step"))
         self._futures.clear()
-        for dfut in self._downloads.values():
+        for dfut in list(self._downloads.values()):  # failing one runs its callback, which removes it
             if not dfut.done():
                 dfut.set_exception(AveragerClosed("averager shut down during a state download"))
         if self._busy.locked():
