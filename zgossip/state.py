@@ -29,7 +29,9 @@ share takes what the others have not been given yet). A donor that refuses, stal
 ``chunk_timeout``, drops its connection, sends a chunk it was not asked for or a chunk whose
 digest is wrong is dropped: its outstanding chunks go back to the pool and are fetched from
 the others (counted in `refetched`, bad digests in `bad_chunks`), and the next candidate is
-asked. Once no donor of the adopted state is left, the donors passed over for holding another
+asked. A donor that has not answered the META request within ``chunk_timeout`` is not dropped
+but awaited until the deadline (it may be snapshotting and hashing a large state), and the next
+candidate is asked meanwhile. Once no donor of the adopted state is left, the donors passed over for holding another
 state and those that moved on from ours (refused its chunks) are asked again, once each, and the
 download starts over with the state the first of them holds. Bytes are only written into buffers this module owns: a partial download never
 reaches the user's tensors.
@@ -281,6 +283,10 @@ class StateDownload:
     root: str = ""
     snapshot: StateSnapshot | None = None  # the verified result (hashes reused by a repair)
     _asked: dict[str, tuple[str, float]] = field(default_factory=dict)  # peer -> (endpoint, answer by)
+    # asked donors that did not answer within chunk_timeout: still awaited (until the deadline), but no
+    # longer counted against max_donors or the shares -- a donor without a published snapshot copies and
+    # hashes its whole state before it answers (~1 s a GiB), which a large state makes longer than that
+    _slow: set[str] = field(default_factory=set)
     _active: dict[str, _Donor] = field(default_factory=dict)
     dropped: int = 0  # donor data refused (bad layout, dtype, size, codec, digest)
     late: int = 0  # messages not for a donor or phase this download waits on, ignored
@@ -323,7 +329,7 @@ class StateDownload:
         return [tier[int(i)] for i in order]
 
     def _ask_more(self, now: float) -> None:
-        room = self.max_donors - len(self._asked) - len(self._active)
+        room = self.max_donors - (len(self._asked) - len(self._slow)) - len(self._active)
         for rec in self._candidates()[:max(0, room)]:
             self.tried.append(rec.peer_id)
             self._asked[rec.peer_id] = (rec.endpoint, now + self.chunk_timeout)
@@ -351,6 +357,7 @@ class StateDownload:
         else:
             log.info("state download %s: donor %s dropped: %s", self.req, peer[:8], why)
         self._asked.pop(peer, None)
+        self._slow.discard(peer)
         d = self._active.pop(peer, None)
         if d is not None and d.inflight:
             self.refetched += len(d.inflight)
@@ -388,7 +395,7 @@ class StateDownload:
     def _assign(self, peer: str, now: float) -> None:
         d = self._active.get(peer)
         # a donor's share: the plan split among the donors that answered and those still asked
-        share = max(1, -(-len(self._plan) // max(1, len(self._active) + len(self._asked))))
+        share = max(1, -(-len(self._plan) // max(1, len(self._active) + len(self._asked) - len(self._slow))))
         while d is not None and len(d.inflight) <= self._per_request and len(d.inflight) < share:
             room = min(self._per_request, share - len(d.inflight))
             if self._retry:
@@ -437,6 +444,7 @@ class StateDownload:
                 self.history.append(f"{peer[:8]}: holds another state; starting over with it")
             self._adopt(msg)
         del self._asked[peer]
+        self._slow.discard(peer)
         self._active[peer] = _Donor(endpoint, now + self.chunk_timeout)
         self._assign(peer, now)
         self._maybe_complete(now)
@@ -592,9 +600,16 @@ class StateDownload:
             self._finish(None, None, StateUnavailable(
                 f"state download timed out after {now - self.started:.1f}s: " + "; ".join(self.history[-6:])))
             return
-        for peer in [p for p, (_, t) in self._asked.items() if now >= t]:
-            if self.phase is not DownloadPhase.DONE:
-                self._drop(peer, now, f"no answer within {self.chunk_timeout:g}s")
+        slow = [p for p, (_, t) in self._asked.items() if now >= t and p not in self._slow]
+        for peer in slow:  # awaited until the deadline (`_slow`); others are asked meanwhile
+            self._slow.add(peer)
+            self._asked[peer] = (self._asked[peer][0], self.deadline)
+            self.history.append(f"{peer[:8]}: no answer within {self.chunk_timeout:g}s (still awaited: a donor "
+                                "snapshots and hashes its state before it answers)")
+        if slow and self.phase is not DownloadPhase.DONE:
+            self._ask_more(now)
+            for p in list(self._active):
+                self._assign(p, now)
         for peer in [p for p, d in self._active.items() if d.inflight and now >= d.wait_until]:
             if self.phase is not DownloadPhase.DONE and peer in self._active:
                 self._drop(peer, now, f"stalled with {len(self._active[peer].inflight)} chunks owed "

@@ -146,6 +146,46 @@ def test_a_donor_silent_from_its_first_chunk_is_dropped_like_one_that_stalled_mi
     assert sorted(s.dl.per_donor) == [pid(2), pid(4)] and sum(s.dl.per_donor.values()) == len(s.snap.plan)
 
 
+def test_a_donor_slower_than_chunk_timeout_to_answer_is_awaited_while_others_are_asked():
+    """A donor without a published snapshot copies and hashes its whole state before its META
+    (~1 s a GiB measured here: 512 MiB did not answer within chunk_timeout=1). Such a donor was
+    dropped after chunk_timeout: with no other donor, every download of a state of a few GiB
+    failed ("no answer within 5s"). It is awaited until the deadline now; meanwhile the next
+    candidate is asked, and a paused donor costs the others no share of the chunks."""
+    s = Swarm({2: 1.0, 3: 1.0}, deadline=10.0, max_donors=1)
+    s.dl.start(0.0)
+    [(first, _)] = s.out.sent  # one META request (max_donors=1)
+    other = ep(3) if first == ep(2) else ep(2)
+    s.silent.add(first)
+    s.pump(0.0)
+    s.dl.on_timer(1.0)  # chunk_timeout: the next candidate is asked, the first still awaited
+    assert not s.done and [e for e, _ in s.out.sent] == [other]
+    s.silent.add(other)
+    s.pump(1.0)
+    s.dl.on_timer(2.0)
+    assert not s.done and s.dl.next_deadline() == 10.0
+    s.silent.discard(first)  # its META comes at last
+    d, _ = s.donors[first]
+    d.serve("req1", ep(1), d.published)
+    s.pump(4.0)
+    [(meta, arrays, err)] = s.done
+    assert err is None and meta == {"epoch": 7}
+    check_state(arrays)
+    assert sum(s.dl.per_donor.values()) == len(s.snap.plan)
+
+
+def test_a_donor_that_never_answers_fails_the_download_at_its_deadline():
+    s = Swarm({2: 1.0}, deadline=3.0)
+    s.silent.add(ep(2))
+    s.dl.start(0.0)
+    s.pump(0.0)
+    s.dl.on_timer(1.0)
+    assert not s.done and s.dl.next_deadline() == 3.0
+    s.dl.on_timer(3.0)
+    [(_, arrays, err)] = s.done
+    assert arrays is None and isinstance(err, StateUnavailable) and "no answer within 1s" in str(err)
+
+
 def test_a_dropped_connection_hands_the_chunks_to_the_others_at_once():
     s = Swarm({2: 1.0, 3: 1.0})
 
