@@ -30,8 +30,8 @@ share takes what the others have not been given yet). A donor that refuses, stal
 digest is wrong is dropped: its outstanding chunks go back to the pool and are fetched from
 the others (counted in `refetched`, bad digests in `bad_chunks`), and the next candidate is
 asked. A donor that has not answered the META request within ``chunk_timeout`` is not dropped
-but awaited until the deadline (it may be snapshotting and hashing a large state), and the next
-candidate is asked meanwhile. Once no donor of the adopted state is left, the donors passed over for holding another
+but awaited while the membership counts it live (it may be snapshotting and hashing a large
+state), and the next candidate is asked meanwhile. Once no donor of the adopted state is left, the donors passed over for holding another
 state and those that moved on from ours (refused its chunks) are asked again, once each, and the
 download starts over with the state the first of them holds. Bytes are only written into buffers this module owns: a partial download never
 reaches the user's tensors.
@@ -283,9 +283,9 @@ class StateDownload:
     root: str = ""
     snapshot: StateSnapshot | None = None  # the verified result (hashes reused by a repair)
     _asked: dict[str, tuple[str, float]] = field(default_factory=dict)  # peer -> (endpoint, answer by)
-    # asked donors that did not answer within chunk_timeout: still awaited (until the deadline), but no
-    # longer counted against max_donors or the shares -- a donor without a published snapshot copies and
-    # hashes its whole state before it answers (~1 s a GiB), which a large state makes longer than that
+    # asked donors that did not answer within chunk_timeout: still awaited while the membership counts
+    # them live, but no longer counted against max_donors or the shares -- a donor without a published
+    # snapshot copies and hashes its whole state before it answers, which takes longer for a large state
     _slow: set[str] = field(default_factory=set)
     _active: dict[str, _Donor] = field(default_factory=dict)
     dropped: int = 0  # donor data refused (bad layout, dtype, size, codec, digest)
@@ -600,12 +600,25 @@ class StateDownload:
             self._finish(None, None, StateUnavailable(
                 f"state download timed out after {now - self.started:.1f}s: " + "; ".join(self.history[-6:])))
             return
-        slow = [p for p, (_, t) in self._asked.items() if now >= t and p not in self._slow]
-        for peer in slow:  # awaited until the deadline (`_slow`); others are asked meanwhile
-            self._slow.add(peer)
-            self._asked[peer] = (self._asked[peer][0], self.deadline)
-            self.history.append(f"{peer[:8]}: no answer within {self.chunk_timeout:g}s (still awaited: a donor "
-                                "snapshots and hashes its state before it answers)")
+        # a donor that has not answered within chunk_timeout is awaited while the membership counts it
+        # live (it gossips: its I/O thread runs while its owner hashes); the next candidate is asked
+        # meanwhile. One that went silent too (paused, gone) is dropped
+        expired = [p for p, (_, t) in self._asked.items() if now >= t]
+        live = set(self.membership.live_ids()) if expired else set()
+        slow = False
+        for peer in expired:
+            if self.phase is DownloadPhase.DONE:
+                return
+            if peer not in live:
+                self._drop(peer, now, f"no answer within {self.chunk_timeout:g}s" if peer not in self._slow
+                           else "no answer, and its membership record expired (paused or gone)")
+                continue
+            self._asked[peer] = (self._asked[peer][0], now + self.chunk_timeout)  # looked at again then
+            if peer not in self._slow:
+                self._slow.add(peer)
+                slow = True
+                self.history.append(f"{peer[:8]}: no answer within {self.chunk_timeout:g}s (awaited while it "
+                                    "lives: a donor snapshots and hashes its state before it answers)")
         if slow and self.phase is not DownloadPhase.DONE:
             self._ask_more(now)
             for p in list(self._active):

@@ -150,8 +150,8 @@ def test_a_donor_slower_than_chunk_timeout_to_answer_is_awaited_while_others_are
     """A donor without a published snapshot copies and hashes its whole state before its META
     (~1 s a GiB measured here: 512 MiB did not answer within chunk_timeout=1). Such a donor was
     dropped after chunk_timeout: with no other donor, every download of a state of a few GiB
-    failed ("no answer within 5s"). It is awaited until the deadline now; meanwhile the next
-    candidate is asked, and a paused donor costs the others no share of the chunks."""
+    failed ("no answer within 5s"). It is awaited while it gossips now; meanwhile the next
+    candidate is asked, and a slow donor costs the others no share of the chunks."""
     s = Swarm({2: 1.0, 3: 1.0}, deadline=10.0, max_donors=1)
     s.dl.start(0.0)
     [(first, _)] = s.out.sent  # one META request (max_donors=1)
@@ -163,7 +163,10 @@ def test_a_donor_slower_than_chunk_timeout_to_answer_is_awaited_while_others_are
     s.silent.add(other)
     s.pump(1.0)
     s.dl.on_timer(2.0)
-    assert not s.done and s.dl.next_deadline() == 10.0
+    assert not s.done and s.dl.next_deadline() == 3.0  # looked at again every chunk_timeout
+    s.dl.membership.forget(pid(3 if other == ep(3) else 2), 2.5)  # the second stopped gossiping: dropped
+    s.dl.on_timer(3.0)
+    assert not s.done and s.dl.history[-1].endswith("no answer, and its membership record expired (paused or gone)")
     s.silent.discard(first)  # its META comes at last
     d, _ = s.donors[first]
     d.serve("req1", ep(1), d.published)
@@ -179,7 +182,8 @@ def test_a_donor_that_never_answers_fails_the_download_at_its_deadline():
     s.silent.add(ep(2))
     s.dl.start(0.0)
     s.pump(0.0)
-    s.dl.on_timer(1.0)
+    for t in (1.0, 2.0):
+        s.dl.on_timer(t)
     assert not s.done and s.dl.next_deadline() == 3.0
     s.dl.on_timer(3.0)
     [(_, arrays, err)] = s.done
