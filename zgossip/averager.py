@@ -59,6 +59,15 @@ def _to_numpy(a: Any) -> np.ndarray:
     return np.asarray(a)
 
 
+def _served(a: Any) -> np.ndarray:
+    """`a` as a snapshot may hold it: copied unless it is an array owning its memory (what the default
+    `get_current_state` returns). A torch tensor or a view is most likely live memory -- the model's
+    own parameter -- and a snapshot must not change while downloaders fetch it: their chunks would fail
+    the digests taken at the snapshot, and the honest donor be dropped as sending bad data."""
+    out = _to_numpy(a)
+    return out if out.flags.owndata and out.flags.c_contiguous else np.array(out, copy=True, order="C")
+
+
 def _bf16_exact(a: np.ndarray) -> bool:
     """Whether the float32 array `a` holds only values a bfloat16 holds exactly (the low 16 bits are 0;
     NaN and inf included as bfloat16 -> float32 makes them)."""
@@ -757,7 +766,7 @@ class Averager:
         if type(version) is not int or version < 0:
             raise ValueError("version must be an int >= 0")
         meta, arrays = self.get_current_state()
-        snap = StateSnapshot.build(meta, [_to_numpy(a) for a in arrays], self.config.state_chunk_bytes)
+        snap = StateSnapshot.build(meta, [_served(a) for a in arrays], self.config.state_chunk_bytes)
         self._published = (version, self._steps_begun)
         self._transport.call(lambda now: self._transport.node.publish_state(version, snap, now))
         return snap.root
@@ -769,7 +778,10 @@ class Averager:
 
     def get_current_state(self) -> tuple[Any, list[np.ndarray]]:
         """What a peer downloading from us receives: ``(metadata, tensors)``. Override to add
-        optimizer state or metadata (any msgpack-able object). Called on a worker thread."""
+        optimizer state or metadata (any msgpack-able object). Called on a worker thread. The
+        tensors are served as they are at this call: torch tensors and array views (live memory,
+        such as the model's parameters) are copied; a numpy array of your own that you write
+        later must be returned as a copy."""
         with self._lock:
             self._pull()
             return None, [np.array(a) for a in self._arrays]
@@ -993,7 +1005,7 @@ class Averager:
     def _serve(self, act: ServeState) -> None:
         try:
             meta, arrays = self.get_current_state()
-            snap = StateSnapshot.build(meta, [_to_numpy(a) for a in arrays], self.config.state_chunk_bytes,
+            snap = StateSnapshot.build(meta, [_served(a) for a in arrays], self.config.state_chunk_bytes,
                                        compression=self._state_compression)
             err = ""
         except TypeError as e:

@@ -123,6 +123,29 @@ def test_a_donor_meta_past_the_header_limit_is_dropped_as_invalid_as_over_zeromq
     assert new.averager.stats["invalid"] == 1 and donor.served == 1
 
 
+def test_a_donor_serving_its_live_tensors_serves_them_as_they_were_when_asked():
+    """get_current_state overridden to return the model's own tensors (as a user would: torch
+    tensors, or ``p.detach().numpy()`` -- views of live memory, as here): the snapshot aliased
+    them, so a training step during the download changed what was served under its digests --
+    the download failed at its only donor, which was logged as sending bad data. The snapshot
+    copies tensors and views now."""
+    cl = SimCluster(seed=0, network=NetworkModel(latency=0.001, bandwidth=2e5))
+    live = np.arange(4096, dtype=np.float32)  # 4 chunks, ~0.1 s over this link
+    donor = cl.add_peer(NodeConfig(**CFG), tensors=[np.zeros(4096, np.float32)])
+    donor.node.set_state_sharing(1.0)
+    donor.averager.get_current_state = lambda: ({"step": 1}, [live[:]])
+    new = cl.add_peer(NodeConfig(**CFG), tensors=None, known=[donor])
+    cl.run(until=cl.env.now + 0.5)
+    ev = new.load_state(timeout=5.0, chunk_timeout=1.0)
+    while not (new.node.downloads and next(iter(new.node.downloads.values())).root):  # its META came
+        cl.run(until=cl.env.now + 0.001)
+    live += 1  # the donor takes a training step while the newcomer downloads
+    cl.run(until=ev)
+    assert isinstance(ev.value, DownloadDone), ev.value.error
+    assert np.array_equal(ev.value.arrays[0], np.arange(4096, dtype=np.float32)) and ev.value.meta == {"step": 1}
+    assert new.averager.stats["state_bad_chunks"] == 0
+
+
 def test_a_state_of_many_small_chunks_downloads_without_a_stall():
     """1,024 chunks of 1 KiB from one donor. Requests used to ask for 4 chunks each, and the donor
     counted them as control messages (dropped past 80 a second here): the download stalled for
