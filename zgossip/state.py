@@ -465,11 +465,13 @@ class StateDownload:
             if c not in _codecs.CODEC_IDS or (c != _codecs.NONE and DTYPES[code].kind != "f"):
                 return f"tensor {t}: codec {c} cannot carry dtype {code!r}"
             if any(n > self.max_bytes for n in shape):  # also keeps the product below overflow
-                return f"state larger than the {self.max_bytes}-byte limit"
+                return (f"state larger than this peer's max_state_bytes ({self.max_bytes}): raise it to load it "
+                        "(NodeConfig.max_state_bytes, given as Averager(config=...))")
             numel = int(np.prod(shape, dtype=object))
             total += numel * DTYPES[code].itemsize  # what the decoded state takes (a codec only shrinks it)
             if total > self.max_bytes:
-                return f"state larger than the {self.max_bytes}-byte limit"
+                return (f"state larger than this peer's max_state_bytes ({self.max_bytes}): raise it to load it "
+                        "(NodeConfig.max_state_bytes, given as Averager(config=...))")
             chunks += -(-_codecs.encoded_nbytes(c, numel, DTYPES[code].itemsize) // msg.chunk_bytes)
         # counted before any plan is built: a tiny chunk size must not make us list billions of chunks
         if len(msg.hashes) != DIGEST_BYTES * chunks:

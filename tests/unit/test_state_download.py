@@ -357,12 +357,17 @@ def test_snapshot_refuses_a_dtype_the_stream_cannot_carry_and_size_limits_hold()
         assert "complex64" in str(e)
     else:
         raise AssertionError("complex64 accepted")
-    s = Swarm({3: 1.0})
-    s.dl.max_bytes = 100
-    s.dl.start(0.0)
-    s.pump(0.1)
-    [(_, _, err)] = s.done
-    assert isinstance(err, StateUnavailable) and "limit" in str(err)
+    for limit, ok in ((1840, True), (1839, False)):  # the state's 1600 + 240 bytes: at the limit, one past
+        s = Swarm({3: 1.0})
+        s.dl.max_bytes = limit
+        s.dl.start(0.0)
+        s.pump(0.1)
+        [(_, arrays, err)] = s.done
+        if ok:
+            assert err is None
+            check_state(arrays)
+        else:  # the error names the setting to raise
+            assert isinstance(err, StateUnavailable) and "max_state_bytes (1839)" in str(err)
 
 
 def test_a_hostile_meta_with_a_tiny_chunk_size_is_refused_without_planning_its_chunks():
