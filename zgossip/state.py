@@ -17,7 +17,9 @@ Protocol (all messages in `zgossip.messages`):
   serves them from its snapshot cache, never from the live tensors, so serving never waits
   for the tensor lock while the owner averages. The cache holds at most ``max_snapshots``
   snapshots (least recently used evicted): memory is bounded by that many copies of the
-  state; a request for an evicted root is refused and the downloader moves on.
+  state; a request for an evicted root is refused and the downloader moves on. While both are
+  being downloaded, a META request gets the one taken last if it is fresh (`StateDonor.shared`)
+  rather than a new snapshot that would evict one a download still fetches.
 
 The downloader asks up to ``max_donors`` donors of the best priority tier for their META,
 adopts the first root it accepts (the ``target_root`` it was given, if any) and hands out
@@ -70,6 +72,9 @@ MAX_CHUNKS_PER_REQUEST = 256  # a donor queues at most this many chunks for one 
 REQUEST_BYTES = 16 << 20  # a downloader asks for at least this much per request (4 default chunks)
 MAX_DIGEST_BYTES = 16 << 15  # what STATE_META's `hashes` may hold (zgossip.messages): 32768 chunks
 MAX_META_BYTES = WireLimits().max_header_bytes  # a STATE_META's header: what every receiver accepts
+#: `StateDonor.shared`: a snapshot fetched this recently is still being downloaded, and one taken this
+#: recently is fresh enough to hand a newcomer instead of a new one
+ACTIVE_SECONDS = 5.0
 
 
 def chunk_digest(data: Any) -> bytes:
@@ -169,6 +174,9 @@ class StateDonor:
         self.max_snapshots = max(1, max_snapshots)
         self._cache: OrderedDict[str, StateSnapshot] = OrderedDict()
         self.published: StateSnapshot | None = None
+        self._used: dict[str, float] = {}  # root -> when it last served a META answer or chunks
+        self._latest = ""  # root of the snapshot kept last
+        self._latest_at = -ACTIVE_SECONDS  # when it was taken (`note_use` with taken=True)
         self._unsendable = ""  # root of the last snapshot whose META could not be sent (warned once)
         self.served = 0  # META answers
         self.chunks_served = 0
@@ -184,8 +192,31 @@ class StateDonor:
     def _keep(self, snap: StateSnapshot) -> None:
         self._cache[snap.root] = snap
         self._cache.move_to_end(snap.root)
+        self._latest = snap.root
         while len(self._cache) > self.max_snapshots:
-            self._cache.popitem(last=False)  # in-flight chunk frames keep their own reference
+            root, _ = self._cache.popitem(last=False)  # in-flight chunk frames keep their own reference
+            self._used.pop(root, None)
+
+    def note_use(self, root: str, now: float, taken: bool = False) -> None:
+        """A download fetches snapshot `root` (its META was answered, or chunks of it served) at `now`;
+        `taken`: it is the snapshot just taken for a META request."""
+        if root in self._cache:
+            self._used[root] = now
+            if taken and root == self._latest:
+                self._latest_at = now
+
+    def shared(self, now: float) -> StateSnapshot | None:
+        """The snapshot to answer a META request with instead of taking a new one: the one taken last,
+        if that was within `ACTIVE_SECONDS`, when the cache is full and every snapshot in it was
+        fetched within `ACTIVE_SECONDS`. A new one would evict a snapshot a download still fetches,
+        which then has to start over -- with three or more newcomers downloading at once from a donor
+        whose state changes (it trains), they evicted each other's until downloads failed. The
+        newcomer gets a state at most `ACTIVE_SECONDS` old instead."""
+        if (len(self._cache) < self.max_snapshots or self._latest not in self._cache
+                or now - self._latest_at > ACTIVE_SECONDS
+                or any(now - self._used.get(r, -ACTIVE_SECONDS) > ACTIVE_SECONDS for r in self._cache)):
+            return None
+        return self._cache[self._latest]
 
     def publish(self, snap: StateSnapshot | None) -> None:
         """The snapshot META requests get from now on (a versioned copy); None: take one per request."""

@@ -146,6 +146,37 @@ def test_a_donor_serving_its_live_tensors_serves_them_as_they_were_when_asked():
     assert new.averager.stats["state_bad_chunks"] == 0
 
 
+def test_newcomers_downloading_at_once_from_a_training_donor_share_its_snapshots():
+    """A donor without a published snapshot took one per META request and kept the last 2: with a
+    state that changes between requests (it trains), the third newcomer's snapshot evicted the
+    first's mid-download, which had to start over and evicted another's: 1 of these 6 downloads
+    failed (4 of 8 starting at once); since such downloads start over (c883b14) all 6 finished, but
+    the donor copied and hashed its state 7 times. Requests that come while a snapshot is being taken now share it, and while both
+    kept snapshots are being downloaded a newcomer gets the one taken last."""
+    cl = SimCluster(seed=0, network=NetworkModel(latency=0.001, bandwidth=3e5))
+    taken = []
+
+    def training_state():  # every snapshot differs from the one before
+        taken.append(len(taken) + 1)
+        return {"v": taken[-1]}, [np.full(16384, float(taken[-1]), np.float32)]  # 16 chunks
+
+    donor = cl.add_peer(NodeConfig(**CFG), tensors=[np.zeros(4, np.float32)])
+    donor.node.set_state_sharing(1.0)
+    donor.averager.get_current_state = training_state
+    news = [cl.add_peer(NodeConfig(**CFG), tensors=None, known=[donor]) for _ in range(6)]
+    cl.run(until=cl.env.now + 0.5)
+    evs = []
+    for n in news:  # one every 0.1 s; each download takes ~0.2-1 s over the shared uplink
+        evs.append(n.load_state(timeout=30.0, chunk_timeout=2.0))
+        cl.run(until=cl.env.now + 0.1)
+    cl.run(until=cl.env.all_of(evs))
+    for ev in evs:
+        assert isinstance(ev.value, DownloadDone), ev.value.error
+        v = ev.value.meta["v"]
+        assert np.array_equal(ev.value.arrays[0], np.full(16384, float(v), np.float32))  # one snapshot, whole
+    assert len(taken) <= 3 and donor.node.donor.served == 6
+
+
 def test_a_state_of_many_small_chunks_downloads_without_a_stall():
     """1,024 chunks of 1 KiB from one donor. Requests used to ask for 4 chunks each, and the donor
     counted them as control messages (dropped past 80 a second here): the download stalled for

@@ -350,6 +350,21 @@ def test_a_donor_whose_meta_no_peer_could_accept_refuses_saying_why():
     assert answer.ok and d.served == 1
 
 
+def test_a_donor_shares_its_last_snapshot_only_while_both_kept_are_downloaded_and_it_is_fresh():
+    d = StateDonor(pid(3), ep(3), Outbox(), CHUNK)
+    a, b = (StateSnapshot.build(None, [x + k for x in STATE], CHUNK) for k in (1, 2))
+    d.serve("r1", ep(1), a)
+    d.note_use(a.root, 0.0, taken=True)
+    assert d.shared(0.5) is None  # room for another
+    d.serve("r2", ep(2), b)
+    d.note_use(b.root, 1.0, taken=True)
+    assert d.shared(1.5) is b  # a new one would evict one both downloads fetch
+    d.note_use(a.root, 5.0)
+    assert d.shared(5.5) is b and d.shared(6.5) is None  # b taken 5.5 s ago: too old to hand out
+    d.note_use(b.root, 6.0, taken=True)  # (as if b were taken again)
+    assert d.shared(10.5) is None  # a not fetched for 5.5 s: its download is over, it may be evicted
+
+
 def test_snapshot_refuses_a_dtype_the_stream_cannot_carry_and_size_limits_hold():
     try:
         StateSnapshot.build(None, [np.zeros(3, dtype=np.complex64)], CHUNK)
