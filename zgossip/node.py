@@ -916,7 +916,7 @@ class Node:
         elif msg.count:
             held = self._held_chunks.get(msg.sender)
             if held is None and self._chunk_limits.allow(msg.sender, now, msg.count):
-                self.donor.note_use(msg.root, now)
+                self.donor.note_use(msg.root, now, by=msg.sender)
                 self.donor.serve_chunks(msg)  # from the snapshot cache: never waits for the tensors
             elif held is not None and len(held) >= HELD_CHUNK_REQUESTS or (
                     held is None and len(self._held_chunks) >= HELD_CHUNK_SOURCES):
@@ -932,7 +932,7 @@ class Node:
                                                          f"{MAX_SNAPSHOT_WAITERS} downloads already: retry soon")
             else:
                 self._snapshot_waiters.append((msg.req, msg.endpoint))
-        elif (snap := self.donor.shared(now)) is not None:  # a new one would evict one still downloaded
+        elif (snap := self.donor.shared(now, msg.sender)) is not None:  # a new one would evict one in use
             self.donor.serve(msg.req, msg.endpoint, snap)
             self.donor.note_use(snap.root, now)
         else:
@@ -1078,7 +1078,7 @@ class Node:
                 if self.membership.share is None:
                     self.donor.refuse(msg.req, msg.endpoint, "this peer does not share its state", msg.root)
                 else:
-                    self.donor.note_use(msg.root, now)
+                    self.donor.note_use(msg.root, now, by=msg.sender)
                     self.donor.serve_chunks(msg)
             if not held:
                 del self._held_chunks[src]

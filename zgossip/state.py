@@ -175,6 +175,7 @@ class StateDonor:
         self._cache: OrderedDict[str, StateSnapshot] = OrderedDict()
         self.published: StateSnapshot | None = None
         self._used: dict[str, float] = {}  # root -> when it last served a META answer or chunks
+        self._fetchers: dict[str, set[str]] = {}  # root -> peers that fetched chunks of it (`shared`)
         self._latest = ""  # root of the snapshot kept last
         self._latest_at = -ACTIVE_SECONDS  # when it was taken (`note_use` with taken=True)
         self._unsendable = ""  # root of the last snapshot whose META could not be sent (warned once)
@@ -196,24 +197,29 @@ class StateDonor:
         while len(self._cache) > self.max_snapshots:
             root, _ = self._cache.popitem(last=False)  # in-flight chunk frames keep their own reference
             self._used.pop(root, None)
+            self._fetchers.pop(root, None)
 
-    def note_use(self, root: str, now: float, taken: bool = False) -> None:
-        """A download fetches snapshot `root` (its META was answered, or chunks of it served) at `now`;
-        `taken`: it is the snapshot just taken for a META request."""
+    def note_use(self, root: str, now: float, taken: bool = False, by: str = "") -> None:
+        """A download fetches snapshot `root` (its META was answered, or chunks of it served to peer
+        `by`) at `now`; `taken`: it is the snapshot just taken for a META request."""
         if root in self._cache:
             self._used[root] = now
             if taken and root == self._latest:
                 self._latest_at = now
+            who = self._fetchers.setdefault(root, set())
+            if by and len(who) < 4096:
+                who.add(by)
 
-    def shared(self, now: float) -> StateSnapshot | None:
+    def shared(self, now: float, asker: str = "") -> StateSnapshot | None:
         """The snapshot to answer a META request with instead of taking a new one: the one taken last,
         if that was within `ACTIVE_SECONDS`, when the cache is full and every snapshot in it was
         fetched within `ACTIVE_SECONDS`. A new one would evict a snapshot a download still fetches,
         which then has to start over -- with three or more newcomers downloading at once from a donor
         whose state changes (it trains), they evicted each other's until downloads failed. The
-        newcomer gets a state at most `ACTIVE_SECONDS` old instead."""
+        newcomer gets a state at most `ACTIVE_SECONDS` old instead -- unless it fetched that one
+        already (`asker`): a peer asking again wants a newer state than the one it got."""
         if (len(self._cache) < self.max_snapshots or self._latest not in self._cache
-                or now - self._latest_at > ACTIVE_SECONDS
+                or now - self._latest_at > ACTIVE_SECONDS or asker in self._fetchers.get(self._latest, ())
                 or any(now - self._used.get(r, -ACTIVE_SECONDS) > ACTIVE_SECONDS for r in self._cache)):
             return None
         return self._cache[self._latest]

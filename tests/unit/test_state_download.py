@@ -358,7 +358,9 @@ def test_a_donor_shares_its_last_snapshot_only_while_both_kept_are_downloaded_an
     assert d.shared(0.5) is None  # room for another
     d.serve("r2", ep(2), b)
     d.note_use(b.root, 1.0, taken=True)
-    assert d.shared(1.5) is b  # a new one would evict one both downloads fetch
+    d.note_use(b.root, 1.2, by=pid(2))
+    assert d.shared(1.5, pid(1)) is b  # a new one would evict one both downloads fetch
+    assert d.shared(1.5, pid(2)) is None  # asking again: it wants a newer one than b
     d.note_use(a.root, 5.0)
     assert d.shared(5.5) is b and d.shared(6.5) is None  # b taken 5.5 s ago: too old to hand out
     d.note_use(b.root, 6.0, taken=True)  # (as if b were taken again)
