@@ -792,8 +792,9 @@ class Averager:
 
         Donors are tried in priority order (random among equals); a donor that refuses,
         stalls for `chunk_timeout`, sends a bad chunk or a wrong checksum is replaced by the
-        next (one slower than `chunk_timeout` to answer the first request, which may be snapshotting
-        a large state, is still awaited while it gossips, and the next is asked meanwhile). Nothing is written until a complete, verified state arrived. With ``apply``
+        next (one slower than `chunk_timeout` to answer the first request, which may be
+        snapshotting a large state, is still awaited while it gossips, and the next is asked
+        meanwhile). Nothing is written until a complete, verified state arrived. With ``apply``
         the tensors are copied into this averager's tensors, after checking every shape and
         dtype (a mismatch raises and writes nothing). Raises `StateUnavailable`. With
         ``wait=False`` returns a `concurrent.futures.Future` of the same (applied when it is set).

@@ -912,7 +912,8 @@ class Node:
 
     def _on_state_req(self, msg: StateReq, now: float) -> None:
         if self.membership.share is None:
-            self.donor.refuse(msg.req, msg.endpoint, "this peer does not share its state", msg.root if msg.count else "")
+            self.donor.refuse(msg.req, msg.endpoint, "this peer does not share its state",
+                              msg.root if msg.count else "")
         elif msg.count:
             held = self._held_chunks.get(msg.sender)
             if held is None and self._chunk_limits.allow(msg.sender, now, msg.count):

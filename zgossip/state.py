@@ -33,9 +33,10 @@ digest is wrong is dropped: its outstanding chunks go back to the pool and are f
 the others (counted in `refetched`, bad digests in `bad_chunks`), and the next candidate is
 asked. A donor that has not answered the META request within ``chunk_timeout`` is not dropped
 but awaited while the membership counts it live (it may be snapshotting and hashing a large
-state), and the next candidate is asked meanwhile. Once no donor of the adopted state is left, the donors passed over for holding another
-state and those that moved on from ours (refused its chunks) are asked again, once each, and the
-download starts over with the state the first of them holds. Bytes are only written into buffers this module owns: a partial download never
+state), and the next candidate is asked meanwhile. Once no donor of the adopted state is left,
+the donors passed over for holding another state and those that moved on from ours (refused its
+chunks) are asked again, once each, and the download starts over with the state the first of
+them holds. Bytes are only written into buffers this module owns: a partial download never
 reaches the user's tensors.
 
 A snapshot taken for a request may carry its float tensors compressed (``state_compression=``,
@@ -247,8 +248,9 @@ class StateDonor:
         except (TypeError, ValueError) as e:
             return self._refuse_meta(req, endpoint, snap, f"its metadata cannot be packed ({str(e)[:200]})")
         if size > MAX_META_BYTES:
-            return self._refuse_meta(req, endpoint, snap, f"its STATE_META takes {size} bytes, more than the "
-                                                          f"{MAX_META_BYTES} a peer accepts (its metadata is too large)")
+            return self._refuse_meta(req, endpoint, snap, f"its STATE_META takes {size} bytes, more than "
+                                                          f"the {MAX_META_BYTES} a peer accepts (its metadata is "
+                                                          "too large)")
         self._keep(snap)
         self._send(endpoint, answer)
         self.served += 1
@@ -466,8 +468,6 @@ class StateDownload:
         if peer not in self._asked or (not msg.ok and msg.digest):  # a chunk request's refusal: not an answer
             self.late += 1
             return
-            self.late += 1
-            return
         endpoint = self._asked[peer][0]
         if not msg.ok:
             return self._drop(peer, now, f"refused: {msg.reason}")
@@ -648,6 +648,8 @@ class StateDownload:
         for peer in expired:
             if self.phase is DownloadPhase.DONE:
                 return
+            if peer not in self._asked:
+                continue
             if peer not in live:
                 self._drop(peer, now, f"no answer within {self.chunk_timeout:g}s" if peer not in self._slow
                            else "no answer, and its membership record expired (paused or gone)")
