@@ -363,10 +363,16 @@ class Averager:
         if self.auxiliary and client_mode:
             raise ValueError("an auxiliary peer lends its bandwidth to reduce spans, which a client (it accepts no "
                              "connection) cannot do")
-        part_size_bytes = self.config.part_size_bytes
-        frame_limit = max_message_bytes or max(64 << 20, part_size_bytes + (1 << 16))
+        part_size_bytes, chunk_bytes = self.config.part_size_bytes, self.config.state_chunk_bytes
+        # a state chunk travels in one frame too: past the limit, libzmq cut the connection at every
+        # chunk and downloads failed as "stalled with 1 chunks owed"
+        frame_limit = max_message_bytes or max(64 << 20, part_size_bytes + (1 << 16), chunk_bytes)
         if transport is None and part_size_bytes > frame_limit:
             raise ValueError("part_size_bytes exceeds max_message_bytes: peers would drop every part")
+        if transport is None and chunk_bytes > frame_limit:
+            raise ValueError(f"state_chunk_bytes ({chunk_bytes}) exceeds max_message_bytes ({frame_limit}): peers "
+                             "would cut the connection at every state chunk; raise max_message_bytes or lower "
+                             "state_chunk_bytes")
         self._rng = np.random.default_rng(seed)
         self.peer_id = self._rng.bytes(8).hex() if keys is None else keys.peer_id
         #: this peer's public key (Z85) when it has keys: others name it as ``ENDPOINT#KEY``

@@ -69,3 +69,19 @@ def test_shutdown_with_downloads_in_flight_fails_them_and_returns():
         finally:
             release.set()
             b.shutdown(timeout=2.0)
+
+
+def test_state_chunks_larger_than_the_default_frame_limit_download_and_a_given_limit_refuses_them():
+    """state_chunk_bytes past the 64 MiB default frame limit: libzmq cut the connection at every chunk and
+    each download failed as "stalled with 1 chunks owed". The default limit now fits the chunks, and a
+    max_message_bytes given below them is refused at construction."""
+    with pytest.raises(ValueError, match="state_chunk_bytes .* exceeds max_message_bytes"):
+        zgossip.Averager([np.zeros(4)], prefix="st", state_chunk_bytes=80 << 20, max_message_bytes=64 << 20, **FAST)
+    src = [np.arange(66 << 17, dtype=np.float64)]  # 66 MiB: one chunk of 80 MiB carries it whole
+    dst = [np.zeros(66 << 17)]
+    with zgossip.Averager(src, prefix="st", state_chunk_bytes=80 << 20, **FAST) as a, \
+            zgossip.Averager(dst, prefix="st", initial_peers=[a.endpoint], allow_state_sharing=False,
+                             state_chunk_bytes=80 << 20, **FAST) as b:
+        _wait_for_donor(b, a)
+        b.load_state_from_peers(timeout=20, chunk_timeout=5)
+        assert np.array_equal(dst[0], src[0]) and b.stats["connections_cut"] == 0
