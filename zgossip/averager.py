@@ -369,10 +369,11 @@ class Averager:
         frame_limit = max_message_bytes or max(64 << 20, part_size_bytes + (1 << 16), chunk_bytes)
         if transport is None and part_size_bytes > frame_limit:
             raise ValueError("part_size_bytes exceeds max_message_bytes: peers would drop every part")
-        if transport is None and chunk_bytes > frame_limit:
-            raise ValueError(f"state_chunk_bytes ({chunk_bytes}) exceeds max_message_bytes ({frame_limit}): peers "
-                             "would cut the connection at every state chunk; raise max_message_bytes or lower "
-                             "state_chunk_bytes")
+        if transport is None and chunk_bytes > frame_limit:  # only tensors past the limit fail: warned, not refused
+            log.warning("state_chunk_bytes (%d) exceeds max_message_bytes (%d): a state download of a tensor larger "
+                        "than %d bytes will fail (peers cut the connection at its chunks); raise max_message_bytes "
+                        "or lower state_chunk_bytes (on every peer: it is part of the state hash)", chunk_bytes,
+                        frame_limit, frame_limit)
         self._rng = np.random.default_rng(seed)
         self.peer_id = self._rng.bytes(8).hex() if keys is None else keys.peer_id
         #: this peer's public key (Z85) when it has keys: others name it as ``ENDPOINT#KEY``
