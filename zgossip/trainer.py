@@ -328,9 +328,10 @@ class TrainerPeer:
                 for obj, state in loads:
                     obj.load_state_dict(state)
             except Exception as e:
-                for (obj, _), state in zip(loads, saved):
-                    obj.load_state_dict(state)
-                raise StateUnavailable(f"the donor's {type(obj).__name__} state could not be loaded "
+                refused = type(obj).__name__
+                for (done, _), state in zip(loads, saved):
+                    done.load_state_dict(state)
+                raise StateUnavailable(f"the donor's {refused} state could not be loaded "
                                        f"({type(e).__name__}: {e}): nothing was written") from None
             with torch.no_grad():
                 for p, a in zip(self.params, arrays[:n]):

@@ -412,7 +412,7 @@ def test_a_donor_outer_state_torch_refuses_is_a_failed_download_with_nothing_wri
         n = len(opt.params)
         bad = ({**meta, "epoch": meta["epoch"] + 3, "extra": extra_meta}, [a + 1 for a in arrays[:n]] + extra_arrays)
         before = copy.deepcopy((opt.opt.state_dict(), opt.outer.state_dict(), opt._anchor, list(model.parameters())))
-        with pytest.raises(StateUnavailable, match="SGD state could not be loaded"):
+        with pytest.raises(StateUnavailable, match="SGD state could not be loaded"):  # the outer optimizer's
             opt._apply_state(*bad)
         after = (opt.opt.state_dict(), opt.outer.state_dict(), opt._anchor, list(model.parameters()))
         torch.testing.assert_close(after, before, rtol=0, atol=0)
