@@ -54,6 +54,7 @@ import concurrent.futures as cf
 import contextlib
 import gc
 import hashlib
+import logging
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -72,6 +73,8 @@ from .clock import VirtualClock
 from .network import NetworkModel
 from .tcp import TcpTransport
 from .static import StaticTable, StaticView
+
+log = logging.getLogger(__name__)
 
 
 __all__ = ["SimTransport", "SimPeer", "SimCluster", "Crashed", "Departed"]
@@ -103,7 +106,7 @@ class SimTransport:
         self.owner: Any = None
         self.alive = True
         self.closed = False
-        self.stats = {"received": 0, "sent": 0, "resent": 0}
+        self.stats = {"received": 0, "sent": 0, "resent": 0, "invalid": 0}
         self._timer_at: float | None = None
         self._timer_gen = 0
         self.crashed_at: float | None = None
@@ -642,7 +645,12 @@ class SimCluster:
         if self.tcp is None and self.network.cut(src.endpoint, dst.endpoint, self.env.now):
             self.lost += 1  # a partition began while it was in flight (TCP would retransmit: see sim.tcp)
             return
-        msg = wire.decode(payload) if self.encode else payload
+        try:
+            msg = wire.decode(payload) if self.encode else payload
+        except wire.InvalidMessage as e:  # as the ZeroMQ driver does: counted, logged once per source, dropped
+            dst.stats["invalid"] += 1
+            dst.node.drops.note(log, src.endpoint, "an invalid message", str(e)[:200], counter="invalid")
+            return
         if not listens(src.endpoint) and wire.lane_of(msg.type) == 0 and (dst.endpoint, src.endpoint) not in self._routes:
             self._routes.add((dst.endpoint, src.endpoint))  # dst's ROUTER now knows how to answer the client
             waiting = self._backlog.pop((dst.endpoint, src.endpoint), [])

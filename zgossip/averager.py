@@ -59,6 +59,15 @@ def _to_numpy(a: Any) -> np.ndarray:
     return np.asarray(a)
 
 
+def _served(a: Any) -> np.ndarray:
+    """`a` as a snapshot may hold it: copied unless it is an array owning its memory (what the default
+    `get_current_state` returns). A torch tensor or a view is most likely live memory -- the model's
+    own parameter -- and a snapshot must not change while downloaders fetch it: their chunks would fail
+    the digests taken at the snapshot, and the honest donor be dropped as sending bad data."""
+    out = _to_numpy(a)
+    return out if out.flags.owndata and out.flags.c_contiguous else np.array(out, copy=True, order="C")
+
+
 def _bf16_exact(a: np.ndarray) -> bool:
     """Whether the float32 array `a` holds only values a bfloat16 holds exactly (the low 16 bits are 0;
     NaN and inf included as bfloat16 -> float32 makes them)."""
@@ -354,10 +363,17 @@ class Averager:
         if self.auxiliary and client_mode:
             raise ValueError("an auxiliary peer lends its bandwidth to reduce spans, which a client (it accepts no "
                              "connection) cannot do")
-        part_size_bytes = self.config.part_size_bytes
-        frame_limit = max_message_bytes or max(64 << 20, part_size_bytes + (1 << 16))
+        part_size_bytes, chunk_bytes = self.config.part_size_bytes, self.config.state_chunk_bytes
+        # a state chunk travels in one frame too: past the limit, libzmq cut the connection at every
+        # chunk and downloads failed as "stalled with 1 chunks owed"
+        frame_limit = max_message_bytes or max(64 << 20, part_size_bytes + (1 << 16), chunk_bytes)
         if transport is None and part_size_bytes > frame_limit:
             raise ValueError("part_size_bytes exceeds max_message_bytes: peers would drop every part")
+        if transport is None and chunk_bytes > frame_limit:  # only tensors past the limit fail: warned, not refused
+            log.warning("state_chunk_bytes (%d) exceeds max_message_bytes (%d): a state download of a tensor larger "
+                        "than %d bytes will fail (peers cut the connection at its chunks); raise max_message_bytes "
+                        "or lower state_chunk_bytes (on every peer: it is part of the state hash)", chunk_bytes,
+                        frame_limit, frame_limit)
         self._rng = np.random.default_rng(seed)
         self.peer_id = self._rng.bytes(8).hex() if keys is None else keys.peer_id
         #: this peer's public key (Z85) when it has keys: others name it as ``ENDPOINT#KEY``
@@ -757,7 +773,7 @@ class Averager:
         if type(version) is not int or version < 0:
             raise ValueError("version must be an int >= 0")
         meta, arrays = self.get_current_state()
-        snap = StateSnapshot.build(meta, [_to_numpy(a) for a in arrays], self.config.state_chunk_bytes)
+        snap = StateSnapshot.build(meta, [_served(a) for a in arrays], self.config.state_chunk_bytes)
         self._published = (version, self._steps_begun)
         self._transport.call(lambda now: self._transport.node.publish_state(version, snap, now))
         return snap.root
@@ -769,7 +785,10 @@ class Averager:
 
     def get_current_state(self) -> tuple[Any, list[np.ndarray]]:
         """What a peer downloading from us receives: ``(metadata, tensors)``. Override to add
-        optimizer state or metadata (any msgpack-able object). Called on a worker thread."""
+        optimizer state or metadata (any msgpack-able object). Called on a worker thread. The
+        tensors are served as they are at this call: torch tensors and array views (live memory,
+        such as the model's parameters) are copied; a numpy array of your own that you write
+        later must be returned as a copy."""
         with self._lock:
             self._pull()
             return None, [np.array(a) for a in self._arrays]
@@ -780,7 +799,9 @@ class Averager:
 
         Donors are tried in priority order (random among equals); a donor that refuses,
         stalls for `chunk_timeout`, sends a bad chunk or a wrong checksum is replaced by the
-        next. Nothing is written until a complete, verified state arrived. With ``apply``
+        next (one slower than `chunk_timeout` to answer the first request, which may be
+        snapshotting a large state, is still awaited while it gossips, and the next is asked
+        meanwhile). Nothing is written until a complete, verified state arrived. With ``apply``
         the tensors are copied into this averager's tensors, after checking every shape and
         dtype (a mismatch raises and writes nothing). Raises `StateUnavailable`. With
         ``wait=False`` returns a `concurrent.futures.Future` of the same (applied when it is set).
@@ -935,7 +956,7 @@ class Averager:
             if not fut.done():
                 _settle_future(fut, error=AveragerClosed("averager shut down during the step"))
         self._futures.clear()
-        for dfut in self._downloads.values():
+        for dfut in list(self._downloads.values()):  # failing one runs its callback, which removes it
             if not dfut.done():
                 dfut.set_exception(AveragerClosed("averager shut down during a state download"))
         if self._busy.locked():
@@ -992,7 +1013,7 @@ class Averager:
     def _serve(self, act: ServeState) -> None:
         try:
             meta, arrays = self.get_current_state()
-            snap = StateSnapshot.build(meta, [_to_numpy(a) for a in arrays], self.config.state_chunk_bytes,
+            snap = StateSnapshot.build(meta, [_served(a) for a in arrays], self.config.state_chunk_bytes,
                                        compression=self._state_compression)
             err = ""
         except TypeError as e:

@@ -209,7 +209,11 @@ class DiLoCoOptimizer(TrainerPeer):
         n = len(self.params)
         outer = None
         if isinstance(meta, dict) and meta.get("kind") == self.kind and "extra" in meta and len(arrays) >= n:
-            extra = unpack_state(meta["extra"], arrays[n:])
+            try:
+                extra = unpack_state(meta["extra"], arrays[n:])
+            except (ValueError, TypeError, IndexError, KeyError) as e:
+                raise StateUnavailable(f"the donor's optimizer/scheduler state is malformed ({type(e).__name__}: "
+                                       f"{e}): nothing was written") from None
             outer = extra.get("outer") if isinstance(extra, dict) else None
             if not isinstance(outer, Mapping):
                 raise StateUnavailable("the donor's state holds no outer optimizer state: every peer of a run must "
@@ -221,12 +225,16 @@ class DiLoCoOptimizer(TrainerPeer):
         finally:
             self._loading = None
 
+    def _donor_states(self, extra: dict) -> list[tuple[Any, Any]]:
+        loads = super()._donor_states(extra)
+        if self._loading is not None and self._loading.get("outer") is not None:
+            loads.append((self.outer, self._loading["outer"]))  # with the inner one's: all or none
+        return loads
+
     def _after_state_loaded(self) -> None:
         with torch.no_grad():
             for a, p in zip(self._anchor, self.params):
                 a.copy_(p)  # the donor served its anchor as the parameters
-        if self._loading is not None and self._loading.get("outer") is not None:
-            self.outer.load_state_dict(self._loading["outer"])
         self.steps_in_epoch = 0
         self._param_digest = params_digest(self._anchor, self.local_epoch)
 

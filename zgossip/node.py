@@ -253,6 +253,8 @@ _MATCHMAKING = frozenset((Join, JoinNote, Leave))
 #: second, and each drop stalled the download for its `chunk_timeout`.
 CHUNK_RATE, CHUNK_BURST = 4096.0, 1024.0
 HELD_CHUNK_REQUESTS, HELD_CHUNK_SOURCES = 4, 256
+#: META requests that may wait for one snapshot being taken (more are refused: retry)
+MAX_SNAPSHOT_WAITERS = 256
 
 
 def _layout_bytes(desc: str) -> int:
@@ -346,6 +348,9 @@ class Node:
         self._owed: dict[str, dict[str, str]] = {}  # gid -> {peer id: endpoint} not DONE yet
         self._done_from: dict[str, set[tuple[str, str]]] = {}  # gid -> (peer id, endpoint) that said DONE
         self.donor = StateDonor(peer_id, endpoint, self._send, config.state_chunk_bytes)
+        # META requests waiting for the snapshot the owner is taking (`ServeState`): answered with it
+        # together, so a burst of newcomers costs one snapshot (a copy and a hash of the whole state)
+        self._snapshot_waiters: list[tuple[str, str]] = []
         self.downloads: dict[str, StateDownload] = {}
         self.stats = {"messages": 0, "dropped": 0, "late": 0, "rate_limited": 0, "repairs": 0, "repair_failures": 0,
                       "state_bad_chunks": 0, "state_refetched": 0, "bad_bandwidth": 0, "closed_early": 0}
@@ -777,10 +782,16 @@ class Node:
                     error: str = "") -> None:
         """The owner's answer to `ServeState`: a snapshot (`StateSnapshot.build`, hashed off this
         thread) or None with the reason."""
-        if snap is None:
-            self.donor.refuse(req, endpoint, error or "state unavailable")
-        else:
-            self.donor.serve(req, endpoint, snap)
+        waiters, self._snapshot_waiters = self._snapshot_waiters, []
+        if (req, endpoint) not in waiters:
+            waiters.insert(0, (req, endpoint))
+        for r, ep in waiters:
+            if snap is None:
+                self.donor.refuse(r, ep, error or "state unavailable")
+            else:
+                self.donor.serve(r, ep, snap)
+        if snap is not None:
+            self.donor.note_use(snap.root, now, taken=True)
         self._drain_loopback(now)
 
     def publish_state(self, version: int, snap: StateSnapshot, now: float) -> None:
@@ -901,10 +912,12 @@ class Node:
 
     def _on_state_req(self, msg: StateReq, now: float) -> None:
         if self.membership.share is None:
-            self.donor.refuse(msg.req, msg.endpoint, "this peer does not share its state")
+            self.donor.refuse(msg.req, msg.endpoint, "this peer does not share its state",
+                              msg.root if msg.count else "")
         elif msg.count:
             held = self._held_chunks.get(msg.sender)
             if held is None and self._chunk_limits.allow(msg.sender, now, msg.count):
+                self.donor.note_use(msg.root, now, by=msg.sender)
                 self.donor.serve_chunks(msg)  # from the snapshot cache: never waits for the tensors
             elif held is not None and len(held) >= HELD_CHUNK_REQUESTS or (
                     held is None and len(self._held_chunks) >= HELD_CHUNK_SOURCES):
@@ -914,7 +927,17 @@ class Node:
                 self._held_chunks.setdefault(msg.sender, deque()).append(msg)
         elif self.donor.published is not None:
             self.donor.serve(msg.req, msg.endpoint, self.donor.published)
+        elif self._snapshot_waiters:  # a snapshot is being taken: this request gets it too
+            if len(self._snapshot_waiters) >= MAX_SNAPSHOT_WAITERS:
+                self.donor.refuse(msg.req, msg.endpoint, f"this peer is taking a snapshot for "
+                                                         f"{MAX_SNAPSHOT_WAITERS} downloads already: retry soon")
+            else:
+                self._snapshot_waiters.append((msg.req, msg.endpoint))
+        elif (snap := self.donor.shared(now, msg.sender)) is not None:  # a new one would evict one in use
+            self.donor.serve(msg.req, msg.endpoint, snap)
+            self.donor.note_use(snap.root, now)
         else:
+            self._snapshot_waiters.append((msg.req, msg.endpoint))
             self._actions.append(ServeState(msg.req, msg.endpoint))
 
     def _on_state_meta(self, msg: StateMeta, now: float) -> None:
@@ -1054,8 +1077,9 @@ class Node:
             while held and self._chunk_limits.allow(src, now, held[0].count):
                 msg = held.popleft()
                 if self.membership.share is None:
-                    self.donor.refuse(msg.req, msg.endpoint, "this peer does not share its state")
+                    self.donor.refuse(msg.req, msg.endpoint, "this peer does not share its state", msg.root)
                 else:
+                    self.donor.note_use(msg.root, now, by=msg.sender)
                     self.donor.serve_chunks(msg)
             if not held:
                 del self._held_chunks[src]

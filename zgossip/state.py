@@ -17,7 +17,9 @@ Protocol (all messages in `zgossip.messages`):
   serves them from its snapshot cache, never from the live tensors, so serving never waits
   for the tensor lock while the owner averages. The cache holds at most ``max_snapshots``
   snapshots (least recently used evicted): memory is bounded by that many copies of the
-  state; a request for an evicted root is refused and the downloader moves on.
+  state; a request for an evicted root is refused and the downloader moves on. While both are
+  being downloaded, a META request gets the one taken last if it is fresh (`StateDonor.shared`)
+  rather than a new snapshot that would evict one a download still fetches.
 
 The downloader asks up to ``max_donors`` donors of the best priority tier for their META,
 adopts the first root it accepts (the ``target_root`` it was given, if any) and hands out
@@ -29,7 +31,12 @@ share takes what the others have not been given yet). A donor that refuses, stal
 ``chunk_timeout``, drops its connection, sends a chunk it was not asked for or a chunk whose
 digest is wrong is dropped: its outstanding chunks go back to the pool and are fetched from
 the others (counted in `refetched`, bad digests in `bad_chunks`), and the next candidate is
-asked. Bytes are only written into buffers this module owns: a partial download never
+asked. A donor that has not answered the META request within ``chunk_timeout`` is not dropped
+but awaited while the membership counts it live (it may be snapshotting and hashing a large
+state), and the next candidate is asked meanwhile. Once no donor of the adopted state is left,
+the donors passed over for holding another state and those that moved on from ours (refused its
+chunks) are asked again, once each, and the download starts over with the state the first of
+them holds. Bytes are only written into buffers this module owns: a partial download never
 reaches the user's tensors.
 
 A snapshot taken for a request may carry its float tensors compressed (``state_compression=``,
@@ -54,6 +61,7 @@ from .droplog import DropLog
 from .errors import IllegalTransition, StateUnavailable
 from .messages import CODE_OF, DTYPES, Message, StateChunk, StateMeta, StateReq
 from .view import MembershipView
+from .wire import WireLimits, header_nbytes
 
 __all__ = ["state_digest", "chunk_digest", "StateSnapshot", "StateDonor", "StateDownload", "DownloadPhase",
            "DIGEST_BYTES", "MAX_CHUNKS_PER_REQUEST"]
@@ -64,6 +72,10 @@ DIGEST_BYTES = 16  # per chunk: 128 bits of SHA-256
 MAX_CHUNKS_PER_REQUEST = 256  # a donor queues at most this many chunks for one request
 REQUEST_BYTES = 16 << 20  # a downloader asks for at least this much per request (4 default chunks)
 MAX_DIGEST_BYTES = 16 << 15  # what STATE_META's `hashes` may hold (zgossip.messages): 32768 chunks
+MAX_META_BYTES = WireLimits().max_header_bytes  # a STATE_META's header: what every receiver accepts
+#: `StateDonor.shared`: a snapshot fetched this recently is still being downloaded, and one taken this
+#: recently is fresh enough to hand a newcomer instead of a new one
+ACTIVE_SECONDS = 5.0
 
 
 def chunk_digest(data: Any) -> bytes:
@@ -163,21 +175,55 @@ class StateDonor:
         self.max_snapshots = max(1, max_snapshots)
         self._cache: OrderedDict[str, StateSnapshot] = OrderedDict()
         self.published: StateSnapshot | None = None
+        self._used: dict[str, float] = {}  # root -> when it last served a META answer or chunks
+        self._fetchers: dict[str, set[str]] = {}  # root -> peers that fetched chunks of it (`shared`)
+        self._latest = ""  # root of the snapshot kept last
+        self._latest_at = -ACTIVE_SECONDS  # when it was taken (`note_use` with taken=True)
+        self._unsendable = ""  # root of the last snapshot whose META could not be sent (warned once)
         self.served = 0  # META answers
         self.chunks_served = 0
 
-    def _meta(self, req: str, ok: bool, reason: str = "", snap: StateSnapshot | None = None) -> StateMeta:
+    def _meta(self, req: str, ok: bool, reason: str = "", snap: StateSnapshot | None = None,
+              root: str = "") -> StateMeta:
         if snap is None:
             return StateMeta(self.peer_id, self.endpoint, req=req, ok=ok, reason=reason, meta=None, specs=(),
-                             chunk_bytes=self.chunk_bytes, digest="")
+                             chunk_bytes=self.chunk_bytes, digest=root)
         return StateMeta(self.peer_id, self.endpoint, req=req, ok=ok, reason=reason, meta=snap.meta, specs=snap.specs,
                          chunk_bytes=snap.chunk_bytes, digest=snap.root, hashes=snap.hashes, codecs=snap.codecs)
 
     def _keep(self, snap: StateSnapshot) -> None:
         self._cache[snap.root] = snap
         self._cache.move_to_end(snap.root)
+        self._latest = snap.root
         while len(self._cache) > self.max_snapshots:
-            self._cache.popitem(last=False)  # in-flight chunk frames keep their own reference
+            root, _ = self._cache.popitem(last=False)  # in-flight chunk frames keep their own reference
+            self._used.pop(root, None)
+            self._fetchers.pop(root, None)
+
+    def note_use(self, root: str, now: float, taken: bool = False, by: str = "") -> None:
+        """A download fetches snapshot `root` (its META was answered, or chunks of it served to peer
+        `by`) at `now`; `taken`: it is the snapshot just taken for a META request."""
+        if root in self._cache:
+            self._used[root] = now
+            if taken and root == self._latest:
+                self._latest_at = now
+            who = self._fetchers.setdefault(root, set())
+            if by and len(who) < 4096:
+                who.add(by)
+
+    def shared(self, now: float, asker: str = "") -> StateSnapshot | None:
+        """The snapshot to answer a META request with instead of taking a new one: the one taken last,
+        if that was within `ACTIVE_SECONDS`, when the cache is full and every snapshot in it was
+        fetched within `ACTIVE_SECONDS`. A new one would evict a snapshot a download still fetches,
+        which then has to start over -- with three or more newcomers downloading at once from a donor
+        whose state changes (it trains), they evicted each other's until downloads failed. The
+        newcomer gets a state at most `ACTIVE_SECONDS` old instead -- unless it fetched that one
+        already (`asker`): a peer asking again wants a newer state than the one it got."""
+        if (len(self._cache) < self.max_snapshots or self._latest not in self._cache
+                or now - self._latest_at > ACTIVE_SECONDS or asker in self._fetchers.get(self._latest, ())
+                or any(now - self._used.get(r, -ACTIVE_SECONDS) > ACTIVE_SECONDS for r in self._cache)):
+            return None
+        return self._cache[self._latest]
 
     def publish(self, snap: StateSnapshot | None) -> None:
         """The snapshot META requests get from now on (a versioned copy); None: take one per request."""
@@ -185,24 +231,43 @@ class StateDonor:
         if snap is not None:
             self._keep(snap)
 
-    def refuse(self, req: str, endpoint: str, reason: str) -> None:
-        self._send(endpoint, self._meta(req, False, reason))
+    def refuse(self, req: str, endpoint: str, reason: str, root: str = "") -> None:
+        """Refuse a META request, or (`root`: the state it asked chunks of) a chunk request: the
+        refusal names that root, so that a downloader does not take it for an answer to a later
+        META request (one asking again a donor that moved on) or to chunk requests of another state."""
+        self._send(endpoint, self._meta(req, False, reason, root=root))
 
     def serve(self, req: str, endpoint: str, snap: StateSnapshot) -> None:
         """Answer a META request with `snap` (kept in the cache for the chunk requests that follow)."""
         if len(snap.hashes) > MAX_DIGEST_BYTES:
             return self.refuse(req, endpoint, f"state has {len(snap.plan)} chunks, more than a STATE_META can list "
                                               f"({MAX_DIGEST_BYTES // DIGEST_BYTES}): use a larger state_chunk_bytes")
+        answer = self._meta(req, True, snap=snap)
+        try:  # checked here: sent, it would be dropped by the receiver (too large) or by our driver
+            size = header_nbytes(answer)  # (not packable), and the downloader would wait for nothing
+        except (TypeError, ValueError) as e:
+            return self._refuse_meta(req, endpoint, snap, f"its metadata cannot be packed ({str(e)[:200]})")
+        if size > MAX_META_BYTES:
+            return self._refuse_meta(req, endpoint, snap, f"its STATE_META takes {size} bytes, more than "
+                                                          f"the {MAX_META_BYTES} a peer accepts (its metadata is "
+                                                          "too large)")
         self._keep(snap)
-        self._send(endpoint, self._meta(req, True, snap=snap))
+        self._send(endpoint, answer)
         self.served += 1
+
+    def _refuse_meta(self, req: str, endpoint: str, snap: StateSnapshot, why: str) -> None:
+        if self._unsendable != snap.root:  # said once per snapshot: the owner must fix what it serves
+            self._unsendable = snap.root
+            log.warning("state donor %s cannot serve its state: %s. Keep large or non-msgpack data in tensors "
+                        "(the metadata is the first item get_current_state returns)", self.peer_id[:8], why)
+        self.refuse(req, endpoint, f"this peer cannot serve its state: {why}")
 
     def serve_chunks(self, msg: StateReq) -> None:
         snap = self._cache.get(msg.root)
         if snap is None:
-            return self.refuse(msg.req, msg.endpoint, "this peer no longer holds that state (it moved on)")
+            return self.refuse(msg.req, msg.endpoint, "this peer no longer holds that state (it moved on)", msg.root)
         if msg.count > MAX_CHUNKS_PER_REQUEST or msg.first + msg.count > len(snap.plan):
-            return self.refuse(msg.req, msg.endpoint, "chunk range outside the state")
+            return self.refuse(msg.req, msg.endpoint, "chunk range outside the state", msg.root)
         self._cache.move_to_end(msg.root)
         for i in range(msg.first, msg.first + msg.count):
             t, off, _ = snap.plan[i]
@@ -257,6 +322,10 @@ class StateDownload:
     root: str = ""
     snapshot: StateSnapshot | None = None  # the verified result (hashes reused by a repair)
     _asked: dict[str, tuple[str, float]] = field(default_factory=dict)  # peer -> (endpoint, answer by)
+    # asked donors that did not answer within chunk_timeout: still awaited while the membership counts
+    # them live, but no longer counted against max_donors or the shares -- a donor without a published
+    # snapshot copies and hashes its whole state before it answers, which takes longer for a large state
+    _slow: set[str] = field(default_factory=set)
     _active: dict[str, _Donor] = field(default_factory=dict)
     dropped: int = 0  # donor data refused (bad layout, dtype, size, codec, digest)
     late: int = 0  # messages not for a donor or phase this download waits on, ignored
@@ -299,7 +368,7 @@ class StateDownload:
         return [tier[int(i)] for i in order]
 
     def _ask_more(self, now: float) -> None:
-        room = self.max_donors - len(self._asked) - len(self._active)
+        room = self.max_donors - (len(self._asked) - len(self._slow)) - len(self._active)
         for rec in self._candidates()[:max(0, room)]:
             self.tried.append(rec.peer_id)
             self._asked[rec.peer_id] = (rec.endpoint, now + self.chunk_timeout)
@@ -310,8 +379,9 @@ class StateDownload:
             what = "; ".join(self.history[-6:]) or "nothing to try"
             self._finish(None, None, StateUnavailable(
                 f"could not download state: {live} live peers known, {sharing} share state, "
-                f"{len(self.tried)} tried. What happened: {what}. Start a peer with allow_state_sharing=True "
-                "or retry once more peers are up."))
+                f"{len(self.tried)} tried. What happened: {what}. "
+                + ("Start a peer with allow_state_sharing=True or retry once more peers are up." if not sharing
+                   else "Every donor known failed as said above: retry later.")))
 
     def _drop(self, peer: str, now: float, why: str, bad: bool = False) -> None:
         """Give up on `peer`: its outstanding chunks go back to the pool; ask another donor. `bad`:
@@ -326,20 +396,24 @@ class StateDownload:
         else:
             log.info("state download %s: donor %s dropped: %s", self.req, peer[:8], why)
         self._asked.pop(peer, None)
+        self._slow.discard(peer)
         d = self._active.pop(peer, None)
         if d is not None and d.inflight:
             self.refetched += len(d.inflight)
             self._retry = sorted(set(self._retry) | d.inflight)
         if self.phase is DownloadPhase.DONE:
             return
-        if why.startswith("holds another state"):
+        if why.startswith(("holds another state", "refused chunks")):
+            # passed over for another state, or moved on to one (it evicted ours from its cache after
+            # publishing newer versions): an honest donor, worth asking again for what it holds now
             self._other_state.append(peer)
-        elif not self._active and self._other_state:
+        if not self._active and self._other_state:
             # the state we adopted has no holder left -- its donors sent data failing its own digests,
-            # died, stalled or refused: the donors we passed over for holding another state are asked
-            # again, and the first to answer is adopted (`on_meta`: restart). A hostile donor that
-            # answered first, or a donor that died mid-download while the others had moved on to a
-            # newer state (donors that keep training), must not make the download fail while others exist
+            # died, stalled or refused: the donors we passed over for holding another state, or that
+            # moved on from ours, are asked again, and the first to answer is adopted (`on_meta`:
+            # restart). A hostile donor that answered first, a donor that died mid-download while the
+            # others had moved on to a newer state, or donors that all published newer versions while
+            # we downloaded (donors that keep training) must not make the download fail while they live
             back = [p for p in self._other_state if p not in self._readmitted]
             self._other_state.clear()
             self._readmitted.update(back)
@@ -360,7 +434,7 @@ class StateDownload:
     def _assign(self, peer: str, now: float) -> None:
         d = self._active.get(peer)
         # a donor's share: the plan split among the donors that answered and those still asked
-        share = max(1, -(-len(self._plan) // max(1, len(self._active) + len(self._asked))))
+        share = max(1, -(-len(self._plan) // max(1, len(self._active) + len(self._asked) - len(self._slow))))
         while d is not None and len(d.inflight) <= self._per_request and len(d.inflight) < share:
             room = min(self._per_request, share - len(d.inflight))
             if self._retry:
@@ -386,10 +460,12 @@ class StateDownload:
             self.late += 1
             return
         if peer in self._active:  # a refusal of a chunk request (e.g. the donor moved on)
-            if not msg.ok:
+            if msg.ok or msg.digest not in ("", self.root):  # (of chunks of a state we since left: late)
+                self.late += 1
+            else:
                 self._drop(peer, now, f"refused chunks: {msg.reason}")
             return
-        if peer not in self._asked:
+        if peer not in self._asked or (not msg.ok and msg.digest):  # a chunk request's refusal: not an answer
             self.late += 1
             return
         endpoint = self._asked[peer][0]
@@ -405,6 +481,7 @@ class StateDownload:
                 self.history.append(f"{peer[:8]}: holds another state; starting over with it")
             self._adopt(msg)
         del self._asked[peer]
+        self._slow.discard(peer)
         self._active[peer] = _Donor(endpoint, now + self.chunk_timeout)
         self._assign(peer, now)
         self._maybe_complete(now)
@@ -425,11 +502,13 @@ class StateDownload:
             if c not in _codecs.CODEC_IDS or (c != _codecs.NONE and DTYPES[code].kind != "f"):
                 return f"tensor {t}: codec {c} cannot carry dtype {code!r}"
             if any(n > self.max_bytes for n in shape):  # also keeps the product below overflow
-                return f"state larger than the {self.max_bytes}-byte limit"
+                return (f"state larger than this peer's max_state_bytes ({self.max_bytes}): raise it to load it "
+                        "(NodeConfig.max_state_bytes, given as Averager(config=...))")
             numel = int(np.prod(shape, dtype=object))
             total += numel * DTYPES[code].itemsize  # what the decoded state takes (a codec only shrinks it)
             if total > self.max_bytes:
-                return f"state larger than the {self.max_bytes}-byte limit"
+                return (f"state larger than this peer's max_state_bytes ({self.max_bytes}): raise it to load it "
+                        "(NodeConfig.max_state_bytes, given as Averager(config=...))")
             chunks += -(-_codecs.encoded_nbytes(c, numel, DTYPES[code].itemsize) // msg.chunk_bytes)
         # counted before any plan is built: a tiny chunk size must not make us list billions of chunks
         if len(msg.hashes) != DIGEST_BYTES * chunks:
@@ -475,7 +554,12 @@ class StateDownload:
         `digest` None if it could not be hashed), so that no late write lands in a buffer already
         given to the user (a chunk fetched again elsewhere may be placed twice)."""
         self._placing -= 1
-        self.on_chunk(msg, now, digest, placed_in)
+        if placed_in is not None and all(placed_in is not b for b in self._bufs):
+            # placed into the buffers of a state this download has left since (it started over with a
+            # donor's newer one): the chunk answers a request of that state, not of the one now wanted
+            self.late += 1
+        else:
+            self.on_chunk(msg, now, digest, placed_in)
         self._maybe_complete(now)
 
     def on_chunk(self, msg: StateChunk, now: float, digest: bytes | None = None,
@@ -502,7 +586,7 @@ class StateDownload:
         if digest != self._hashes[i * DIGEST_BYTES: (i + 1) * DIGEST_BYTES]:
             self.bad_chunks += 1
             return self._drop(peer, now, f"chunk {i} failed its checksum", bad=True)
-        if placed_in is None or placed_in is not self._bufs[t]:  # not written by the caller (or a state since replaced)
+        if placed_in is None or placed_in is not self._bufs[t]:  # not written by the caller
             self._bufs[t][off: off + length] = raw
         d.inflight.discard(i)
         d.got += 1
@@ -555,9 +639,31 @@ class StateDownload:
             self._finish(None, None, StateUnavailable(
                 f"state download timed out after {now - self.started:.1f}s: " + "; ".join(self.history[-6:])))
             return
-        for peer in [p for p, (_, t) in self._asked.items() if now >= t]:
-            if self.phase is not DownloadPhase.DONE:
-                self._drop(peer, now, f"no answer within {self.chunk_timeout:g}s")
+        # a donor that has not answered within chunk_timeout is awaited while the membership counts it
+        # live (it gossips: its I/O thread runs while its owner hashes); the next candidate is asked
+        # meanwhile. One that went silent too (paused, gone) is dropped
+        expired = [p for p, (_, t) in self._asked.items() if now >= t]
+        live = set(self.membership.live_ids()) if expired else set()
+        slow = False
+        for peer in expired:
+            if self.phase is DownloadPhase.DONE:
+                return
+            if peer not in self._asked:
+                continue
+            if peer not in live:
+                self._drop(peer, now, f"no answer within {self.chunk_timeout:g}s" if peer not in self._slow
+                           else "no answer, and its membership record expired (paused or gone)")
+                continue
+            self._asked[peer] = (self._asked[peer][0], now + self.chunk_timeout)  # looked at again then
+            if peer not in self._slow:
+                self._slow.add(peer)
+                slow = True
+                self.history.append(f"{peer[:8]}: no answer within {self.chunk_timeout:g}s (awaited while it "
+                                    "lives: a donor snapshots and hashes its state before it answers)")
+        if slow and self.phase is not DownloadPhase.DONE:
+            self._ask_more(now)
+            for p in list(self._active):
+                self._assign(p, now)
         for peer in [p for p, d in self._active.items() if d.inflight and now >= d.wait_until]:
             if self.phase is not DownloadPhase.DONE and peer in self._active:
                 self._drop(peer, now, f"stalled with {len(self._active[peer].inflight)} chunks owed "

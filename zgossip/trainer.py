@@ -286,7 +286,11 @@ class TrainerPeer:
                                    f"(expected a {self.kind} state)")
         if meta["kind"] != self.kind:
             raise StateUnavailable(f"the donor runs a {meta['kind']!r} wrapper, this peer a {self.kind!r} one")
-        theirs = ModelLayout.from_meta(meta["layout"])
+        try:
+            theirs = ModelLayout.from_meta(meta["layout"])
+        except ValueError:  # a broken donor's: retried later like any failed download, not raised out of step()
+            raise StateUnavailable("the donor's state has a malformed layout description (it runs another "
+                                   "zgossip, or is broken): nothing was written") from None
         diff = self.param_layout.difference(theirs)
         n = len(self.params)
         if diff is not None or len(arrays) < n:
@@ -299,7 +303,11 @@ class TrainerPeer:
             if tuple(p.shape) != tuple(np.shape(a)):  # copy_ would broadcast it into the parameter
                 raise StateUnavailable(f"the donor sent {self.param_layout.describe(i)} with shape "
                                        f"{tuple(np.shape(a))}, not {tuple(p.shape)}")
-        extra = unpack_state(meta["extra"], arrays[n:])
+        try:
+            extra = unpack_state(meta["extra"], arrays[n:])
+        except (ValueError, TypeError, IndexError, KeyError) as e:
+            raise StateUnavailable(f"the donor's optimizer/scheduler state is malformed ({type(e).__name__}: {e}): "
+                                   "nothing was written") from None
         # torch refuses optimizer state of other param groups, but only once the parameters were written: check first
         mine = [len(g["params"]) for g in self.opt.param_groups]
         groups = extra.get("opt", {}).get("param_groups") if isinstance(extra, dict) else None
@@ -309,18 +317,38 @@ class TrainerPeer:
             raise LayoutMismatch(f"cannot load the donor's optimizer state: its param groups hold {theirs} tensors, "
                                  f"this optimizer's {mine}. Every peer of a run must build the same optimizer "
                                  "(the same param groups, in the same order).")
+        loads = self._donor_states(extra)
         with self._lock:
+            # the optimizers and the scheduler load first, and all of them or none: torch checks a state as
+            # it loads it, and one it refuses (a broken donor's) must leave the parameters, the epoch and
+            # every optimizer as they were. Their own state_dict()s put them back (references: loading
+            # replaces the tensors, it does not write into them)
+            saved = [obj.state_dict() for obj, _ in loads]
+            try:
+                for obj, state in loads:
+                    obj.load_state_dict(state)
+            except Exception as e:
+                refused = type(obj).__name__
+                for (done, _), state in zip(loads, saved):
+                    done.load_state_dict(state)
+                raise StateUnavailable(f"the donor's {refused} state could not be loaded "
+                                       f"({type(e).__name__}: {e}): nothing was written") from None
             with torch.no_grad():
                 for p, a in zip(self.params, arrays[:n]):
                     p.copy_(torch.from_numpy(np.asarray(a)))
-            self.opt.load_state_dict(extra["opt"])
-            if self.scheduler is not None and extra.get("sched") is not None:
-                self.scheduler.load_state_dict(extra["sched"])
             self.local_epoch = epoch
             self.in_sync = bool(meta.get("in_sync", True))
             self._after_state_loaded()
         self._update_sharing()
         self._publish()
+
+    def _donor_states(self, extra: dict) -> list[tuple[Any, Any]]:
+        """(object, the donor's state_dict for it) for every optimizer and scheduler a downloaded state
+        loads (`_apply_state` loads them all or none)."""
+        loads = [(self.opt, extra["opt"])]
+        if self.scheduler is not None and extra.get("sched") is not None:
+            loads.append((self.scheduler, extra["sched"]))
+        return loads
 
     def load_state_from_peers(self, timeout: float | None = None) -> None:
         """Download parameters, optimizer and scheduler state and the epoch from the best peer (the

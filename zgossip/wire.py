@@ -28,6 +28,7 @@ __all__ = [
     "WireLimits",
     "encode",
     "decode",
+    "header_nbytes",
     "message_nbytes",
     "make_message",
     "DTYPES",
@@ -171,6 +172,12 @@ def encode(msg: Message) -> list:
         use_bin_type=True,
     )
     return [header, *payload]
+
+
+def header_nbytes(msg: Message) -> int:
+    """Bytes of `msg`'s packed header, which receivers refuse past `WireLimits.max_header_bytes`.
+    Raises TypeError or ValueError (msgpack's) for a body msgpack cannot pack."""
+    return len(encode(msg)[0])
 
 
 def message_nbytes(msg: Message) -> int:

@@ -699,11 +699,19 @@ def test_a_malformed_state_from_a_donor_is_a_failed_download_not_a_write():
         meta, arrays = opt._current_state()
         before = [p.detach().clone() for p in m.parameters()]
         broadcast = [np.ones(1, np.float32)] * 2 + list(arrays[2:])
+        # and a broken donor's layout or optimizer state raised ValueError, IndexError or TypeError out of step();
+        # an optimizer state torch refuses (KeyError) did so after the parameters were written
+        other = [a + 1 for a in arrays]
+        no_state = {"d": [[k, {"d": [e for e in v["d"] if e[0] != "state"]}] if k == "opt" else [k, v]
+                          for k, v in meta["extra"]["d"]]}
         for bad_meta, bad_arrays in (({**meta, "epoch": 5}, broadcast), ({**meta, "epoch": -3}, list(arrays)),
-                                     ({**meta, "epoch": "5"}, list(arrays))):
-            with pytest.raises(StateUnavailable):
+                                     ({**meta, "epoch": "5"}, list(arrays)), ({**meta, "layout": 5}, other),
+                                     ({**meta, "extra": {"T": [99, False]}}, other), ({**meta, "extra": {"d": 5}}, other),
+                                     ({**meta, "epoch": 5, "extra": no_state}, other)):
+            with pytest.raises(StateUnavailable, match="state|epoch|tensor"):
                 opt._apply_state(bad_meta, bad_arrays)
             assert all(torch.equal(p, b) for p, b in zip(m.parameters(), before)) and opt.local_epoch == 0
+            assert opt.opt.state_dict()["param_groups"][0]["lr"] == 0.1
         opt._apply_state({**meta, "epoch": 5}, [np.zeros(a.shape, a.dtype) for a in arrays[:2]] + list(arrays[2:]))
         assert all(not p.any() for p in m.parameters()) and opt.local_epoch == 5
 

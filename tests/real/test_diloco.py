@@ -15,7 +15,9 @@ import torch
 
 from harness import virtual_swarm
 from training_helpers import FAST, in_threads, live_swarm, tiny_model
+from zgossip.errors import StateUnavailable
 from zgossip.optim import DiLoCoOptimizer
+from zgossip.training_state import pack_state
 
 H = 3
 
@@ -393,6 +395,31 @@ def test_state_dict_round_trip_keeps_the_anchor_and_the_outer_state():
     finally:
         opt.shutdown()
         fresh.shutdown()
+
+
+def test_a_donor_outer_state_torch_refuses_is_a_failed_download_with_nothing_written():
+    """The outer optimizer's state loaded last, after the parameters, the inner state and the epoch were
+    written: one torch refused (a param id that is a list: TypeError) left a peer half-adopted and raised
+    TypeError out of step(). Now every optimizer loads first, all or none, and the download fails."""
+    model = tiny_model(0)
+    opt = _make(model, [], outer=_nesterov, prefix="dl-bad-outer")
+    try:
+        _batches(model, opt, torch.Generator().manual_seed(0), 1)  # inner optimizer state (no outer round: fast)
+        meta, arrays = opt._current_state()
+        extra = opt._extra_state()
+        extra["outer"]["param_groups"][0]["params"][0] = [0]
+        extra_meta, extra_arrays = pack_state(extra)
+        n = len(opt.params)
+        bad = ({**meta, "epoch": meta["epoch"] + 3, "extra": extra_meta}, [a + 1 for a in arrays[:n]] + extra_arrays)
+        before = copy.deepcopy((opt.opt.state_dict(), opt.outer.state_dict(), opt._anchor, list(model.parameters())))
+        with pytest.raises(StateUnavailable, match="SGD state could not be loaded"):  # the outer optimizer's
+            opt._apply_state(*bad)
+        after = (opt.opt.state_dict(), opt.outer.state_dict(), opt._anchor, list(model.parameters()))
+        torch.testing.assert_close(after, before, rtol=0, atol=0)
+        assert opt.local_epoch == meta["epoch"]
+        opt._apply_state(meta, arrays)  # its own state still loads
+    finally:
+        opt.shutdown()
 
 
 def test_constructor_refusals():

@@ -2,6 +2,8 @@
 virtual time in tests/sim/test_state.py)."""
 from __future__ import annotations
 
+import logging
+import threading
 import time
 
 import numpy as np
@@ -42,3 +44,47 @@ def test_shape_mismatch_names_the_tensor_and_writes_nothing():
         with pytest.raises(zgossip.ZGossipError, match=r"tensor 1: peer state has shape \(2, 2\)"):
             b.load_state_from_peers(timeout=10)
         assert not dst[0].any()  # nothing written, not even the tensor that matched
+
+
+def test_shutdown_with_downloads_in_flight_fails_them_and_returns():
+    """shutdown() raised RuntimeError (dictionary changed size during iteration) when a
+    load_state_from_peers(wait=False) was in flight: failing its future ran the callback that
+    removes it from the dict shutdown was walking, and the rest of the shutdown was skipped."""
+    release = threading.Event()
+
+    class SlowDonor(zgossip.Averager):
+        def get_current_state(self):
+            release.wait(5.0)  # the META answer waits: the downloads stay in flight
+            return super().get_current_state()
+
+    with SlowDonor([np.ones(4)], prefix="st", **FAST) as a:
+        b = zgossip.Averager([np.zeros(4)], prefix="st", initial_peers=[a.endpoint], allow_state_sharing=False,
+                             **FAST)
+        try:
+            _wait_for_donor(b, a)
+            futs = [b.load_state_from_peers(timeout=10, wait=False) for _ in range(2)]
+            b.shutdown(timeout=2.0)
+            for f in futs:
+                with pytest.raises(zgossip.AveragerClosed, match="state download"):
+                    f.result(2.0)
+        finally:
+            release.set()
+            b.shutdown(timeout=2.0)
+
+
+def test_state_chunks_larger_than_the_default_frame_limit_download_and_a_given_limit_is_warned_of(caplog):
+    """state_chunk_bytes past the 64 MiB default frame limit: libzmq cut the connection at every chunk and
+    each download failed as "stalled with 1 chunks owed". The default limit now fits the chunks, and a
+    max_message_bytes given below them is warned of at construction."""
+    with caplog.at_level(logging.WARNING, logger="zgossip.averager"):
+        zgossip.Averager([np.zeros(4)], prefix="st", state_chunk_bytes=80 << 20, max_message_bytes=64 << 20,
+                         **FAST).shutdown()
+    assert any("state_chunk_bytes (83886080) exceeds max_message_bytes" in r.getMessage() for r in caplog.records)
+    src = [np.arange(66 << 17, dtype=np.float64)]  # 66 MiB: one chunk of 80 MiB carries it whole
+    dst = [np.zeros(66 << 17)]
+    with zgossip.Averager(src, prefix="st", state_chunk_bytes=80 << 20, **FAST) as a, \
+            zgossip.Averager(dst, prefix="st", initial_peers=[a.endpoint], allow_state_sharing=False,
+                             state_chunk_bytes=80 << 20, **FAST) as b:
+        _wait_for_donor(b, a)
+        b.load_state_from_peers(timeout=20, chunk_timeout=5)
+        assert np.array_equal(dst[0], src[0]) and b.stats["connections_cut"] == 0

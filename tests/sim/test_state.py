@@ -101,6 +101,82 @@ def test_corrupted_stream_is_rejected_by_checksum():
     assert new.averager.stats["state_bad_chunks"] == 1
 
 
+def test_a_donor_meta_past_the_header_limit_is_dropped_as_invalid_as_over_zeromq():
+    """The simulator raised InvalidMessage out of the run where the ZeroMQ driver drops a message
+    whose header is past the 1 MiB limit, counting it in stats["invalid"]: here a hostile donor's
+    inflated STATE_META is dropped, and the download finishes from the honest donor."""
+    cl, donors, new = _sim(2, priorities=[9.0, 1.0])
+    donor = donors[0].node.donor
+    send = donor._send
+
+    def inflating_send(endpoint, msg):  # past the donor's own check, as a hostile peer would
+        if msg.type is MsgType.STATE_META and msg.ok:
+            msg = dataclasses.replace(msg, meta={"notes": "x" * (1 << 20)})
+        send(endpoint, msg)
+
+    donor._send = inflating_send
+    ev = new.load_state(chunk_timeout=0.3)
+    cl.run(until=ev)
+    assert isinstance(ev.value, DownloadDone)
+    for got, want in zip(ev.value.arrays, donors[1].tensors):
+        assert np.array_equal(got, want)
+    assert new.averager.stats["invalid"] == 1 and donor.served == 1
+
+
+def test_a_donor_serving_its_live_tensors_serves_them_as_they_were_when_asked():
+    """get_current_state overridden to return the model's own tensors (as a user would: torch
+    tensors, or ``p.detach().numpy()`` -- views of live memory, as here): the snapshot aliased
+    them, so a training step during the download changed what was served under its digests --
+    the download failed at its only donor, which was logged as sending bad data. The snapshot
+    copies tensors and views now."""
+    cl = SimCluster(seed=0, network=NetworkModel(latency=0.001, bandwidth=2e5))
+    live = np.arange(4096, dtype=np.float32)  # 4 chunks, ~0.1 s over this link
+    donor = cl.add_peer(NodeConfig(**CFG), tensors=[np.zeros(4096, np.float32)])
+    donor.node.set_state_sharing(1.0)
+    donor.averager.get_current_state = lambda: ({"step": 1}, [live[:]])
+    new = cl.add_peer(NodeConfig(**CFG), tensors=None, known=[donor])
+    cl.run(until=cl.env.now + 0.5)
+    ev = new.load_state(timeout=5.0, chunk_timeout=1.0)
+    while not (new.node.downloads and next(iter(new.node.downloads.values())).root):  # its META came
+        cl.run(until=cl.env.now + 0.001)
+    live += 1  # the donor takes a training step while the newcomer downloads
+    cl.run(until=ev)
+    assert isinstance(ev.value, DownloadDone), ev.value.error
+    assert np.array_equal(ev.value.arrays[0], np.arange(4096, dtype=np.float32)) and ev.value.meta == {"step": 1}
+    assert new.averager.stats["state_bad_chunks"] == 0
+
+
+def test_newcomers_downloading_at_once_from_a_training_donor_share_its_snapshots():
+    """A donor without a published snapshot took one per META request and kept the last 2: with a
+    state that changes between requests (it trains), the third newcomer's snapshot evicted the
+    first's mid-download, which had to start over and evicted another's: 1 of these 6 downloads
+    failed (4 of 8 starting at once); since such downloads start over (c883b14) all 6 finished, but
+    the donor copied and hashed its state 7 times. Requests that come while a snapshot is being taken now share it, and while both
+    kept snapshots are being downloaded a newcomer gets the one taken last."""
+    cl = SimCluster(seed=0, network=NetworkModel(latency=0.001, bandwidth=3e5))
+    taken = []
+
+    def training_state():  # every snapshot differs from the one before
+        taken.append(len(taken) + 1)
+        return {"v": taken[-1]}, [np.full(16384, float(taken[-1]), np.float32)]  # 16 chunks
+
+    donor = cl.add_peer(NodeConfig(**CFG), tensors=[np.zeros(4, np.float32)])
+    donor.node.set_state_sharing(1.0)
+    donor.averager.get_current_state = training_state
+    news = [cl.add_peer(NodeConfig(**CFG), tensors=None, known=[donor]) for _ in range(6)]
+    cl.run(until=cl.env.now + 0.5)
+    evs = []
+    for n in news:  # one every 0.1 s; each download takes ~0.2-1 s over the shared uplink
+        evs.append(n.load_state(timeout=30.0, chunk_timeout=2.0))
+        cl.run(until=cl.env.now + 0.1)
+    cl.run(until=cl.env.all_of(evs))
+    for ev in evs:
+        assert isinstance(ev.value, DownloadDone), ev.value.error
+        v = ev.value.meta["v"]
+        assert np.array_equal(ev.value.arrays[0], np.full(16384, float(v), np.float32))  # one snapshot, whole
+    assert len(taken) <= 3 and donor.node.donor.served == 6
+
+
 def test_a_state_of_many_small_chunks_downloads_without_a_stall():
     """1,024 chunks of 1 KiB from one donor. Requests used to ask for 4 chunks each, and the donor
     counted them as control messages (dropped past 80 a second here): the download stalled for
