@@ -303,6 +303,12 @@ class Averager:
                 check_endpoint(listen, "listen address", listen=True)
             for ep in initial_peers:
                 check_endpoint(ep, "initial peer address")
+            if announce_host is not None:  # "bad host!" made an endpoint every peer drops: unreachable, silently
+                try:
+                    check_endpoint(f"tcp://{announce_host}:1")
+                except ValueError:
+                    raise ValueError(f"invalid announce_host {announce_host!r}: expected the host name or IP address "
+                                     "others reach this peer at, e.g. 10.0.0.5 or peer3.example.org") from None
         self._tensors = list(tensors)
         # tensors on a device (CUDA, ...) and bfloat16 tensors (float32 mirrors) are averaged through
         # host mirrors (zgossip.staging)

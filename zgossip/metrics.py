@@ -228,25 +228,47 @@ class MetricsServer:
 
 class JsonLinesLog:
     """A `StepLog` listener: one JSON object per step, appended to `path` (or a text stream), with
-    ``wall`` (Unix time) and whatever `extra()` returns added."""
+    ``wall`` (Unix time) and whatever `extra()` returns added (`extra` may be set later: the
+    file is opened before the averager that names the peer exists). A line that cannot be written
+    (disk full, the file system gone read-only) is logged as an error -- once, until a write
+    succeeds again -- and counted in `failed`; the averager goes on."""
 
     def __init__(self, target: str | IO[str], extra: Callable[[], dict] | None = None) -> None:
         self._own = isinstance(target, str)
         self._f: IO[str] = open(target, "a", encoding="utf-8") if isinstance(target, str) else target
-        self._extra = extra
+        self._name = target if isinstance(target, str) else getattr(target, "name", repr(target))
+        self.extra = extra
+        self.failed = 0  # steps whose line could not be written, since the start
+        self._failing = 0  # ... in the present outage
         self._lock = threading.Lock()
 
     def __call__(self, rec: StepRecord) -> None:
         data = {"wall": round(time.time(), 6), **rec.as_dict()}
-        if self._extra is not None:
-            data.update(self._extra())
+        if self.extra is not None:
+            data.update(self.extra())
         line = json.dumps(data, sort_keys=True, default=str)
         with self._lock:
-            if not self._f.closed:
+            if self._f.closed:
+                return
+            try:
                 self._f.write(line + "\n")
                 self._f.flush()
+            except OSError as e:
+                self.failed += 1
+                if not self._failing:
+                    log.error("step log %s: cannot write step %s (%s); trying again at every step, logged once "
+                              "until a write succeeds", self._name, rec.index, e.strerror or e)
+                self._failing += 1
+            else:
+                if self._failing:
+                    log.warning("step log %s: written again, after %d step(s) whose line could not be written",
+                                self._name, self._failing)
+                self._failing = 0
 
     def close(self) -> None:
         with self._lock:
             if self._own and not self._f.closed:
-                self._f.close()
+                try:
+                    self._f.close()
+                except OSError:  # its last flush failed: already logged
+                    pass

@@ -8,7 +8,8 @@ Start the first peer anywhere, then point others at it (or at any running peer):
 Each peer averages a random tensor every ``--interval`` seconds. On a terminal with `rich`
 installed it keeps a live table on screen (peers it knows alive, steps, throughput; see
 `zgossip.live`), else it prints one line per step. ``--metrics-port`` serves Prometheus
-metrics, ``--log-json FILE`` appends one JSON object per step. Stop it with Ctrl-C.
+metrics, ``--log-json FILE`` appends one JSON object per step. Stop it with Ctrl-C (or SIGTERM,
+or SIGHUP: the same clean stop).
 """
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ from .live import PlainLines, make_display
 from .metrics import JsonLinesLog
 
 __all__ = ["add_arguments", "run"]
+
+#: the signals that stop a running peer cleanly (SIGHUP: not on Windows)
+_STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -107,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
                              "peers it is told of")
         if args.numel < 1:
             raise ValueError(f"--numel must be at least 1, not {args.numel}")
+        if args.seed is not None and args.seed < 0:  # numpy's generator took it for a traceback
+            raise ValueError(f"--seed must be a whole number >= 0, not {args.seed}")
         if args.rounds < 0:
             raise ValueError(f"--rounds must be >= 0 (0 = run until Ctrl-C), not {args.rounds}")
         if not 0 <= args.interval < float("inf"):
@@ -116,13 +122,20 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"zgossip peer: error: {e}", file=sys.stderr)
         return 2
-    rng = np.random.default_rng(args.seed)
-    data = rng.standard_normal(args.numel).astype(np.float32)
+    try:
+        rng = np.random.default_rng(args.seed)
+        data = rng.standard_normal(args.numel).astype(np.float32)
+    except MemoryError:
+        print(f"zgossip peer: error: --numel {args.numel} is more than this host's memory holds "
+              f"({args.numel * 4 / 2**30:.3g} GiB of float32); give a smaller --numel", file=sys.stderr)
+        return 2
     stop = threading.Event()
-    # Ctrl-C and SIGTERM set the stop flag while the peer runs; the handlers that were there come back
-    # when it returns (run in-process -- `cli.main` from a test or a notebook -- an early error left
-    # this process's Ctrl-C setting a flag nobody reads)
-    prev = [(sig, signal.signal(sig, lambda *_: stop.set())) for sig in (signal.SIGINT, signal.SIGTERM)]
+    # Ctrl-C, SIGTERM and SIGHUP (the terminal or ssh session closed) set the stop flag while the
+    # peer runs, so it shuts down as it does on Ctrl-C (SIGHUP's default killed it mid-step, owing
+    # its groupmates their results); the handlers that were there come back when it returns (run
+    # in-process -- `cli.main` from a test or a notebook -- an early error left this process's
+    # Ctrl-C setting a flag nobody reads)
+    prev = [(sig, signal.signal(sig, lambda *_: stop.set())) for sig in _STOP_SIGNALS]
     try:
         return _serve(args, data, stop)
     finally:
@@ -131,6 +144,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, data: np.ndarray, stop: threading.Event) -> int:
+    log_json = None
+    if args.log_json:  # opened before the peer starts: a path it cannot write is refused in one line
+        try:
+            log_json = JsonLinesLog(args.log_json)
+        except OSError as e:
+            print(f"zgossip peer: error: cannot open --log-json file {args.log_json}: {e.strerror or e}",
+                  file=sys.stderr)
+            return 2
     try:
         avg = Averager([data], prefix=args.prefix, listen=None if args.client else args.listen,
                        initial_peers=args.initial_peers, announce_host=args.announce_host,
@@ -140,11 +161,12 @@ def _serve(args: argparse.Namespace, data: np.ndarray, stop: threading.Event) ->
                        bandwidth=args.bandwidth)
     except (OSError, ValueError, zmq.ZMQError) as e:  # e.g. the metrics port is taken, the listen address in use
         print(f"zgossip peer: error: {e}", file=sys.stderr)
+        if log_json is not None:
+            log_json.close()
         return 2
-    log_json = None
     with avg:
-        if args.log_json:
-            log_json = JsonLinesLog(args.log_json, extra=lambda: {"peer": avg.peer_id})
+        if log_json is not None:
+            log_json.extra = lambda: {"peer": avg.peer_id}
             avg.step_log.subscribe(log_json)
         # with keys the address carries our public key: `tcp://HOST:PORT#KEY`
         join = avg.endpoint if avg.public_key is None else f"'{avg.endpoint}#{avg.public_key}' --key FILE --allow FILE"

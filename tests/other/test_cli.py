@@ -311,6 +311,12 @@ def test_demo_with_peers_alone_picks_a_grid_that_fits(peers, grid):
     (["--interval", "nan"], "--interval must be a finite number of seconds >= 0, not nan"),
     (["--client"], "--client needs --initial-peers: a client listens nowhere, so it only ever meets the peers it "
                    "is told of"),  # it used to run, failing every step
+    (["--seed", "-1"], "--seed must be a whole number >= 0, not -1"),  # numpy's ValueError, a traceback
+    (["--numel", "100000000000000"], "--numel 100000000000000 is more than this host's memory holds "
+                                     "(3.73e+05 GiB of float32); give a smaller --numel"),  # a MemoryError traceback
+    (["--announce-host", "bad host!"], "invalid announce_host 'bad host!': expected the host name or IP address "
+                                       "others reach this peer at, e.g. 10.0.0.5 or peer3.example.org"),
+    (["--log-json", "/"], "cannot open --log-json file /: Is a directory"),  # a traceback, after the peer started
 ])
 def test_peer_refuses_bad_numbers_in_one_line_before_starting(capsys, args, expect):
     """Before, a bad metrics port or --numel -5 ended in a traceback (OverflowError from bind, numpy's
@@ -349,12 +355,14 @@ def test_testbed_benchmarks_check_where_each_process_goes_before_starting_any():
         bench_state_download(8, 2, 1, hosts=[{"netns": "a", "listen": "tcp://10.0.0.1:0"}] * 2)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_peer_stops_at_once_on_ctrl_c_or_sigterm_mid_step(sig):
-    """`zgossip peer` turns Ctrl-C and SIGTERM into a stop flag; it used to notice it only once its
-    blocking step() returned: a lone peer with --interval 30 (matchmaking timeout 30 s) took 27 s
+    """`zgossip peer` turns Ctrl-C, SIGTERM and SIGHUP into a stop flag; it used to notice it only once
+    its blocking step() returned: a lone peer with --interval 30 (matchmaking timeout 30 s) took 27 s
     to exit, and a step in an all-reduce up to allreduce_timeout more. Now the step is dropped (or
-    failed by the shutdown) and the peer exits at once, status 0, without a traceback."""
+    failed by the shutdown) and the peer exits at once, status 0, without a traceback. SIGHUP (the
+    terminal or ssh session closed) killed it outright, status -1, skipping the shutdown that
+    delivers what it owes its groupmates."""
     p = subprocess.Popen([sys.executable, "-m", "zgossip.cli", "peer", "--listen", "tcp://127.0.0.1:0", "--plain",
                           "--numel", "100", "--interval", "30", "--log-level", "WARNING"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True)

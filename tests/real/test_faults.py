@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -303,6 +304,15 @@ def test_malformed_initial_peer_raises_at_construction(bad):
     with pytest.raises(ValueError, match="tcp://HOST:PORT") as e:
         zgossip.Averager([np.zeros(2, np.float32)], prefix="bad", initial_peers=[bad], **FAST)
     assert repr(bad) in str(e.value)
+
+
+@pytest.mark.parametrize("bad", ["bad host!", "", "10.0.0.5:41000", "tcp://10.0.0.5"])
+def test_malformed_announce_host_raises_at_construction(bad):
+    """It was taken as given: the peer advertised `tcp://bad host!:PORT`, which every other peer drops
+    as unreachable, so nobody ever reached it and nothing said why."""
+    with pytest.raises(ValueError, match=f"invalid announce_host {re.escape(repr(bad))}: expected the host name"):
+        zgossip.Averager([np.zeros(2, np.float32)], prefix="bad", listen="tcp://127.0.0.1:0", announce_host=bad,
+                         **FAST)
 
 
 @pytest.mark.parametrize("bad", ["127.0.0.1:0", "tcp://127.0.0.1", "tcp://127.0.0.1:99999"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -20,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import zgossip
 from zgossip import live
-from zgossip.metrics import MetricsServer
+from zgossip.metrics import JsonLinesLog, MetricsServer
 from zgossip.steplog import StepLog, StepRecord
 
 from harness import FAST
@@ -127,6 +128,34 @@ def test_step_log_records_failures_and_listeners_see_every_step():
     assert t["outcomes"] == {"RoundTimeout": 1, "ok": 4} and t["bytes_sent"] == 40 and t["peers_lost"] == 4
     assert sum(t["duration_counts"]) == 4 and t["duration_counts"][-1] == 0  # 30.3 s fits the 60 s bucket
     assert json.loads(json.dumps(seen[1].as_dict()))["group_size"] == 2
+
+
+def test_json_lines_log_says_once_that_it_cannot_write_and_again_when_it_can(caplog):
+    """Every write error (disk full, a read-only file system) was swallowed by the step log, so a peer
+    ran for days logging nothing and saying nothing."""
+
+    class Disk(io.StringIO):
+        full = True
+
+        def flush(self) -> None:
+            if self.full:
+                raise OSError(28, "No space left on device")
+
+    disk = Disk()
+    log = StepLog(threading.RLock())
+    jl = JsonLinesLog(disk)
+    log.subscribe(jl)
+    with caplog.at_level(logging.WARNING, logger="zgossip.metrics"):
+        for i in range(3):
+            log.record_failure(f"s{i}", zgossip.RoundTimeout("slow"), 1.0)
+        assert jl.failed == 3
+        assert [r.levelname for r in caplog.records] == ["ERROR"]
+        assert "cannot write step 0 (No space left on device)" in caplog.records[0].getMessage()
+        disk.full = False
+        log.record_failure("s3", zgossip.RoundTimeout("slow"), 1.0)
+    assert [r.levelname for r in caplog.records] == ["ERROR", "WARNING"]
+    assert "written again, after 3 step(s) whose line could not be written" in caplog.records[1].getMessage()
+    assert json.loads(disk.getvalue().splitlines()[-1])["index"] == 3
 
 
 def _peer_cmd(*args: str) -> list[str]:
