@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from .endpoints import check_endpoint
+
 __all__ = ["KeyPair", "AllowList", "peer_id_of", "public_key_of", "z85_encode", "z85_decode", "split_peer",
            "is_key", "write_key_file", "load_key", "KeyFileWarning"]
 
@@ -222,6 +224,14 @@ def write_key_file(path: Any, keys: KeyPair | None = None, overwrite: bool = Fal
     return keys
 
 
+def _is_peer_endpoint(text: str) -> bool:
+    try:
+        check_endpoint(text)
+    except ValueError:
+        return False
+    return True
+
+
 def split_peer(spec: str) -> tuple[str, str | None]:
     """``tcp://h:p#KEY`` -> (``tcp://h:p``, KEY); an address without ``#`` -> (address, None)."""
     if not isinstance(spec, str) or "#" not in spec:
@@ -270,8 +280,9 @@ class AllowList:
                 raise ValueError(f"{where}, line {n}: {key!r:.60} is not a public key (40 Z85 characters)")
             keys.append(key)
             if rest:
-                if not rest[0].startswith("tcp://") or len(rest) > 1:
-                    raise ValueError(f"{where}, line {n}: after the key, expected one endpoint tcp://HOST:PORT")
+                if len(rest) > 1 or not _is_peer_endpoint(rest[0]):  # "tcp://h" was kept, matching no peer
+                    raise ValueError(f"{where}, line {n}: after the key, expected one endpoint tcp://HOST:PORT, "
+                                     f"e.g. tcp://10.0.0.5:41000, not {' '.join(rest)!r:.80}")
                 eps[rest[0]] = peer_id_of(key)
         return cls(keys, eps)
 

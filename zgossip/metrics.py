@@ -210,7 +210,11 @@ class MetricsServer:
             def log_message(self, *args: Any) -> None:  # scrapes are not news
                 pass
 
-        self._server = _Server((host, port), Handler, max_connections)
+        try:
+            self._server = _Server((host, port), Handler, max_connections)
+        except OSError as e:  # "[Errno 98] Address already in use" named neither the address nor its use
+            raise OSError(e.errno, f"cannot serve metrics at {host}:{port}: {e.strerror or e} (pick another metrics "
+                                   "port, or 0 for a free one, and a metrics host this machine has)") from None
         server.append(self._server)
         h, p = self._server.server_address[:2]
         self.host, self.port = str(h), int(p)

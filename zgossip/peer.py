@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from .averager import Averager
+from .averager import MAX_STEP_TIMEOUT, Averager
 from .cliargs import log_level
 from .errors import ZGossipError
 from .endpoints import check_endpoint, listens
@@ -115,8 +115,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--seed must be a whole number >= 0, not {args.seed}")
         if args.rounds < 0:
             raise ValueError(f"--rounds must be >= 0 (0 = run until Ctrl-C), not {args.rounds}")
-        if not 0 <= args.interval < float("inf"):
-            raise ValueError(f"--interval must be a finite number of seconds >= 0, not {args.interval}")
+        if not 0 <= args.interval <= MAX_STEP_TIMEOUT:  # a longer one failed every step with a traceback
+            raise ValueError(f"--interval must be a number of seconds in [0, {MAX_STEP_TIMEOUT:g}], not {args.interval}")
         if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be in 0..65535 (0 = a free port), not {args.metrics_port}")
     except ValueError as e:

@@ -307,8 +307,10 @@ def test_demo_with_peers_alone_picks_a_grid_that_fits(peers, grid):
     (["--metrics-port", "-1"], "--metrics-port must be in 0..65535 (0 = a free port), not -1"),
     (["--numel", "-5"], "--numel must be at least 1, not -5"),
     (["--rounds", "-1"], "--rounds must be >= 0 (0 = run until Ctrl-C), not -1"),
-    (["--interval", "-1"], "--interval must be a finite number of seconds >= 0, not -1.0"),
-    (["--interval", "nan"], "--interval must be a finite number of seconds >= 0, not nan"),
+    (["--interval", "-1"], "--interval must be a number of seconds in [0, 1e+06], not -1.0"),
+    (["--interval", "nan"], "--interval must be a number of seconds in [0, 1e+06], not nan"),
+    (["--interval", "1e308"], "--interval must be a number of seconds in [0, 1e+06], not 1e+308"),  # a traceback
+    # each step (its timeout is the interval), and the peer ran on
     (["--client"], "--client needs --initial-peers: a client listens nowhere, so it only ever meets the peers it "
                    "is told of"),  # it used to run, failing every step
     (["--seed", "-1"], "--seed must be a whole number >= 0, not -1"),  # numpy's ValueError, a traceback

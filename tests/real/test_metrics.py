@@ -130,6 +130,22 @@ def test_step_log_records_failures_and_listeners_see_every_step():
     assert json.loads(json.dumps(seen[1].as_dict()))["group_size"] == 2
 
 
+def test_a_metrics_port_in_use_is_named_as_the_metrics_port(capsys):
+    """`zgossip peer --metrics-port P` with P taken said only "[Errno 98] Address already in use", which
+    reads as the --listen address."""
+    from zgossip import cli
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.main(["peer", "--listen", "tcp://127.0.0.1:0", "--plain", "--metrics-port", str(port)]) == 2
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines() == [
+        f"zgossip peer: error: [Errno 98] cannot serve metrics at 127.0.0.1:{port}: Address already in use (pick "
+        "another metrics port, or 0 for a free one, and a metrics host this machine has)"], err
+
+
 def test_json_lines_log_says_once_that_it_cannot_write_and_again_when_it_can(caplog):
     """Every write error (disk full, a read-only file system) was swallowed by the step log, so a peer
     ran for days logging nothing and saying nothing."""

@@ -145,6 +145,19 @@ def test_a_bad_key_file_is_a_clear_error_that_never_shows_the_secret(tmp_path, c
     assert load_key(commented) == kp
 
 
+@pytest.mark.parametrize("tail", ["tcp://nonsense", "tcp://10.0.0.5", "tcp://10.0.0.5:0", "tcp://h:99999"])
+def test_an_allow_file_line_with_a_malformed_endpoint_is_refused_with_its_line(tail):
+    """Any word beginning "tcp://" was kept as the peer's endpoint: it matched no initial peer, so
+    `--initial-peers tcp://10.0.0.5:41000` then failed with "has no public key", naming the command
+    line rather than the allow file's typo."""
+    kp = KeyPair.generate()
+    with pytest.raises(ValueError, match=re.escape(f"peers.allow, line 2: after the key, expected one endpoint "
+                                                   f"tcp://HOST:PORT, e.g. tcp://10.0.0.5:41000, not {tail!r}")):
+        AllowList.parse(f"# peers\n{kp.public} {tail}\n", "peers.allow")
+    assert AllowList.parse(f"{kp.public} tcp://10.0.0.5:41000  # host a\n").endpoints == {
+        "tcp://10.0.0.5:41000": kp.peer_id}
+
+
 def test_a_public_key_file_or_a_directory_given_as_the_key_is_refused_without_a_chmod_warning(tmp_path):
     """--key k.pub (the public half, mode 644) or --key DIR warned "readable by others ... run `chmod 600`"
     first -- advice about a file holding no secret -- and a directory then raised a raw IsADirectoryError."""
