@@ -11,6 +11,17 @@ __all__ = ["main", "log_level"]
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        # Ctrl-C: the command's finally blocks stopped its peer processes; no traceback, the shell's
+        # exit status for SIGINT (128 + 2). Also while the commands' modules load (numpy, torch:
+        # a second or more), which used to end in a KeyboardInterrupt traceback.
+        print(file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="zgossip", description="Decentralized tensor averaging over ZeroMQ.")
     parser.add_argument("--version", action="version", version=_version(),
                         help="print zgossip's version and those of what it runs on (Python, pyzmq, libzmq), then exit")
@@ -29,14 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     kg.add_argument("--force", action="store_true", help="overwrite an existing key file")
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "WARNING"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        return {"demo": demo.run, "peer": peer.run, "bench": bench.run, "train-demo": train_demo.run,
-                "bench-train": bench_train.run, "bench-state": bench_state.run, "keygen": _keygen}[args.command](args)
-    except KeyboardInterrupt:
-        # Ctrl-C: the command's finally blocks stopped its peer processes; no traceback, the shell's
-        # exit status for SIGINT (128 + 2)
-        print(file=sys.stderr)
-        return 130
+    return {"demo": demo.run, "peer": peer.run, "bench": bench.run, "train-demo": train_demo.run,
+            "bench-train": bench_train.run, "bench-state": bench_state.run, "keygen": _keygen}[args.command](args)
 
 
 def _version() -> str:

@@ -75,6 +75,19 @@ def test_ctrl_c_exits_quietly_with_130(args, marker):
     assert time.monotonic() - t0 < 60
 
 
+def test_ctrl_c_before_the_command_runs_exits_quietly_with_130(monkeypatch, capsys):
+    """Ctrl-C in the first half second of `zgossip peer` -- while the parser was built and the commands'
+    modules (numpy, pyzmq) loaded, outside the KeyboardInterrupt handler -- ended in a traceback."""
+    from zgossip import cli
+
+    def interrupted() -> str:  # the parser's --version line imports zmq: Ctrl-C lands there
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_version", interrupted)
+    assert cli.main(["peer", "--plain"]) == 130
+    assert capsys.readouterr().err == "\n"
+
+
 def _parsers() -> dict[str, argparse.ArgumentParser]:
     """Every argparse parser the two command lines build (caught at parse_args)."""
     import sim.__main__ as sim_main
