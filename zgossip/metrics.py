@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import re
+import sys
 import threading
 import time
 import weakref
@@ -174,6 +175,15 @@ class _Server(http.server.ThreadingHTTPServer):
         except BaseException:
             self._slots.release()
             raise
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # socketserver's own prints a traceback to stderr -- through the live table -- for every
+        # scraper that timed out, port scanner or health check that reset its connection
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError):  # the client went away mid-request: its business, not ours
+            log.debug("zgossip metrics endpoint: connection from %s:%s dropped: %s", *client_address[:2], exc)
+            return
+        log.warning("zgossip metrics endpoint: error serving %s:%s", *client_address[:2], exc_info=True)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:

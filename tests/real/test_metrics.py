@@ -7,11 +7,13 @@ import json
 import logging
 import os
 import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -128,6 +130,27 @@ def test_step_log_records_failures_and_listeners_see_every_step():
     assert t["outcomes"] == {"RoundTimeout": 1, "ok": 4} and t["bytes_sent"] == 40 and t["peers_lost"] == 4
     assert sum(t["duration_counts"]) == 4 and t["duration_counts"][-1] == 0  # 30.3 s fits the 60 s bucket
     assert json.loads(json.dumps(seen[1].as_dict()))["group_size"] == 2
+
+
+def test_metrics_endpoint_stays_quiet_about_clients_that_reset_their_connection(capfd):
+    """Each scraper that timed out, port scanner or health check that reset its connection made the
+    endpoint print a multi-line ConnectionResetError traceback to the peer's stderr (through its
+    live table, into its logs)."""
+    with zgossip.Averager([np.zeros(4, np.float32)], prefix="rst", listen="tcp://127.0.0.1:0", metrics_port=0,
+                          **FAST) as a:
+        url = urllib.parse.urlsplit(a.metrics_endpoint)
+        for junk in (b"", b"GET /metrics HTTP/1.0\r\n\r\n", b"\x00\xff garbage\r\n\r\n"):
+            s = socket.create_connection((url.hostname, url.port), timeout=5)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close() sends a RST
+            s.sendall(junk)
+            s.close()
+        with urllib.request.urlopen(a.metrics_endpoint, timeout=5) as r:  # still serving
+            assert r.status == 200
+        deadline = time.monotonic() + 5  # the reset connections' threads are done (and would have printed)
+        while any("process_request" in t.name for t in threading.enumerate()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "ConnectionResetError" not in err, err
 
 
 def test_a_metrics_port_in_use_is_named_as_the_metrics_port(capsys):
