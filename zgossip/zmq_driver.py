@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import errno
 import logging
 import os
 import queue
@@ -69,6 +70,13 @@ _INLINE_BYTES = 1 << 12  # received frames up to this size are copied into bytes
 _STATS = ("received", "invalid", "sent", "send_errors", "errors", "disconnects", "connections", "local_connections",
           "unauthenticated", "refused", "handshake_failures", "unreachable", "connections_cut", "resent")
 # the ROUTERs' monitors: failed handshakes (logged), and every closed connection (`zgossip.cuts`)
+#: what a failed bind of the listen address means, said after libzmq's one-word reason
+_BIND_HINTS = {
+    errno.EADDRINUSE: " (another process listens there: pick another port, or 0 for a free one)",
+    errno.EADDRNOTAVAIL: " (not an address of this host: give one of its addresses, or 0.0.0.0 for all)",
+    errno.ENODEV: " (no interface or address of this host has that name: give one of its IP addresses, or 0.0.0.0 "
+                "for all)",
+}
 _ROUTER_EVENTS = (HANDSHAKE_EVENTS | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_ACCEPTED
                   | zmq.EVENT_DISCONNECTED)
 _BYE = MsgType.BYE
@@ -194,7 +202,11 @@ class ZmqTransport:
         self._router_monitor = r.get_monitor_socket(_ROUTER_EVENTS)
         self._router_address = r.underlying
         listen = self.listen[:-2] + ":*" if self.listen.startswith("tcp://") and self.listen.endswith(":0") else self.listen
-        r.bind(listen)
+        try:
+            r.bind(listen)
+        except zmq.ZMQError as e:  # "No such device (addr='tcp://h:*')" named neither the cause nor the fix
+            raise zmq.ZMQError(e.errno, f"cannot listen at {self.listen}: {zmq.strerror(e.errno)}"
+                                        f"{_BIND_HINTS.get(e.errno, '')}") from None
         self.endpoint = advertised(r.getsockopt(zmq.LAST_ENDPOINT).decode(), self.announce_host, self.initial_peers)
         local = local_name(self.endpoint) if self._uses_local_sockets() else None
         if local is not None:

@@ -306,6 +306,20 @@ def test_malformed_initial_peer_raises_at_construction(bad):
     assert repr(bad) in str(e.value)
 
 
+def test_a_listen_address_that_cannot_be_bound_says_which_and_why():
+    """libzmq's reasons alone -- "No such device (addr='tcp://h:*')" for a host name it cannot bind,
+    "Address already in use" -- named neither the option nor a fix (and showed port 0 as *)."""
+    import zmq
+
+    with pytest.raises(zmq.ZMQError, match=re.escape("cannot listen at tcp://no-such-host.invalid:0: No such device "
+                                                     "(no interface or address of this host has that name")):
+        zgossip.Averager([np.zeros(2, np.float32)], prefix="bind", listen="tcp://no-such-host.invalid:0", **FAST)
+    with zgossip.Averager([np.zeros(2, np.float32)], prefix="bind", listen="tcp://127.0.0.1:0", **FAST) as a:
+        with pytest.raises(zmq.ZMQError, match=re.escape(f"cannot listen at {a.endpoint}: Address already in use "
+                                                         "(another process listens there: pick another port")):
+            zgossip.Averager([np.zeros(2, np.float32)], prefix="bind", listen=a.endpoint, **FAST)
+
+
 @pytest.mark.parametrize("bad", ["bad host!", "", "10.0.0.5:41000", "tcp://10.0.0.5"])
 def test_malformed_announce_host_raises_at_construction(bad):
     """It was taken as given: the peer advertised `tcp://bad host!:PORT`, which every other peer drops
