@@ -51,7 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--interval", type=float, default=5.0, help="seconds from the start of one step to the start of the next (default 5)")
     p.add_argument("--rounds", type=int, default=0, help="stop after this many steps (0 = run until Ctrl-C)")
     p.add_argument("--seed", type=int, default=None,
-                   help="seed of the tensor and the peer id (default: random; two peers must not share one)")
+                   help="seed of the tensor and the peer id, a whole number >= 0 (default: random; two peers must "
+                        "not share one)")
     p.add_argument("--tcp-only", action="store_true",
                    help="reach peers on this host over TCP too (by default through their local Unix sockets)")
     p.add_argument("--key", default=None, metavar="FILE",
@@ -116,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
         if args.rounds < 0:
             raise ValueError(f"--rounds must be >= 0 (0 = run until Ctrl-C), not {args.rounds}")
         if not 0 <= args.interval <= MAX_STEP_TIMEOUT:  # a longer one failed every step with a traceback
-            raise ValueError(f"--interval must be a number of seconds in [0, {MAX_STEP_TIMEOUT:g}], not {args.interval}")
+            raise ValueError(f"--interval must be a number of seconds in [0, {MAX_STEP_TIMEOUT:g}], "
+                             f"not {args.interval}")
         if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be in 0..65535 (0 = a free port), not {args.metrics_port}")
     except ValueError as e:
