@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import re
+import socket
 import sys
 import threading
 import time
@@ -157,6 +158,9 @@ class _Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, address: tuple[str, int], handler: Any, limit: int) -> None:
+        # the family of the host given: an IPv6 host ("::1", "::") got "Address family for hostname
+        # not supported" from the IPv4 socket http.server makes by default
+        self.address_family = socket.getaddrinfo(*address, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
         self._slots = threading.BoundedSemaphore(limit)
         self.limit, self.refused = limit, 0
         super().__init__(address, handler)

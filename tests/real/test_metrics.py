@@ -153,6 +153,21 @@ def test_metrics_endpoint_stays_quiet_about_clients_that_reset_their_connection(
     assert "Traceback" not in err and "ConnectionResetError" not in err, err
 
 
+def test_metrics_endpoint_binds_an_ipv6_host():
+    """`metrics_host="::1"` failed with "Address family for hostname not supported": the server always
+    made an IPv4 socket, though it writes IPv6 hosts in brackets in its URL."""
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback on this host")
+    with zgossip.Averager([np.zeros(4, np.float32)], prefix="v6", listen="tcp://127.0.0.1:0", metrics_port=0,
+                          metrics_host="::1", **FAST) as a:
+        assert a.metrics_endpoint.startswith("http://[::1]:")
+        with urllib.request.urlopen(a.metrics_endpoint, timeout=5) as r:
+            assert r.status == 200 and b"zgossip_steps_total" in r.read()
+
+
 def test_a_metrics_port_in_use_is_named_as_the_metrics_port(capsys):
     """`zgossip peer --metrics-port P` with P taken said only "[Errno 98] Address already in use", which
     reads as the --listen address."""
