@@ -257,6 +257,11 @@ class SimFaultContext(FaultContext):
         ev.callbacks.append(lambda _e: fn())
 
     def peer(self, index: int) -> Any:
+        """The peer in slot `index`; a fault naming a slot that churn has not filled by the time it fires
+        is refused by name (it raised a bare "list index out of range" once the run had got that far)."""
+        if not 0 <= index < len(self.slots):
+            raise ValueError(f"a fault names peer {index}, but at t = {self.env.now:.3f} s only peers "
+                             f"0..{len(self.slots) - 1} have joined (the initial peers and churn's arrivals)")
         return self.slots[index]
 
     def endpoint(self, index: int) -> str:
