@@ -188,10 +188,23 @@ class Kind:
     run: Callable[[dict], dict]                       # spec -> JSON-able result
     rows: Callable[[dict], list[dict]]               # result -> one row of metrics per round
     columns: tuple[str, ...]
+    check: Callable[[dict], None] | None = None      # base-with-point -> None, or a ValueError naming the key
 
 
 def _scenario_seeded(spec: dict, sweep_seed: int, point: dict, k: int) -> dict:
     return {**spec, "seed": run_seed(sweep_seed, point, k)}
+
+
+def _scenario_check(spec: dict) -> None:
+    from .scenario import Scenario
+
+    Scenario.from_dict(spec)
+
+
+def _train_check(spec: dict) -> None:
+    from .train import TrainScenario
+
+    TrainScenario.from_dict(spec)
 
 
 def _scenario_run(spec: dict) -> dict:
@@ -291,11 +304,11 @@ def _train_rows(result: dict) -> list[dict]:
 
 
 KINDS: dict[str, Kind] = {
-    "scenario": Kind("scenario", _scenario_seeded, _scenario_run, _scenario_rows, _SCENARIO_COLUMNS),
+    "scenario": Kind("scenario", _scenario_seeded, _scenario_run, _scenario_rows, _SCENARIO_COLUMNS, _scenario_check),
     "moshpit": Kind("moshpit", _moshpit_seeded, _moshpit_run, _moshpit_rows,
                     ("mse", "max_abs", "participants", "n_groups")),
     # simulated training (`sim.train`): the spec is a train scenario, seeded like "scenario"
-    "train": Kind("train", _scenario_seeded, _train_run, _train_rows, _TRAIN_COLUMNS),
+    "train": Kind("train", _scenario_seeded, _train_run, _train_rows, _TRAIN_COLUMNS, _train_check),
 }
 
 
@@ -342,16 +355,29 @@ class Sweep:
 
     def runs(self) -> list[Run]:
         kind, code, out = KINDS[self.kind], code_version(), []
-        for point in self.points():
+        refused: list[str] = []  # why each point the scenario loader refuses is refused
+        points = self.points()
+        for point in points:
             spec = copy.deepcopy(self.base)
             for name, value in point.items():
                 _set_path(spec, name, value)
             if self.kind != "moshpit":
                 spec = _inline_profiles(spec)
+            if kind.check is not None:
+                try:
+                    kind.check(spec)
+                except (ValueError, TypeError) as e:
+                    refused.append(f"point {canonical(point) if point else '(the base)'}: {e}")
             for k in self.seeds:
                 s = kind.seeded(spec, self.seed, point, k)
                 key = _blake(canonical({"kind": self.kind, "spec": s, "code": code}), 16).hex()
                 out.append(Run(len(out), point, k, s, key))
+        if refused and len(refused) == len(points):
+            # no point can run (an axis naming a setting that does not exist, protocol.target_group_sz, or a
+            # base out of range): refused here, in one line; it ran every run to the same ValueError, each
+            # printed with a traceback, and ended in status 1 as if some runs had had bad luck. A grid where
+            # only some points are refused still runs the others (their runs fail and are listed).
+            raise ValueError(f"sweep {self.name!r}: no point is a valid scenario; {refused[0]}")
         return out
 
     def describe(self) -> dict:
@@ -821,10 +847,10 @@ def run_sweep(sweep: Sweep, out: str | Path, *, workers: int | None = None, clus
     ``on_result(key)`` is called after each stored run (tests use it to interrupt a sweep).
     """
     out = Path(out)
+    runs = sweep.runs()  # (first: a point the scenario refuses leaves no results folder behind)
     store = out / "runs"
     store.mkdir(parents=True, exist_ok=True)
     stream = stream or sys.stderr
-    runs = sweep.runs()
     stored = {p.stem for p in store.glob("*.json")}
     lines: dict[str, str] = {}  # key -> the run's CSV lines
     damaged: list[str] = []
