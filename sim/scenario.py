@@ -269,15 +269,7 @@ class Scenario:
                             bool(self.churn.get("arrival_rate")))
         _check_keys("[churn]", self.churn, {f.name for f in fields(Churn) if f.init})
         Churn(**self.churn)  # its rates' signs, at load rather than when the run installs it
-        for f in self.faults:
-            fault = fault_from_dict(f)
-            # without churn the peers are the first `peers` slots: a fault naming another would only
-            # fail when it fires, after the simulation ran up to it
-            named = [getattr(fault, "peer", None), *(i for side in getattr(fault, "sides", ()) for i in side)]
-            bad = [i for i in named if i is not None and not (0 <= i < self.peers)]
-            if bad and not self.churn.get("arrival_rate"):  # (churn with departures only adds no slots)
-                raise ValueError(f"a {f.get('kind')} fault names peer {bad[0]}, but the scenario has peers "
-                                 f"0..{self.peers - 1}")
+        check_fault_peers(self.faults, self.peers, self.churn)
         check_slow_faults(self.faults, self.network, self.profiles, self.hosts)
 
     def to_dict(self) -> dict:
@@ -390,6 +382,18 @@ def check_network_values(net: dict) -> None:
             continue
         if not _is_number(v) or not v > 0:
             raise ValueError(f"[network] {name} must be > 0 bytes/s (leave it out for unlimited), not {v!r}")
+
+
+def check_fault_peers(faults: list, peers: int, churn: dict) -> None:
+    """Each fault's peers among the slots there will be: without churn arrivals the peers are the first
+    `peers` slots, and a fault naming another failed only when it fired, after the simulation ran up to
+    it (in a training run a crash or partition there did nothing, silently)."""
+    for f in faults:
+        fault = fault_from_dict(f)
+        named = [getattr(fault, "peer", None), *(i for side in getattr(fault, "sides", ()) for i in side)]
+        bad = [i for i in named if i is not None and not (0 <= i < peers)]
+        if bad and not churn.get("arrival_rate"):  # (churn with departures only adds no slots)
+            raise ValueError(f"a {f.get('kind')} fault names peer {bad[0]}, but the scenario has peers 0..{peers - 1}")
 
 
 _ENDPOINT = re.compile(r"sim://peer(0|[1-9][0-9]*)")

@@ -211,3 +211,18 @@ def test_train_scenario_values_of_the_wrong_type_are_refused_naming_the_key(extr
     ran with the codec on); steps = "x" said "could not convert string to float: 'x'", naming no key."""
     with pytest.raises(ValueError, match=re.escape(expect)):
         TrainScenario.from_dict({"peers": 4, **extra})
+
+
+@pytest.mark.parametrize("extra, expect", [
+    ({"faults": [{"kind": "crash", "peer": 7, "at": 1.0}]}, "a crash fault names peer 7, but the scenario has peers 0..3"),
+    ({"faults": [{"kind": "partition", "sides": [[0], [7]], "start": 1.0, "end": 2.0}]},
+     "a partition fault names peer 7, but the scenario has peers 0..3"),
+    ({"network": {"bandwidth": {"peer0": 1e6}}}, "[network] bandwidth is per peer endpoint"),
+    ({"network": {"bandwidth": 1e6}, "profiles": {"home": 1.0}}, "[network] bandwidth is the rate of peers without"),
+])
+def test_train_scenario_faults_and_rates_no_trainer_would_see_are_refused(extra, expect):
+    """A crash or partition naming a trainer the run never has did nothing, silently (a pause there failed
+    at its time as "list index out of range"); a per-peer bandwidth keyed "peer0", or one beside profiles,
+    was never used."""
+    with pytest.raises(ValueError, match=re.escape(expect)):
+        TrainScenario.from_dict({"peers": 4, **extra})
