@@ -265,7 +265,7 @@ def _moshpit_run(spec: dict) -> dict:
     named = {s.name: s for s in METHODS + EXTRA_METHODS}
     if spec["method"] not in named:
         raise ValueError(f"unknown method {spec['method']!r}; known: {sorted(named)}")
-    over = {k: (tuple(v) if k == "grid" else v) for k, v in spec.items()
+    over = {k: (tuple(v) if k == "grid" and isinstance(v, list) else v) for k, v in spec.items()
             if k in ("group_size", "grid", "min_group_size", "placement", "cut")}
     ms = dataclasses.replace(named[spec["method"]], **over)
     n, p, seed, r, cap = int(spec["n"]), float(spec["p"]), int(spec["seed"]), int(spec["restart"]), int(spec.get("cap", 50))
