@@ -28,7 +28,8 @@ from zgossip.grid import seed_from
 
 from .network import Partition, SlowLink
 
-__all__ = ["Fault", "Crash", "CrashRejoin", "Pause", "PartitionFault", "Slow", "Churn", "fault_from_dict"]
+__all__ = ["Fault", "Crash", "CrashRejoin", "Pause", "PartitionFault", "Slow", "Churn", "fault_from_dict",
+           "check_pause_windows"]
 
 
 def _is_number(v: Any) -> bool:
@@ -220,6 +221,21 @@ def fault_from_dict(d: dict) -> Fault:
     except KeyError as e:
         raise ValueError(f"fault {kind!r} needs field {e.args[0]!r}") from None
     raise ValueError(f"unknown fault kind {kind!r} (crash, crash_rejoin, pause, partition, slow)")
+
+
+def check_pause_windows(faults: list[Fault]) -> None:
+    """Pauses of one peer must not overlap: a pause's end resumes the process whatever other pause is
+    on, so [0.5, 3] with [1, 2] ran the peer again from 2 s, silently cutting the first window short."""
+    by_peer: dict[int, list[Pause]] = {}
+    for f in faults:
+        if isinstance(f, Pause):
+            by_peer.setdefault(f.peer, []).append(f)
+    for peer, pauses in sorted(by_peer.items()):
+        pauses.sort(key=lambda p: (p.start, p.end))
+        for a, b in zip(pauses, pauses[1:]):
+            if b.start < a.end:
+                raise ValueError(f"pause faults on peer {peer} overlap ([{a.start:g}, {a.end:g}] and "
+                                 f"[{b.start:g}, {b.end:g}]): give one pause from {a.start:g} to {max(a.end, b.end):g}")
 
 
 class FaultContext:

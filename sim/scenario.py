@@ -79,7 +79,7 @@ from zgossip.grid import MoshpitGrid
 from zgossip.node import NodeConfig, StepDone, StepFailed
 
 from .driver import Departed, SimCluster, SimPeer, gc_frozen
-from .faults import Churn, CrashRejoin, SimFaultContext, fault_from_dict
+from .faults import Churn, CrashRejoin, SimFaultContext, check_pause_windows, fault_from_dict
 from .network import PROFILES, NetworkModel, Profile
 
 log = logging.getLogger(__name__)
@@ -390,9 +390,11 @@ def check_network_values(net: dict) -> None:
 def check_fault_peers(faults: list, peers: int, churn: dict) -> None:
     """Each fault's peers among the slots there will be: without churn arrivals the peers are the first
     `peers` slots, and a fault naming another failed only when it fired, after the simulation ran up to
-    it (in a training run a crash or partition there did nothing, silently)."""
-    for f in faults:
-        fault = fault_from_dict(f)
+    it (in a training run a crash or partition there did nothing, silently); and no two pauses of one
+    peer overlapping (`sim.faults.check_pause_windows`)."""
+    parsed = [fault_from_dict(f) for f in faults]
+    check_pause_windows(parsed)
+    for f, fault in zip(faults, parsed):
         named = [getattr(fault, "peer", None), *(i for side in getattr(fault, "sides", ()) for i in side)]
         bad = [i for i in named if i is not None and not (0 <= i < peers)]
         if bad and not churn.get("arrival_rate"):  # (churn with departures only adds no slots)

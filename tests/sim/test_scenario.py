@@ -88,6 +88,10 @@ def test_scenario_errors_are_clear(tmp_path):
     ({"faults": [{"kind": "pause", "peer": 1, "start": 2.0, "end": 1.0}]}, r"pause: end \(1.0\) must come after start \(2.0\)"),
     ({"faults": [{"kind": "pause", "peer": 1, "start": 1.0, "end": 1.0}]}, r"pause: end \(1.0\) must come after start"),
     ({"faults": [{"kind": "partition", "sides": [[0], [1]], "start": 3.0, "end": 1.0}]}, "partition: end"),
+    # (the inner pause's end resumed the peer, cutting the outer one short, silently)
+    ({"faults": [{"kind": "pause", "peer": 1, "start": 0.5, "end": 3.0}, {"kind": "pause", "peer": 1, "start": 1.0,
+                                                                         "end": 2.0}]},
+     r"pause faults on peer 1 overlap \(\[0.5, 3\] and \[1, 2\]\): give one pause from 0.5 to 3"),
     ({"faults": [{"kind": "slow", "peer": 1, "start": 0.0, "end": 1.0, "factor": 0.0}]}, "slow: factor must be a number > 0"),
     ({"faults": [{"kind": "crash", "peer": 1, "at": -5.0}]}, "crash: at must be a time >= 0 seconds, not -5.0"),
     ({"network": {"jitter": -0.01}}, r"\[network\] jitter must be a finite number of seconds >= 0, not -0.01"),
