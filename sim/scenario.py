@@ -78,6 +78,7 @@ from zgossip.codecs import check_name
 from zgossip.grid import MoshpitGrid
 from zgossip.node import NodeConfig, StepDone, StepFailed
 
+from .cpu import CpuSpec
 from .driver import Departed, SimCluster, SimPeer, gc_frozen
 from .faults import Churn, CrashRejoin, SimFaultContext, check_pause_windows, fault_from_dict
 from .network import PROFILES, NetworkModel, Profile
@@ -273,6 +274,7 @@ class Scenario:
         _check_keys("[churn]", self.churn, {f.name for f in fields(Churn) if f.init})
         Churn(**self.churn)  # its rates' signs, at load rather than when the run installs it
         check_fault_peers(self.faults, self.peers, self.churn)
+        CpuSpec.check(self.cpu)
         check_slow_faults(self.faults, self.network, self.profiles, self.hosts)
 
     def to_dict(self) -> dict:
@@ -545,8 +547,6 @@ class ScenarioRun(SimFaultContext):
         # emulated hosts are real TCP links: that is what they predict; abstract peers keep FIFO links
         transfer = "tcp" if sc.hosts else "fifo"
         self.network = NetworkModel(**{"latency": 0.005, "transfer": transfer, **sc.network})
-        from .cpu import CpuSpec
-
         self.cluster = SimCluster(seed=sc.seed, network=self.network, encode=sc.encode, membership=sc.membership,
                                   cpu=CpuSpec.from_value(sc.cpu))
         self.env = self.cluster.env

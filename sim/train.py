@@ -230,6 +230,9 @@ class TrainScenario:
         if self.membership not in ("gossip", "static"):
             raise ValueError("membership must be gossip or static")
         check_fault_peers(self.faults, self.peers, self.churn)
+        from .cpu import CpuSpec
+
+        CpuSpec.check(self.cpu)
         check_slow_faults(self.faults, self.network, self.profiles, self.hosts)
         check_network_peers(self.network, self.peers, bool(self.profiles), bool(self.hosts),
                             bool(self.churn.get("arrival_rate")))

@@ -408,3 +408,17 @@ def test_a_fault_timed_past_the_end_of_the_run_is_warned_of(caplog):
                                          {"kind": "crash", "peer": 2, "at": 100.0}]})
     said = [r.getMessage() for r in caplog.records if r.name == "sim.scenario"]
     assert len(said) == 1 and said[0].startswith("the crash fault at t = 100 s never took effect: the run ended at t = "), said
+
+
+@pytest.mark.parametrize("cpu, expect", [
+    ({"costs": {"handle_msg": 1e-4}, "shared": "no"}, "cpu.shared must be true or false, not 'no'"),
+    ({"costs": {"handle_msg": 1e-4}, "cores": "x"}, "cpu.cores must be a positive integer, not 'x'"),
+    ({"costs": {"handle_mgs": 1e-4}}, "cpu.costs must be a table of accumulate_byte, "),
+    ({"costs": {"handle_msg": "1e-4"}}, "cpu.costs.handle_msg must be a finite number of seconds >= 0, not '1e-4'"),
+    ({"profile": 3}, "cpu.profile must be a file path or \"auto\", not 3"),
+])
+def test_cpu_settings_are_checked_at_load(cpu, expect):
+    """cpu.shared = "no" ran with shared cores (any string is true); a misspelt inline cost (handle_mgs)
+    ran without it, silently; cores = "x" said "invalid literal for int()", and all of it only at the run."""
+    with pytest.raises(ValueError, match=re.escape(expect)):
+        Scenario.from_dict({"peers": 4, "grid": [2, 2], "rounds": 1, "cpu": cpu})
