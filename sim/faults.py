@@ -18,6 +18,7 @@ paper's model) is drawn by the scenario runner, not here.
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -28,8 +29,10 @@ from zgossip.grid import seed_from
 
 from .network import Partition, SlowLink
 
+log = logging.getLogger(__name__)
+
 __all__ = ["Fault", "Crash", "CrashRejoin", "Pause", "PartitionFault", "Slow", "Churn", "fault_from_dict",
-           "check_pause_windows"]
+           "check_pause_windows", "warn_unfired"]
 
 
 def _is_number(v: Any) -> bool:
@@ -236,6 +239,19 @@ def check_pause_windows(faults: list[Fault]) -> None:
             if b.start < a.end:
                 raise ValueError(f"pause faults on peer {peer} overlap ([{a.start:g}, {a.end:g}] and "
                                  f"[{b.start:g}, {b.end:g}]): give one pause from {a.start:g} to {max(a.end, b.end):g}")
+
+
+def warn_unfired(faults: list[dict], now: float) -> None:
+    """Warn of each fault (as the scenario gives them) whose time comes at or after `now`, the end of a
+    run: how long a run's rounds or steps take is known only once they ran, and a fault timed past the
+    end (crash at = 100 in a run over at 8 s) left a run without it, looking like one with it."""
+    for given in faults:
+        f = fault_from_dict(given)
+        t = getattr(f, "at", getattr(f, "start", None))
+        if t is not None and t >= now:
+            log.warning("the %s fault at t = %g s never took effect: the run ended at t = %.3f s "
+                        "(the times of faults are virtual seconds from the start, bootstrap included)",
+                        given["kind"], t, now)
 
 
 class FaultContext:

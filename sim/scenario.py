@@ -62,7 +62,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import logging
 import math
 import numbers
 import re
@@ -80,10 +79,8 @@ from zgossip.node import NodeConfig, StepDone, StepFailed
 
 from .cpu import CpuSpec
 from .driver import Departed, SimCluster, SimPeer, gc_frozen
-from .faults import Churn, CrashRejoin, SimFaultContext, check_pause_windows, fault_from_dict
+from .faults import Churn, CrashRejoin, SimFaultContext, check_pause_windows, fault_from_dict, warn_unfired
 from .network import PROFILES, NetworkModel, Profile
-
-log = logging.getLogger(__name__)
 
 __all__ = ["Scenario", "ScenarioRun", "ScenarioResult", "HostSpec", "run_scenario", "load_scenario", "round_metrics"]
 
@@ -556,7 +553,6 @@ class ScenarioRun(SimFaultContext):
         # counts stay in the results; the dead peer's node and averager need not)
         self.slots: list[SimPeer | Departed] = []
         faults = [fault_from_dict(f) for f in sc.faults]
-        self._faults = faults
         # what a rejoin takes from the slot's last process (grid cell, tensors), kept only for the
         # slots a crash_rejoin fault names: slot -> (coords, tensors)
         self._rejoins = {f.peer for f in faults if isinstance(f, CrashRejoin)}
@@ -655,24 +651,13 @@ class ScenarioRun(SimFaultContext):
         sc = self.sc
         try:
             rounds = self.run_rounds(0, progress)
-            self._warn_unfired()
+            warn_unfired(sc.faults, self.env.now)
             peer_bytes = [[int(self.network.sent_bytes.get(p.endpoint, 0)),
                            int(self.network.received_bytes.get(p.endpoint, 0))] for p in self.slots]
             return ScenarioResult(sc.to_dict(), rounds, peer_bytes, self.cluster.trace_hash, self.cluster.delivered,
                                   self.cluster.lost, self.walls)
         finally:
             self.close()
-
-    def _warn_unfired(self) -> None:
-        """Say which faults the run ended before: how long the rounds take is known only once they ran,
-        and a fault timed past the end (crash at = 100 in a run over at 8 s) left a run without it,
-        looking like one with it."""
-        for f, given in zip(self._faults, self.sc.faults):
-            t = getattr(f, "at", getattr(f, "start", None))
-            if t is not None and t >= self.env.now:
-                log.warning("the %s fault at t = %g s never took effect: the run ended at t = %.3f s "
-                            "(the times of faults are virtual seconds from the start, bootstrap included)",
-                            given["kind"], t, self.env.now)
 
     def close(self) -> None:
         """Done with this run (`run` does it; callers of `run_rounds` should): its simulated threads end,

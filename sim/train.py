@@ -81,7 +81,7 @@ import numpy as np
 from zgossip.grid import MoshpitGrid, seed_from
 
 from .driver import Departed, SimCluster, SimPeer
-from .faults import Churn, SimFaultContext, fault_from_dict
+from .faults import Churn, SimFaultContext, fault_from_dict, warn_unfired
 from .network import PROFILES, NetworkModel
 from .scenario import (HostSpec, _is_number, check_fault_peers, check_grid, check_network_peers,
                        check_network_values, check_profile_fractions, check_slow_faults)
@@ -632,7 +632,9 @@ class TrainRun(SimFaultContext):
     # ---------------------------------------------------------------- run
     def run(self) -> TrainResult:
         try:
-            return self._run()
+            res = self._run()
+            warn_unfired(self.sc.faults, self.env.now)
+            return res
         finally:
             self.clock.close()  # (`sim.clock.VirtualClock.close`: nothing of this run stays alive)
 

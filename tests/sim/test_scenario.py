@@ -403,10 +403,10 @@ def test_a_fault_on_a_slot_churn_has_not_filled_is_named_when_it_fires():
 def test_a_fault_timed_past_the_end_of_the_run_is_warned_of(caplog):
     """A crash at t = 100 s in a run over after ~1.5 s gave the results of a run without it, without a word."""
     base = {"peers": 4, "grid": [], "rounds": 1, "bootstrap_time": 0.5}
-    with caplog.at_level("WARNING", logger="sim.scenario"):
+    with caplog.at_level("WARNING", logger="sim.faults"):
         run_scenario({**base, "faults": [{"kind": "crash", "peer": 1, "at": 0.2},
                                          {"kind": "crash", "peer": 2, "at": 100.0}]})
-    said = [r.getMessage() for r in caplog.records if r.name == "sim.scenario"]
+    said = [r.getMessage() for r in caplog.records if r.name == "sim.faults"]
     assert len(said) == 1 and said[0].startswith("the crash fault at t = 100 s never took effect: the run ended at t = "), said
 
 

@@ -226,3 +226,14 @@ def test_train_scenario_faults_and_rates_no_trainer_would_see_are_refused(extra,
     was never used."""
     with pytest.raises(ValueError, match=re.escape(expect)):
         TrainScenario.from_dict({"peers": 4, **extra})
+
+
+def test_a_fault_timed_past_the_end_of_a_training_run_is_warned_of(caplog):
+    """A crash at t = 100 s in a run over at 1.3 s gave the results of a run without it, without a word."""
+    sc = {"peers": 3, "bootstrap_time": 0.5, "train": {"params": 200, "steps": 2, "eval_every": 2, "eval_samples": 16},
+          "faults": [{"kind": "crash", "peer": 2, "at": 100.0}]}
+    with caplog.at_level("WARNING", logger="sim.faults"):
+        res = run_train(sc)
+    said = [r.getMessage() for r in caplog.records if r.name == "sim.faults"]
+    assert res.final["live"] == 3
+    assert len(said) == 1 and said[0].startswith("the crash fault at t = 100 s never took effect: the run ended"), said
