@@ -341,6 +341,14 @@ class Sweep:
             raise ValueError("the seed comes from the sweep (`seed`, `seeds`), not from an axis or the base")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ValueError("seeds must be a positive count or a list of distinct seed indices")
+        for name, values in self.axes.items():
+            # (a value listed twice ran once and was written twice into results.csv: the grid was one
+            # point short, silently, and the rounds-to-eps heatmap refused the doubled rows)
+            seen: set[str] = set()
+            for v in values:
+                if canonical(v) in seen:
+                    raise ValueError(f"axis {name!r} lists {canonical(v)} twice: each value is one point")
+                seen.add(canonical(v))
         # counted before any run is built: listing 10^7 runs took minutes and gigabytes before the
         # first one ran, and the store (a file per run) is no place for that many
         total = math.prod(len(v) for v in self.axes.values()) * len(self.seeds)

@@ -307,6 +307,13 @@ def test_a_sweep_whose_every_point_is_refused_by_the_loader_is_refused_before_ru
     assert len(err) == 1 and "unknown [protocol] setting target_group_sz" in err[0], err
 
 
+def test_an_axis_value_listed_twice_is_refused(tmp_path):
+    """unavailability = [0.0, 0.0] (for [0.0, 0.1]) ran one point, wrote its rows twice into results.csv,
+    and the heatmap refused the doubled rows; the grid was a point short, silently."""
+    with pytest.raises(ValueError, match=re.escape("axis 'unavailability' lists 0.25 twice: each value is one point")):
+        _small(tmp_path, SMALL.replace("unavailability = [0.0, 0.25]", "unavailability = [0.25, 0.0, 0.25]"))
+
+
 def test_a_failing_point_is_reported_with_its_scenario_and_the_others_finish(tmp_path):
     s = _small(tmp_path, SMALL.replace("unavailability = [0.0, 0.25]", "peers = [8, 100]"))
     err = io.StringIO()
