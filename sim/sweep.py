@@ -243,12 +243,9 @@ def _moshpit_seeded(spec: dict, sweep_seed: int, point: dict, k: int) -> dict:
     return {**spec, "seed": sweep_seed, "restart": k}
 
 
-def _moshpit_run(spec: dict) -> dict:
-    import numpy as np
-
-    from zgossip.grid import seed_from
-
-    from .moshpit import EXTRA_METHODS, METHODS, _p_code
+def _moshpit_check(spec: dict) -> None:
+    """A moshpit run's keys and values (the sweep's seed and restart come later)."""
+    from .moshpit import EXTRA_METHODS, METHODS
 
     unknown = set(spec) - _MOSHPIT_KEYS
     if unknown:
@@ -263,8 +260,19 @@ def _moshpit_run(spec: dict) -> dict:
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
         raise ValueError(f"moshpit: p must be a probability in [0, 1], not {p!r}")
     named = {s.name: s for s in METHODS + EXTRA_METHODS}
-    if spec["method"] not in named:
-        raise ValueError(f"unknown method {spec['method']!r}; known: {sorted(named)}")
+    if not isinstance(spec.get("method"), str) or spec["method"] not in named:
+        raise ValueError(f"unknown method {spec.get('method')!r}; known: {sorted(named)}")
+
+
+def _moshpit_run(spec: dict) -> dict:
+    import numpy as np
+
+    from zgossip.grid import seed_from
+
+    from .moshpit import EXTRA_METHODS, METHODS, _p_code
+
+    _moshpit_check(spec)
+    named = {s.name: s for s in METHODS + EXTRA_METHODS}
     over = {k: (tuple(v) if k == "grid" and isinstance(v, list) else v) for k, v in spec.items()
             if k in ("group_size", "grid", "min_group_size", "placement", "cut")}
     ms = dataclasses.replace(named[spec["method"]], **over)
@@ -306,7 +314,7 @@ def _train_rows(result: dict) -> list[dict]:
 KINDS: dict[str, Kind] = {
     "scenario": Kind("scenario", _scenario_seeded, _scenario_run, _scenario_rows, _SCENARIO_COLUMNS, _scenario_check),
     "moshpit": Kind("moshpit", _moshpit_seeded, _moshpit_run, _moshpit_rows,
-                    ("mse", "max_abs", "participants", "n_groups")),
+                    ("mse", "max_abs", "participants", "n_groups"), _moshpit_check),
     # simulated training (`sim.train`): the spec is a train scenario, seeded like "scenario"
     "train": Kind("train", _scenario_seeded, _train_run, _train_rows, _TRAIN_COLUMNS, _train_check),
 }
@@ -385,7 +393,7 @@ class Sweep:
             # base out of range): refused here, in one line; it ran every run to the same ValueError, each
             # printed with a traceback, and ended in status 1 as if some runs had had bad luck. A grid where
             # only some points are refused still runs the others (their runs fail and are listed).
-            raise ValueError(f"sweep {self.name!r}: no point is a valid scenario; {refused[0]}")
+            raise ValueError(f"sweep {self.name!r}: no point can run; {refused[0]}")
         return out
 
     def describe(self) -> dict:

@@ -295,7 +295,7 @@ def test_a_sweep_whose_every_point_is_refused_by_the_loader_is_refused_before_ru
     """An axis naming a setting that does not exist ran every run to the same ValueError, each printed with
     a traceback, and ended in status 1 (as if some runs had had bad luck), leaving a results folder."""
     s = _small(tmp_path, SMALL.replace("unavailability = [0.0, 0.25]", "protocol.target_group_sz = [2, 4]"))
-    with pytest.raises(ValueError, match=re.escape("sweep 'small': no point is a valid scenario; point "
+    with pytest.raises(ValueError, match=re.escape("sweep 'small': no point can run; point "
                                                    '{"protocol.target_group_size":2,"protocol.target_group_sz":2}: '
                                                    "unknown [protocol] setting target_group_sz")):
         run_sweep(s, tmp_path / "out", workers=0, quiet=True)
@@ -305,6 +305,16 @@ def test_a_sweep_whose_every_point_is_refused_by_the_loader_is_refused_before_ru
     assert main(["sweep", str(tmp_path / "small.toml"), "--out", str(tmp_path / "out"), "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "unknown [protocol] setting target_group_sz" in err[0], err
+
+
+def test_a_moshpit_sweep_whose_every_point_is_refused_is_refused_before_running(tmp_path):
+    """kind = "moshpit" checked its keys only in each run: an axis `grp_size` failed all of them."""
+    path = tmp_path / "m.toml"
+    path.write_text('kind = "moshpit"\nseeds = 2\n[base]\nn = 16\np = 0.0\ncap = 2\nmethod = "moshpit"\n'
+                    '[axes]\ngrp_size = [4, 8]\n')
+    with pytest.raises(ValueError, match=re.escape("sweep 'm': no point can run; point {\"grp_size\":4}: "
+                                                   "unknown moshpit keys ['grp_size']")):
+        run_sweep(load_sweep(path), tmp_path / "out", workers=0, quiet=True)
 
 
 def test_an_axis_value_listed_twice_is_refused(tmp_path):
