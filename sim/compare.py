@@ -106,7 +106,13 @@ def replay_scenario(run: dict) -> dict:
         net["tcp"] = {**tb["tcp"], **(net.get("tcp") or {})}
         sc["network"] = net
     if tb.get("cpu") and not sc.get("cpu"):
-        costs = dict(tb["cpu"]["costs"])
+        from dataclasses import fields
+
+        from .cpu import CpuCosts
+
+        # the costs this version models (a record from another version may hold more, which went unused)
+        known = {f.name for f in fields(CpuCosts)}
+        costs = {k: v for k, v in tb["cpu"]["costs"].items() if k in known}
         # the testbed's switch is a process on the same cores: its CPU per byte forwarded, as this run
         # measured it (its frame sizes follow the run's rates), makes it one more serial consumer
         fwd = tb.get("forwarder") or {}

@@ -24,6 +24,7 @@ effects across peers, the GIL of peers in one process.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import socket
@@ -85,28 +86,52 @@ class CpuSpec:
     cores: int | None = None
     shared: bool = True
 
+    @staticmethod
+    def check(value: Any) -> None:
+        """The scenario's ``cpu`` value by its keys and types, without reading a profile (so at load):
+        shared = "no" ran shared (any string is true), cores = "x" said "invalid literal for int()",
+        and inline costs with a misspelt name (handle_mgs) or a string ran without that cost or failed
+        at the run's start."""
+        if value is None or value is False or isinstance(value, str):
+            return
+        if not isinstance(value, dict):
+            raise ValueError("cpu must be 'auto', a profile path or {profile=..., cores=N, shared=bool}")
+        bad = set(value) - {"profile", "cores", "shared", "costs"}
+        if bad:
+            raise ValueError(f"unknown cpu keys {sorted(bad)} (known: costs, cores, profile, shared)")
+        if "profile" in value and not isinstance(value["profile"], str):
+            raise ValueError(f"cpu.profile must be a file path or \"auto\", not {value['profile']!r}")
+        cores = value.get("cores")
+        if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
+            raise ValueError(f"cpu.cores must be a positive integer, not {cores!r}")
+        if "shared" in value and not isinstance(value["shared"], bool):
+            raise ValueError(f"cpu.shared must be true or false, not {value['shared']!r}")
+        costs = value.get("costs")
+        if costs is not None:
+            known = {f.name for f in fields(CpuCosts)}
+            if not isinstance(costs, dict) or set(costs) - known:
+                unknown = sorted(set(costs) - known) if isinstance(costs, dict) else costs
+                raise ValueError(f"cpu.costs must be a table of {', '.join(sorted(known))} (seconds), not {unknown!r}")
+            for k, v in costs.items():
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                    raise ValueError(f"cpu.costs.{k} must be a finite number of seconds >= 0, not {v!r}")
+
     @classmethod
     def from_value(cls, value: Any) -> "CpuSpec | None":
         """``"auto"`` (this machine's cached profile, calibrated once), a profile path, or
         ``{profile = ..., cores = N, shared = true}`` (``costs = {...}`` in place of ``profile``: the
         profile's ``cpu`` section inline, as a testbed run records it); None or false: no CPU model."""
+        cls.check(value)
         if value is None or value is False:
             return None
         if isinstance(value, str):
             value = {"profile": value}
-        if not isinstance(value, dict):
-            raise ValueError("cpu must be 'auto', a profile path or {profile=..., cores=N, shared=bool}")
-        bad = set(value) - {"profile", "cores", "shared", "costs"}
-        if bad:
-            raise ValueError(f"unknown cpu keys {sorted(bad)}")
         if "costs" in value:
             data = {"cpu": dict(value["costs"])}
         else:
             prof = value.get("profile", "auto")
             data = load_profile(default_profile_path(create=True) if prof == "auto" else prof)
         cores = value.get("cores")
-        if cores is not None and (int(cores) != cores or cores < 1):
-            raise ValueError("cpu.cores must be a positive integer")
         return cls(CpuCosts.from_dict(data["cpu"]), None if cores is None else int(cores), bool(value.get("shared", True)))
 
 

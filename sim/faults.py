@@ -18,6 +18,7 @@ paper's model) is drawn by the scenario runner, not here.
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -28,7 +29,10 @@ from zgossip.grid import seed_from
 
 from .network import Partition, SlowLink
 
-__all__ = ["Fault", "Crash", "CrashRejoin", "Pause", "PartitionFault", "Slow", "Churn", "fault_from_dict"]
+log = logging.getLogger(__name__)
+
+__all__ = ["Fault", "Crash", "CrashRejoin", "Pause", "PartitionFault", "Slow", "Churn", "fault_from_dict",
+           "check_pause_windows", "warn_unfired"]
 
 
 def _is_number(v: Any) -> bool:
@@ -222,6 +226,34 @@ def fault_from_dict(d: dict) -> Fault:
     raise ValueError(f"unknown fault kind {kind!r} (crash, crash_rejoin, pause, partition, slow)")
 
 
+def check_pause_windows(faults: list[Fault]) -> None:
+    """Pauses of one peer must not overlap: a pause's end resumes the process whatever other pause is
+    on, so [0.5, 3] with [1, 2] ran the peer again from 2 s, silently cutting the first window short."""
+    by_peer: dict[int, list[Pause]] = {}
+    for f in faults:
+        if isinstance(f, Pause):
+            by_peer.setdefault(f.peer, []).append(f)
+    for peer, pauses in sorted(by_peer.items()):
+        pauses.sort(key=lambda p: (p.start, p.end))
+        for a, b in zip(pauses, pauses[1:]):
+            if b.start < a.end:
+                raise ValueError(f"pause faults on peer {peer} overlap ([{a.start:g}, {a.end:g}] and "
+                                 f"[{b.start:g}, {b.end:g}]): give one pause from {a.start:g} to {max(a.end, b.end):g}")
+
+
+def warn_unfired(faults: list[dict], now: float) -> None:
+    """Warn of each fault (as the scenario gives them) whose time comes at or after `now`, the end of a
+    run: how long a run's rounds or steps take is known only once they ran, and a fault timed past the
+    end (crash at = 100 in a run over at 8 s) left a run without it, looking like one with it."""
+    for given in faults:
+        f = fault_from_dict(given)
+        t = getattr(f, "at", getattr(f, "start", None))
+        if t is not None and t >= now:
+            log.warning("the %s fault at t = %g s never took effect: the run ended at t = %.3f s "
+                        "(the times of faults are virtual seconds from the start, bootstrap included)",
+                        given["kind"], t, now)
+
+
 class FaultContext:
     """What faults may do to a running scenario; implemented by `sim.scenario.ScenarioRun`."""
 
@@ -257,6 +289,11 @@ class SimFaultContext(FaultContext):
         ev.callbacks.append(lambda _e: fn())
 
     def peer(self, index: int) -> Any:
+        """The peer in slot `index`; a fault naming a slot that churn has not filled by the time it fires
+        is refused by name (it raised a bare "list index out of range" once the run had got that far)."""
+        if not 0 <= index < len(self.slots):
+            raise ValueError(f"a fault names peer {index}, but at t = {self.env.now:.3f} s only peers "
+                             f"0..{len(self.slots) - 1} have joined (the initial peers and churn's arrivals)")
         return self.slots[index]
 
     def endpoint(self, index: int) -> str:

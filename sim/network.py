@@ -133,7 +133,14 @@ def _sampler(spec: Any) -> Callable[[str, str, np.random.Generator], float]:
         if dist == "regions":
             region_of: Mapping[str, str] = spec["region_of"]
             matrix: Mapping[str, Mapping[str, float]] = spec["matrix"]
-            return lambda s, d, rng: float(matrix[region_of[s]][region_of[d]])
+
+            def regions(s: str, d: str, rng: np.random.Generator) -> float:
+                for ep in (s, d):  # (a peer churn added beyond the map failed as a bare KeyError)
+                    if ep not in region_of:
+                        raise ValueError(f"[network] latency region_of places no region for {ep}")
+                return float(matrix[region_of[s]][region_of[d]])
+
+            return regions
         raise ValueError(f"unknown latency distribution {dist!r}")
     raise TypeError("latency must be a number, a callable(src, dst) or a distribution mapping")
 

@@ -384,6 +384,16 @@ class RoundLevelSwarm:
 
     def __post_init__(self) -> None:
         self.method = Method(self.method)
+        # types and ranges by name (a sweep's method overrides reach here unchecked): group_size = "x" said
+        # "'<=' not supported between instances of 'int' and 'str'", 2.5 "Cannot cast array data from
+        # dtype('float64')", grid = [0] raised a ZeroDivisionError and grid = "8x8" "invalid literal for int()"
+        for name in ("group_size", "min_group_size"):
+            v = getattr(self, name)
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+                raise ValueError(f"{name} must be a whole number, not {v!r}")
+        if not isinstance(self.grid, (list, tuple)) or not all(
+                isinstance(m, (int, np.integer)) and not isinstance(m, (bool, np.bool_)) and m >= 1 for m in self.grid):
+            raise ValueError(f"grid must be a list of whole numbers >= 1, e.g. [32, 32], not {self.grid!r}")
         self.values = np.array(self.values, dtype=np.float64)
         self.truth = self.values.mean(axis=0)
         n = self.values.shape[0]

@@ -27,8 +27,11 @@ never inside them). Keys, with defaults:
     compression = "none"        # wire codec of the tensor: none, fp16, bf16, int8 (zgossip.codecs)
     error_feedback = false      # carry each peer's quantization residual to its next step
     [protocol]                  # zgossip.NodeConfig fields, e.g. target_group_size, part_timeout
+                                # (checked at load; not grid, grid_coords, grid_auto: the scenario sets those)
     [network]                   # latency (number or {dist=...}; default 0.005 s one way, added to
-                                # every message, [[hosts]] scenarios too), bandwidth, loss, jitter,
+                                # every message, [[hosts]] scenarios too), bandwidth (bytes/s, or
+                                # {"sim://peerN" = bytes/s} per peer; for peers without a profile or
+                                # host link, so refused beside profiles), loss, jitter,
                                 # transfer = "tcp" | "fifo" (sim.tcp / sim.network; default: "tcp"
                                 # with [[hosts]], else "fifo"), tcp = {profile = PATH, mss, init_cwnd,
                                 # rmem_max, congestion_control, ...} (Linux defaults unless given)
@@ -61,6 +64,7 @@ import io
 import json
 import math
 import numbers
+import re
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
@@ -73,8 +77,9 @@ from zgossip.codecs import check_name
 from zgossip.grid import MoshpitGrid
 from zgossip.node import NodeConfig, StepDone, StepFailed
 
+from .cpu import CpuSpec
 from .driver import Departed, SimCluster, SimPeer, gc_frozen
-from .faults import Churn, CrashRejoin, SimFaultContext, fault_from_dict
+from .faults import Churn, CrashRejoin, SimFaultContext, check_pause_windows, fault_from_dict, warn_unfired
 from .network import PROFILES, NetworkModel, Profile
 
 __all__ = ["Scenario", "ScenarioRun", "ScenarioResult", "HostSpec", "run_scenario", "load_scenario", "round_metrics"]
@@ -258,19 +263,15 @@ class Scenario:
             raise ValueError(f"unknown profiles {sorted(unknown_profiles)}; known: {sorted(PROFILES)}")
         check_profile_fractions(self.profiles)
         _check_keys("[protocol]", self.protocol, {f.name for f in fields(NodeConfig)})
+        check_protocol(self.protocol, self.grid)
         _check_keys("[network]", self.network, {f.name for f in fields(NetworkModel) if f.init and f.repr})
         check_network_values(self.network)
+        check_network_peers(self.network, self.peers, bool(self.profiles), bool(self.hosts),
+                            bool(self.churn.get("arrival_rate")))
         _check_keys("[churn]", self.churn, {f.name for f in fields(Churn) if f.init})
         Churn(**self.churn)  # its rates' signs, at load rather than when the run installs it
-        for f in self.faults:
-            fault = fault_from_dict(f)
-            # without churn the peers are the first `peers` slots: a fault naming another would only
-            # fail when it fires, after the simulation ran up to it
-            named = [getattr(fault, "peer", None), *(i for side in getattr(fault, "sides", ()) for i in side)]
-            bad = [i for i in named if i is not None and not (0 <= i < self.peers)]
-            if bad and not self.churn:
-                raise ValueError(f"a {f.get('kind')} fault names peer {bad[0]}, but the scenario has peers "
-                                 f"0..{self.peers - 1}")
+        check_fault_peers(self.faults, self.peers, self.churn)
+        CpuSpec.check(self.cpu)
         check_slow_faults(self.faults, self.network, self.profiles, self.hosts)
 
     def to_dict(self) -> dict:
@@ -284,6 +285,27 @@ def _check_keys(section: str, given: Any, known: set[str]) -> None:
     if bad:
         raise ValueError(f"unknown {section} setting{'s' * (len(bad) > 1)} {', '.join(sorted(bad))} "
                          f"(valid: {', '.join(sorted(known))})")
+
+
+#: NodeConfig fields the scenario sets for each peer itself: given in [protocol] they were overridden
+#: (grid_coords, silently) or contradicted the scenario's grid (failing only once the first peer started)
+_PROTOCOL_OWN = {"grid": "the scenario's grid", "grid_coords": "placement", "grid_auto": "the scenario's grid"}
+
+
+def check_protocol(protocol: dict, grid: list[int]) -> None:
+    """The [protocol] settings as the peers' `NodeConfig` will take them, at load: a wrong type or range
+    failed only when the first peer was built (in a sweep, every run failed instead of the file being
+    refused), and grid settings the scenario owns were overridden or contradicted it."""
+    own = sorted(set(protocol) & set(_PROTOCOL_OWN))
+    if own:
+        raise ValueError(f"[protocol] {own[0]} is set by the scenario (use {_PROTOCOL_OWN[own[0]]} instead)")
+    kw = {**_FAST_PROTOCOL, "prefix": "scenario", "grid": tuple(grid), **protocol}
+    if grid:
+        kw.setdefault("target_group_size", max(grid))
+    try:
+        NodeConfig(**kw)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"[protocol] {e}") from None
 
 
 def _is_number(v: Any) -> bool:
@@ -362,6 +384,58 @@ def check_network_values(net: dict) -> None:
             continue
         if not _is_number(v) or not v > 0:
             raise ValueError(f"[network] {name} must be > 0 bytes/s (leave it out for unlimited), not {v!r}")
+
+
+def check_fault_peers(faults: list, peers: int, churn: dict) -> None:
+    """Each fault's peers among the slots there will be: without churn arrivals the peers are the first
+    `peers` slots, and a fault naming another failed only when it fired, after the simulation ran up to
+    it (in a training run a crash or partition there did nothing, silently); and no two pauses of one
+    peer overlapping (`sim.faults.check_pause_windows`)."""
+    parsed = [fault_from_dict(f) for f in faults]
+    check_pause_windows(parsed)
+    for f, fault in zip(faults, parsed):
+        named = [getattr(fault, "peer", None), *(i for side in getattr(fault, "sides", ()) for i in side)]
+        bad = [i for i in named if i is not None and not (0 <= i < peers)]
+        if bad and not churn.get("arrival_rate"):  # (churn with departures only adds no slots)
+            raise ValueError(f"a {f.get('kind')} fault names peer {bad[0]}, but the scenario has peers 0..{peers - 1}")
+
+
+_ENDPOINT = re.compile(r"sim://peer(0|[1-9][0-9]*)")
+
+
+def check_network_peers(net: dict, peers: int, profiles: bool, hosts: bool, arrivals: bool) -> None:
+    """What [network] says per peer, against the peers there are: a per-peer bandwidth keyed by anything
+    but a peer's endpoint ("peer0" for "sim://peer0") was never looked up, and a bandwidth where every peer
+    has a profile or a host's link was never used -- both ran unlimited (or at the profile's rates) without
+    a word; a regions latency that places no region for a peer failed with a bare KeyError ('sim://peer1')
+    at its first message."""
+    bw = net.get("bandwidth")
+    if isinstance(bw, dict):
+        bad = [k for k in bw if not (isinstance(k, str) and _ENDPOINT.fullmatch(k))]
+        if bad:
+            raise ValueError(f"[network] bandwidth is per peer endpoint, e.g. {{\"sim://peer0\" = 1e6}}; {bad[0]!r} "
+                             "names none")
+    if bw is not None and (profiles or (hosts and not arrivals)):
+        raise ValueError("[network] bandwidth is the rate of peers without a profile or a [[hosts]] link, and "
+                         f"here every peer has one{' (profiles)' if profiles else ' ([[hosts]])'}: it would do "
+                         "nothing; leave it out or give the rates there")
+    lat = net.get("latency")
+    if isinstance(lat, dict) and lat.get("dist") == "regions":
+        region_of, matrix = lat["region_of"], lat["matrix"]
+        if not isinstance(region_of, dict) or not isinstance(matrix, dict) or not all(
+                isinstance(row, dict) for row in matrix.values()):
+            raise ValueError("[network] latency {dist = \"regions\"} needs region_of = {endpoint = region} and "
+                             "matrix = {region = {region = seconds}}")
+        missing = [f"sim://peer{i}" for i in range(peers) if f"sim://peer{i}" not in region_of]
+        if missing:
+            raise ValueError(f"[network] latency region_of places no region for {missing[0]} (it needs every peer "
+                             f"endpoint, sim://peer0..sim://peer{peers - 1})")
+        regions = set(region_of.values())
+        for a in sorted(map(str, regions)):
+            row = matrix.get(a)
+            gap = sorted(str(b) for b in regions if row is None or b not in row)
+            if gap:
+                raise ValueError(f"[network] latency matrix has no entry from region {a!r} to {gap[0]!r}")
 
 
 def check_slow_faults(faults: list, network: dict, profiles: dict, hosts: list) -> None:
@@ -470,8 +544,6 @@ class ScenarioRun(SimFaultContext):
         # emulated hosts are real TCP links: that is what they predict; abstract peers keep FIFO links
         transfer = "tcp" if sc.hosts else "fifo"
         self.network = NetworkModel(**{"latency": 0.005, "transfer": transfer, **sc.network})
-        from .cpu import CpuSpec
-
         self.cluster = SimCluster(seed=sc.seed, network=self.network, encode=sc.encode, membership=sc.membership,
                                   cpu=CpuSpec.from_value(sc.cpu))
         self.env = self.cluster.env
@@ -504,7 +576,7 @@ class ScenarioRun(SimFaultContext):
 
     # ---------------------------------------------------------------- FaultContext (rng, at, peer, endpoint: SimFaultContext)
     def crash(self, index: int) -> None:
-        peer = self.slots[index]
+        peer = self.peer(index)
         peer.crash()
         if isinstance(peer, SimPeer):
             if index in self._rejoins:
@@ -579,6 +651,7 @@ class ScenarioRun(SimFaultContext):
         sc = self.sc
         try:
             rounds = self.run_rounds(0, progress)
+            warn_unfired(sc.faults, self.env.now)
             peer_bytes = [[int(self.network.sent_bytes.get(p.endpoint, 0)),
                            int(self.network.received_bytes.get(p.endpoint, 0))] for p in self.slots]
             return ScenarioResult(sc.to_dict(), rounds, peer_bytes, self.cluster.trace_hash, self.cluster.delivered,

@@ -188,10 +188,23 @@ class Kind:
     run: Callable[[dict], dict]                       # spec -> JSON-able result
     rows: Callable[[dict], list[dict]]               # result -> one row of metrics per round
     columns: tuple[str, ...]
+    check: Callable[[dict], None] | None = None      # base-with-point -> None, or a ValueError naming the key
 
 
 def _scenario_seeded(spec: dict, sweep_seed: int, point: dict, k: int) -> dict:
     return {**spec, "seed": run_seed(sweep_seed, point, k)}
+
+
+def _scenario_check(spec: dict) -> None:
+    from .scenario import Scenario
+
+    Scenario.from_dict(spec)
+
+
+def _train_check(spec: dict) -> None:
+    from .train import TrainScenario
+
+    TrainScenario.from_dict(spec)
 
 
 def _scenario_run(spec: dict) -> dict:
@@ -230,12 +243,9 @@ def _moshpit_seeded(spec: dict, sweep_seed: int, point: dict, k: int) -> dict:
     return {**spec, "seed": sweep_seed, "restart": k}
 
 
-def _moshpit_run(spec: dict) -> dict:
-    import numpy as np
-
-    from zgossip.grid import seed_from
-
-    from .moshpit import EXTRA_METHODS, METHODS, _p_code
+def _moshpit_check(spec: dict) -> None:
+    """A moshpit run's keys and values (the sweep's seed and restart come later)."""
+    from .moshpit import EXTRA_METHODS, METHODS
 
     unknown = set(spec) - _MOSHPIT_KEYS
     if unknown:
@@ -250,9 +260,20 @@ def _moshpit_run(spec: dict) -> dict:
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
         raise ValueError(f"moshpit: p must be a probability in [0, 1], not {p!r}")
     named = {s.name: s for s in METHODS + EXTRA_METHODS}
-    if spec["method"] not in named:
-        raise ValueError(f"unknown method {spec['method']!r}; known: {sorted(named)}")
-    over = {k: (tuple(v) if k == "grid" else v) for k, v in spec.items()
+    if not isinstance(spec.get("method"), str) or spec["method"] not in named:
+        raise ValueError(f"unknown method {spec.get('method')!r}; known: {sorted(named)}")
+
+
+def _moshpit_run(spec: dict) -> dict:
+    import numpy as np
+
+    from zgossip.grid import seed_from
+
+    from .moshpit import EXTRA_METHODS, METHODS, _p_code
+
+    _moshpit_check(spec)
+    named = {s.name: s for s in METHODS + EXTRA_METHODS}
+    over = {k: (tuple(v) if k == "grid" and isinstance(v, list) else v) for k, v in spec.items()
             if k in ("group_size", "grid", "min_group_size", "placement", "cut")}
     ms = dataclasses.replace(named[spec["method"]], **over)
     n, p, seed, r, cap = int(spec["n"]), float(spec["p"]), int(spec["seed"]), int(spec["restart"]), int(spec.get("cap", 50))
@@ -291,11 +312,11 @@ def _train_rows(result: dict) -> list[dict]:
 
 
 KINDS: dict[str, Kind] = {
-    "scenario": Kind("scenario", _scenario_seeded, _scenario_run, _scenario_rows, _SCENARIO_COLUMNS),
+    "scenario": Kind("scenario", _scenario_seeded, _scenario_run, _scenario_rows, _SCENARIO_COLUMNS, _scenario_check),
     "moshpit": Kind("moshpit", _moshpit_seeded, _moshpit_run, _moshpit_rows,
-                    ("mse", "max_abs", "participants", "n_groups")),
+                    ("mse", "max_abs", "participants", "n_groups"), _moshpit_check),
     # simulated training (`sim.train`): the spec is a train scenario, seeded like "scenario"
-    "train": Kind("train", _scenario_seeded, _train_run, _train_rows, _TRAIN_COLUMNS),
+    "train": Kind("train", _scenario_seeded, _train_run, _train_rows, _TRAIN_COLUMNS, _train_check),
 }
 
 
@@ -328,6 +349,14 @@ class Sweep:
             raise ValueError("the seed comes from the sweep (`seed`, `seeds`), not from an axis or the base")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ValueError("seeds must be a positive count or a list of distinct seed indices")
+        for name, values in self.axes.items():
+            # (a value listed twice ran once and was written twice into results.csv: the grid was one
+            # point short, silently, and the rounds-to-eps heatmap refused the doubled rows)
+            seen: set[str] = set()
+            for v in values:
+                if canonical(v) in seen:
+                    raise ValueError(f"axis {name!r} lists {canonical(v)} twice: each value is one point")
+                seen.add(canonical(v))
         # counted before any run is built: listing 10^7 runs took minutes and gigabytes before the
         # first one ran, and the store (a file per run) is no place for that many
         total = math.prod(len(v) for v in self.axes.values()) * len(self.seeds)
@@ -342,16 +371,29 @@ class Sweep:
 
     def runs(self) -> list[Run]:
         kind, code, out = KINDS[self.kind], code_version(), []
-        for point in self.points():
+        refused: list[str] = []  # why each point the scenario loader refuses is refused
+        points = self.points()
+        for point in points:
             spec = copy.deepcopy(self.base)
             for name, value in point.items():
                 _set_path(spec, name, value)
             if self.kind != "moshpit":
                 spec = _inline_profiles(spec)
+            if kind.check is not None:
+                try:
+                    kind.check(spec)
+                except (ValueError, TypeError) as e:
+                    refused.append(f"point {canonical(point) if point else '(the base)'}: {e}")
             for k in self.seeds:
                 s = kind.seeded(spec, self.seed, point, k)
                 key = _blake(canonical({"kind": self.kind, "spec": s, "code": code}), 16).hex()
                 out.append(Run(len(out), point, k, s, key))
+        if refused and len(refused) == len(points):
+            # no point can run (an axis naming a setting that does not exist, protocol.target_group_sz, or a
+            # base out of range): refused here, in one line; it ran every run to the same ValueError, each
+            # printed with a traceback, and ended in status 1 as if some runs had had bad luck. A grid where
+            # only some points are refused still runs the others (their runs fail and are listed).
+            raise ValueError(f"sweep {self.name!r}: no point can run; {refused[0]}")
         return out
 
     def describe(self) -> dict:
@@ -821,10 +863,10 @@ def run_sweep(sweep: Sweep, out: str | Path, *, workers: int | None = None, clus
     ``on_result(key)`` is called after each stored run (tests use it to interrupt a sweep).
     """
     out = Path(out)
+    runs = sweep.runs()  # (first: a point the scenario refuses leaves no results folder behind)
     store = out / "runs"
     store.mkdir(parents=True, exist_ok=True)
     stream = stream or sys.stderr
-    runs = sweep.runs()
     stored = {p.stem for p in store.glob("*.json")}
     lines: dict[str, str] = {}  # key -> the run's CSV lines
     damaged: list[str] = []

@@ -81,10 +81,10 @@ import numpy as np
 from zgossip.grid import MoshpitGrid, seed_from
 
 from .driver import Departed, SimCluster, SimPeer
-from .faults import Churn, SimFaultContext, fault_from_dict
+from .faults import Churn, SimFaultContext, fault_from_dict, warn_unfired
 from .network import PROFILES, NetworkModel
-from .scenario import (HostSpec, _is_number, check_grid, check_network_values, check_profile_fractions,
-                       check_slow_faults)
+from .scenario import (HostSpec, _is_number, check_fault_peers, check_grid, check_network_peers,
+                       check_network_values, check_profile_fractions, check_slow_faults)
 
 __all__ = ["TrainScenario", "TrainSpec", "TrainRun", "TrainResult", "run_train", "load_train_scenario",
            "OPTIMIZERS"]
@@ -229,9 +229,13 @@ class TrainScenario:
             raise ValueError(f"unknown [protocol] settings for training {sorted(bad)} (known: {sorted(_AVERAGER_KEYS)})")
         if self.membership not in ("gossip", "static"):
             raise ValueError("membership must be gossip or static")
-        for f in self.faults:
-            fault_from_dict(f)
+        check_fault_peers(self.faults, self.peers, self.churn)
+        from .cpu import CpuSpec
+
+        CpuSpec.check(self.cpu)
         check_slow_faults(self.faults, self.network, self.profiles, self.hosts)
+        check_network_peers(self.network, self.peers, bool(self.profiles), bool(self.hosts),
+                            bool(self.churn.get("arrival_rate")))
         spec = self.spec
         if spec.grid and spec.optimizer == "moshpit" and int(np.prod(spec.grid)) < self.peers:
             raise ValueError(f"{self.peers} peers do not fit the grid {list(spec.grid)}")
@@ -628,7 +632,9 @@ class TrainRun(SimFaultContext):
     # ---------------------------------------------------------------- run
     def run(self) -> TrainResult:
         try:
-            return self._run()
+            res = self._run()
+            warn_unfired(self.sc.faults, self.env.now)
+            return res
         finally:
             self.clock.close()  # (`sim.clock.VirtualClock.close`: nothing of this run stays alive)
 

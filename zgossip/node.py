@@ -156,9 +156,11 @@ class NodeConfig:
         if self.early_buffer_messages < 0 or (self.early_buffer_bytes is not None and self.early_buffer_bytes < 0):
             raise ValueError("early_buffer_messages and early_buffer_bytes must be >= 0")
         if self.part_timeout <= 0 or self.allreduce_timeout <= 0:
-            raise ValueError("timeouts must be positive")
-        if not self.prefix or len(self.prefix) > 200:
-            raise ValueError("prefix must be 1..200 characters")
+            raise ValueError(f"part_timeout and allreduce_timeout must be > 0 seconds, not {self.part_timeout!r} "
+                             f"and {self.allreduce_timeout!r}")
+        if not isinstance(self.prefix, str) or not self.prefix or len(self.prefix) > 200:
+            # (a number failed as "object of type 'int' has no len()", naming no setting)
+            raise ValueError(f"prefix must be a string of 1..200 characters, not {self.prefix!r}")
         if any(int(m) == 1 for m in self.grid):
             # on a grid that each peer has a cell of, every group along that axis is one peer: every
             # round along it failed with GroupNotFound after the whole matchmaking window

@@ -184,7 +184,7 @@ def test_scenario_errors_are_one_line(tmp_path, text, expect):
     (["run"], "peers = 4\ngrid = [2, 2]\n[network]\ntransfer = \"udp\"\n", "transfer must be 'fifo' or 'tcp'"),
     (["run"], "peers = 4\ngrid = [2, 2]\n[network]\nlatency = \"abc\"\n", "[network] latency must be"),
     (["run"], "peers = 4\ngrid = [2, 2]\n[network]\nlatency = {dist = \"regions\", region_of = {}, matrix = {}}\n",
-     "KeyError"),
+     "[network] latency region_of places no region for sim://peer0"),
     (["sweep", "--serial", "--quiet", "--out", "OUT"], "kind = \"blah\"\n", "python -m sim sweep:"),
     (["compare"], "{truncated", "python -m sim compare:"),
 ])

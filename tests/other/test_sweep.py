@@ -291,6 +291,39 @@ def test_workers_leave_when_the_sweep_is_killed(tmp_path, sig, threaded):
                if f.suffix == ".json")
 
 
+def test_a_sweep_whose_every_point_is_refused_by_the_loader_is_refused_before_running(tmp_path, capsys):
+    """An axis naming a setting that does not exist ran every run to the same ValueError, each printed with
+    a traceback, and ended in status 1 (as if some runs had had bad luck), leaving a results folder."""
+    s = _small(tmp_path, SMALL.replace("unavailability = [0.0, 0.25]", "protocol.target_group_sz = [2, 4]"))
+    with pytest.raises(ValueError, match=re.escape("sweep 'small': no point can run; point "
+                                                   '{"protocol.target_group_size":2,"protocol.target_group_sz":2}: '
+                                                   "unknown [protocol] setting target_group_sz")):
+        run_sweep(s, tmp_path / "out", workers=0, quiet=True)
+    assert not (tmp_path / "out").exists()
+    from sim.__main__ import main
+
+    assert main(["sweep", str(tmp_path / "small.toml"), "--out", str(tmp_path / "out"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown [protocol] setting target_group_sz" in err[0], err
+
+
+def test_a_moshpit_sweep_whose_every_point_is_refused_is_refused_before_running(tmp_path):
+    """kind = "moshpit" checked its keys only in each run: an axis `grp_size` failed all of them."""
+    path = tmp_path / "m.toml"
+    path.write_text('kind = "moshpit"\nseeds = 2\n[base]\nn = 16\np = 0.0\ncap = 2\nmethod = "moshpit"\n'
+                    '[axes]\ngrp_size = [4, 8]\n')
+    with pytest.raises(ValueError, match=re.escape("sweep 'm': no point can run; point {\"grp_size\":4}: "
+                                                   "unknown moshpit keys ['grp_size']")):
+        run_sweep(load_sweep(path), tmp_path / "out", workers=0, quiet=True)
+
+
+def test_an_axis_value_listed_twice_is_refused(tmp_path):
+    """unavailability = [0.0, 0.0] (for [0.0, 0.1]) ran one point, wrote its rows twice into results.csv,
+    and the heatmap refused the doubled rows; the grid was a point short, silently."""
+    with pytest.raises(ValueError, match=re.escape("axis 'unavailability' lists 0.25 twice: each value is one point")):
+        _small(tmp_path, SMALL.replace("unavailability = [0.0, 0.25]", "unavailability = [0.25, 0.0, 0.25]"))
+
+
 def test_a_failing_point_is_reported_with_its_scenario_and_the_others_finish(tmp_path):
     s = _small(tmp_path, SMALL.replace("unavailability = [0.0, 0.25]", "peers = [8, 100]"))
     err = io.StringIO()
@@ -489,7 +522,9 @@ def test_plot_refuses_a_heatmap_axis_that_is_none_and_results_with_no_rows(tmp_p
     err = capsys.readouterr().err
     assert "the heatmap's axes must be two different axes of the sweep, not ['a', 'unavailability']; its axes: " \
            "unavailability, protocol.target_group_size" in err, err
-    bad = dataclasses.replace(s, name="bad", axes={"network.loss": [1.5]}, seeds=[0])
+    # (a run that fails only as it runs: a point the loader refuses no longer runs when every point is refused)
+    bad = dataclasses.replace(s, name="bad", base={**s.base, "churn": {"arrival_rate": 1e-6}},
+                              axes={"faults": [[{"kind": "crash", "peer": 9, "at": 0.0}]]}, seeds=[0])
     assert run_sweep(bad, tmp_path / "bad", workers=0, quiet=True, stream=io.StringIO()).failures
     assert main(["plot", str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err

@@ -18,6 +18,8 @@ start, and every round:
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -392,3 +394,20 @@ def test_cli_message_level_keeps_random_placement_on_a_grid_the_peers_fill(capsy
     assert out["random"]["scenario"]["placement"] == "random"
     assert out["random"]["rounds"] != out["full"]["rounds"]
     assert out["distinct"]["rounds"] == out["full"]["rounds"]  # every cell taken: the same swarm
+
+
+@pytest.mark.parametrize("over, expect", [
+    ({"group_size": "x"}, "group_size must be a whole number, not 'x'"),
+    ({"group_size": 2.5}, "group_size must be a whole number, not 2.5"),
+    ({"grid": [0]}, "grid must be a list of whole numbers >= 1, e.g. [32, 32], not (0,)"),
+    ({"grid": "8x8"}, "grid must be a list of whole numbers >= 1, e.g. [32, 32], not '8x8'"),
+])
+def test_a_moshpit_sweep_run_names_a_bad_method_setting(over, expect):
+    """A `kind = "moshpit"` sweep passes group_size and grid to the round-level swarm unchecked: "x" said
+    "'<=' not supported between instances of 'int' and 'str'", 2.5 "Cannot cast array data", grid = [0]
+    raised a ZeroDivisionError (which `python -m sim` does not turn into one line) and "8x8" "invalid literal
+    for int()"."""
+    from sim.sweep import _moshpit_run
+
+    with pytest.raises(ValueError, match=re.escape(expect)):
+        _moshpit_run({"n": 16, "p": 0.0, "method": "moshpit", "seed": 0, "restart": 0, "cap": 1, **over})

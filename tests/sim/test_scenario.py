@@ -88,6 +88,10 @@ def test_scenario_errors_are_clear(tmp_path):
     ({"faults": [{"kind": "pause", "peer": 1, "start": 2.0, "end": 1.0}]}, r"pause: end \(1.0\) must come after start \(2.0\)"),
     ({"faults": [{"kind": "pause", "peer": 1, "start": 1.0, "end": 1.0}]}, r"pause: end \(1.0\) must come after start"),
     ({"faults": [{"kind": "partition", "sides": [[0], [1]], "start": 3.0, "end": 1.0}]}, "partition: end"),
+    # (the inner pause's end resumed the peer, cutting the outer one short, silently)
+    ({"faults": [{"kind": "pause", "peer": 1, "start": 0.5, "end": 3.0}, {"kind": "pause", "peer": 1, "start": 1.0,
+                                                                         "end": 2.0}]},
+     r"pause faults on peer 1 overlap \(\[0.5, 3\] and \[1, 2\]\): give one pause from 0.5 to 3"),
     ({"faults": [{"kind": "slow", "peer": 1, "start": 0.0, "end": 1.0, "factor": 0.0}]}, "slow: factor must be a number > 0"),
     ({"faults": [{"kind": "crash", "peer": 1, "at": -5.0}]}, "crash: at must be a time >= 0 seconds, not -5.0"),
     ({"network": {"jitter": -0.01}}, r"\[network\] jitter must be a finite number of seconds >= 0, not -0.01"),
@@ -346,3 +350,75 @@ def test_run_checks_its_output_paths_before_simulating(tmp_path, capsys, monkeyp
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("python -m sim run: error: cannot write") for line in err), err
     assert not ran and sorted(p.name for p in tmp_path.iterdir()) == ["s.toml"]
+
+
+@pytest.mark.parametrize("protocol, expect", [
+    ({"target_group_size": "x"}, "[protocol] target_group_size must be an int, not 'x'"),
+    ({"part_timeout": -1}, "[protocol] part_timeout and allreduce_timeout must be > 0 seconds, not -1"),
+    ({"prefix": 5}, "[protocol] prefix must be a string of 1..200 characters, not 5"),
+    ({"grid_coords": [0, 0]}, "[protocol] grid_coords is set by the scenario (use placement instead)"),
+    ({"grid": [4]}, "[protocol] grid is set by the scenario (use the scenario's grid instead)"),
+])
+def test_protocol_settings_are_checked_at_load(protocol, expect):
+    """[protocol] values reached NodeConfig only when the first peer was built (a sweep then failed every
+    run instead of refusing the file; prefix = 5 said "object of type 'int' has no len()"); grid_coords
+    there was overridden by the placement, silently, and grid contradicted the scenario's."""
+    with pytest.raises(ValueError, match=re.escape(expect)):
+        Scenario.from_dict({"peers": 4, "grid": [2, 2], "rounds": 1, "protocol": protocol})
+
+
+@pytest.mark.parametrize("network, extra, expect", [
+    ({"bandwidth": {"peer0": 1e6}}, {}, "[network] bandwidth is per peer endpoint, e.g. {\"sim://peer0\" = 1e6}; "
+                                        "'peer0' names none"),
+    ({"bandwidth": 1e6}, {"profiles": {"home": 1.0}}, "[network] bandwidth is the rate of peers without a profile"),
+    ({"bandwidth": 1e6}, {"hosts": [{"count": 4}]}, "every peer has one ([[hosts]]): it would do nothing"),
+    ({"latency": {"dist": "regions", "region_of": {"sim://peer0": "eu"}, "matrix": {"eu": {"eu": 0.01}}}}, {},
+     "[network] latency region_of places no region for sim://peer1"),
+    ({"latency": {"dist": "regions", "region_of": {f"sim://peer{i}": "eu" if i else "us" for i in range(4)},
+                  "matrix": {"eu": {"eu": 0.01, "us": 0.05}, "us": {"us": 0.01}}}}, {},
+     "[network] latency matrix has no entry from region 'us' to 'eu'"),
+])
+def test_network_settings_every_peer_would_miss_are_refused_at_load(network, extra, expect):
+    """A per-peer bandwidth keyed "peer0" (not "sim://peer0"), or a bandwidth beside profiles or [[hosts]]
+    that give every peer its rates, ran without it, silently; a regions latency missing a peer or a
+    pair of regions failed at the first message with a bare KeyError ('sim://peer1')."""
+    with pytest.raises(ValueError, match=re.escape(expect)):
+        Scenario.from_dict({"peers": 4, "grid": [2, 2], "rounds": 1, "network": network, **extra})
+
+
+def test_a_fault_on_a_slot_churn_has_not_filled_is_named_when_it_fires():
+    """With churn, a fault may name a later arrival's slot; one that fired before that slot was filled
+    ended the run in a bare IndexError ("list index out of range"). Churn with departures only adds no
+    slot, so there the fault is refused at load, as without churn."""
+    base = {"peers": 4, "grid": [], "rounds": 1, "bootstrap_time": 0.5}
+    with pytest.raises(ValueError, match=re.escape("a crash fault names peer 9, but the scenario has peers 0..3")):
+        Scenario.from_dict({**base, "churn": {"departure_rate": 0.01},
+                            "faults": [{"kind": "crash", "peer": 9, "at": 0.2}]})
+    for fault in ({"kind": "crash", "peer": 9, "at": 0.2}, {"kind": "pause", "peer": 9, "start": 0.2, "end": 0.3}):
+        with pytest.raises(ValueError, match=re.escape("a fault names peer 9, but at t = 0.200 s only peers 0..3 "
+                                                       "have joined")):
+            run_scenario({**base, "churn": {"arrival_rate": 1e-6}, "faults": [fault]})
+
+
+def test_a_fault_timed_past_the_end_of_the_run_is_warned_of(caplog):
+    """A crash at t = 100 s in a run over after ~1.5 s gave the results of a run without it, without a word."""
+    base = {"peers": 4, "grid": [], "rounds": 1, "bootstrap_time": 0.5}
+    with caplog.at_level("WARNING", logger="sim.faults"):
+        run_scenario({**base, "faults": [{"kind": "crash", "peer": 1, "at": 0.2},
+                                         {"kind": "crash", "peer": 2, "at": 100.0}]})
+    said = [r.getMessage() for r in caplog.records if r.name == "sim.faults"]
+    assert len(said) == 1 and said[0].startswith("the crash fault at t = 100 s never took effect: the run ended at t = "), said
+
+
+@pytest.mark.parametrize("cpu, expect", [
+    ({"costs": {"handle_msg": 1e-4}, "shared": "no"}, "cpu.shared must be true or false, not 'no'"),
+    ({"costs": {"handle_msg": 1e-4}, "cores": "x"}, "cpu.cores must be a positive integer, not 'x'"),
+    ({"costs": {"handle_mgs": 1e-4}}, "cpu.costs must be a table of accumulate_byte, "),
+    ({"costs": {"handle_msg": "1e-4"}}, "cpu.costs.handle_msg must be a finite number of seconds >= 0, not '1e-4'"),
+    ({"profile": 3}, "cpu.profile must be a file path or \"auto\", not 3"),
+])
+def test_cpu_settings_are_checked_at_load(cpu, expect):
+    """cpu.shared = "no" ran with shared cores (any string is true); a misspelt inline cost (handle_mgs)
+    ran without it, silently; cores = "x" said "invalid literal for int()", and all of it only at the run."""
+    with pytest.raises(ValueError, match=re.escape(expect)):
+        Scenario.from_dict({"peers": 4, "grid": [2, 2], "rounds": 1, "cpu": cpu})

@@ -211,3 +211,29 @@ def test_train_scenario_values_of_the_wrong_type_are_refused_naming_the_key(extr
     ran with the codec on); steps = "x" said "could not convert string to float: 'x'", naming no key."""
     with pytest.raises(ValueError, match=re.escape(expect)):
         TrainScenario.from_dict({"peers": 4, **extra})
+
+
+@pytest.mark.parametrize("extra, expect", [
+    ({"faults": [{"kind": "crash", "peer": 7, "at": 1.0}]}, "a crash fault names peer 7, but the scenario has peers 0..3"),
+    ({"faults": [{"kind": "partition", "sides": [[0], [7]], "start": 1.0, "end": 2.0}]},
+     "a partition fault names peer 7, but the scenario has peers 0..3"),
+    ({"network": {"bandwidth": {"peer0": 1e6}}}, "[network] bandwidth is per peer endpoint"),
+    ({"network": {"bandwidth": 1e6}, "profiles": {"home": 1.0}}, "[network] bandwidth is the rate of peers without"),
+])
+def test_train_scenario_faults_and_rates_no_trainer_would_see_are_refused(extra, expect):
+    """A crash or partition naming a trainer the run never has did nothing, silently (a pause there failed
+    at its time as "list index out of range"); a per-peer bandwidth keyed "peer0", or one beside profiles,
+    was never used."""
+    with pytest.raises(ValueError, match=re.escape(expect)):
+        TrainScenario.from_dict({"peers": 4, **extra})
+
+
+def test_a_fault_timed_past_the_end_of_a_training_run_is_warned_of(caplog):
+    """A crash at t = 100 s in a run over at 1.3 s gave the results of a run without it, without a word."""
+    sc = {"peers": 3, "bootstrap_time": 0.5, "train": {"params": 200, "steps": 2, "eval_every": 2, "eval_samples": 16},
+          "faults": [{"kind": "crash", "peer": 2, "at": 100.0}]}
+    with caplog.at_level("WARNING", logger="sim.faults"):
+        res = run_train(sc)
+    said = [r.getMessage() for r in caplog.records if r.name == "sim.faults"]
+    assert res.final["live"] == 3
+    assert len(said) == 1 and said[0].startswith("the crash fault at t = 100 s never took effect: the run ended"), said

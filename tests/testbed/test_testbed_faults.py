@@ -5,6 +5,8 @@ that no namespace, link, process or /dev/shm file of its run is left behind.
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -193,17 +195,22 @@ def test_closing_a_paused_peer_does_not_wait_for_it_to_answer(tmp_path):
 
 
 def test_a_peer_that_fails_to_start_is_reported_by_its_error_first():
-    """A grid the peer's coordinates do not fit (protocol grid [3], placed on a 2 x 2 grid) passes the
-    scenario's checks and NodeConfig's, and every peer process raises at start: the error read "peer 0
-    failed to start: None; its stderr ends:" and the cause came last, after 800 characters of traceback.
-    (Group sizes used to serve here; NodeConfig now refuses them before anything is built.)"""
+    """A grid the peer's coordinates do not fit (protocol grid [3], placed on a 2 x 2 grid) makes every
+    peer process raise at start: the error read "peer 0 failed to start: None; its stderr ends:" and the
+    cause came last, after 800 characters of traceback. (Group sizes used to serve here; NodeConfig now
+    refuses them before anything is built, and the scenario's checks now refuse a [protocol] grid too,
+    so the Scenario is built here without them, to reach the peers' start.)"""
+    from sim.scenario import Scenario
     from sim.testbed_run import run_testbed
 
     sc = _scenario([{"up_mbit": 100}] * 2, 16)
     sc.update(grid=[2, 2], placement="distinct")
     sc["protocol"]["grid"] = [3]
+    with pytest.raises(ValueError, match=re.escape("[protocol] grid is set by the scenario")):
+        Scenario.from_dict(sc)
+    sc["peers"] = 2
     with pytest.raises(RuntimeError) as e:
-        run_testbed(sc)
+        run_testbed(Scenario(**sc))
     first = str(e.value).splitlines()[0]
     assert first.startswith("peer ") and "failed to start: ValueError: coordinates" in first, first
 
