@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import socket
 from typing import Any, Callable, Collection, Sequence
 
@@ -79,6 +80,10 @@ def peer_check(own: str, initial_peers: Sequence[str] = ()) -> Callable[[str], b
     return lambda endpoint: reachable(endpoint, frozen)
 
 
+_HOST = re.compile(r"[A-Za-z0-9._-]+")
+_IPV6_HOST = re.compile(r"\[[0-9A-Fa-f:.]+(%[A-Za-z0-9._-]+)?\]")
+
+
 def check_endpoint(address: Any, what: str = "peer address", listen: bool = False) -> tuple[str, int]:
     """(host, port) of a ``tcp://HOST:PORT`` address, or a ValueError that names the address and the
     expected form. A peer address needs a port in 1..65535; a `listen` address may also use port 0
@@ -91,9 +96,11 @@ def check_endpoint(address: Any, what: str = "peer address", listen: bool = Fals
         raise ValueError(f"invalid {what} {address!r}: expected {form}{hint}")
     host, sep, port = address[6:].rpartition(":")
     if host.startswith("[") and host.endswith("]"):
-        host_ok = len(host) > 2
+        host_ok = _IPV6_HOST.fullmatch(host) is not None
     else:
-        host_ok = bool(host) and not any(c in host for c in "/[]: \t") and (listen or host != "*")
+        # a host name, an IPv4 address or (to listen) an interface name or "*": nothing else. A "#"
+        # (it starts the key in HOST:PORT#KEY), a newline or other control character was accepted
+        host_ok = _HOST.fullmatch(host) is not None or (listen and host == "*")
     port_ok = port.isdigit() and (0 if listen else 1) <= int(port) <= 65535 or (listen and port == "*")
     if not sep or not host_ok or not port_ok:
         raise ValueError(f"invalid {what} {address!r}: expected {form}")

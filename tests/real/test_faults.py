@@ -341,6 +341,17 @@ def test_check_endpoint_accepts_the_valid_forms():
     assert check_endpoint("tcp://[::1]:5") == ("[::1]", 5)
     assert check_endpoint("tcp://0.0.0.0:0", listen=True) == ("0.0.0.0", 0)
     assert check_endpoint("tcp://*:*", listen=True) == ("*", 0)
+    assert check_endpoint("tcp://[fe80::1%eth0]:5") == ("[fe80::1%eth0]", 5)
+    assert check_endpoint("tcp://eth0:0", listen=True) == ("eth0", 0)
+
+
+@pytest.mark.parametrize("bad", ["tcp://a#b:1", "tcp://a\nb:1", "tcp://a\x00b:1", "tcp://a b:1", "tcp://a@b:1",
+                                 "tcp://[]:1", "tcp://[zz]:1", "tcp://h\u00e9:1"])
+def test_check_endpoint_refuses_hosts_no_address_can_have(bad):
+    # a "#" starts the key in HOST:PORT#KEY, and a newline or a NUL in an address passed every check
+    # (found by the operator probe): now only names, IPv4 and bracketed IPv6 addresses pass
+    with pytest.raises(ValueError, match="tcp://HOST:PORT"):
+        check_endpoint(bad)
 
 
 def test_cli_rejects_a_malformed_initial_peer_in_one_line():
