@@ -461,15 +461,21 @@ def check_profile_fractions(profiles: dict) -> None:
         raise ValueError("profiles: the fractions must not all be 0")
 
 
-def load_scenario(path: str | Path) -> Scenario:
+def read_file(path: str | Path) -> dict:
+    """A scenario, training scenario or sweep file as a dict: JSON if its name ends in .json (any
+    case: a `.JSON` file was read as TOML and failed on its first brace), TOML otherwise."""
     path = Path(path)
-    if path.suffix == ".json":
-        return Scenario.from_dict(json.loads(path.read_text()))
+    if path.suffix.lower() == ".json":
+        return json.loads(path.read_text())
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
         import tomli as tomllib  # type: ignore[no-redef]
-    return Scenario.from_dict(tomllib.loads(path.read_text()))
+    return tomllib.loads(path.read_text())
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    return Scenario.from_dict(read_file(path))
 
 
 @dataclass

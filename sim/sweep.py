@@ -157,16 +157,6 @@ def _deep_merge(a: dict, b: dict) -> dict:
     return out
 
 
-def _read_toml(path: Path) -> dict:
-    if path.suffix == ".json":
-        return json.loads(path.read_text())
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib  # type: ignore[no-redef]
-    return tomllib.loads(path.read_text())
-
-
 def _write_atomic(path: Path, data: bytes) -> None:
     """Write to a temporary name beside ``path``, then rename: a reader (or Ctrl-C) never sees half a file."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -427,15 +417,17 @@ _SWEEP_KEYS = {"name", "kind", "seed", "seeds", "scenario", "base", "axes", "plo
 
 
 def load_sweep(path: str | Path) -> Sweep:
+    from .scenario import read_file
+
     path = Path(path)
-    d = _read_toml(path)
+    d = read_file(path)
     unknown = set(d) - _SWEEP_KEYS
     if unknown:
         raise ValueError(f"{path}: unknown sweep keys {sorted(unknown)} (known: {sorted(_SWEEP_KEYS)})")
     _check_sweep_types(path, d)
     base: dict = {}
     if "scenario" in d:
-        base = _read_toml((path.parent / d["scenario"]).resolve())
+        base = read_file((path.parent / d["scenario"]).resolve())
         if not isinstance(base, dict):
             raise ValueError(f"{path}: the base scenario {d['scenario']} is not a table of settings")
     base = _deep_merge(base, d.get("base", {}))

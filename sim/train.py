@@ -83,7 +83,7 @@ from zgossip.grid import MoshpitGrid, seed_from
 from .driver import Departed, SimCluster, SimPeer
 from .faults import Churn, SimFaultContext, fault_from_dict, warn_unfired
 from .network import PROFILES, NetworkModel
-from .scenario import (HostSpec, _is_number, check_fault_peers, check_grid, check_network_peers,
+from .scenario import (HostSpec, _is_number, read_file, check_fault_peers, check_grid, check_network_peers,
                        check_network_values, check_profile_fractions, check_slow_faults)
 
 __all__ = ["TrainScenario", "TrainSpec", "TrainRun", "TrainResult", "run_train", "load_train_scenario",
@@ -249,14 +249,7 @@ class TrainScenario:
 
 
 def load_train_scenario(path: str | Path) -> TrainScenario:
-    path = Path(path)
-    if path.suffix == ".json":
-        return TrainScenario.from_dict(json.loads(path.read_text()))
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib  # type: ignore[no-redef]
-    return TrainScenario.from_dict(tomllib.loads(path.read_text()))
+    return TrainScenario.from_dict(read_file(path))
 
 
 def _is_whole(v: Any) -> bool:

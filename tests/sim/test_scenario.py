@@ -422,3 +422,16 @@ def test_cpu_settings_are_checked_at_load(cpu, expect):
     ran without it, silently; cores = "x" said "invalid literal for int()", and all of it only at the run."""
     with pytest.raises(ValueError, match=re.escape(expect)):
         Scenario.from_dict({"peers": 4, "grid": [2, 2], "rounds": 1, "cpu": cpu})
+
+
+def test_a_json_file_named_in_upper_case_is_read_as_json(tmp_path):
+    # `.JSON` was read as TOML and failed on its first brace (found by the simulator probe)
+    from sim.scenario import load_scenario, read_file
+    from sim.sweep import load_sweep
+
+    p = tmp_path / "SC.JSON"
+    p.write_text('{"seed": 3, "peers": 4, "numel": 8, "rounds": 1, "grid": []}')
+    assert read_file(p)["seed"] == 3 and load_scenario(p).peers == 4
+    sw = tmp_path / "SW.Json"
+    sw.write_text('{"name": "x", "scenario": "SC.JSON", "axes": {"rounds": [1, 2]}}')
+    assert load_sweep(sw).name == "x"
