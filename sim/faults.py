@@ -241,6 +241,24 @@ def check_pause_windows(faults: list[Fault]) -> None:
                                  f"[{b.start:g}, {b.end:g}]): give one pause from {a.start:g} to {max(a.end, b.end):g}")
 
 
+def check_after_crash(faults: list[Fault]) -> None:
+    """A `crash` is for good: a later fault of that peer (a crash_rejoin brought it back; a pause's end
+    would resume it; a slow link or a second crash act on nothing) contradicts it. A peer that comes
+    back is a `crash_rejoin`."""
+    first: dict[int, Crash] = {}
+    for f in faults:
+        if isinstance(f, Crash) and (f.peer not in first or f.at < first[f.peer].at):
+            first[f.peer] = f
+    crashed = {peer: f.at for peer, f in first.items()}
+    for f in faults:
+        peer = getattr(f, "peer", None)
+        t = getattr(f, "at", getattr(f, "start", None))
+        if peer in crashed and t is not None and t >= crashed[peer] and f is not first[peer]:
+            kind = {Crash: "crash", CrashRejoin: "crash_rejoin", Pause: "pause", Slow: "slow"}.get(type(f), "fault")
+            raise ValueError(f"peer {peer} crashes for good at {crashed[peer]:g} s, yet a {kind} fault of it comes at "
+                             f"{t:g} s (a peer that comes back is a crash_rejoin: crash at one time, back at another)")
+
+
 def warn_unfired(faults: list[dict], now: float) -> None:
     """Warn of each fault (as the scenario gives them) whose time comes at or after `now`, the end of a
     run: how long a run's rounds or steps take is known only once they ran, and a fault timed past the

@@ -79,7 +79,7 @@ from zgossip.node import NodeConfig, StepDone, StepFailed
 
 from .cpu import CpuSpec
 from .driver import Departed, SimCluster, SimPeer, gc_frozen
-from .faults import Churn, CrashRejoin, SimFaultContext, check_pause_windows, fault_from_dict, warn_unfired
+from .faults import Churn, CrashRejoin, SimFaultContext, check_after_crash, check_pause_windows, fault_from_dict, warn_unfired
 from .network import PROFILES, NetworkModel, Profile
 
 __all__ = ["Scenario", "ScenarioRun", "ScenarioResult", "HostSpec", "run_scenario", "load_scenario", "round_metrics"]
@@ -389,10 +389,12 @@ def check_network_values(net: dict) -> None:
 def check_fault_peers(faults: list, peers: int, churn: dict) -> None:
     """Each fault's peers among the slots there will be: without churn arrivals the peers are the first
     `peers` slots, and a fault naming another failed only when it fired, after the simulation ran up to
-    it (in a training run a crash or partition there did nothing, silently); and no two pauses of one
-    peer overlapping (`sim.faults.check_pause_windows`)."""
+    it (in a training run a crash or partition there did nothing, silently); no two pauses of one
+    peer overlapping (`sim.faults.check_pause_windows`), and nothing of a peer after its crash for good
+    (`sim.faults.check_after_crash`)."""
     parsed = [fault_from_dict(f) for f in faults]
     check_pause_windows(parsed)
+    check_after_crash(parsed)
     for f, fault in zip(faults, parsed):
         named = [getattr(fault, "peer", None), *(i for side in getattr(fault, "sides", ()) for i in side)]
         bad = [i for i in named if i is not None and not (0 <= i < peers)]

@@ -93,6 +93,11 @@ def test_scenario_errors_are_clear(tmp_path):
                                                                          "end": 2.0}]},
      r"pause faults on peer 1 overlap \(\[0.5, 3\] and \[1, 2\]\): give one pause from 0.5 to 3"),
     ({"faults": [{"kind": "slow", "peer": 1, "start": 0.0, "end": 1.0, "factor": 0.0}]}, "slow: factor must be a number > 0"),
+    # (a crash is for good: a crash_rejoin after it brought the peer back, silently)
+    ({"faults": [{"kind": "crash", "peer": 2, "at": 1.0}, {"kind": "crash_rejoin", "peer": 2, "at": 2.0, "back": 3.0}]},
+     r"peer 2 crashes for good at 1 s, yet a crash_rejoin fault of it comes at 2 s"),
+    ({"faults": [{"kind": "pause", "peer": 2, "start": 1.5, "end": 2.0}, {"kind": "crash", "peer": 2, "at": 1.0}]},
+     r"peer 2 crashes for good at 1 s, yet a pause fault of it comes at 1.5 s"),
     ({"faults": [{"kind": "crash", "peer": 1, "at": -5.0}]}, "crash: at must be a time >= 0 seconds, not -5.0"),
     ({"network": {"jitter": -0.01}}, r"\[network\] jitter must be a finite number of seconds >= 0, not -0.01"),
     ({"network": {"latency": -0.01}}, r"\[network\] latency must be a finite number of seconds >= 0"),
