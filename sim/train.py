@@ -396,7 +396,8 @@ class TrainRun(SimFaultContext):
 
     # ---------------------------------------------------------------- FaultContext (rng, at, peer, endpoint: SimFaultContext)
     def crash(self, index: int) -> None:
-        if index < len(self.slots) and self.slots[index].alive:
+        # (a slot churn has not filled yet is refused by name, as a pause there is: it was skipped silently)
+        if self.peer(index).alive:
             peer = self.slots[index]
             peer.crash()
             # the trainer ends now: its thread may still sit in a wait the crash cannot cut short (an

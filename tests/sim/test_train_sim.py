@@ -237,3 +237,13 @@ def test_a_fault_timed_past_the_end_of_a_training_run_is_warned_of(caplog):
     said = [r.getMessage() for r in caplog.records if r.name == "sim.faults"]
     assert res.final["live"] == 3
     assert len(said) == 1 and said[0].startswith("the crash fault at t = 100 s never took effect: the run ended"), said
+
+
+def test_a_crash_on_a_slot_churn_has_not_filled_is_named_when_it_fires():
+    """With churn arrivals a fault may name a later slot; a crash there before anyone joined it was
+    skipped silently (a pause there was refused by name)."""
+    sc = {"peers": 2, "bootstrap_time": 0.5, "train": {"params": 200, "steps": 2, "eval_every": 2, "eval_samples": 16},
+          "churn": {"arrival_rate": 0.01},
+          "faults": [{"kind": "crash", "peer": 5, "at": 0.2}]}
+    with pytest.raises(ValueError, match=re.escape("a fault names peer 5, but at t = 0.200 s only peers 0..1 have joined")):
+        run_train(sc)
