@@ -169,7 +169,7 @@ class FlatLayout:
 
 
 #: the largest finite float16
-_F16_MAX = 65504.0
+_F16_MAX = float(np.finfo(np.float16).max)  # 65504
 
 
 def _within_f16(avg: np.ndarray) -> np.ndarray:
