@@ -52,6 +52,9 @@ GOAL = (0.85, 1.15)
 #: a case whose forwarder kept this much of a core busy through its rounds is marked forwarder-bound
 #: (it still counts against the goal: the mark says why it misses, it excuses nothing)
 BUSY_FORWARDER = 0.75
+#: a case during whose rounds processes outside the run used this many cores of user CPU is marked: on
+#: 2 cores the forwarder and the peers then wait for the CPU, and the testbed's figure is not the links'
+BUSY_MACHINE = 0.1
 FLAT = 0.05
 
 
@@ -203,6 +206,13 @@ class CaseResult:
         return cpu / span if span > 0 else math.nan
 
     @property
+    def other_load(self) -> float:
+        """Cores of user CPU that processes outside the run used while its rounds ran (NaN if the run
+        did not record it; `testbed_run.run_testbed`)."""
+        v = (self.testbed or {}).get("testbed", {}).get("other_user_cores")
+        return float(v) if v is not None else math.nan
+
+    @property
     def drops_per_round(self) -> float:
         """Packets the hosts' downlink queues (tbf) dropped, per round, over the whole run (NaN if the
         run did not record its qdiscs). The simulator does not model these tail drops: where a case
@@ -218,7 +228,8 @@ class CaseResult:
     def row(self) -> dict:
         return {"case": self.name, "hosts": self.hosts, "MiB": self.mib, "measured": self.measured,
                 "predicted": self.predicted, "ratio": self.ratio, "floor": self.floor, "over_floor": self.over_floor,
-                "wall": self.wall, "forwarder_load": self.forwarder_load, "drops_per_round": self.drops_per_round}
+                "wall": self.wall, "forwarder_load": self.forwarder_load, "drops_per_round": self.drops_per_round,
+                "other_load": self.other_load}
 
 
 #: replays of a lossy case, one per seed (the run's seed first): the prediction is their median
@@ -284,6 +295,8 @@ def format_table(results: Sequence[CaseResult], dirs: Sequence[dict]) -> str:
         flag = "" if GOAL[0] <= r.ratio <= GOAL[1] else "  *"
         if r.forwarder_load >= BUSY_FORWARDER:
             flag += "  (forwarder-bound)"
+        if r.other_load >= BUSY_MACHINE:
+            flag += f"  (busy machine: other processes {r.other_load:.2f} cores)"
         lines.append(f"{r.name:<18} {r.hosts:>5} {r.mib:>4} {r.measured:>10.3f} {r.predicted:>11.3f} "
                      f"{r.ratio:>6.2f} {r.floor:>8.3f} {r.over_floor:>10.2f} {r.forwarder_load:>9.2f} "
                      f"{r.drops_per_round:>9.0f}{flag}")
@@ -294,6 +307,11 @@ def format_table(results: Sequence[CaseResult], dirs: Sequence[dict]) -> str:
             lines.append(f"{d['knob']:<10} {d['without'] + ' -> ' + d['with']:<36} {d['testbed']:>+8.1%} "
                          f"{d['simulator']:>+9.1%}  {'yes' if d['agree'] else 'NO'}")
     inside = sum(GOAL[0] <= r.ratio <= GOAL[1] for r in results)
+    busy = [r.name for r in results if r.other_load >= BUSY_MACHINE]
+    if busy:
+        lines.append("")
+        lines.append(f"other processes used >= {BUSY_MACHINE} cores during {', '.join(busy)}: run "
+                     f"{'that case' if len(busy) == 1 else 'those cases'} again on an idle machine")
     lines.append("")
     lines.append(f"{inside} of {len(results)} cases within {GOAL[0]}-{GOAL[1]} (* outside); "
                  f"{sum(d['agree'] for d in dirs)} of {len(dirs)} directions agree")

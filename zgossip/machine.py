@@ -13,7 +13,8 @@ import os
 import platform
 from pathlib import Path
 
-__all__ = ["machine", "machine_line", "optional_paths", "paths_line", "cpu_model", "cpu_seconds", "machine_busy_seconds"]
+__all__ = ["machine", "machine_line", "optional_paths", "paths_line", "cpu_model", "cpu_seconds", "machine_busy_seconds",
+           "machine_user_seconds", "tree_user_seconds"]
 
 
 def cpu_model() -> str:
@@ -86,6 +87,45 @@ def cpu_seconds(pid: int) -> float:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return 0.0
+
+
+def machine_user_seconds() -> float:
+    """CPU seconds the whole machine spent in user space (user + nice) since boot. Unlike
+    `machine_busy_seconds` it leaves out the kernel's work, which on an emulated network
+    (packets through veths, qdiscs and softirqs) no process is charged for."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return (v[0] + v[1]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def tree_user_seconds(root: int | None = None) -> float:
+    """User CPU seconds of process `root` (this one by default) and of every live descendant,
+    each with the children it has reaped (``cutime``): what a process tree spent in user space,
+    children that came and went included once their parent waited for them."""
+    root = os.getpid() if root is None else root
+    stats: dict[int, tuple[int, int]] = {}  # pid -> (ppid, utime + cutime ticks)
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            stats[int(name)] = (int(fields[1]), int(fields[11]) + int(fields[13]))
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        if pid in stats:
+            total += stats[pid][1]
+        todo.extend(children.get(pid, ()))
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def machine_busy_seconds() -> float:

@@ -3,6 +3,7 @@ mechanisms the replay relies on (connection set-up, the recorded machine, jitter
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -124,6 +125,45 @@ def test_table_marks_a_case_whose_forwarder_was_busy_and_lossy_cases_run_more_ro
     assert busy.drops_per_round == pytest.approx(155.0) and unknown.drops_per_round != unknown.drops_per_round
     assert lines[0].split()[-1] == "drops/rnd" and lines[1].split()[-2:] == ["155", "(forwarder-bound)"]
     assert all(MIN_ROUNDS[n] >= 10 for n in ("home4-loss-1m", "lat150-loss-1m"))
+
+
+def test_table_marks_a_case_that_ran_while_other_processes_used_the_cpu():
+    def case(name, other):
+        tb = {"rounds": [{"sim_seconds": 1.0}], "testbed": {"forwarder": {"cpu_seconds_rounds": 0.1}}}
+        if other is not None:
+            tb["testbed"]["other_user_cores"] = other
+        return CaseResult(name, 4, 1, 1.0, 1.0, 0.5, 10.0, tb, {})
+
+    busy, idle, old = case("busy", 0.4), case("idle", 0.01), case("old", None)
+    assert busy.other_load == pytest.approx(0.4) and old.other_load != old.other_load  # NaN: not recorded
+    lines = format_table([busy, idle, old], []).splitlines()
+    assert lines[1].endswith("(busy machine: other processes 0.40 cores)")
+    assert "busy machine" not in lines[2] + lines[3]
+    assert any(line.startswith("other processes used >= 0.1 cores during busy: run that case again") for line in lines)
+    assert not any("other processes used" in line for line in format_table([idle, old], []).splitlines())
+
+
+def test_a_process_tree_counts_the_user_cpu_of_children_it_reaped_and_of_live_ones():
+    """What `run_testbed` subtracts from the machine's user CPU: this process and its children (the
+    peers and the forwarder), the exited ones too."""
+    import subprocess
+    import sys as _sys
+
+    from zgossip.machine import machine_user_seconds, tree_user_seconds
+
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+    m0, t0 = machine_user_seconds(), tree_user_seconds()
+    subprocess.run([_sys.executable, "-c", burn], check=True, timeout=30)  # exits, reaped
+    live = subprocess.Popen([_sys.executable, "-c", burn + "import sys\nsys.stdin.read()\n"], stdin=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while tree_user_seconds() - t0 < 0.55 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ours = tree_user_seconds() - t0
+        assert ours >= 0.55  # both children's user CPU (0.3 s each, less a tick)
+        assert machine_user_seconds() - m0 >= ours - 0.05
+    finally:
+        live.communicate(timeout=10)
 
 
 def test_simulator_predicts_the_testbed_on_the_quick_case():
