@@ -98,16 +98,14 @@ def make(transport: str, tensors, per_peer=None, seed: int = 0, **cfg):
 
 
 def virtual_swarm(n: int, make: Any, body: Any, seed: int = 0, latency: float = 0.005,
-                  start_at: Sequence[float] | None = None, fast: dict | None = None,
-                  bandwidth: dict[str, float] | None = None) -> tuple[list, list]:
+                  start_at: Sequence[float] | None = None, fast: dict | None = None) -> tuple[list, list]:
     """`n` training peers on the simulator's transport, each built by ``make(i, initial_peers, averager_opts)``
     and driven by ``body(i, peer)`` in its own simulated thread, peer ``i`` starting at virtual time
-    ``start_at[i]`` (a late joiner); ``bandwidth``: bytes/s of some peers' links (``"sim://peer<i>"``; the
-    others unlimited). Waits and sleeps cost no wall time and one seed gives one run; the
+    ``start_at[i]`` (a late joiner). Waits and sleeps cost no wall time and one seed gives one run; the
     simulated threads end when their bodies return. Returns (peers, what each body returned)."""
     from sim import NetworkModel, SimPeer
 
-    cl = SimCluster(seed=seed, network=NetworkModel(latency=latency, bandwidth=bandwidth))
+    cl = SimCluster(seed=seed, network=NetworkModel(latency=latency))
     peers: list = [None] * n
     out: list = [None] * n
     opts = dict(FAST if fast is None else fast)

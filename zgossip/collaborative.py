@@ -614,7 +614,7 @@ class CollaborativeOptimizer(TrainerPeer):
         # every live peer of the run is expected, not only those whose record shows this epoch: right
         # after an epoch ends, records still show the previous one for a gossip delay, and a fast peer
         # that "found itself alone" then would step without the others and drift away
-        expected = view.num_ready
+        expected = view.num_peers
         gather = {"ep": epoch, "n": n, "bad": self._epoch_nonfinite}
         result, error = None, None
         t1 = self.clock.now()
@@ -768,7 +768,7 @@ class CollaborativeOptimizer(TrainerPeer):
                     g.copy_(acc)
         bad_batches = self._epoch_nonfinite
         self.samples, self._epoch_nonfinite, self._acc_stale = 0, 0, True  # the next epoch accumulates in _acc
-        expected = view.num_ready
+        expected = view.num_peers
         gather = {"ep": epoch, "n": n, "bad": bad_batches}
         rnd: dict[str, Any] = {"epoch": epoch, "local_samples": n, "expected_peers": expected, "group_size": 1,
                                "samples": n, "excluded": {}, "ok": False, "error": None, "delayed": True}

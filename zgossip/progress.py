@@ -108,11 +108,6 @@ class SwarmView:
     def num_peers(self) -> int:
         return len(self.peers)
 
-    @property
-    def num_ready(self) -> int:
-        """Peers that may take part in a round (this one included): not those downloading a state."""
-        return sum(1 for p in self.peers if p.ready or p.peer_id == self.me.peer_id)
-
     def others(self) -> list[PeerProgress]:
         return [p for p in self.peers if p.peer_id != self.me.peer_id]
 

@@ -157,8 +157,6 @@ class TrainerPeer:
         self.state_chunk_timeout = float(state_chunk_timeout)
         self._closed = False
         self._averaging = False
-        self._loading = False  # downloading a state (published as not ready: nobody waits for this peer meanwhile)
-        self._behind_after_load = 0  # downloads in a row that ended with the swarm ahead again
         self._param_digest = ""  # published by wrappers whose peers must hold identical parameters
         opts = {**TRAINING_DEFAULTS, **(averager_opts or {})}
         bf16_state_compression(opts, self.params)  # the state served begins with the parameters
@@ -355,41 +353,11 @@ class TrainerPeer:
     def load_state_from_peers(self, timeout: float | None = None) -> None:
         """Download parameters, optimizer and scheduler state and the epoch from the best peer (the
         highest epoch, in-sync peers first) and adopt them. Raises `StateUnavailable` or `LayoutMismatch`."""
-        # while it downloads this peer trains nothing and joins no round: its record says so (not ready),
-        # so the others neither count it among the peers a round expects nor add its samples. It used to
-        # count: on the testbed a newcomer whose download (6.4 s over a 10 Mbit/s, 1 %-loss link) outlasted
-        # the swarm's global step kept downloading, and the peer left beside it failed every round for 3 s
-        # (GroupNotFound, out of sync) waiting for it
-        t0 = self.clock.now()
-        self._loading = True
-        self._publish()
-        try:
-            meta, arrays = self.averager.load_state_from_peers(
-                timeout=self.load_state_timeout if timeout is None else timeout,
-                chunk_timeout=self.state_chunk_timeout, apply=False)
-            before = self.local_epoch
-            self._apply_state(meta, arrays)
-        finally:
-            self._loading = False
-            if not self._closed:
-                self._publish()
+        meta, arrays = self.averager.load_state_from_peers(timeout=self.load_state_timeout if timeout is None else timeout,
+                                                           chunk_timeout=self.state_chunk_timeout, apply=False)
+        before = self.local_epoch
+        self._apply_state(meta, arrays)
         log.info("%s: loaded state from peers: epoch %d -> %d", self.peer_id[:8], before, self.local_epoch)
-        self._check_catching_up(self.clock.now() - t0)
-
-    def _check_catching_up(self, seconds: float) -> None:
-        """Warn (once per streak) when downloads keep ending with the swarm epochs ahead again: this
-        peer's download is slower than the swarm's global step, so it never averages with it."""
-        ahead = self._view().donor_epoch
-        if ahead <= self.local_epoch:
-            self._behind_after_load = 0
-            return
-        self._behind_after_load += 1
-        if self._behind_after_load == 3:
-            log.warning("%s: this peer cannot catch up with the swarm: each state download takes %.1fs and the swarm "
-                        "is %d epoch(s) ahead again when it ends (3 downloads in a row), so it never averages "
-                        "with the others. Make a global step outlast a download (a larger target_batch_size), "
-                        "or give this peer a faster link (or state_compression)", self.peer_id[:8], seconds,
-                        ahead - self.local_epoch)
 
     def _try_load_state(self, view: SwarmView, why: str) -> bool:
         now = self.clock.now()
@@ -412,8 +380,7 @@ class TrainerPeer:
     def _me(self) -> PeerProgress:
         return PeerProgress(self.peer_id, self.local_epoch, self._progress_samples(), self._progress_rate(),
                             self.layout.fingerprint, self.layout.signature, len(self.layout.shapes),
-                            in_sync=self.in_sync, ready=not self._loading, nonfinite=self.nonfinite_batches,
-                            time=self.clock.wall_time(),
+                            in_sync=self.in_sync, nonfinite=self.nonfinite_batches, time=self.clock.wall_time(),
                             averaging=self._averaging, digest=self._param_digest, client=self.averager.client_mode)
 
     def _publish(self) -> None:
