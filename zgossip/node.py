@@ -344,6 +344,8 @@ class Node:
         self._early_bytes = 0  # their payload bytes
         self._tensor_bytes = 0  # of the latest step's buffer (or layout): sizes the early buffer
         self._finished: dict[str, FinishedRound] = {}  # recent rounds, to answer late rescue messages
+        # (group id, sender) of round messages for groups we are not in, already answered with ABORT
+        self._disowned: dict[tuple[str, str], None] = {}
         self._gone: dict[str, frozenset[str]] = {}  # recent rounds: endpoints of the members each lost
         # Shutdown: groupmates of recent rounds that have not said DONE may still wait for results
         # of ours (queued on a slow link); `owes_others` tells the driver to keep them flowing.
@@ -1174,6 +1176,7 @@ class Node:
                             f"bounded by early_buffer_messages={self.config.early_buffer_messages} per group, 4 groups "
                             f"and {self._early_budget()} bytes (early_buffer_bytes)")
             return
+        self._disown(gid, msg)
         # usually benign (a groupmate's late message after we gave the round up): INFO, once per source
         self.drops.note(log, f"{msg.sender[:16]} at {msg.endpoint}", f"{msg.type.name} for a round this node is "
                         "not in", f"group {gid[:8]}", level=logging.INFO)
@@ -1217,6 +1220,26 @@ class Node:
                 self.stats["dropped"] += 1
                 self.drops.note(log, f"{msg.sender[:16]} at {msg.endpoint}", f"{msg.type.name} for a round this node is "
                                 "not in", f"group {gid[:8]} (kept while our own group was on its way)", level=logging.INFO)
+                self._disown(gid, msg)
+
+    def _disown(self, gid: str, msg: Message) -> None:
+        """Tell a known peer that sends us round data of group `gid`, which we are not in and cannot
+        join any more (no step of ours is matchmaking towards it), that we are not coming: ABORT, once
+        per group and sender. Its round then goes on without us at once. Such a group is one whose
+        GROUP never reached us or came after we found another: a peer that closed its group from our
+        JOIN_NOTE while the rendezvous peer cut us into another group (on far links the LEAVE that
+        withdraws the note can arrive after that peer's step began). Without the ABORT it waited out
+        its silence limits for each of us -- 3-4 s per step on the testbed's 80 ms links, with
+        `PeerLost` at the end -- while every PART it streamed was dropped here."""
+        if type(msg) not in (Gather, Part, Result, RescueCall, Rescue) or not self._knows(msg.sender, msg.endpoint):
+            return  # never answer an ABORT or a GAVE_UP (no ping-pong), nor a stranger (no reflection)
+        if (gid, msg.sender) in self._disowned:
+            return
+        self._disowned[(gid, msg.sender)] = None
+        while len(self._disowned) > 256:
+            self._disowned.pop(next(iter(self._disowned)))
+        self._send(msg.endpoint, Abort(self.peer_id, self.endpoint, group_id=gid,
+                                       reason="not in this group: its GROUP never reached this peer's step"))
 
     def _feed_round(self, rnd: AllReduceRound, msg: Message, now: float) -> None:
         """Hand `msg` to the running round; what it refused (dropped) or ignored (late) is counted."""

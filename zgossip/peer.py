@@ -166,38 +166,40 @@ def _serve(args: argparse.Namespace, data: np.ndarray, stop: threading.Event) ->
         if log_json is not None:
             log_json.close()
         return 2
-    with avg:
-        if log_json is not None:
-            log_json.extra = lambda: {"peer": avg.peer_id}
-            avg.step_log.subscribe(log_json)
-        # with keys the address carries our public key: `tcp://HOST:PORT#KEY`
-        join = avg.endpoint if avg.public_key is None else f"'{avg.endpoint}#{avg.public_key}' --key FILE --allow FILE"
-        if listens(avg.endpoint):
-            info = [f"others can join with: zgossip peer --initial-peers {join}"]
-            first = f"peer {avg.peer_id} listening; others can join with:\n  zgossip peer --initial-peers {join}"
-            title = f"zgossip peer {avg.peer_id} (prefix {args.prefix!r}), listening at {avg.endpoint}"
-        else:  # --client: a client:// endpoint is no address; nobody can join through this peer
-            info = ["client mode: listens nowhere; it reaches the swarm through --initial-peers, and others cannot "
-                    "join through it"]
-            first = f"peer {avg.peer_id} in client mode (listens nowhere; others cannot join through it)"
-            title = f"zgossip peer {avg.peer_id} (prefix {args.prefix!r}), client mode"
-        if avg.metrics_endpoint:
-            info.append(f"metrics: {avg.metrics_endpoint}")
-        if args.log_json:
-            info.append(f"step log: {args.log_json} (JSON lines)")
-        display = make_display(title, info, plain=args.plain)
-        if isinstance(display, PlainLines):
-            print(first, flush=True)
-            for line in info[1:]:
-                print(line, flush=True)
-        else:
-            _use_console_for_logs(display.console)
-        try:
+    # the log closes after the shutdown (leaving `with avg`): a step that Ctrl-C interrupts fails
+    # there, with AveragerClosed, and its line used to be dropped by a log already closed
+    try:
+        with avg:
+            if log_json is not None:
+                log_json.extra = lambda: {"peer": avg.peer_id}
+                avg.step_log.subscribe(log_json)
+            # with keys the address carries our public key: `tcp://HOST:PORT#KEY`
+            join = avg.endpoint if avg.public_key is None else f"'{avg.endpoint}#{avg.public_key}' --key FILE --allow FILE"
+            if listens(avg.endpoint):
+                info = [f"others can join with: zgossip peer --initial-peers {join}"]
+                first = f"peer {avg.peer_id} listening; others can join with:\n  zgossip peer --initial-peers {join}"
+                title = f"zgossip peer {avg.peer_id} (prefix {args.prefix!r}), listening at {avg.endpoint}"
+            else:  # --client: a client:// endpoint is no address; nobody can join through this peer
+                info = ["client mode: listens nowhere; it reaches the swarm through --initial-peers, and others cannot "
+                        "join through it"]
+                first = f"peer {avg.peer_id} in client mode (listens nowhere; others cannot join through it)"
+                title = f"zgossip peer {avg.peer_id} (prefix {args.prefix!r}), client mode"
+            if avg.metrics_endpoint:
+                info.append(f"metrics: {avg.metrics_endpoint}")
+            if args.log_json:
+                info.append(f"step log: {args.log_json} (JSON lines)")
+            display = make_display(title, info, plain=args.plain)
+            if isinstance(display, PlainLines):
+                print(first, flush=True)
+                for line in info[1:]:
+                    print(line, flush=True)
+            else:
+                _use_console_for_logs(display.console)
             with display:
                 _loop(avg, args, data, stop, display)
-        finally:
-            if log_json is not None:
-                log_json.close()
+    finally:
+        if log_json is not None:
+            log_json.close()
     return 0
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import logging
 import os
 import selectors
@@ -371,15 +372,18 @@ def test_testbed_benchmarks_check_where_each_process_goes_before_starting_any():
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
-def test_peer_stops_at_once_on_ctrl_c_or_sigterm_mid_step(sig):
+def test_peer_stops_at_once_on_ctrl_c_or_sigterm_mid_step(sig, tmp_path):
     """`zgossip peer` turns Ctrl-C, SIGTERM and SIGHUP into a stop flag; it used to notice it only once
     its blocking step() returned: a lone peer with --interval 30 (matchmaking timeout 30 s) took 27 s
     to exit, and a step in an all-reduce up to allreduce_timeout more. Now the step is dropped (or
     failed by the shutdown) and the peer exits at once, status 0, without a traceback. SIGHUP (the
     terminal or ssh session closed) killed it outright, status -1, skipping the shutdown that
-    delivers what it owes its groupmates."""
+    delivers what it owes its groupmates. The step it interrupts still gets its --log-json line
+    (AveragerClosed): the log was closed before the shutdown that fails the step, so a peer
+    stopped mid-step on the testbed left no line for it."""
+    log_json = tmp_path / "steps.jsonl"
     p = subprocess.Popen([sys.executable, "-m", "zgossip.cli", "peer", "--listen", "tcp://127.0.0.1:0", "--plain",
-                          "--numel", "100", "--interval", "30", "--log-level", "WARNING"],
+                          "--numel", "100", "--interval", "30", "--log-level", "WARNING", "--log-json", str(log_json)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True)
     try:
         sel = selectors.DefaultSelector()
@@ -401,6 +405,8 @@ def test_peer_stops_at_once_on_ctrl_c_or_sigterm_mid_step(sig):
     assert p.returncode == 0, (out, err)
     assert "Traceback" not in err, err
     assert took < 5.0, f"exited {took:.1f}s after the signal"
+    recs = [json.loads(ln) for ln in log_json.read_text().splitlines()]
+    assert [(r["ok"], r["error"]) for r in recs] == [(False, "AveragerClosed")], recs
 
 
 def test_version_names_zgossip_and_what_it_runs_on_and_python_m_runs_the_command():
