@@ -28,8 +28,8 @@ forwarder's cores). That cost is taken from the run itself -- a property of the 
 the frame sizes the run's rates gave, as the CPU profile is -- not predicted. The hosts' downlinks
 get the testbed's finite tbf queues, whose tail drops under incast (the 20 Mbit host of home4-4m
 drops hundreds of packets a round) `sim.tcp` models as losses ("Queues"; the table prints the
-drops per round measured and predicted: the model overstates them about 2-3x). Not modelled: the
-kernel's send buffer in the release time.
+drops per round measured and predicted: within ~1.3x of the testbed's where it drops hundreds).
+Not modelled: the kernel's send buffer in the release time.
 
 The goal (issue 10): every ratio within 0.85–1.15 and every direction right.
 ``--quick`` runs `QUICK` (the suite's small version); ``--cases a,b`` picks cases.

@@ -46,22 +46,25 @@ What ZeroMQ over TCP gives the protocol is a reliable, ordered byte stream per c
   waits in the downlink's queue: ``min(cwnd, push x (RTT + backlog / rate), bytes left) - share x
   RTT`` per connection, as of its last round. Where the connections into a downlink hold more
   there than the queue's limit (counted in frames, as tbf does), the excess is dropped -- by each
-  in proportion to what it holds, once per RTT while the backlog stays -- and each dropped segment
-  is a loss as above (retransmission one RTT later, tail-loss probe, RTO when a retransmission
-  meets the full queue too, with the share of what it offers that was dropped; CUBIC/Reno cut, and
-  BBR's samples count the retransmissions). BBR v1 does not cut, but in recovery it takes each
-  lost packet off its window until the recovery ends, an RTT later (``bbr_set_cwnd_to_recover_or_
-  restore``), which lowers what it holds in the queue. `tail_drops` counts dropped segments per
-  receiver (`python -m sim fidelity` prints them per round beside the testbed's). Not modelled:
-  the queue's delay on the data (the share already holds those bytes back at the sender) and on
-  the ACKs a host's own downlink carries (tried: it slowed the slow1 cases, whose queues drop
-  nothing, by 4-5 % against the testbed), and the FIFO order a new connection would wait in.
-  Replaying the 24 stored fidelity runs (24 Nov 2026 12:20 matrix, `sim.fidelity.predict`),
-  the model moved home4-4m from 0.91 to 0.93 and issue4-4m from 0.87 to 0.90 and no other case
-  by more than 0.01; it drops 1,133 and 904 segments per round where the testbed's tbf dropped
-  424 and 328 packets (a rerun of home4-4m, 25 Nov: 36 in round 0, then 258-966 per round; the
-  model: 0, then 968-1,731), so it overstates the drops about 2-3x, and a drop costs little time.
-* **Pacing (BBR).*** **Pacing (BBR).** BBR sends every flight at gain x its bandwidth estimate, not as fast as the
+  in proportion to what it holds, once per RTT (the queue's delay included: a sender refills its
+  flight once per round trip) while the backlog stays -- and each dropped segment is a loss as
+  above (retransmission one RTT later, tail-loss probe, RTO when a retransmission meets the full
+  queue too, with the share of what it offers that was dropped; CUBIC/Reno cut, and BBR's samples
+  count the retransmissions). BBR v1 does not cut, but in recovery it takes each lost packet off
+  its window until the recovery ends, an RTT later (``bbr_set_cwnd_to_recover_or_restore``),
+  which lowers what it holds in the queue. `tail_drops` counts dropped segments per receiver
+  (`python -m sim fidelity` prints them per round beside the testbed's). Not modelled: the
+  queue's delay on the data (the share already holds those bytes back at the sender) and on the
+  ACKs a host's own downlink carries (tried: it slowed the slow1 cases, whose queues drop
+  nothing, by 4-5 % against the testbed), the FIFO order a new connection would wait in, and an
+  RTO's stall of a BBR connection (tried: home4-4m and issue4-4m read 2.1-2.3x the testbed).
+  Replaying the 24 stored fidelity runs (24 Nov 2026 12:20 matrix, `sim.fidelity.predict` on
+  each), the model moved home4-4m from 0.91 to 0.96 and issue4-4m from 0.87 to 0.89, no other
+  case by more than 0.01; it drops 565 and 425 segments per round where the testbed's tbf dropped
+  424 and 328 packets; a rerun of home4-4m with the qdisc read after each round (25 Nov)
+  dropped 36, 966, 399, 773, 489, 258 packets in rounds 0-5, its replay 0, 972, 576, 550, 610, 509
+  segments (its step time: 3.56 s measured, 2.97 s predicted before, 3.02 s now).
+* **Pacing (BBR).** BBR sends every flight at gain x its bandwidth estimate, not as fast as the
   window allows, and keeps its own window (cwnd gain x estimated BDP). `sim.bbr` keeps both as
   Linux's BBR v1 does: the estimate is the largest delivery-rate sample of the last 10 round trips,
   app-limited samples only raise it, and a retransmission's sample counts like any other, so the
@@ -654,9 +657,10 @@ class TcpTransport:
         if backlog <= limit:
             return 0, 0.0
         # what does not fit is dropped, by each sender in proportion to what it holds there, and sent
-        # again: once per RTT while the backlog stays (a round limited by the rate is part of an RTT)
+        # again: once per RTT (the queue's delay included) while the backlog stays (a round limited by
+        # the rate is part of an RTT)
         over = (backlog - limit) * c.queued_at_dst / backlog
-        c.drop_owed += over * min(1.0, span / rtt)
+        c.drop_owed += over * min(1.0, span / (rtt + delay))
         segs = int(c.drop_owed // p.mss)
         if segs <= 0:
             return 0, 0.0
