@@ -28,7 +28,7 @@ forwarder's cores). That cost is taken from the run itself -- a property of the 
 the frame sizes the run's rates gave, as the CPU profile is -- not predicted. The hosts' downlinks
 get the testbed's finite tbf queues, whose tail drops under incast (the 20 Mbit host of home4-4m
 drops hundreds of packets a round) `sim.tcp` models as losses ("Queues"; the table prints the
-drops per round measured and predicted: within ~1.3x of the testbed's where it drops hundreds).
+drops per round measured and predicted: 1.2-1.6x the testbed's where it drops hundreds).
 Not modelled: the kernel's send buffer in the release time.
 
 The goal (issue 10): every ratio within 0.85–1.15 and every direction right.
