@@ -98,13 +98,19 @@ class Comparison:
 def replay_scenario(run: dict) -> dict:
     """The scenario of a testbed run as the simulator should replay it: with the machine the run
     recorded (``testbed.tcp``: the host namespaces' TCP settings; ``testbed.cpu``: the CPU cost
-    profile and the cores that every peer shares), unless the scenario itself sets them."""
+    profile and the cores that every peer shares) and the testbed's downlink queues (tbf: finite,
+    tail drop; `sim.testbed.TBF_QUEUE`), unless the scenario itself sets them."""
     sc = dict(run["scenario"])
     tb = run.get("testbed") or {}
     if tb.get("tcp"):
         net = dict(sc.get("network") or {})
         net["tcp"] = {**tb["tcp"], **(net.get("tcp") or {})}
         sc["network"] = net
+    if sc.get("hosts") and "down_queue" not in (sc.get("network") or {}):
+        from .testbed import TBF_QUEUE
+
+        # the testbed's downlinks are tbf queues of a finite size that tail-drop (its incast drops)
+        sc["network"] = {**(sc.get("network") or {}), "down_queue": dict(TBF_QUEUE)}
     if tb.get("cpu") and not sc.get("cpu"):
         from dataclasses import fields
 

@@ -29,7 +29,8 @@ relies on calls coming in time order, as the driver makes them.
 That is the ``transfer = "fifo"`` model: a message is a unit on a FIFO link, and loss drops
 whole messages. ``transfer = "tcp"`` (`sim.tcp`) keeps the links, latencies, partitions and
 slow links defined here but moves the bytes as TCP would: per-connection windows, slow
-start, restart after idle, fair sharing, loss as retransmissions (nothing is lost).
+start, restart after idle, fair sharing, loss as retransmissions (nothing is lost), and, where
+``down_queue`` gives the downlinks a finite queue, its tail drops as losses of the senders.
 Order is kept per connection -- ``(src, dst, lane)``, see `zgossip.wire.lane_of` -- so a
 later message on another lane may overtake.
 """
@@ -110,6 +111,21 @@ class Transfer:
     lost: bool
 
 
+def check_down_queue(q: Any) -> None:
+    """A `NetworkModel.down_queue` setting: None, or a table of seconds (> 0) and min_bytes (>= 0)."""
+    if q is None:
+        return
+    if not isinstance(q, Mapping) or not set(q) <= {"seconds", "min_bytes"} or "seconds" not in q:
+        raise ValueError(f"[network] down_queue must be a table {{seconds = S, min_bytes = B}} (the testbed's tbf: "
+                         f"seconds = 0.2, min_bytes = 524288), or left out for unbounded queues; not {q!r}")
+    for name, low_open in (("seconds", True), ("min_bytes", False)):
+        v = q.get(name, 0)
+        if (not isinstance(v, (int, float, np.integer, np.floating)) or isinstance(v, (bool, np.bool_))
+                or not np.isfinite(v) or v < 0 or (low_open and v == 0)):
+            raise ValueError(f"[network] down_queue {name} must be a finite number {'> 0' if low_open else '>= 0'}, "
+                             f"not {v!r}")
+
+
 def _sampler(spec: Any) -> Callable[[str, str, np.random.Generator], float]:
     if callable(spec):
         return lambda s, d, rng: float(spec(s, d))
@@ -156,6 +172,10 @@ class NetworkModel:
     slow_links: list[SlowLink] = field(default_factory=list)
     transfer: str = "fifo"  # "fifo" (messages on FIFO links, loss drops messages) or "tcp" (sim.tcp)
     tcp: Any = None  # sim.tcp.TcpParams, or a dict of its fields (+ "profile": a calibrate JSON); tcp only
+    # tcp only: each downlink's queue holds max(min_bytes, seconds x its rate) bytes and drops what
+    # arrives beyond that (tail drop, as the testbed's tbf: {seconds = 0.2, min_bytes = 524288}); None:
+    # unbounded, no drops (see "Queues" in `sim.tcp`)
+    down_queue: Any = None
     _up_free: dict = field(default_factory=dict, repr=False)
     _down_free: dict = field(default_factory=dict, repr=False)
     _last: dict = field(default_factory=dict, repr=False)
@@ -186,6 +206,7 @@ class NetworkModel:
             self.tcp = TcpParams.from_dict({**base.to_dict(), **spec})
         elif not isinstance(self.tcp, TcpParams):  # (kept, and used only once a tcp transfer ran)
             raise ValueError(f"[network] tcp must be a table of TCP settings (e.g. {{mss = 1448}}), not {self.tcp!r}")
+        check_down_queue(self.down_queue)
 
     def _bw(self, peer: str, up: bool, t: float) -> float | None:
         prof = self.profiles.get(peer)
@@ -201,6 +222,16 @@ class NetworkModel:
             if s.endpoint == peer and s.start <= t < s.end:
                 bw = bw / s.factor
         return bw
+
+    def queue_limit(self, peer: str, t: float) -> float | None:
+        """Bytes `peer`'s downlink queue holds at `t` (on the link: headers count), or None: unbounded."""
+        q = self.down_queue
+        if q is None:
+            return None
+        bw = self._bw(peer, False, t)
+        if bw is None:
+            return None
+        return max(float(q.get("min_bytes", 0)), float(q.get("seconds", 0.0)) * bw)
 
     def base_latency(self, src: str, dst: str, rng: np.random.Generator) -> float:
         """One-way latency without jitter: the link's plus both ends' access latency."""

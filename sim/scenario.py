@@ -34,7 +34,9 @@ never inside them). Keys, with defaults:
                                 # host link, so refused beside profiles), loss, jitter,
                                 # transfer = "tcp" | "fifo" (sim.tcp / sim.network; default: "tcp"
                                 # with [[hosts]], else "fifo"), tcp = {profile = PATH, mss, init_cwnd,
-                                # rmem_max, congestion_control, ...} (Linux defaults unless given)
+                                # rmem_max, congestion_control, ...} (Linux defaults unless given),
+                                # down_queue = {seconds, min_bytes} (tcp: each downlink's queue holds
+                                # max(min_bytes, seconds x rate) and tail-drops the rest; default unbounded)
     cpu = "auto" | "PATH" | {profile = PATH, cores = N, shared = true}
                                 # CPU time per handling from a `python -m sim calibrate` profile
                                 # (sim.cpu); cores = N shared: all peers share N cores. Default: none
@@ -80,7 +82,7 @@ from zgossip.node import NodeConfig, StepDone, StepFailed
 from .cpu import CpuSpec
 from .driver import Departed, SimCluster, SimPeer, gc_frozen
 from .faults import Churn, CrashRejoin, SimFaultContext, check_after_crash, check_pause_windows, fault_from_dict, warn_unfired
-from .network import PROFILES, NetworkModel, Profile
+from .network import PROFILES, NetworkModel, Profile, check_down_queue
 
 __all__ = ["Scenario", "ScenarioRun", "ScenarioResult", "HostSpec", "run_scenario", "load_scenario", "round_metrics"]
 
@@ -377,6 +379,7 @@ def check_network_values(net: dict) -> None:
         from .tcp import TcpParams
 
         TcpParams.from_dict({**TcpParams().to_dict(), **{k: v for k, v in tcp.items() if k != "profile"}})
+    check_down_queue(net.get("down_queue"))
     bw = net.get("bandwidth")
     rates = {"bandwidth": bw} if not isinstance(bw, dict) else {f"bandwidth of {k}": v for k, v in bw.items()}
     for name, v in rates.items():
@@ -489,10 +492,12 @@ class ScenarioResult:
     delivered: int
     lost: int
     wall_seconds: list[float] = field(default_factory=list)  # per round; NOT part of to_json()
+    # per peer slot: segments its downlink queue dropped over the run ([network] down_queue; else zeros)
+    tail_drops: list[int] = field(default_factory=list)
 
     def to_json(self) -> str:
         data = {"scenario": self.scenario, "rounds": self.rounds, "peer_bytes": self.peer_bytes,
-                "trace": self.trace, "delivered": self.delivered, "lost": self.lost}
+                "trace": self.trace, "delivered": self.delivered, "lost": self.lost, "tail_drops": self.tail_drops}
         return json.dumps(data, sort_keys=True, indent=1)
 
     def to_csv(self) -> str:
@@ -662,8 +667,10 @@ class ScenarioRun(SimFaultContext):
             warn_unfired(sc.faults, self.env.now)
             peer_bytes = [[int(self.network.sent_bytes.get(p.endpoint, 0)),
                            int(self.network.received_bytes.get(p.endpoint, 0))] for p in self.slots]
+            tcp = self.cluster.tcp
+            drops = [int(tcp.tail_drops.get(p.endpoint, 0)) if tcp is not None else 0 for p in self.slots]
             return ScenarioResult(sc.to_dict(), rounds, peer_bytes, self.cluster.trace_hash, self.cluster.delivered,
-                                  self.cluster.lost, self.walls)
+                                  self.cluster.lost, self.walls, drops)
         finally:
             self.close()
 

@@ -38,6 +38,32 @@ What ZeroMQ over TCP gives the protocol is a reliable, ordered byte stream per c
   not cut on loss). The resulting sawtooth gives the usual ~MSS/(RTT sqrt p) steady state.
   Under CUBIC/Reno the next round waits for the recovery; BBR keeps pacing at its bandwidth
   estimate through recovery (SACK), so only the arrivals wait (head-of-line blocking).
+* **Queues** (``[network] down_queue``; unbounded unless given, as before; `sim.compare`'s replay
+  of a testbed run gives the testbed's tbf: 200 ms of the rate, at least 512 KiB, tail drop). The
+  sharing above never sends a connection faster than its share of the receiver's downlink; a real
+  sender puts in flight what its window allows, at BBR's pacing rate (or its uplink's share) over
+  an RTT that the queue's delay lengthens, and what the downlink's share does not carry in an RTT
+  waits in the downlink's queue: ``min(cwnd, push x (RTT + backlog / rate), bytes left) - share x
+  RTT`` per connection, as of its last round. Where the connections into a downlink hold more
+  there than the queue's limit (counted in frames, as tbf does), the excess is dropped -- by each
+  in proportion to what it holds, once per RTT (the queue's delay included: a sender refills its
+  flight once per round trip) while the backlog stays -- and each dropped segment is a loss as
+  above (retransmission one RTT later, tail-loss probe, RTO when a retransmission meets the full
+  queue too, with the share of what it offers that was dropped; CUBIC/Reno cut, and BBR's samples
+  count the retransmissions). BBR v1 does not cut, but in recovery it takes each lost packet off
+  its window until the recovery ends, an RTT later (``bbr_set_cwnd_to_recover_or_restore``),
+  which lowers what it holds in the queue. `tail_drops` counts dropped segments per receiver
+  (`python -m sim fidelity` prints them per round beside the testbed's). Not modelled: the
+  queue's delay on the data (the share already holds those bytes back at the sender) and on the
+  ACKs a host's own downlink carries (tried: it slowed the slow1 cases, whose queues drop
+  nothing, by 4-5 % against the testbed), the FIFO order a new connection would wait in, and an
+  RTO's stall of a BBR connection (tried: home4-4m and issue4-4m read 2.1-2.3x the testbed).
+  Replaying the 24 stored fidelity runs (24 Nov 2026 12:20 matrix, `sim.fidelity.predict` on
+  each), the model moved home4-4m from 0.91 to 0.96 and issue4-4m from 0.87 to 0.89, no other
+  case by more than 0.01; it drops 565 and 425 segments per round where the testbed's tbf dropped
+  424 and 328 packets; a rerun of home4-4m with the qdisc read after each round (25 Nov)
+  dropped 36, 966, 399, 773, 489, 258 packets in rounds 0-5, its replay 0, 972, 576, 550, 610, 509
+  segments (its step time: 3.56 s measured, 2.97 s predicted before, 3.02 s now).
 * **Pacing (BBR).** BBR sends every flight at gain x its bandwidth estimate, not as fast as the
   window allows, and keeps its own window (cwnd gain x estimated BDP). `sim.bbr` keeps both as
   Linux's BBR v1 does: the estimate is the largest delivery-rate sample of the last 10 round trips,
@@ -227,7 +253,8 @@ class _Msg:
 
 class _Conn:
     __slots__ = ("src", "dst", "lane", "owd", "rtt", "cwnd", "ssthresh", "queue", "last_sent", "busy_until",
-                 "used", "scheduled", "last_arrival", "backoff", "gen", "ready", "bbr")
+                 "used", "scheduled", "last_arrival", "backoff", "gen", "ready", "bbr", "queued_at_dst", "drop_owed",
+                 "recovery_until", "recovery_lost")
 
     def __init__(self, src: str, dst: str, lane: int, owd: float, back: float, iw: float) -> None:
         self.src, self.dst, self.lane = src, dst, lane
@@ -245,6 +272,10 @@ class _Conn:
         self.gen = 0  # bumped on reset, so its scheduled rounds are void
         self.ready = 0.0  # when the TCP and ZMTP handshakes are over (no data leaves before)
         self.bbr: Bbr | None = None  # BBR's path model (paced connections only)
+        self.queued_at_dst = 0.0  # its bytes waiting in the receiver's downlink queue, as of its last round
+        self.drop_owed = 0.0  # bytes that queue dropped of it, not yet counted as a loss (under a segment)
+        self.recovery_until = -_INF  # BBR: until then its window is short of what that queue dropped ...
+        self.recovery_lost = 0.0  # ... this many bytes
 
 
 class TcpTransport:
@@ -272,6 +303,7 @@ class TcpTransport:
         self._busy_down: dict[str, dict[_Conn, None]] = {}
         self.rounds = 0  # rounds simulated (for benchmarks)
         self.loss_events = 0
+        self.tail_drops: dict[str, int] = {}  # receiver -> segments its downlink queue dropped (finite queues only)
 
     # ------------------------------------------------------------------ connections
     def _conn(self, src: str, dst: str, lane: int) -> _Conn:
@@ -475,13 +507,16 @@ class TcpTransport:
         # in payload bytes/s: headers and the reverse traffic's ACKs take the rest of each link
         up, down = self.net._bw(c.src, True, now), self.net._bw(c.dst, False, now)
         share = p.payload_share
-        rate = min(self._level(self._busy_up.get(c.src), c, None if up is None else up * share, now),
-                   self._level(self._busy_down.get(c.dst), c, None if down is None else down * share, now))
+        up_level = self._level(self._busy_up.get(c.src), c, None if up is None else up * share, now)
+        rate = min(up_level, self._level(self._busy_down.get(c.dst), c, None if down is None else down * share, now))
+        push = up_level  # what it could put on the path if the receiver's downlink did not hold it back
         queued = sum(m.left for m in c.queue)
         rtt = c.rtt
         bbr = c.bbr
         if bbr is not None:  # BBR paces at gain x its estimate, and keeps its own window
-            rate = min(rate, bbr.pacing_rate(now))
+            pacing = bbr.pacing_rate(now)
+            rate = min(rate, pacing)
+            push = min(push, pacing)
             c.cwnd = bbr.cwnd
         window_limited = False
         if rtt <= 0.0:
@@ -504,10 +539,15 @@ class TcpTransport:
         # loss: the round's bytes wait for the retransmission (head-of-line blocking)
         extra = 0.0
         lost_bytes = 0.0
+        dropped, drop_p = 0, 0.0
+        if self.net.down_queue is not None and down is not None and rtt > 0.0:
+            dropped, drop_p = self._tail_drop(c, now, rate, push, queued, nxt - now)
         loss = self.net._loss(c.src, c.dst)
+        hit = False
         if loss > 0.0 and nbytes > 0:
             segs = math.ceil(nbytes / p.mss)
             if self.rng.random() < 1.0 - (1.0 - loss) ** segs:
+                hit = True
                 self.loss_events += 1
                 if nbytes >= queued and self.rng.random() * segs < 1.0:
                     # the last segment of the queue was lost: nothing after it reveals the loss, so the
@@ -527,6 +567,24 @@ class TcpTransport:
                     c.cwnd = max(2.0 * p.mss, c.cwnd * p.beta)
                     c.ssthresh = c.cwnd
                 if extra > 0 and nbytes < queued and not p.paced:
+                    nxt = max(nxt, now + extra)
+        if dropped and nbytes > 0:
+            # the downlink queue's tail drops: a loss as above, of `dropped` segments; the retransmissions
+            # meet the same queue, full for about the same share of what arrives
+            segs = max(1, math.ceil(nbytes / p.mss))
+            lost_bytes = max(lost_bytes, dropped * p.mss)
+            if not hit:
+                self.loss_events += 1
+                if nbytes >= queued and self.rng.random() * segs < dropped:
+                    extra = 2.0 * rtt + (p.rto_min if segs <= 1 else 0.002)
+                else:
+                    extra = max(rtt, 1e-3)
+                if self.rng.random() < 1.0 - (1.0 - drop_p) ** dropped:
+                    extra += self._rto(c)
+                if not p.paced:
+                    c.cwnd = max(2.0 * p.mss, c.cwnd * p.beta)
+                    c.ssthresh = c.cwnd
+                if nbytes < queued and not p.paced:
                     nxt = max(nxt, now + extra)
         if bbr is not None:  # the samples its ACKs (and those of its retransmissions) will give
             bbr.on_sent(now, now + duration, nbytes, lost_bytes, now + duration + extra)
@@ -567,6 +625,51 @@ class TcpTransport:
             self._at(nxt, c)
         else:
             c.scheduled = False
+
+    def _tail_drop(self, c: _Conn, now: float, rate: float, push: float, queued: float,
+                   span: float) -> tuple[int, float]:
+        """The receiver's downlink queue (see "Queues" in the module docstring) over `c`'s round: the
+        segments of `c` it drops (whole ones; the rest is owed to later rounds) and the share of what
+        `c` offers it that it drops."""
+        p = self.p
+        rtt = c.rtt
+        # in flight: its window, or what it can push in an RTT (its packets' RTT: the queue's delay on
+        # top); what its share of the downlink does not carry in an RTT waits in the queue (no more than
+        # it has to send)
+        others = 0.0
+        for o in self._busy_down.get(c.dst, ()):
+            if o is not c and (o.queue or o.busy_until > now):
+                others += o.queued_at_dst
+        delay = (others + c.queued_at_dst) / (self.net._bw(c.dst, False, now) * p.payload_share)
+        window = c.cwnd
+        if c.bbr is not None and now < c.recovery_until:
+            # BBR v1 in recovery takes each lost packet off its window until the recovery ends, an RTT
+            # (the queue's delay included) after it began (bbr_set_cwnd_to_recover_or_restore); CUBIC
+            # and Reno cut theirs (`_round`)
+            window = max(float(p.mss), window - c.recovery_lost)
+        offered = min(window, push * (rtt + delay), queued)
+        c.queued_at_dst = max(0.0, offered - rate * rtt)
+        if c.queued_at_dst <= 0.0:
+            return 0, 0.0
+        backlog = others + c.queued_at_dst
+        # the limit counts frames (tbf counts bytes on the link); the backlog is payload
+        limit = self.net.queue_limit(c.dst, now) * p.mss / (p.mss + p.frame_bytes)
+        if backlog <= limit:
+            return 0, 0.0
+        # what does not fit is dropped, by each sender in proportion to what it holds there, and sent
+        # again: once per RTT (the queue's delay included) while the backlog stays (a round limited by
+        # the rate is part of an RTT)
+        over = (backlog - limit) * c.queued_at_dst / backlog
+        c.drop_owed += over * min(1.0, span / (rtt + delay))
+        segs = int(c.drop_owed // p.mss)
+        if segs <= 0:
+            return 0, 0.0
+        c.drop_owed -= segs * p.mss
+        if now >= c.recovery_until:
+            c.recovery_until, c.recovery_lost = now + rtt + delay, 0.0
+        c.recovery_lost += segs * p.mss
+        self.tail_drops[c.dst] = self.tail_drops.get(c.dst, 0) + segs
+        return segs, min(1.0, over / max(offered, p.mss))
 
     def _arrive(self, c: _Conn, gen: int, token: Any, sent: float) -> None:
         # bytes that left before a reset are the receiver's (the driver drops what a crashed

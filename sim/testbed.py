@@ -23,8 +23,9 @@ Where the model differs from the simulator's (`sim.network`): the whole one-way 
 ``lat_i + lat_j`` is applied in the switch, between the sender's uplink tbf and the
 receiver's downlink tbf (the simulator puts it between uplink and downlink too, with
 cut-through); queues are finite (tbf holds 200 ms of the link's rate, at least 512 KiB,
-then tail-drops, and TCP retransmits); a partition drops packets, so TCP retries and
-delivers what was queued once it heals (the simulator loses those messages).
+then tail-drops, and TCP retransmits; the simulator models that where a scenario gives its
+downlinks a ``down_queue``, as the replay of a testbed run does); a partition drops packets,
+so TCP retries and delivers what was queued once it heals (the simulator loses those messages).
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ from typing import Any, Iterable, Sequence
 
 from .scenario import HostSpec
 
-__all__ = ["Testbed", "TestbedUnavailable", "check_output_paths", "check_support", "cleanup", "forwarder_binary",
+__all__ = ["TBF_QUEUE", "Testbed", "TestbedUnavailable", "check_output_paths", "check_support", "cleanup", "forwarder_binary",
            "interrupt_on_signals", "PREFIX", "STATE_DIR"]
 
 PREFIX = "zgtb"
@@ -54,6 +55,9 @@ STATE_DIR = Path(os.environ.get("ZGOSSIP_TESTBED_STATE", "/run/zgossip-testbed")
 CACHE_DIR = Path(os.environ.get("ZGOSSIP_CACHE", Path.home() / ".cache" / "zgossip"))
 _SOURCE = Path(__file__).with_name("linkemu.c")
 _CMD_TIMEOUT = 10.0  # every ip/tc call is bounded
+#: every tbf's queue: 200 ms of the link's rate, at least 512 KiB, then tail drop; the simulator's replay
+#: of a run gives its downlinks the same ([network] down_queue, `sim.compare.replay_scenario`)
+TBF_QUEUE = {"seconds": 0.2, "min_bytes": 512 << 10}
 # linkemu switches at most this many ports (MAXP in linkemu.c); more hosts used to build every
 # namespace and then fail with "linkemu did not start: '' at most 64 ports"
 MAX_HOSTS = 64
@@ -588,7 +592,7 @@ class Testbed:
             rate = mbit * 125_000.0  # bytes/s
             # burst: 2 ms at line rate (>= 32 KiB so a GSO frame is not cut into many); queue: 200 ms
             burst = int(max(32 << 10, rate * 0.002))
-            limit = int(max(512 << 10, rate * 0.2))
+            limit = int(max(TBF_QUEUE["min_bytes"], rate * TBF_QUEUE["seconds"]))
             _sh(["tc", "-n", ns, "qdisc", verb, "dev", dev, "root", "tbf", "rate", f"{int(mbit * 1e6)}bit",
                  "burst", str(burst), "limit", str(limit)])
 

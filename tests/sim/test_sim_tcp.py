@@ -381,3 +381,53 @@ def test_tcp_settings_that_mean_nothing_are_refused_at_load(tcp, expect):
     if isinstance(tcp, dict):
         with pytest.raises(ValueError, match=re.escape(expect)):
             TcpParams(**tcp)
+
+
+def _incast(down: float, congestion_control: str, seed: int = 0):
+    """Three 100 Mbit senders each send 1 MB at once to one receiver whose downlink runs at `down`
+    bytes/s behind the testbed's tbf queue (200 ms of its rate, at least 512 KiB), on a 200 ms RTT,
+    twice (the second time with the windows and estimates the first left, as a testbed round after
+    the first); returns (segments its queue dropped, arrival times)."""
+    net = NetworkModel(latency=0.1, bandwidth={"a": 12.5e6, "b": 12.5e6, "c": 12.5e6, "d": down},
+                       transfer="tcp", tcp={"congestion_control": congestion_control},
+                       down_queue={"seconds": 0.2, "min_bytes": 512 << 10})
+    env = simpy.Environment()
+    got: list = []
+    tr = TcpTransport(net, net.tcp, env, np.random.default_rng(seed), lambda tok, sent: got.append((tok, env.now)))
+    for k in range(2):
+        for src in "abc":
+            tr.send(src, "d", 0, MB, (k, src))
+        env.run()
+    assert sorted(tok for tok, _ in got) == [(k, s) for k in range(2) for s in "abc"]  # slower, nothing lost
+    return tr.tail_drops.get("d", 0), [t for _, t in got]
+
+
+@pytest.mark.parametrize("cc", ["bbr", "cubic"])
+def test_incast_into_a_slow_downlink_overflows_its_finite_queue(cc):
+    """Where what arrives at a downlink exceeds what it drains plus its queue, the excess is dropped
+    (the testbed's tbf, under the incast of three fast senders into a 20 Mbit host) and the senders
+    retransmit; a 1 Gbit downlink takes the same senders without a drop. Same seed, same drops."""
+    drops, slow = _incast(2.5e6, cc)
+    assert drops > 0
+    assert _incast(2.5e6, cc) == (drops, slow)
+    none, fast = _incast(125e6, cc)
+    assert none == 0 and max(fast) < max(slow)
+    # 6 MB through 20 Mbit/s can take no less than the link's time for it
+    assert max(slow) > 6 * MB / 2.5e6
+    without = NetworkModel(latency=0.1, bandwidth=2.5e6, transfer="tcp")  # the default: unbounded, no drops
+    assert without.down_queue is None and without.queue_limit("d", 0.0) is None
+
+
+def test_down_queue_setting_is_checked():
+    for bad in ({"seconds": 0}, {"seconds": -0.2}, {"min_bytes": 1}, {"seconds": 0.2, "size": 1}, 0.2,
+                {"seconds": "x"}, {"seconds": 0.2, "min_bytes": -1}):
+        with pytest.raises(ValueError, match="down_queue"):
+            NetworkModel(transfer="tcp", down_queue=bad)
+    net = NetworkModel(bandwidth=2.5e6, down_queue={"seconds": 0.2, "min_bytes": 512 << 10})
+    assert net.queue_limit("x", 0.0) == 512 << 10  # 200 ms of 20 Mbit/s is less than the minimum
+    assert NetworkModel(bandwidth=125e6, down_queue={"seconds": 0.2}).queue_limit("x", 0.0) == 25e6
+    assert NetworkModel(down_queue={"seconds": 0.2}).queue_limit("x", 0.0) is None  # unlimited link: no queue
+    from sim.scenario import Scenario
+
+    with pytest.raises(ValueError, match="down_queue"):  # refused at load, before anything runs
+        Scenario.from_dict({"peers": 2, "grid": [], "network": {"down_queue": {"seconds": -1}}})

@@ -67,6 +67,7 @@ def test_replay_uses_the_machine_the_testbed_recorded():
                        "cpu": {"costs": {"handle_msg": 1e-5}, "cores": 2}}}
     sc = replay_scenario(run)
     assert sc["network"]["tcp"]["congestion_control"] == "bbr"
+    assert sc["network"]["down_queue"] == {"seconds": 0.2, "min_bytes": 512 << 10}  # the testbed's tbf
     assert sc["cpu"] == {"costs": {"handle_msg": 1e-5}, "cores": 2, "shared": True}
     # what the scenario sets itself wins
     run["scenario"]["network"] = {"tcp": {"congestion_control": "cubic"}}
@@ -115,7 +116,7 @@ def test_table_marks_a_case_whose_forwarder_was_busy_and_lossy_cases_run_more_ro
         tb = {"rounds": [{"sim_seconds": 1.0}, {"sim_seconds": 1.0}],
               "testbed": {"forwarder": {"cpu_seconds_rounds": cpu},
                           "qdiscs": [{"host": 0, "down": {"drops": 300}}, {"host": 1, "down": {"drops": 10}}]}}
-        return CaseResult(name, 4, 1, 1.0, 1.0, 0.5, 10.0, tb, {})
+        return CaseResult(name, 4, 1, 1.0, 1.0, 0.5, 10.0, tb, {"tail_drops": [4, 2], "rounds": [{}, {}]})
 
     busy, idle, unknown = case("busy", 1.6), case("idle", 0.2), CaseResult("old", 4, 1, 1.0, 1.0, 0.5, 1.0, {}, {})
     assert busy.forwarder_load == pytest.approx(0.8) and idle.forwarder_load == pytest.approx(0.1)
@@ -123,7 +124,9 @@ def test_table_marks_a_case_whose_forwarder_was_busy_and_lossy_cases_run_more_ro
     lines = format_table([busy, idle, unknown], []).splitlines()
     assert "forwarder-bound" in lines[1] and "forwarder-bound" not in lines[2] + lines[3]
     assert busy.drops_per_round == pytest.approx(155.0) and unknown.drops_per_round != unknown.drops_per_round
-    assert lines[0].split()[-1] == "drops/rnd" and lines[1].split()[-2:] == ["155", "(forwarder-bound)"]
+    assert busy.predicted_drops_per_round == 3.0 and unknown.predicted_drops_per_round != unknown.predicted_drops_per_round
+    assert lines[0].split()[-3:] == ["drops/rnd", "sim", "drops"]
+    assert lines[1].split()[-3:] == ["155", "3", "(forwarder-bound)"]
     assert all(MIN_ROUNDS[n] >= 10 for n in ("home4-loss-1m", "lat150-loss-1m"))
 
 
