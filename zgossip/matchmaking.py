@@ -48,12 +48,13 @@ save. So a member closes from notes only when the calls came close enough togeth
 window cannot have closed in between: when we called, and when each other member's note came,
 lie less than `matchmaking_time` apart, less the longest round trip the gossip measured to a
 member (the note's own trip, and the JOINs' unequal trips to the rendezvous peer), that margin
-at most half the window (all of it where no round trip was measured yet). Calls farther apart
+at most half the window (half the window where none was measured yet). Calls farther apart
 leave the group to the rendezvous peer, whose GROUP every member then takes. Steps that begin
 together (a settled swarm, a training loop) are far inside that bound and keep closing early.
 What is left: links whose round trip exceeds half the window, or a JOIN delayed past the window
-while the notes were not (2 of 360 such rounds with a 0.5 s window, none of 360 with 1 s and
-calls spread over 2.5 s; tests/sim/test_matchmaking_far.py). A peer that gets round data of a
+while the notes were not (in a seeded sweep, 2 of 360 such rounds with a 0.5 s window, none of
+360 with 1 s and calls spread over 2.5 s; the testbed's case is in tests/sim/test_matchmaking_far.py
+and tests/unit/test_matchmaker.py). A peer that gets round data of a
 group it is not in still answers ABORT (`Node._disown`), so such a group ends at once.
 
 Only peers with equal tensor layouts are grouped. Each JOIN also carries a short description of
