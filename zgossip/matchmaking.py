@@ -36,6 +36,27 @@ members that wait for the GROUP meet in the same group. Views that differ anywhe
 settled, a newcomer) close nothing early: then the rendezvous peer decides, as before. A joiner
 that gives up tells the peers it noted (LEAVE), so a later step does not count on its note.
 
+That holds while the rendezvous peer's pool is still open when the last of those JOINs comes. Its
+window closes `matchmaking_time` after the first JOIN, and then it cuts whoever came: a member that
+calls later (a far peer whose previous step ended later, peers stepping on their own timers) finds
+the others' notes waiting and used to close the group of all from them -- while the others had
+taken the rendezvous peer's GROUP without it, their LEAVEs still crossing its link. One round then
+had a peer in two groups. (The simulator shows it at once: 4 peers, one 80-150 ms away, calls
+spread over 1 s against a 0.5 s window: 146 of 360 rounds.) No rule a member applies alone can
+know what the rendezvous peer decided without asking it, which is the round trip notes exist to
+save. So a member closes from notes only when the calls came close enough together that the
+window cannot have closed in between: when we called, and when each other member's note came,
+lie less than `matchmaking_time` apart, less the longest round trip the gossip measured to a
+member (the note's own trip, and the JOINs' unequal trips to the rendezvous peer), that margin
+at most half the window (half the window where none was measured yet). Calls farther apart
+leave the group to the rendezvous peer, whose GROUP every member then takes. Steps that begin
+together (a settled swarm, a training loop) are far inside that bound and keep closing early.
+What is left: links whose round trip exceeds half the window, or a JOIN delayed past the window
+while the notes were not (in a seeded sweep, 2 of 360 such rounds with a 0.5 s window, none of
+360 with 1 s and calls spread over 2.5 s; the testbed's case is in tests/sim/test_matchmaking_far.py
+and tests/unit/test_matchmaker.py). A peer that gets round data of a
+group it is not in still answers ABORT (`Node._disown`), so such a group ends at once.
+
 Only peers with equal tensor layouts are grouped. Each JOIN also carries a short description of
 its layout (`zgossip.layouts`); when a window closes with several layouts for one key, every
 peer involved learns what differs: those left without a group in the NO_GROUP reason, members
@@ -511,6 +532,8 @@ class Matchmaker:
             return
         size = len(j.view)
         members = []
+        calls = [j.started]  # when we called, and when each other member's note came
+        rtt = 0.0  # the longest round trip to a member the gossip measured (0: none measured)
         for pid in j.view:
             if pid == self.peer_id:
                 members.append(MemberInfo(pid, self.endpoint, j.bandwidth, j.step_id, int(j.gathers)))
@@ -522,6 +545,14 @@ class Matchmaker:
             if n.round != j.round or n.view != j.view or n.layout != j.layout or n.want < size:
                 return
             members.append(MemberInfo(pid, n.endpoint, n.bandwidth, n.step_id, int(n.gathers)))
+            calls.append(got[1])
+            rtt = max(rtt, self._rtt(n.endpoint))
+        half = self.matchmaking_time / 2
+        if max(calls) - min(calls) >= self.matchmaking_time - (min(rtt, half) if rtt > 0 else half):
+            # the calls came so far apart that the rendezvous peer's window, opened by the first JOIN,
+            # may have closed before the last: it may have cut the early ones into a group of their
+            # own. Only it knows, so its GROUP decides (module docstring, "closing without ...")
+            return
         if all(m.auxiliary for m in members) or all(m.bandwidth == 0 for m in members):
             return  # the rendezvous peer refuses such a group, with the reason
         gid = group_id_of(j.key, tuple(members))

@@ -12,7 +12,8 @@ import pytest
 from sim import NetworkModel, SimCluster
 from zgossip.matchmaking import Matchmaker
 from zgossip.membership import Membership
-from zgossip.node import NodeConfig, StepDone
+from zgossip.errors import GroupNotFound
+from zgossip.node import NodeConfig, StepDone, StepFailed
 from zgossip.wire import MsgType, make_message
 
 N = 4
@@ -192,3 +193,27 @@ def test_members_that_agree_close_their_group_themselves_one_way_trip_after_the_
         cl.run(until=cl.env.now + 0.5)
     assert all(p.node.stats["closed_early"] == 3 for p in peers), [p.node.stats["closed_early"] for p in peers]
     assert all(p.node.stats["dropped"] == 0 and p.node.stats["late"] == 0 for p in peers)
+
+
+def test_a_far_peer_that_calls_after_the_window_closed_is_in_no_group_of_the_others():
+    """The testbed's far peer in two groups (the message order of
+    tests/unit/test_matchmaker.py, on the simulator): the three near peers call at t0, their notes
+    reach the far one at t0 + 0.2; it calls only at t0 + 0.6, after the rendezvous window (0.5 s)
+    closed with the three -- who took that GROUP and sent it LEAVEs, still on its 0.2 s link. It
+    used to form the group of four from the notes it held: a group nobody else was in, whose PARTs
+    the others dropped (and ABORTed) while its step failed with PeerLost. Now it leaves the group to
+    the rendezvous peer, which has none for it left this round: a plain GroupNotFound."""
+    far = _far_index("gossip")
+    cl, peers, cfg = _cluster(far, "gossip")
+    cl.run(until=2.0)
+    near = [p for i, p in enumerate(peers) if i != far]
+    evs = [p.step_tensors(timeout=5.0) for p in near]
+    cl.run(until=cl.env.now + 0.6)
+    late = peers[far].step_tensors(timeout=1.0)
+    cl.run(until=cl.env.all_of([*evs, late]))
+    res = [ev.value.result for ev in evs]
+    assert all(r.complete and len(r.members) == N - 1 for r in res), res
+    assert len({r.group_id for r in res}) == 1 and peers[far].peer_id not in res[0].members
+    assert isinstance(late.value, StepFailed) and isinstance(late.value.error, GroupNotFound), late.value
+    assert peers[far].node.stats["closed_early"] == 0
+    assert all(p.node.stats["dropped"] == 0 for p in peers), [p.node.stats["dropped"] for p in peers]

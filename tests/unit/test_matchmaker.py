@@ -329,6 +329,50 @@ def test_notes_of_steps_that_already_averaged_with_us_are_spent():
     assert len(b.groups) == 1 and not b.mm._notes
 
 
+def test_a_member_that_calls_after_the_rendezvous_window_could_close_leaves_the_group_to_it():
+    """The testbed's far peer in two groups, message by message: the two others call at 0.0 (notes to
+    each other, and to the far peer F, which has them at 0.3; JOINs to the rendezvous peer), F calls
+    only at 1.1. The rendezvous window (1.0 s) closes at 1.05 with the two, whose GROUP they take, and
+    their LEAVEs to F are still on F's slow link when F calls. F used to close the group of three from
+    the notes it held -- a group nobody else was in; now calls that far apart close nothing early."""
+    key, ids = "k/0", [1, 2, 3]
+    rv = rendezvous_for(key, ids)
+    far = next(i for i in ids if i != rv)
+    machines = {i: Machine(i, [x for x in ids if x != i], target_group_size=4) for i in ids}
+    near = {i: m for i, m in machines.items() if i != far}
+    sent = _begin_all(near, key, views={i: set(ids) for i in near})
+    _deliver(near, sent, (M.JoinNote, M.Join))
+    _deliver({far: machines[far]}, sent, (M.JoinNote,), t=0.3)  # F is 0.3 s away
+    machines[rv].mm.on_timer(1.05)  # the JOINs came at 0.05
+    groups = machines[rv].out.take(M.Group)
+    for to, g in groups:
+        next(m for i, m in near.items() if ep(i) == to).mm.on_group(g, 1.07)
+    [g1] = {g.group_id for _, g in groups}
+    assert all([s.group_id for s in m.groups] == [g1] for m in near.values())
+    f = machines[far]
+    f.mm.begin("sF", key, 1.0, "L", now=1.1, timeout=5.0, want=4, round=7, view={pid(x) for x in ids})
+    assert not f.groups and f.mm.join is not None and f.mm.closed_early == 0
+    # calls close together do close from the notes: within half the window with no round trip
+    # measured, within the window less the longest measured round trip (at most half the window)
+    for rtt, late in ((None, 0.45), (0.2, 0.75)):
+        a = Machine(1, [2])
+        if rtt is not None:
+            a.membership._sample_rtt(ep(2), rtt)
+        view = tuple(sorted((pid(1), pid(2))))
+        a.mm.on_join_note(M.JoinNote(pid(2), ep(2), key=key, step_id="s2", bandwidth=1.0, layout="L", want=2, gathers=1,
+                                     round=7, view=view), 0.0)
+        a.mm.begin("s1", key, 1.0, "L", now=late, timeout=5.0, round=7, view=set(view))
+        assert len(a.groups) == 1, (rtt, late)
+        a.mm.cancel(late, "test")
+        b = Machine(1, [2])  # the same calls 0.1 s further apart: the rendezvous peer decides
+        if rtt is not None:
+            b.membership._sample_rtt(ep(2), rtt)
+        b.mm.on_join_note(M.JoinNote(pid(2), ep(2), key=key, step_id="s2", bandwidth=1.0, layout="L", want=2,
+                                     gathers=1, round=7, view=view), 0.0)
+        b.mm.begin("s1", key, 1.0, "L", now=late + 0.1, timeout=5.0, round=7, view=set(view))
+        assert not b.groups and b.mm.join is not None, (rtt, late)
+
+
 def _join(i: int, key: str, step: str, rnd: int, want: int = 2) -> M.Join:
     return M.Join(pid(i), ep(i), key=key, step_id=step, bandwidth=1.0, layout="L", hops=0, want=want, gathers=True,
                   round=rnd)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from handfed import Outbox, ep, pid
 from zgossip import messages as M
@@ -231,3 +232,33 @@ def test_a_lagging_record_catches_up_in_steps_and_stays_refreshed():
     assert m.peers[pid(2)].heartbeat == 10 + 2 + 4 and m.peers[pid(2)].updated == 1.0
     m.merge([(pid(2), ep(2), 41, None, {})], 1.5)
     assert m.peers[pid(2)].heartbeat == 16 + 2 + 2
+
+
+def test_a_reply_is_timed_against_the_gossip_it_answers_not_a_later_one():
+    """A round trip (0.24 s) longer than the gap between two pings to the same peer: each reply answers
+    the oldest GOSSIP still in flight. Timing the second reply against the third ping (sent after the
+    first reply came) measured 0.04 s, and the estimate sank to 0.19 s -- a JOIN_ACK wait and the
+    notes' timing rule (`zgossip.matchmaking`) that trust it were too short for a far peer."""
+    m, out = make(initial_peers=(ep(2),), gossip_interval=0.1)
+    reply = lambda hb: M.GossipReply(pid(2), ep(2), heartbeat=hb, peers=((pid(2), ep(2), hb, None, {}),))  # noqa: E731
+    m.start(0.0)  # ping 1
+    m.on_timer(0.1)  # ping 2
+    m.on_gossip(reply(1), 0.24)  # answers ping 1
+    m.on_timer(0.3)  # ping 3
+    m.on_gossip(reply(2), 0.34)  # answers ping 2
+    m.on_gossip(reply(3), 0.54)  # answers ping 3
+    assert [to for to, msg in out.take() if isinstance(msg, M.Gossip)] == [ep(2)] * 3
+    assert m.rtt(ep(2)) == pytest.approx(0.24)
+
+
+def test_a_lost_gossip_only_raises_the_round_trip_until_it_expires():
+    m, out = make(initial_peers=(ep(2),), gossip_interval=0.1, peer_timeout=1.0)
+    reply = lambda hb: M.GossipReply(pid(2), ep(2), heartbeat=hb, peers=((pid(2), ep(2), hb, None, {}),))  # noqa: E731
+    m.start(0.0)  # lost: never answered
+    m.on_timer(0.5)
+    m.on_gossip(reply(1), 0.55)  # taken for the answer to the lost one: 0.55 s, too high, not too low
+    assert m.rtt(ep(2)) == pytest.approx(0.55)
+    for t in (2.0, 2.1):  # the lost ping has long expired: later replies are timed right again
+        m.on_timer(t)
+        m.on_gossip(reply(2), t + 0.05)
+    assert m.rtt(ep(2)) < 0.55
