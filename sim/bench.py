@@ -81,19 +81,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-memory", action="store_true", help="skip the memory measurement (the slowest part)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     args = ap.parse_args(argv)
-    from zgossip.machine import machine, machine_busy_seconds, machine_line
+    from zgossip.machine import OtherLoad, machine, machine_line
 
     out: dict = {"machine": machine(), "loadavg": list(os.getloadavg())}
     if not args.json:  # a speed figure means little without the machine and its load (README, Benchmarks)
         print(f"{machine_line(out['machine'])}, load {out['loadavg'][0]:.2f}")
     # what other processes used while the timed rounds ran: the load average only tells the minute before
-    t0, busy0, own0 = time.perf_counter(), machine_busy_seconds(), time.process_time()
+    load = OtherLoad()
     bare = [bare_simpy_round() for _ in range(3)]
     real = message_level_round()
     tcp = message_level_round(transfer="tcp")
-    span = time.perf_counter() - t0
-    other = (machine_busy_seconds() - busy0 - (time.process_time() - own0)) / span if span > 0 else 0.0
-    out["other_load_cores"] = max(0.0, other)
+    out["other_load_cores"] = load.cores()
     out["bare_simpy_round_s"] = float(np.median(bare))
     out["message_level_round_s"] = float(np.median(real))
     out["message_level_tcp_round_s"] = float(np.median(tcp))

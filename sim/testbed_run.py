@@ -37,7 +37,7 @@ from typing import Any, Callable
 import numpy as np
 
 from zgossip.grid import MoshpitGrid, seed_from
-from zgossip.machine import machine_user_seconds, tree_user_seconds
+from zgossip.machine import OtherLoad
 
 from .faults import FaultContext, fault_from_dict
 from .scenario import _FAST_PROTOCOL, Scenario, place_peers, round_metrics
@@ -331,7 +331,7 @@ def run_testbed(sc: Scenario | dict, progress: Callable[[int, int], None] | None
             time.sleep(sc.bootstrap_time)
             fwd0 = tb.forwarder_stats()
             # other processes' user CPU over the rounds: a run on a busy machine is not the links' figure
-            t_other, m_other, ours = time.monotonic(), machine_user_seconds(), tree_user_seconds()
+            other = OtherLoad(tree=True)
             rounds, steps = [], []
             limit = sc.step_timeout + float(averager_settings(sc, (), 0)["allreduce_timeout"]) + 1.0
             for r in range(sc.rounds):
@@ -342,8 +342,7 @@ def run_testbed(sc: Scenario | dict, progress: Callable[[int, int], None] | None
                     progress(r + 1, sc.rounds)
             counters = tb.link_counters()
             fwd = tb.forwarder_stats()
-            span = time.monotonic() - t_other
-            other = (machine_user_seconds() - m_other - (tree_user_seconds() - ours)) / span if span > 0 else 0.0
+            other_cores = other.cores()
             qdiscs = tb.qdisc_stats()
         finally:
             stop.set()
@@ -371,7 +370,7 @@ def run_testbed(sc: Scenario | dict, progress: Callable[[int, int], None] | None
                           "ports": fwd["ports"]},
             # cores of user CPU that processes outside this run (not this process nor its children) used
             # during the rounds (`zgossip.machine.tree_user_seconds`)
-            "other_user_cores": max(0.0, other),
+            "other_user_cores": other_cores,
             "gso": tb.gso,
             "sysctls": tb.sysctls,
             "tcp": tcp,

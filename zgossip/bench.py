@@ -88,7 +88,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .cliargs import nonnegative_int, positive_float, positive_int
-from .machine import cpu_seconds, machine, machine_busy_seconds, machine_line, paths_line
+from .machine import OtherLoad, machine, machine_line, paths_line
 from .swarm import LocalSwarm, peer_data
 
 __all__ = ["add_arguments", "run", "main", "bench_allreduce", "bench_matchmaking", "GlooGroup"]
@@ -186,21 +186,6 @@ def _cpu_by_thread(before: dict, after: dict, steps: int) -> dict[str, dict[str,
         row["minor_faults"] += (flt - f0) / steps
     return {k: v for k, v in sorted(out.items(), key=lambda kv: -(kv[1]["user_ms"] + kv[1]["sys_ms"]))
             if v["user_ms"] + v["sys_ms"] + v["minor_faults"] > 0}
-
-
-class _ForeignLoad:
-    """How many cores processes other than ours kept busy while we measured."""
-
-    def __init__(self, pids: Sequence[int]) -> None:
-        self.pids = [os.getpid(), *pids]
-        self.t0 = time.perf_counter()
-        self.m0 = machine_busy_seconds()
-        self.c0 = sum(cpu_seconds(p) for p in self.pids)
-
-    def cores(self) -> float:
-        dt = time.perf_counter() - self.t0
-        ours = sum(cpu_seconds(p) for p in self.pids) - self.c0
-        return max(0.0, (machine_busy_seconds() - self.m0 - ours) / dt) if dt > 0 else 0.0
 
 
 def _swarm_kwargs(n: int, part_size: int | None, timeout: float) -> dict:
@@ -474,7 +459,7 @@ def bench_allreduce(peers: int, numel: int, reps: int, part_size: int | None = N
             before = _checked([swarm.call(i, "rss", timeout=timeout, reset=True) for i in range(peers)], "rss")
             for _ in range(WARMUP):
                 _step_once(swarm, timeout, aligned)
-            load = _ForeignLoad([i["pid"] for i in swarm.info] + (gloo.pids if gloo else [])
+            load = OtherLoad([i["pid"] for i in swarm.info] + (gloo.pids if gloo else [])
                                 + ([i["pid"] for i in other.info] if other else []))
             zg_rows, gl_rows, ot_rows = [], [], []
             zg_pids, gl_pids = [i["pid"] for i in swarm.info], (gloo.pids if gloo else [])
@@ -613,7 +598,7 @@ def bench_matchmaking(peers: int = 8, numel: int = 1024, steps: int = MIN_MATCHM
         swarm.wait_membership(timeout=min(timeout, 30.0))
         for _ in range(WARMUP):
             _step_once(swarm, timeout)
-        load = _ForeignLoad([i["pid"] for i in swarm.info])
+        load = OtherLoad([i["pid"] for i in swarm.info])
         times = _collect([_step_once(swarm, timeout) for _ in range(steps)])
         foreign = load.cores()
     return {

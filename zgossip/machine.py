@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 from pathlib import Path
 
 __all__ = ["machine", "machine_line", "optional_paths", "paths_line", "cpu_model", "cpu_seconds", "machine_busy_seconds",
-           "machine_user_seconds", "tree_user_seconds"]
+           "machine_user_seconds", "tree_user_seconds", "OtherLoad"]
 
 
 def cpu_model() -> str:
@@ -136,3 +137,29 @@ def machine_busy_seconds() -> float:
         return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return 0.0
+
+
+class OtherLoad:
+    """How many cores processes other than ours kept busy from its making to `cores()`: the load
+    average only tells the minute before, and a figure measured beside other work is not the
+    machine's. Ours are this process and `pids` (busy time: user and system), or with `tree=True`
+    this process and every descendant, exited ones included once reaped -- then user time only,
+    since the kernel's work on an emulated network (veths, qdiscs, softirqs) is charged to no
+    process (`tree_user_seconds`)."""
+
+    def __init__(self, pids: list[int] | tuple[int, ...] = (), tree: bool = False) -> None:
+        self.tree = tree
+        self.pids = [os.getpid(), *pids]
+        self.t0 = time.perf_counter()
+        self.m0, self.c0 = self._machine(), self._ours()
+
+    def _machine(self) -> float:
+        return machine_user_seconds() if self.tree else machine_busy_seconds()
+
+    def _ours(self) -> float:
+        return tree_user_seconds() if self.tree else sum(cpu_seconds(p) for p in self.pids)
+
+    def cores(self) -> float:
+        dt = time.perf_counter() - self.t0
+        other = self._machine() - self.m0 - (self._ours() - self.c0)
+        return max(0.0, other / dt) if dt > 0 else 0.0

@@ -154,7 +154,8 @@ def test_a_process_tree_counts_the_user_cpu_of_children_it_reaped_and_of_live_on
 
     from zgossip.machine import machine_user_seconds, tree_user_seconds
 
-    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+    # user time (a loop on time.process_time() spends most of it in the kernel)
+    burn = "import resource\nwhile resource.getrusage(0).ru_utime < 0.3: sum(range(10000))\n"
     m0, t0 = machine_user_seconds(), tree_user_seconds()
     subprocess.run([_sys.executable, "-c", burn], check=True, timeout=30)  # exits, reaped
     live = subprocess.Popen([_sys.executable, "-c", burn + "import sys\nsys.stdin.read()\n"], stdin=subprocess.PIPE)
@@ -167,6 +168,27 @@ def test_a_process_tree_counts_the_user_cpu_of_children_it_reaped_and_of_live_on
         assert machine_user_seconds() - m0 >= ours - 0.05
     finally:
         live.communicate(timeout=10)
+
+
+def test_other_load_counts_a_process_outside_the_tree_and_not_our_children():
+    """`OtherLoad(tree=True)`, what `run_testbed` records: a busy process that is not ours (a shell's
+    background job, adopted by init once the shell exits) counts; a busy child of ours does not."""
+    import subprocess
+    import sys as _sys
+
+    from zgossip.machine import OtherLoad
+
+    burn = "import resource\nwhile resource.getrusage(0).ru_utime < 0.6: sum(range(10000))\n"  # user time
+    load = OtherLoad(tree=True)
+    subprocess.run([_sys.executable, "-c", burn], check=True, timeout=30)  # ours: a child
+    assert load.cores() < 0.3
+    load, t0 = OtherLoad(tree=True), time.perf_counter()
+    # not ours: sh starts it in the background and exits, and init adopts it (it stops by itself)
+    subprocess.run(["sh", "-c", '"$0" -c "$1" &', _sys.executable, burn], check=True, timeout=30)
+    deadline = time.monotonic() + 20
+    while load.cores() * (time.perf_counter() - t0) < 0.5 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert load.cores() * (time.perf_counter() - t0) >= 0.5  # most of its 0.6 s of user time
 
 
 def test_simulator_predicts_the_testbed_on_the_quick_case():
