@@ -29,6 +29,8 @@ import numpy as np
 
 from zgossip.cliargs import log_level, nonnegative_int, positive_int
 
+from .scenario import json_text
+
 __all__ = ["main"]
 
 
@@ -244,7 +246,7 @@ def cmd_moshpit(args: argparse.Namespace) -> int:
             if show:
                 show(r + 1, args.rounds)
         if args.json:
-            print(json.dumps({"level": "round", "rounds": rows}, sort_keys=True))
+            print(json_text({"level": "round", "rounds": rows}, sort_keys=True))
         else:
             print(_table(rows, [("round", "round", "d"), ("mse", "mse", ".3e"), ("max |err|", "max_abs", ".3e"),
                                 ("averaged", "participants", "d"), ("groups", "groups", "d")]))
@@ -284,7 +286,7 @@ def cmd_table(args: argparse.Namespace) -> int:
     rows = table_from_sweep(read_table(out)[1])
     cap = int(sweep.base["cap"])
     if args.json:
-        json.dump({"restarts": len(sweep.seeds), "cap": cap, "seed": sweep.seed, "rows": rows}, sys.stdout, indent=1)
+        print(json_text({"restarts": len(sweep.seeds), "cap": cap, "seed": sweep.seed, "rows": rows}, indent=1), end="")
         print()
     else:
         print(format_table(rows, restarts=len(sweep.seeds), cap=cap))
@@ -334,7 +336,7 @@ def cmd_testbed(args: argparse.Namespace) -> int:
             st = selftest(sc.host_list(), seed=sc.seed)
             if args.out:
                 with open(args.out, "w") as f:
-                    json.dump(st, f, sort_keys=True, indent=1)
+                    f.write(json_text(st, sort_keys=True, indent=1))
             print(format_selftest(st))
             return 0
         from .testbed_run import run_testbed
@@ -359,13 +361,13 @@ def cmd_testbed(args: argparse.Namespace) -> int:
         return 130
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(res, f, sort_keys=True, indent=1)
+            f.write(json_text(res, sort_keys=True, indent=1))
     sres = ScenarioResult(res["scenario"], res["rounds"], res["peer_bytes"], "", 0, 0)
     if args.csv:
         with open(args.csv, "w") as f:
             f.write(sres.to_csv())
     if args.json:
-        print(json.dumps(res, sort_keys=True, indent=1))
+        print(json_text(res, sort_keys=True, indent=1))
         return 0
     _print_rounds(sres)
     tb = res["testbed"]

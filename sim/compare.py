@@ -202,6 +202,8 @@ def _not_a_run(run: Any) -> str | None:
 
 
 def main(path: str, skip: int = 0, as_json: bool = False) -> int:
+    from .scenario import json_text  # here, as run_scenario above: sim.scenario loads the whole simulator
+
     try:
         run = json.loads(Path(path).read_text())
     except ValueError as e:  # UnicodeDecodeError is one too
@@ -216,7 +218,7 @@ def main(path: str, skip: int = 0, as_json: bool = False) -> int:
     pred = replay(replay_scenario(run))
     c = compare_runs(run, pred, skip=skip)
     if as_json:
-        print(json.dumps(c.to_dict(), sort_keys=True, indent=1))
+        print(json_text(c.to_dict(), sort_keys=True, indent=1))
     else:
         print(format_comparison(c))
     return 0

@@ -479,6 +479,26 @@ def read_file(path: str | Path) -> dict:
     return tomllib.loads(path.read_text())
 
 
+def json_ready(obj: Any) -> Any:
+    """`obj` with every float that is not finite replaced by None (JSON's null), recursively through
+    dicts, lists and tuples. A metric no peer was live to measure is NaN in the results; Python's
+    `json` writes it as a bare ``NaN``, which is no JSON: jq, JavaScript, Go and most other readers
+    refuse the whole file."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_ready(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_ready(v) for v in obj]
+    return obj
+
+
+def json_text(obj: Any, **kwargs: Any) -> str:
+    """What the simulator's commands write as JSON: `json.dumps` of `json_ready(obj)`, refusing
+    anything else that is no JSON (`allow_nan=False`)."""
+    return json.dumps(json_ready(obj), allow_nan=False, **kwargs)
+
+
 def load_scenario(path: str | Path) -> Scenario:
     return Scenario.from_dict(read_file(path))
 
@@ -498,7 +518,7 @@ class ScenarioResult:
     def to_json(self) -> str:
         data = {"scenario": self.scenario, "rounds": self.rounds, "peer_bytes": self.peer_bytes,
                 "trace": self.trace, "delivered": self.delivered, "lost": self.lost, "tail_drops": self.tail_drops}
-        return json.dumps(data, sort_keys=True, indent=1)
+        return json_text(data, sort_keys=True, indent=1)
 
     def to_csv(self) -> str:
         cols = ["round", "t_start", "sim_seconds", "live", "participants", "succeeded", "mse", "max_abs", "spread",

@@ -210,6 +210,12 @@ _SCENARIO_COLUMNS = ("sim_seconds", "live", "participants", "succeeded", "failed
                      "spread", "bytes_sent_mean", "bytes_received_mean", "bytes_sent_cum")
 
 
+def _nan(x: float | None) -> float:
+    """A metric as the tables and plots take it: NaN where the results JSON holds null (no peer was
+    live to measure it, or a loss that was not finite; `scenario.json_ready`)."""
+    return math.nan if x is None else x
+
+
 def _scenario_rows(result: dict) -> list[dict]:
     rows, cum = [], 0.0
     for r in result["rounds"]:
@@ -217,7 +223,8 @@ def _scenario_rows(result: dict) -> list[dict]:
         rows.append({"round": r["round"] + 1, "sim_seconds": r["sim_seconds"], "live": r["live"],
                      "participants": r["participants"], "succeeded": r["succeeded"],
                      "failed": sum(r["failures"].values()), "n_groups": sum(r["groups"].values()),
-                     "mse": r["mse"], "max_abs": r["max_abs"], "spread": r["spread"],
+                     # null in the results JSON (`scenario.json_ready`): no peer was live to measure
+                     "mse": _nan(r["mse"]), "max_abs": _nan(r["max_abs"]), "spread": _nan(r["spread"]),
                      "bytes_sent_mean": r["bytes_sent_mean"], "bytes_received_mean": r["bytes_received_mean"],
                      # cumulative mean bytes sent per stepping peer: the x axis of bytes-vs-accuracy
                      "bytes_sent_cum": cum})
@@ -297,7 +304,7 @@ _TRAIN_COLUMNS = ("sim_seconds", "live", "loss", "loss_max", "bytes_sent_cum", "
 
 def _train_rows(result: dict) -> list[dict]:
     # one row per evaluation step (``round`` = local steps made): means over the trainers evaluated there
-    return [{"round": c["step"], "sim_seconds": c["t"], "live": c["n"], "loss": c["loss"], "loss_max": c["loss_max"],
+    return [{"round": c["step"], "sim_seconds": c["t"], "live": c["n"], "loss": _nan(c["loss"]), "loss_max": _nan(c["loss_max"]),
              "bytes_sent_cum": c["sent"], "bytes_received_cum": c["received"]} for c in result["curve"]]
 
 

@@ -69,7 +69,6 @@ totals; the final parameters' agreement; a hash of every loss value and the netw
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -83,7 +82,7 @@ from zgossip.grid import MoshpitGrid, seed_from
 from .driver import Departed, SimCluster, SimPeer
 from .faults import Churn, SimFaultContext, fault_from_dict, warn_unfired
 from .network import PROFILES, NetworkModel
-from .scenario import (HostSpec, _is_number, read_file, check_fault_peers, check_grid, check_network_peers,
+from .scenario import (HostSpec, _is_number, json_text, read_file, check_fault_peers, check_grid, check_network_peers,
                        check_network_values, check_profile_fractions, check_slow_faults)
 
 __all__ = ["TrainScenario", "TrainSpec", "TrainRun", "TrainResult", "run_train", "load_train_scenario",
@@ -332,7 +331,7 @@ class TrainResult:
 
     def to_json(self) -> str:
         data = {k: v for k, v in asdict(self).items() if k != "wall_seconds"}
-        return json.dumps(data, sort_keys=True, indent=1)
+        return json_text(data, sort_keys=True, indent=1)
 
 
 class _RoundsKept:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import os
 import subprocess
@@ -440,3 +441,69 @@ def test_a_json_file_named_in_upper_case_is_read_as_json(tmp_path):
     sw = tmp_path / "SW.Json"
     sw.write_text('{"name": "x", "scenario": "SC.JSON", "axes": {"rounds": [1, 2]}}')
     assert load_sweep(sw).name == "x"
+
+
+_ALL_CRASH = """
+seed = 1
+peers = 2
+numel = 64
+rounds = 2
+grid = []
+step_timeout = 1.0
+round_gap = 0.2
+[protocol]
+target_group_size = 2
+[[faults]]
+kind = "crash"
+peer = 0
+at = 0.1
+[[faults]]
+kind = "crash"
+peer = 1
+at = 0.1
+"""
+
+
+def _strict_json(text: str):
+    """JSON as every other reader takes it: a bare NaN or Infinity (Python's own extension) is refused."""
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_results_with_no_peer_live_are_json_every_reader_takes(tmp_path, capsys):
+    """A round with no live peer has no mse: it was written as a bare NaN, which jq, JavaScript and
+    most JSON readers refuse (the whole file). It is null now, in --out and --json alike, and a sweep
+    over such a scenario still tabulates it as NaN."""
+    from sim.__main__ import main
+
+    path = tmp_path / "crash.toml"
+    path.write_text(_ALL_CRASH)
+    out = tmp_path / "r.json"
+    assert main(["run", str(path), "--quiet", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["run", str(path), "--quiet", "--json"]) == 0
+    for text in (out.read_text(), capsys.readouterr().out):
+        rounds = _strict_json(text)["rounds"]
+        assert [r["live"] for r in rounds] == [0, 0]
+        assert all(r["mse"] is None and r["max_abs"] is None and r["spread"] is None for r in rounds), rounds
+
+    from sim.sweep import load_sweep, read_table, run_sweep
+
+    spec = tmp_path / "sw.toml"
+    spec.write_text('name = "crash"\nkind = "scenario"\nseeds = 1\n[axes]\nnumel = [64]\n[base]\n'
+                    + _ALL_CRASH.replace("numel = 64\n", "").replace("[protocol]", "[base.protocol]")
+                    .replace("[[faults]]", "[[base.faults]]"))
+    run_sweep(load_sweep(spec), tmp_path / "sw", workers=0, quiet=True)
+    rows = read_table(tmp_path / "sw")[1]
+    assert len(rows) == 2 and all(math.isnan(float(r["mse"])) for r in rows), rows
+
+
+def test_json_ready_turns_every_non_finite_float_into_null():
+    from sim.scenario import json_ready, json_text
+
+    obj = {"a": [1.0, float("nan"), (float("inf"), -float("inf"))], "b": {"c": 2, "d": "nan"}, "e": None}
+    assert json_ready(obj) == {"a": [1.0, None, [None, None]], "b": {"c": 2, "d": "nan"}, "e": None}
+    assert _strict_json(json_text(obj)) == json_ready(obj)
+    with pytest.raises(ValueError):
+        json.dumps(obj, allow_nan=False)  # what json_text guards against
