@@ -203,9 +203,12 @@ class Matchmaker:
         request_timeout: float,
         straggler_grace: float = 0.0,
         expected: Callable[[str, int, float], set[str] | None] | None = None,
+        moved_on: Callable[[str, int, float], bool] | None = None,
     ) -> None:
         """`expected(key, round, now)` names the live peers that may still join `key` in `round`, or
-        None if it cannot tell; a pool closes as soon as all of them joined (see `_all_came`)."""
+        None if it cannot tell; a pool closes as soon as all of them joined (see `_all_came`).
+        `moved_on(key, round, now)`: whether the swarm provably went past that round without this
+        peer; a joiner whose window closed short then fails at once instead of opening another."""
         if not 1 <= min_group_size <= target_group_size:
             raise ValueError(f"need 1 <= min_group_size <= target_group_size, not min_group_size={min_group_size!r} "
                              f"and target_group_size={target_group_size!r}")
@@ -228,6 +231,7 @@ class Matchmaker:
         #: key -> when a group last formed for it, and the latest round its members said (-1: none said)
         self._formed: dict[str, tuple[float, int]] = {}
         self._expected = expected
+        self._moved_on = moved_on
         self._notes: dict[tuple[str, str], tuple[JoinNote, float]] = {}  # (key, sender) -> its note, when it came
         self._closed: dict[str, str] = {}  # step id -> group id of our steps whose group we formed from notes
         self._met: dict[str, None] = {}  # step ids of peers that were in a group with us lately: their notes are spent
@@ -343,13 +347,25 @@ class Matchmaker:
         j.hops = 0
         self._ask(j, pid, self.membership.endpoint_of(pid) or self.endpoint, now)
 
-    def _fail(self, now: float, reason: str) -> None:
+    def _swarm_moved_on(self, j: _Join, now: float) -> bool:
+        """A window closed without a group: is another worth opening? Not once every other live peer
+        that used the key is past the join's round -- rounds only grow, so nobody is left to come. (A
+        far peer that called after its swarm's group formed, before it heard that the swarm moved
+        on, waited out its whole timeout window after window: 9.9 s of a 10 s timeout in
+        tests/sim/test_matchmaking_far.py, 0.9 s now.) Asked only after a window closed, so a gossip
+        view one window old does not fail a step that others are about to join; with no other live
+        peer known at all (a swarm starting up) the answer is no."""
+        return self._moved_on is not None and j.round >= 0 and self._moved_on(j.key, j.round, now)
+
+    def _fail(self, now: float, reason: str, advice: str = "") -> None:
         j = self.join
         assert j is not None
         self.cancel(now, reason)
         live = len(self.membership.live_ids())
         steps = _summarize(j.history) or "no rendezvous peer answered"
-        if any(_OTHER_LAYOUT in h for h in j.history):
+        if advice:
+            pass
+        elif any(_OTHER_LAYOUT in h for h in j.history):
             reason = f"{reason}; other peers with this key have different tensors"
             advice = ("Peers average only tensors of the same count, shapes and dtypes: give every peer that "
                       "steps with this prefix the same tensors (or another prefix).")
@@ -435,6 +451,10 @@ class Matchmaker:
         j.history.append(f"{msg.sender[:8]}: {msg.reason}")
         if not msg.retry:
             self._fail(now, "left over after the key's full group formed")
+        elif self._swarm_moved_on(j, now):
+            self._fail(now, f"every other live peer with this key went past round {j.round}",
+                       "This peer called after the others' group formed: call step() when they do (a schedule "
+                       "they share, e.g. step(scheduled_time=...)), or raise matchmaking_time if its link is slow.")
         elif now + self.matchmaking_time + self.request_timeout <= j.deadline:
             self._ask_next(now)  # another window fits in the budget: try again
         else:

@@ -324,7 +324,7 @@ class Node:
             self.membership, self._send, rng, self._on_group, self._on_match_fail,
             target_group_size=config.target_group_size, min_group_size=config.min_group_size,
             matchmaking_time=config.matchmaking_time, request_timeout=config.request_timeout,
-            straggler_grace=config.straggler_grace, expected=self._may_join,
+            straggler_grace=config.straggler_grace, expected=self._may_join, moved_on=self._moved_on,
         )
         # what completed transfers taught us: our link rate (bandwidth="auto") and groupmates' pace
         self.linkstats = LinkStats()
@@ -563,6 +563,20 @@ class Node:
         horizon = now - self.config.peer_timeout
         records += [(pid, info) for pid, (info, seen) in self._clients.items() if seen >= horizon]
         return announce.may_join(records, self._prefix_tag, announce.tag(base, 4), rnd)
+
+    def _moved_on(self, key: str, rnd: int, now: float) -> bool:
+        """Whether the swarm went past round `rnd` of `key` without this peer (`Matchmaker`): no other
+        live peer may still join it (`_may_join`), and one of its prefix already announced a later round."""
+        if self._may_join(key, rnd, now) - {self.peer_id}:
+            return False
+        horizon = now - self.config.peer_timeout
+        infos = [rec.info for rec in self.membership.peers.values()]
+        infos += [info for info, seen in self._clients.values() if seen >= horizon]
+        for info in infos:
+            a = announce.Announcement.read(info)
+            if a is not None and a.prefix == self._prefix_tag and a.round > rnd:
+                return True
+        return False
 
     def _heard_client(self, msg: Message, now: float) -> None:
         """A client-mode peer spoke to us: a rendezvous peer keeps what it announced (in its gossip)

@@ -217,3 +217,44 @@ def test_a_far_peer_that_calls_after_the_window_closed_is_in_no_group_of_the_oth
     assert isinstance(late.value, StepFailed) and isinstance(late.value.error, GroupNotFound), late.value
     assert peers[far].node.stats["closed_early"] == 0
     assert all(p.node.stats["dropped"] == 0 for p in peers), [p.node.stats["dropped"] for p in peers]
+
+
+def test_a_far_peer_that_calls_after_its_swarm_moved_on_fails_at_once_not_at_its_timeout():
+    """The same late far peer with a 10 s timeout: it used to open window after window (the pool of
+    one failing each time) until the timeout ran out, 9.9 s. Once a window closed short and every
+    other live peer of the key announces a later round, nobody is left to come: it fails at once
+    (0.9 s), and joins the next round."""
+    far = _far_index("gossip")
+    cl, peers, cfg = _cluster(far, "gossip")
+    cl.run(until=2.0)
+    near = [p for i, p in enumerate(peers) if i != far]
+    evs = [p.step_tensors(timeout=5.0) for p in near]
+    cl.run(until=cl.env.now + 0.6)
+    start = cl.env.now
+    late = peers[far].step_tensors(timeout=10.0)
+    cl.run(until=cl.env.all_of([*evs, late]))
+    assert all(ev.value.result.complete and len(ev.value.result.members) == N - 1 for ev in evs)
+    assert isinstance(late.value, StepFailed) and isinstance(late.value.error, GroupNotFound), late.value
+    assert "went past round" in str(late.value.error) and "call step() when they do" in str(late.value.error)
+    assert cl.env.now - start < 2 * cfg.matchmaking_time + 4 * FAR, cl.env.now - start
+    evs = [p.step_tensors(timeout=5.0) for p in peers]
+    cl.run(until=cl.env.all_of(evs))
+    assert all(isinstance(ev.value, StepDone) and len(ev.value.result.members) == N for ev in evs)
+
+
+def test_a_peer_alone_waits_for_a_peer_that_starts_later():
+    """Nobody moved on when nobody else is known: a peer stepping before the swarm's other peers
+    started keeps opening windows until one comes, as before."""
+    cl = SimCluster(seed=1, network=NetworkModel(latency=0.002, bandwidth=50e6))
+    cfg = NodeConfig(prefix="alone", target_group_size=2, min_group_size=2, gossip_interval=0.1, peer_timeout=5.0,
+                     matchmaking_time=0.5, request_timeout=0.3)
+    first = cl.add_peer(cfg, tensors=[np.ones(64, np.float32)])
+    ev = first.step_tensors(timeout=6.0)
+    cl.run(until=cl.env.now + 2.0)
+    assert not ev.triggered
+    second = cl.add_peer(cfg, tensors=[np.zeros(64, np.float32)], known=[first])
+    cl.run(until=cl.env.now + 1.0)
+    ev2 = second.step_tensors(timeout=3.0)
+    cl.run(until=cl.env.all_of([ev, ev2]))
+    assert isinstance(ev.value, StepDone) and isinstance(ev2.value, StepDone), (ev.value, ev2.value)
+    assert len(ev.value.result.members) == 2
