@@ -179,9 +179,16 @@ def test_other_load_counts_a_process_outside_the_tree_and_not_our_children():
     from zgossip.machine import OtherLoad
 
     burn = "import resource\nwhile resource.getrusage(0).ru_utime < 0.6: sum(range(10000))\n"  # user time
-    load = OtherLoad(tree=True)
-    subprocess.run([_sys.executable, "-c", burn], check=True, timeout=30)  # ours: a child
-    assert load.cores() < 0.3
+    # ours: a child. Whatever else runs on the machine counts too, so a neighbour's burst can make one
+    # try read high; the child's own 0.6 s over a ~0.7 s run would read ~0.9 cores every time
+    seen = []
+    for _ in range(3):
+        load = OtherLoad(tree=True)
+        subprocess.run([_sys.executable, "-c", burn], check=True, timeout=30)
+        seen.append(load.cores())
+        if seen[-1] < 0.3:
+            break
+    assert min(seen) < 0.3, seen
     load, t0 = OtherLoad(tree=True), time.perf_counter()
     # not ours: sh starts it in the background and exits, and init adopts it (it stops by itself)
     subprocess.run(["sh", "-c", '"$0" -c "$1" &', _sys.executable, burn], check=True, timeout=30)
