@@ -43,7 +43,7 @@ The root does not cover the user's metadata (the first item of ``get_current_sta
 trainer's epoch, its optimizer's learning rate): any peer holds the swarm's tensors, so a liar
 can serve them -- the same root -- under metadata of its own, and the downloader used to take the
 metadata of the first donor it accepted. Now every donor of the adopted root votes with its
-metadata (compared by a digest of its repr, so 1, 1.0 and True differ), and the download hands
+metadata (compared by a digest of its msgpack bytes, so 1, 1.0 and True differ), and the download hands
 out what a strict majority of them sent, counting the donors still asked (their answers could
 change it): with every chunk in, it waits for those answers at most ``chunk_timeout`` more. One
 liar among two or more honest donors of the root cannot win, even if it answers first and
@@ -78,7 +78,7 @@ from .droplog import DropLog
 from .errors import IllegalTransition, StateUnavailable
 from .messages import CODE_OF, DTYPES, Message, StateChunk, StateMeta, StateReq
 from .view import MembershipView
-from .wire import WireLimits, header_nbytes
+from .wire import WireLimits, header_nbytes, pack_value
 
 __all__ = ["state_digest", "chunk_digest", "StateSnapshot", "StateDonor", "StateDownload", "DownloadPhase",
            "DIGEST_BYTES", "MAX_CHUNKS_PER_REQUEST"]
@@ -103,10 +103,15 @@ def chunk_digest(data: Any) -> bytes:
 
 
 def meta_digest(meta: Any) -> bytes:
-    """What a donor's metadata is compared by: a digest of its repr, which tells apart every value a
-    header can carry (1, 1.0 and True, which Python calls equal, differ here, as they do for the code
-    that reads them; so do -0.0 and 0.0)."""
-    return hashlib.sha256(repr(meta).encode(errors="backslashreplace")).digest()[:DIGEST_BYTES]
+    """What a donor's metadata is compared by: a digest of its msgpack bytes, as the header carried
+    it (1, 1.0 and True, which Python calls equal, differ there, as they do for the code that reads
+    them; so do -0.0 and 0.0, and dicts whose keys come in another order). Not `repr`: metadata
+    nested a thousand deep, which msgpack decodes, makes it raise RecursionError."""
+    try:
+        data = b"msgpack;" + pack_value(meta)
+    except (TypeError, ValueError, OverflowError):  # never sent so: a donor refuses metadata that does not pack
+        data = b"type;" + type(meta).__name__.encode()
+    return hashlib.sha256(data).digest()[:DIGEST_BYTES]
 
 
 def plan_chunks(specs: Sequence[tuple[str, tuple]], chunk_bytes: int,

@@ -8,6 +8,7 @@ import pytest
 
 from handfed import Outbox, ep, membership_with, pid
 from zgossip import messages as M
+from zgossip import wire
 from zgossip.errors import StateUnavailable
 from zgossip.state import DownloadPhase, StateDonor, StateDownload, StateSnapshot, chunk_digest, state_digest
 
@@ -659,3 +660,18 @@ def test_a_liar_sending_a_bad_chunk_loses_its_say_on_the_metadata():
     assert err is None and meta == {"epoch": 7} and s.dl.bad_chunks == 1
     check_state(arrays)
     assert s.dl.meta_outvoted == 0  # not outvoted: struck off the vote with the chunk it forged
+
+
+def test_metadata_nested_as_deep_as_msgpack_decodes_is_outvoted_not_a_crash():
+    deep = None
+    for _ in range(1000):  # repr() of it raises RecursionError
+        deep = [deep]
+    s = Swarm({2: 1.0, 3: 1.0, 4: 1.0})
+    _lie(s, 2, deep)
+    d, _ = s.donors[ep(2)]
+    travelled = wire.decode(wire.encode(d._meta("r", True, snap=d.published))).meta  # it can travel
+    assert wire.pack_value(travelled) == wire.pack_value(deep)
+    s.dl.start(0.0)
+    s.pump(0.1)
+    [(meta, arrays, err)] = s.done
+    assert err is None and meta == {"epoch": 7} and s.dl.meta_outvoted == 1
