@@ -43,18 +43,19 @@ The root does not cover the user's metadata (the first item of ``get_current_sta
 trainer's epoch, its optimizer's learning rate): any peer holds the swarm's tensors, so a liar
 can serve them -- the same root -- under metadata of its own, and the downloader used to take the
 metadata of the first donor it accepted. Now every donor of the adopted root votes with its
-metadata (compared by a digest of its msgpack bytes, so 1, 1.0 and True differ), and the download hands
-out what a strict majority of them sent, counting the donors still asked (their answers could
-change it): with every chunk in, it waits for those answers at most ``chunk_timeout`` more. One
-liar among two or more honest donors of the root cannot win, even if it answers first and
-serves every chunk; as in the repair vote, liars need at least as many donors among those
-asked as the honest ones (a tie is drawn). Without a strict majority once all have answered (1 against 1, or metadata that
-differs per donor), up to `EXTRA_META_ASKS` more donors are asked; then the largest group wins
-(ties drawn from the download's seeded generator), with a warning. A donor outvoted keeps
-serving chunks (they are checked against the root) and is counted (`meta_outvoted`) and logged
-once; one that sent a chunk failing its digest loses its vote. The metadata is thus as
-trustworthy as the majority of the donors asked (up to ``max_donors``, plus the extra ones): a
-lone donor's is its word, as the tensors are where no ``target_root`` was given.
+metadata (compared by a digest of its msgpack bytes, so 1, 1.0 and True differ), and the
+download hands out what a strict majority of them sent, counting the donors still asked (their
+answers could change it): with every chunk in, it waits for those answers at most
+``chunk_timeout`` more. One liar among two or more honest donors of the root cannot win, even
+if it answers first and serves every chunk; as in the repair vote, liars need at least as many
+donors among those asked as the honest ones (a tie is drawn). Without a strict majority once
+all have answered (1 against 1, or metadata that differs per donor), up to `EXTRA_META_ASKS`
+more donors are asked; then the largest group wins (ties drawn from the download's seeded
+generator), with a warning. A donor outvoted keeps serving chunks (they are checked against
+the root) and is counted (`meta_outvoted`) and logged once; one that sent a chunk failing its
+digest loses its vote. The metadata is thus as trustworthy as the majority of the donors asked
+(up to ``max_donors``, plus the extra ones): a lone donor's is its word, as the tensors are
+where no ``target_root`` was given.
 
 A snapshot taken for a request may carry its float tensors compressed (``state_compression=``,
 `zgossip.codecs`): its chunks are then of the encoded bytes (their digests and the root are of
