@@ -812,7 +812,9 @@ class Averager:
         dtype (a mismatch raises and writes nothing). Raises `StateUnavailable`. With
         ``wait=False`` returns a `concurrent.futures.Future` of the same (applied when it is set).
         ``donors``: fetch from up to this many donors holding the same state at once (default
-        ``state_donors``).
+        ``state_donors``). The metadata is what most donors of the state sent (a strict majority
+        where there is one: the state's hash does not cover it; see `zgossip.state`); from a
+        single donor it is that donor's word.
 
         Arguments are checked here (ValueError, nothing started): ``timeout`` finite seconds in
         [0, `MAX_STEP_TIMEOUT`] (None: the default, 60 s -- every wait has a deadline),

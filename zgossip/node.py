@@ -357,7 +357,8 @@ class Node:
         self._snapshot_waiters: list[tuple[str, str]] = []
         self.downloads: dict[str, StateDownload] = {}
         self.stats = {"messages": 0, "dropped": 0, "late": 0, "rate_limited": 0, "repairs": 0, "repair_failures": 0,
-                      "state_bad_chunks": 0, "state_refetched": 0, "bad_bandwidth": 0, "closed_early": 0}
+                      "state_bad_chunks": 0, "state_refetched": 0, "state_meta_outvoted": 0, "bad_bandwidth": 0,
+                      "closed_early": 0}
         self._limits = SourceLimits(max(config.control_rate, 4.0 / config.gossip_interval), config.control_burst)
         self._mm_limits = SourceLimits(config.matchmaking_rate, config.matchmaking_burst)
         self._limited_logged: set[str] = set()
@@ -834,6 +835,7 @@ class Node:
         self.downloads.pop(dl.req, None)
         self.stats["state_bad_chunks"] += dl.bad_chunks
         self.stats["state_refetched"] += dl.refetched
+        self.stats["state_meta_outvoted"] += dl.meta_outvoted
         repair = None
         if self._repair is not None and self._repair[0] == dl.req:
             _, version, root, ours = self._repair

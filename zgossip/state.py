@@ -39,6 +39,24 @@ chunks) are asked again, once each, and the download starts over with the state 
 them holds. Bytes are only written into buffers this module owns: a partial download never
 reaches the user's tensors.
 
+The root does not cover the user's metadata (the first item of ``get_current_state``: a
+trainer's epoch, its optimizer's learning rate): any peer holds the swarm's tensors, so a liar
+can serve them -- the same root -- under metadata of its own, and the downloader used to take the
+metadata of the first donor it accepted. Now every donor of the adopted root votes with its
+metadata (compared by a digest of its msgpack bytes, so 1, 1.0 and True differ), and the
+download hands out what a strict majority of them sent, counting the donors still asked (their
+answers could change it): with every chunk in, it waits for those answers at most
+``chunk_timeout`` more. One liar among two or more honest donors of the root cannot win, even
+if it answers first and serves every chunk; as in the repair vote, liars need at least as many
+donors among those asked as the honest ones (a tie is drawn). Without a strict majority once
+all have answered (1 against 1, or metadata that differs per donor), up to `EXTRA_META_ASKS`
+more donors are asked; then the largest group wins (ties drawn from the download's seeded
+generator), with a warning. A donor outvoted keeps serving chunks (they are checked against
+the root) and is counted (`meta_outvoted`) and logged once; one that sent a chunk failing its
+digest loses its vote. The metadata is thus as trustworthy as the majority of the donors asked
+(up to ``max_donors``, plus the extra ones): a lone donor's is its word, as the tensors are
+where no ``target_root`` was given.
+
 A snapshot taken for a request may carry its float tensors compressed (``state_compression=``,
 `zgossip.codecs`): its chunks are then of the encoded bytes (their digests and the root are of
 those bytes, and the root covers the codec of every tensor), and the downloader decodes once
@@ -61,7 +79,7 @@ from .droplog import DropLog
 from .errors import IllegalTransition, StateUnavailable
 from .messages import CODE_OF, DTYPES, Message, StateChunk, StateMeta, StateReq
 from .view import MembershipView
-from .wire import WireLimits, header_nbytes
+from .wire import WireLimits, header_nbytes, pack_value
 
 __all__ = ["state_digest", "chunk_digest", "StateSnapshot", "StateDonor", "StateDownload", "DownloadPhase",
            "DIGEST_BYTES", "MAX_CHUNKS_PER_REQUEST"]
@@ -73,12 +91,27 @@ MAX_CHUNKS_PER_REQUEST = 256  # a donor queues at most this many chunks for one 
 REQUEST_BYTES = 16 << 20  # a downloader asks for at least this much per request (4 default chunks)
 MAX_DIGEST_BYTES = 16 << 15  # what STATE_META's `hashes` may hold (zgossip.messages): 32768 chunks
 MAX_META_BYTES = WireLimits().max_header_bytes  # a STATE_META's header: what every receiver accepts
+#: donors asked for their META beyond `max_donors` when the metadata of the adopted state's donors has no
+#: strict majority (`StateDownload._pick_meta`)
+EXTRA_META_ASKS = 2
 #: `StateDonor.shared`: a snapshot fetched this recently is still being downloaded, and one taken this
 #: recently is fresh enough to hand a newcomer instead of a new one
 ACTIVE_SECONDS = 5.0
 
 
 def chunk_digest(data: Any) -> bytes:
+    return hashlib.sha256(data).digest()[:DIGEST_BYTES]
+
+
+def meta_digest(meta: Any) -> bytes:
+    """What a donor's metadata is compared by: a digest of its msgpack bytes, as the header carried
+    it (1, 1.0 and True, which Python calls equal, differ there, as they do for the code that reads
+    them; so do -0.0 and 0.0, and dicts whose keys come in another order). Not `repr`: metadata
+    nested a thousand deep, which msgpack decodes, makes it raise RecursionError."""
+    try:
+        data = b"msgpack;" + pack_value(meta)
+    except (TypeError, ValueError, OverflowError):  # never sent so: a donor refuses metadata that does not pack
+        data = b"type;" + type(meta).__name__.encode()
     return hashlib.sha256(data).digest()[:DIGEST_BYTES]
 
 
@@ -347,6 +380,12 @@ class StateDownload:
     # adopted state turns out bad, they are asked again (once), and the first to answer sets the state
     _other_state: list[str] = field(default_factory=list)
     _readmitted: set[str] = field(default_factory=set)
+    # the metadata every donor of the adopted state sent, by `meta_digest`: the download hands out the
+    # one most of them agree on (`_pick_meta`), not the first donor's word
+    _meta_votes: dict[str, tuple[bytes, Any]] = field(default_factory=dict)
+    _vote_until: float | None = None  # every chunk in: answers still owed are awaited until then
+    _extra_asks: int = 0  # donors asked only to break a tie of the metadata (`EXTRA_META_ASKS`)
+    meta_outvoted: int = 0  # donors of the adopted state whose metadata the vote did not take
 
     def _move(self, phase: DownloadPhase) -> None:
         if phase not in _MOVES[self.phase]:
@@ -367,12 +406,15 @@ class StateDownload:
         order = self.rng.permutation(len(tier))  # spread newcomers over equally good donors
         return [tier[int(i)] for i in order]
 
+    def _ask(self, rec: Any, now: float) -> None:
+        self.tried.append(rec.peer_id)
+        self._asked[rec.peer_id] = (rec.endpoint, now + self.chunk_timeout)
+        self.send(rec.endpoint, StateReq(self.membership.peer_id, self.membership.endpoint, req=self.req))
+
     def _ask_more(self, now: float) -> None:
         room = self.max_donors - (len(self._asked) - len(self._slow)) - len(self._active)
         for rec in self._candidates()[:max(0, room)]:
-            self.tried.append(rec.peer_id)
-            self._asked[rec.peer_id] = (rec.endpoint, now + self.chunk_timeout)
-            self.send(rec.endpoint, StateReq(self.membership.peer_id, self.membership.endpoint, req=self.req))
+            self._ask(rec, now)
         if not self._asked and not self._active and self.phase is not DownloadPhase.DONE:
             live = len(self.membership.live_ids())
             sharing = len(self.membership.donors())
@@ -397,12 +439,16 @@ class StateDownload:
             log.info("state download %s: donor %s dropped: %s", self.req, peer[:8], why)
         self._asked.pop(peer, None)
         self._slow.discard(peer)
+        if bad:  # a donor that sent data failing the state's own checks has no say on its metadata either
+            self._meta_votes.pop(peer, None)
         d = self._active.pop(peer, None)
         if d is not None and d.inflight:
             self.refetched += len(d.inflight)
             self._retry = sorted(set(self._retry) | d.inflight)
         if self.phase is DownloadPhase.DONE:
             return
+        if self._holds_all():  # only the metadata vote still waits: nothing to fetch again or start over
+            return self._maybe_complete(now)
         if why.startswith(("holds another state", "refused chunks")):
             # passed over for another state, or moved on to one (it evicted ours from its cache after
             # publishing newer versions): an honest donor, worth asking again for what it holds now
@@ -472,7 +518,8 @@ class StateDownload:
         if not msg.ok:
             return self._drop(peer, now, f"refused: {msg.reason}")
         # every holder of the adopted state is gone: without a wanted root, start over with this one
-        restart = bool(self.root) and msg.digest != self.root and not self._active and not self.target_root
+        restart = (bool(self.root) and msg.digest != self.root and not self._active and not self.target_root
+                   and not self._holds_all())
         why = self._check_meta(msg, restart)
         if why:  # another state than ours is honest; anything else is bad data
             return self._drop(peer, now, why, bad=not why.startswith(("offers another", "holds another")))
@@ -480,6 +527,7 @@ class StateDownload:
             if restart:
                 self.history.append(f"{peer[:8]}: holds another state; starting over with it")
             self._adopt(msg)
+        self._meta_votes[peer] = (meta_digest(msg.meta), msg.meta)
         del self._asked[peer]
         self._slow.discard(peer)
         self._active[peer] = _Donor(endpoint, now + self.chunk_timeout)
@@ -524,6 +572,7 @@ class StateDownload:
         self._chunk_bytes, self._hashes, self._plan = msg.chunk_bytes, msg.hashes, plan
         self._bufs = [np.empty(n, dtype=np.uint8) for n in sizes]
         self._fresh, self._retry, self._received, self.per_donor = 0, [], 0, {}
+        self._meta_votes, self._vote_until = {}, None
         # a request covers at least REQUEST_BYTES: small chunks must not mean many small requests (each
         # one is work for the donor, which paces them, `node.CHUNK_RATE`)
         self._per_request = max(self.window, min(MAX_CHUNKS_PER_REQUEST,
@@ -596,9 +645,62 @@ class StateDownload:
         self._assign(peer, now)
         self._maybe_complete(now)
 
+    def _holds_all(self) -> bool:
+        """Every chunk of the adopted state is in and verified (the metadata vote may still wait)."""
+        return self.phase is DownloadPhase.STREAMING and self._received >= len(self._plan) and not self._placing
+
+    def _pick_meta(self, now: float) -> tuple[bool, Any]:
+        """(decided, metadata): the metadata a strict majority of the adopted state's donors sent --
+        counting those still asked, whose answer could change it, until `_vote_until`. The root does
+        not cover the metadata: taken from the first donor, a liar holding the real tensors (any peer
+        of the swarm) served them with metadata of its making (an epoch, a learning rate of 1e9) and
+        won whenever it answered first. Without a strict majority once every answer is in, up to
+        `EXTRA_META_ASKS` more donors are asked; then the largest group wins (ties drawn at random),
+        logged. Donors whose metadata was not taken are counted in `meta_outvoted`, logged once each."""
+        groups: dict[bytes, list[str]] = {}
+        for peer, (digest, _) in self._meta_votes.items():
+            groups.setdefault(digest, []).append(peer)
+        if not groups:  # cannot happen (the adopting donor voted); kept as the first donor's word
+            return True, self._meta
+        votes, top = len(self._meta_votes), max(len(g) for g in groups.values())
+        if self._vote_until is None or now < self._vote_until:
+            if not self._asked and 2 * top <= votes and self._extra_asks < EXTRA_META_ASKS:
+                extra = self._candidates()[:1]
+                if extra:
+                    self._extra_asks += 1
+                    self.history.append(f"{len(groups)} different metadata among {votes} donors: asking "
+                                        f"{extra[0].peer_id[:8]} too")
+                    self._ask(extra[0], now)
+                    self._vote_until = min(now + self.chunk_timeout, self.deadline)  # its own time to answer
+            if 2 * top <= votes + len(self._asked) and self._asked:  # an answer owed could still decide it
+                if self._vote_until is None:
+                    self._vote_until = min(now + self.chunk_timeout, self.deadline)
+                return False, None
+        leaders = sorted(d for d, g in groups.items() if len(g) == top)
+        chosen = leaders[int(self.rng.integers(len(leaders)))] if len(leaders) > 1 else leaders[0]
+        if len(groups) > 1:
+            log.warning("state download %s: the %d donors of state %s sent %d different metadata; took the one "
+                        "%d of them sent%s", self.req, votes, self.root[:8], len(groups), top,
+                        "" if 2 * top > votes else " (no strict majority: it is their word against the others')")
+            if self.drops is None:
+                self.drops = DropLog(self.membership.peer_id[:8])
+            for peer, (digest, _) in self._meta_votes.items():
+                if digest != chosen:
+                    self.meta_outvoted += 1
+                    self.history.append(f"{peer[:8]}: its metadata was outvoted")
+                    self.drops.note(log, peer, "state metadata the other donors of its state contradict",
+                                    counter="state_meta_outvoted",
+                                    text=f"download {self.req}: donor {peer[:16]} sent metadata for state "
+                                         f"{self.root[:8]} that the vote did not take")
+        return True, next(m for d, m in self._meta_votes.values() if d == chosen)
+
     def _maybe_complete(self, now: float) -> None:
-        if self.phase is not DownloadPhase.STREAMING or self._received < len(self._plan) or self._placing:
+        if not self._holds_all():
             return
+        decided, meta = self._pick_meta(now)
+        if not decided or self.phase is DownloadPhase.DONE:
+            return
+        self._meta = meta
         # every chunk matched its digest and the digests match the root: the state is verified
         if not self._codecs:
             arrays = [b.view(DTYPES[code]).reshape(shape) for b, (code, shape) in zip(self._bufs, self._specs)]
@@ -628,12 +730,18 @@ class StateDownload:
         if self.phase is DownloadPhase.DONE:
             return None
         times = [self.deadline] + [t for _, t in self._asked.values()]
+        if self._vote_until is not None:
+            times.append(self._vote_until)
         times += [d.wait_until for d in self._active.values() if d.inflight]
         return min(times)
 
     def on_timer(self, now: float) -> None:
         if self.phase is DownloadPhase.DONE:
             return
+        if self._vote_until is not None and now >= self._vote_until:  # every chunk in: decide with the answers
+            self._maybe_complete(now)                                # in (a state must not time out now)
+            if self.phase is DownloadPhase.DONE:
+                return
         if now >= self.deadline:
             self.history.append("overall timeout")
             self._finish(None, None, StateUnavailable(

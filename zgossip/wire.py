@@ -29,6 +29,7 @@ __all__ = [
     "encode",
     "decode",
     "header_nbytes",
+    "pack_value",
     "message_nbytes",
     "make_message",
     "DTYPES",
@@ -172,6 +173,12 @@ def encode(msg: Message) -> list:
         use_bin_type=True,
     )
     return [header, *payload]
+
+
+def pack_value(value: Any) -> bytes:
+    """`value` (a body field's, such as a state's metadata) packed as a header carries it. Raises
+    TypeError, ValueError or OverflowError (msgpack's) for a value msgpack cannot pack."""
+    return msgpack.packb(value, use_bin_type=True)
 
 
 def header_nbytes(msg: Message) -> int:

@@ -88,3 +88,47 @@ def test_state_chunks_larger_than_the_default_frame_limit_download_and_a_given_l
         _wait_for_donor(b, a)
         b.load_state_from_peers(timeout=20, chunk_timeout=5)
         assert np.array_equal(dst[0], src[0]) and b.stats["connections_cut"] == 0
+
+
+def test_a_liar_serving_the_swarms_tensors_under_forged_metadata_is_outvoted_over_zmq():
+    """Any peer holds the swarm's tensors, so it can serve them -- the same root -- under metadata of its
+    making (an epoch, a learning rate). The downloader took the metadata of the first donor to answer:
+    the liar here, which answers from a published snapshot while the honest donors still copy theirs."""
+    honest, forged = {"epoch": 5, "lr": 0.1}, {"epoch": 999, "lr": 1e9}
+    release = threading.Event()
+
+    class Donor(zgossip.Averager):
+        def __init__(self, *args, meta, **kw):
+            self.meta = meta
+            super().__init__(*args, **kw)
+
+        def get_current_state(self):
+            if self.meta is honest:
+                release.wait(5.0)  # until the liar's answer was adopted
+            return self.meta, super().get_current_state()[1]
+
+    state = np.arange(4096, dtype=np.float32)
+    peers: list = []
+    try:
+        peers.append(Donor([state.copy()], prefix="mv", meta=forged, state_chunk_bytes=4096, **FAST))
+        peers += [Donor([state.copy()], prefix="mv", meta=honest, initial_peers=[peers[0].endpoint],
+                        state_chunk_bytes=4096, **FAST) for _ in range(2)]
+        peers[0].publish_state(1)
+        new = zgossip.Averager([np.zeros(4096, np.float32)], prefix="mv", initial_peers=[peers[0].endpoint],
+                               allow_state_sharing=False, state_chunk_bytes=4096, **FAST)
+        peers.append(new)
+        for donor in peers[:3]:
+            _wait_for_donor(new, donor)
+        fut = new.load_state_from_peers(timeout=10, wait=False)
+        deadline = time.monotonic() + 5.0
+        while not fut.done() and not any(new._ask_node(lambda n: [d.root for d in n.downloads.values()])):
+            assert time.monotonic() < deadline, "the liar's answer was never adopted"
+            time.sleep(0.01)
+        release.set()
+        meta, arrays = fut.result(10.0)
+        assert meta == honest and np.array_equal(arrays[0], state)
+        assert new.stats["state_meta_outvoted"] == 1
+    finally:
+        release.set()
+        for p in peers:
+            p.shutdown(timeout=2.0)

@@ -8,6 +8,7 @@ import numpy as np
 import zgossip
 from sim import NetworkModel, SimCluster
 from zgossip.node import DownloadDone, DownloadFailed, NodeConfig
+from zgossip.state import StateSnapshot
 from zgossip.wire import MsgType
 
 CFG = dict(prefix="st", gossip_interval=0.05, peer_timeout=3.0, part_size_bytes=4096, state_chunk_bytes=4096)
@@ -195,3 +196,35 @@ def test_a_state_of_many_small_chunks_downloads_without_a_stall():
     assert np.array_equal(ev.value.arrays[0], donor.tensors[0])
     assert cl.env.now - t0 < 0.5, cl.env.now - t0  # no chunk_timeout (2 s) was waited
     assert donor.node.stats["rate_limited"] == 0
+
+
+def test_a_repair_takes_the_metadata_the_majoritys_donors_agree_on_not_a_liars():
+    """Peer 3 holds the majority's tensors and publishes them -- the majority's root -- under forged
+    metadata. Peer 2, corrupted, repairs from the holders of that root; it used to write and then serve
+    the metadata of whichever donor answered first (the liar, with this seed: 7 and 10 of 0-11 had it
+    answer first before the fix; the others failed only on the counter it adds)."""
+    seed = 7
+    cl = SimCluster(seed=seed, network=NetworkModel(latency=0.001))
+    state = [np.random.default_rng(seed).standard_normal((64, 33))]
+    peers = []
+    for i in range(4):
+        p = cl.add_peer(NodeConfig(**{**CFG, "self_repair": i != 3}), tensors=[a.copy() for a in state], known=peers)
+        p.node.set_state_sharing(0.0)
+        peers.append(p)
+    cl.run(until=cl.env.now + 0.5)
+    for p in peers:
+        p.averager.publish_state(1)
+    honest = peers[0].node.donor.published
+    forged = StateSnapshot({"epoch": 999, "lr": 1e9}, honest.arrays, honest.specs, honest.chunk_bytes, honest.plan,
+                           honest.hashes, honest.root)
+    peers[3].node.publish_state(1, forged, cl.env.now)
+    written = []
+    write = peers[2].averager._write_state
+    peers[2].averager._write_state = lambda meta, arrays: (written.append(meta), write(meta, arrays))
+    peers[2].tensors[0][5, 7] += 1e-3
+    peers[2].averager.publish_state(1)
+    cl.run(until=cl.env.now + 2.0)
+    node = peers[2].node
+    assert node.stats["repairs"] == 1 and np.array_equal(peers[2].tensors[0], state[0])
+    assert written == [honest.meta] and node.donor.published.meta == honest.meta  # written, then served
+    assert node.stats["state_meta_outvoted"] == 1

@@ -4,11 +4,13 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 
 from handfed import Outbox, ep, membership_with, pid
 from zgossip import messages as M
+from zgossip import wire
 from zgossip.errors import StateUnavailable
-from zgossip.state import DownloadPhase, StateDonor, StateDownload, StateSnapshot, chunk_digest
+from zgossip.state import DownloadPhase, StateDonor, StateDownload, StateSnapshot, chunk_digest, state_digest
 
 STATE = [np.arange(400, dtype=np.float32).reshape(40, 10), np.arange(30, dtype=np.int64)]
 CHUNK = 64  # 1600 + 240 bytes: 25 + 4 chunks
@@ -540,6 +542,136 @@ def test_a_donor_that_finished_its_share_takes_what_a_silent_donor_was_not_given
     s.silent = {ep(4), ep(5)}  # asked, never answer: their shares stay unassigned until they time out
     s.dl.start(0.0)
     s.pump(0.1)
+    # every chunk is in, but two answers owed could still outvote the metadata: awaited, chunk_timeout at most
+    assert not s.done and s.dl.next_deadline() == 1.0
+    s.dl.on_timer(1.0)  # their answers are late; they live, so they are still awaited (slow donors)
+    assert not s.done and s.dl.next_deadline() == 1.1
+    s.dl.on_timer(1.1)  # the vote waited chunk_timeout after the last chunk: decided with the answers in
     [(meta, arrays, err)] = s.done
     assert err is None and np.array_equal(arrays[0], small[0])
     assert sorted(s.dl.per_donor) == [pid(2), pid(3)] and sum(s.dl.per_donor.values()) == 8
+
+
+# ---------------------------------------------------------------------- the metadata vote
+FORGED = {"epoch": 999, "lr": 1e9}
+
+
+def _lie(s: Swarm, i: int, meta=FORGED) -> None:
+    """Donor i serves the real tensors (the same root: any peer of the swarm holds them) under other metadata."""
+    d, _ = s.donors[ep(i)]
+    d.publish(StateSnapshot.build(meta, STATE, CHUNK))
+    assert d.published.root == s.snap.root
+
+
+@pytest.mark.parametrize("repair", [False, True])
+def test_a_liar_among_honest_donors_of_the_state_does_not_get_its_metadata_taken(repair):
+    """The root covers the tensors, not the metadata: the first donor's metadata used to be taken, so a
+    liar that answered first (donor 2 here) had its epoch and learning rate adopted, on a newcomer's
+    download and on a repair to the majority's root (`target_root`, only its holders) alike."""
+    kw = dict(target_root=state_digest(STATE, CHUNK), only=(pid(2), pid(3), pid(4))) if repair else {}
+    s = Swarm({2: 1.0, 3: 1.0, 4: 1.0}, **kw)
+    _lie(s, 2)
+    s.dl.start(0.0)
+    s.pump(0.1)
+    [(meta, arrays, err)] = s.done
+    assert err is None and meta == {"epoch": 7}
+    check_state(arrays)
+    assert s.dl.snapshot.meta == {"epoch": 7}  # what a repaired peer serves from now on
+    assert s.dl.meta_outvoted == 1 and f"{pid(2)[:8]}: its metadata was outvoted" in s.dl.history
+    assert pid(2) in s.dl.per_donor  # its chunks are checked against the root: still used
+
+
+def test_the_vote_waits_for_answers_owed_when_a_liar_answered_first_and_sent_every_chunk():
+    s = Swarm({2: 1.0, 3: 1.0, 4: 1.0})
+    _lie(s, 2)
+    held = []
+
+    def hold_honest_metas(e, msg):
+        if isinstance(msg, M.StateMeta) and e != ep(2):
+            held.append(msg)
+            return None
+        return msg
+
+    s.dl.start(0.0)
+    s.pump(0.1, mutate=hold_honest_metas)
+    assert s.dl.per_donor == {pid(2): len(s.snap.plan)} and not s.done  # every chunk in, from the liar
+    assert s.dl.next_deadline() == 1.0  # the answers owed: their own deadline, then the vote's (1.1)
+    for msg in held:
+        s.dl.on_meta(msg, 0.5)
+    [(meta, arrays, err)] = s.done
+    assert err is None and meta == {"epoch": 7} and s.dl.meta_outvoted == 1
+    check_state(arrays)
+
+
+def test_a_lone_donor_is_taken_at_its_word_at_once_and_honest_disagreement_fails_no_download():
+    s = Swarm({2: 1.0})
+    s.dl.start(0.0)
+    s.pump(0.1)
+    [(meta, arrays, err)] = s.done
+    assert err is None and meta == {"epoch": 7} and s.dl.meta_outvoted == 0
+    # metadata that differs per donor (a local counter, a scheduler watching its own loss): no majority,
+    # nobody else to ask, so one of them is taken -- logged and counted, never a failed download
+    s = Swarm({2: 1.0, 3: 1.0, 4: 1.0})
+    _lie(s, 2, {"epoch": 7, "served_by": 2})
+    _lie(s, 3, {"epoch": 7, "served_by": 3})
+    s.dl.start(0.0)
+    s.pump(0.1)
+    [(meta, arrays, err)] = s.done
+    assert err is None and meta in ({"epoch": 7}, {"epoch": 7, "served_by": 2}, {"epoch": 7, "served_by": 3})
+    check_state(arrays)
+    assert s.dl.meta_outvoted == 2 and s.dl.next_deadline() is None
+
+
+def test_a_tie_asks_one_more_donor_and_values_python_calls_equal_are_not_the_same_metadata():
+    # donors 2 and 3 hold the best priority (asked: max_donors=2); 2 lies. One against one: donor 4,
+    # of the next tier, is asked only to break the tie
+    s = Swarm({2: 2.0, 3: 2.0, 4: 1.0}, max_donors=2)
+    _lie(s, 2)
+    s.dl.start(0.0)
+    s.pump(0.1)
+    [(meta, arrays, err)] = s.done
+    assert err is None and meta == {"epoch": 7} and s.dl.meta_outvoted == 1
+    check_state(arrays)
+    assert pid(4) in s.dl.tried and any("asking" in h for h in s.dl.history)
+    # 7, 7.0 and True: three different metadata (a liar's True must not count as an honest 7)
+    s = Swarm({2: 1.0, 3: 1.0, 4: 1.0})
+    _lie(s, 2, {"epoch": 7.0})
+    _lie(s, 3, {"epoch": True})
+    s.dl.start(0.0)
+    s.pump(0.1)
+    [(_, _, err)] = s.done
+    assert err is None and s.dl.meta_outvoted == 2
+
+
+def test_a_liar_sending_a_bad_chunk_loses_its_say_on_the_metadata():
+    s = Swarm({2: 1.0, 3: 1.0})
+    _lie(s, 2)
+
+    def flip(e, msg):
+        if isinstance(msg, M.StateChunk) and e == ep(2):
+            bad = msg.data.copy()
+            bad[0] ^= 1
+            return dataclasses.replace(msg, data=bad)
+        return msg
+
+    s.dl.start(0.0)
+    s.pump(0.1, mutate=flip)
+    [(meta, arrays, err)] = s.done
+    assert err is None and meta == {"epoch": 7} and s.dl.bad_chunks == 1
+    check_state(arrays)
+    assert s.dl.meta_outvoted == 0  # not outvoted: struck off the vote with the chunk it forged
+
+
+def test_metadata_nested_as_deep_as_msgpack_decodes_is_outvoted_not_a_crash():
+    deep = None
+    for _ in range(1000):  # repr() of it raises RecursionError
+        deep = [deep]
+    s = Swarm({2: 1.0, 3: 1.0, 4: 1.0})
+    _lie(s, 2, deep)
+    d, _ = s.donors[ep(2)]
+    travelled = wire.decode(wire.encode(d._meta("r", True, snap=d.published))).meta  # it can travel
+    assert wire.pack_value(travelled) == wire.pack_value(deep)
+    s.dl.start(0.0)
+    s.pump(0.1)
+    [(meta, arrays, err)] = s.done
+    assert err is None and meta == {"epoch": 7} and s.dl.meta_outvoted == 1
