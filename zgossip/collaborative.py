@@ -33,7 +33,10 @@ What can go wrong, and what happens (the issue's rules, plus what it left open):
   largest set of equal digests (ties: the one holding the lowest peer id) is the
   reference and every other peer marks itself out of sync and downloads the state.
 * **Behind** (a newcomer, or a peer that missed a round): the swarm is at a higher epoch,
-  so we load parameters, optimizer and scheduler state and the epoch from the best donor.
+  so we load parameters, optimizer and scheduler state and the epoch from the best donor. Its
+  record says it downloads; the others hold off their next global step meanwhile (at most
+  ``catchup_pause`` seconds per catch-up), so that a download longer than a global step does not
+  find the swarm epochs ahead again, and no round waits for it.
 * **NaN/inf gradients** in a local batch: the batch is dropped (not accumulated), the
   peer logs which tensor was bad and publishes a counter; it still joins the round with
   nothing to contribute (weight ~0), so it receives everyone else's average and stays in
@@ -139,6 +142,14 @@ class CollaborativeOptimizer(TrainerPeer):
     ``local_epoch``: the epoch to start at, when resuming from a checkpoint that saved it with the
     optimizer's state (the Lightning strategy does): a swarm behind it downloads this peer's state, a
     swarm ahead of it is downloaded as usual.
+
+    ``catchup_pause``: while a peer downloads the state (a newcomer, a peer behind or out of sync; its
+    record says so), hold off the next global step for it, for at most this many seconds per catch-up
+    (renewed only once it was seen caught up or gone; 0: never hold), so that a swarm whose global step
+    is shorter than the download does not outrun it. Batches keep accumulating meanwhile: the step
+    after a pause averages more samples than ``target_batch_size``. Set it above a newcomer's download
+    time, the same on every peer (a newcomer still behind after a download logs that time). A round
+    never waits for a downloading peer: a peer left alone with one steps alone.
     """
 
     kind = "collaborative"
