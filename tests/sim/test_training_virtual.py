@@ -280,7 +280,7 @@ def test_a_target_batch_the_swarm_fills_within_a_few_gossip_intervals_is_warned_
 def _catchup_run(n: int, catchup_pause: float, stop_at: float, download: float = 1.5, seed: int = 4) -> tuple:
     """`n` - 1 trainers from t = 0 and a newcomer at t = 1 s whose every state download takes `download`
     seconds (a slow link, emulated: its averager's download returns the state it fetched -- the donor's at
-    the request -- that much later), while a global step takes ~0.5 s. Every peer trains until virtual
+    the request -- that much later), while a global step takes ~0.5 s (~1 s for a trainer alone). Every peer trains until virtual
     time `stop_at`, then serves the others until they are done. Returns what each body saw (its epochs
     with their rounds) and each peer's downloads (start, seconds, epoch reached)."""
     task = Task()
@@ -289,7 +289,9 @@ def _catchup_run(n: int, catchup_pause: float, stop_at: float, download: float =
     done = [False] * n
 
     class SlowDownloads(CollaborativeOptimizer):
-        index = 0
+        def __init__(self, *args, index: int, **kwargs):
+            self.index = index  # (before the constructor, which may download)
+            super().__init__(*args, **kwargs)
 
         def load_state_from_peers(self, timeout=None):
             fetch, t0 = self.averager.load_state_from_peers, self.clock.now()
@@ -308,13 +310,12 @@ def _catchup_run(n: int, catchup_pause: float, stop_at: float, download: float =
 
     def make(i, peers, averager_opts):
         opt = torch.optim.Adam(models[i].parameters(), lr=1e-3)
-        SlowDownloads.index = i  # (the constructor may download: peers are built one at a time)
-        return SlowDownloads(opt, prefix="catchup", target_batch_size=640, batch_size=64, matchmaking_time=0.5,
+        return SlowDownloads(opt, index=i, prefix="catchup", target_batch_size=640, batch_size=64,
+                             matchmaking_time=0.5,
                              target_group_size=n, initial_peers=peers, catchup_pause=catchup_pause,
                              averager_opts=averager_opts)
 
     def body(i, opt):
-        opt.index = i
         clock = opt.clock
         gen = task.stream(n, i)
         epochs = [(clock.now(), opt.local_epoch, {}, opt.in_sync)]
@@ -343,10 +344,10 @@ def _steps(epochs: list) -> list:
 
 
 def test_a_newcomer_whose_download_outlasts_global_steps_catches_up_in_one_download():
-    """docs/training.md, "a newcomer on a slow link": its state download (1.5 s here, global steps ~0.4 s) outlasted several global
-    steps, so when it ended the swarm was epochs ahead, the newcomer downloaded again, and again,
-    and never averaged (the testbed: 7 downloads in 40 s, no round joined), while every round of the
-    others waited for it. The others now hold off their next global step while it downloads (for at most
+    """docs/training.md, "a newcomer on a slow link": its state download (1.5 s here, a global step ~0.5 s)
+    outlasted several global steps, so when it ended the swarm was epochs ahead, the newcomer downloaded
+    again, and again, and never averaged (the testbed: 7 downloads in 40 s, no round joined), while every
+    round of the others waited for it. The others now hold off their next global step while it downloads (for at most
     catchup_pause): it downloads once, joins the round of the epoch it downloaded, and all end identical."""
     out, downloads = _catchup_run(3, catchup_pause=10.0, stop_at=4.0)
     assert len(downloads[2]) == 1, downloads
