@@ -33,7 +33,10 @@ What can go wrong, and what happens (the issue's rules, plus what it left open):
   largest set of equal digests (ties: the one holding the lowest peer id) is the
   reference and every other peer marks itself out of sync and downloads the state.
 * **Behind** (a newcomer, or a peer that missed a round): the swarm is at a higher epoch,
-  so we load parameters, optimizer and scheduler state and the epoch from the best donor.
+  so we load parameters, optimizer and scheduler state and the epoch from the best donor. Its
+  record says it downloads; the others hold off their next global step meanwhile (at most
+  ``catchup_pause`` seconds per catch-up), so that a download longer than a global step does not
+  find the swarm epochs ahead again, and no round waits for it.
 * **NaN/inf gradients** in a local batch: the batch is dropped (not accumulated), the
   peer logs which tensor was bad and publishes a counter; it still joins the round with
   nothing to contribute (weight ~0), so it receives everyone else's average and stays in
@@ -139,6 +142,14 @@ class CollaborativeOptimizer(TrainerPeer):
     ``local_epoch``: the epoch to start at, when resuming from a checkpoint that saved it with the
     optimizer's state (the Lightning strategy does): a swarm behind it downloads this peer's state, a
     swarm ahead of it is downloaded as usual.
+
+    ``catchup_pause``: while a peer downloads the state (a newcomer, a peer behind or out of sync; its
+    record says so), hold off the next global step for it, for at most this many seconds per catch-up
+    (renewed only once it was seen caught up or gone; 0: never hold), so that a swarm whose global step
+    is shorter than the download does not outrun it. Batches keep accumulating meanwhile: the step
+    after a pause averages more samples than ``target_batch_size``. Set it above a newcomer's download
+    time, the same on every peer (a newcomer still behind after a download logs that time). A round
+    never waits for a downloading peer: a peer left alone with one steps alone.
     """
 
     kind = "collaborative"
@@ -170,8 +181,15 @@ class CollaborativeOptimizer(TrainerPeer):
         offload_optimizer: bool | None = None,
         pre_schedule: bool = False,
         local_epoch: int = 0,
+        catchup_pause: float = 10.0,
     ) -> None:
         target_batch_size = _count("target_batch_size", target_batch_size, 1)
+        if isinstance(catchup_pause, bool) or not isinstance(catchup_pause, (int, float)) or not (
+                0 <= catchup_pause < math.inf):
+            raise ValueError(f"catchup_pause must be a finite number of seconds >= 0 (0: never pause for a "
+                             f"downloading peer), not {catchup_pause!r}")
+        self.catchup_pause = float(catchup_pause)
+        self._catchup_seen: dict[str, float] = {}  # downloading peer -> when this peer began to hold for it
         local_epoch = _count("local_epoch", local_epoch, 0)
         if batch_size is not None:
             batch_size = _count("batch_size", batch_size, 0)
@@ -257,6 +275,57 @@ class CollaborativeOptimizer(TrainerPeer):
     def _progress_rate(self) -> float:
         return self._rate
 
+    def _before_download(self) -> None:
+        """A synchronous download waits (bounded) until every other peer holds off its next global step
+        for it (their records say so): the state it then downloads is the swarm's newest, and stays so
+        while the download lasts, up to `catchup_pause` -- one download instead of one per global step
+        that a download outlasts. Without the wait, a step taken before they heard of it already made
+        the state it downloads one epoch old."""
+        if self.catchup_pause <= 0:
+            return
+        bound = min(self.catchup_pause / 2, 4 * self._gossip_interval + self.matchmaking_timeout)
+        deadline = self.clock.now() + bound
+        while True:
+            others = [p for p in self._view().others() if not p.wants_state]
+            if all(p.holding and not p.averaging for p in others) or self.clock.now() >= deadline:
+                return
+            self.clock.sleep(min(0.02, self._gossip_interval / 4))
+
+    def _after_download(self, seconds: float) -> None:
+        view = self._view()
+        if view.donor_epoch > self.local_epoch:
+            log.warning("%s: the state download took %.1fs and the swarm is at epoch %d already (this peer: %d), so "
+                        "this peer downloads again. Peers hold off their next global step for a downloading peer for "
+                        "at most catchup_pause=%gs per catch-up: set catchup_pause above the download's time on every "
+                        "peer (or raise target_batch_size)", self.peer_id[:8], seconds, view.donor_epoch,
+                        self.local_epoch, self.catchup_pause)
+
+    def _paused(self, view: SwarmView) -> bool:
+        """Whether to hold off the next global step for a peer that downloads the state (its record says
+        so): for at most `catchup_pause` seconds per catch-up, counted from when this peer first saw it
+        download, and renewed only once it was seen caught up (done, at this peer's epoch or later) or gone.
+        Without it a swarm whose global step is shorter than a newcomer's download is epochs ahead each
+        time the download ends, and the newcomer downloads again and again."""
+        if self.catchup_pause <= 0:
+            return False
+        now = self.clock.now()
+        live = {p.peer_id: p for p in view.others()}
+        for pid in list(self._catchup_seen):
+            p = live.get(pid)
+            if p is None or (not p.wants_state and p.epoch >= self.local_epoch):
+                del self._catchup_seen[pid]  # gone, or caught up: a later catch-up gets its own pause
+        for p in live.values():
+            if p.wants_state:
+                self._catchup_seen.setdefault(p.peer_id, now)
+        return any(live[pid].wants_state and now - t < self.catchup_pause for pid, t in self._catchup_seen.items())
+
+    @staticmethod
+    def _expected_peers(view: SwarmView) -> int:
+        """The peers a round of this epoch waits for: every live peer of the run (this one included) but
+        those downloading the state -- they join no round until their download ends, so a round that
+        counted them failed (a peer left alone with one marked itself out of sync every round)."""
+        return view.num_peers - sum(1 for p in view.others() if p.wants_state)
+
     def _after_state_loaded(self) -> None:
         if self._offload is not None:
             self._offload.copy_to_model()
@@ -298,6 +367,7 @@ class CollaborativeOptimizer(TrainerPeer):
                      pending.epoch)
         if self._download is not None:
             self._download = None  # its state will not be adopted: the next step compares with the swarm anew
+            self._downloading = False
         self._drop_scheduled()  # a round pre-scheduled for the epoch being replaced
 
     def _restore_progress(self, progress: dict) -> None:
@@ -425,12 +495,16 @@ class CollaborativeOptimizer(TrainerPeer):
         # records lag by the gossip delay: extrapolate them with each peer's throughput, and follow
         # any peer that already entered the round, so that the peers of an epoch meet in one window
         horizon = 4 * self._gossip_interval
-        if (view.estimate_at(self.local_epoch, self.clock.wall_time(), horizon) >= self.target_batch_size
+        # a peer downloads the state: hold off the next global step (bounded, `_paused`), unless another peer
+        # already entered this epoch's round (then follow it: the peers of an epoch meet in one round)
+        self._holding = self._paused(view) and not view.averaging_at(self.local_epoch)
+        if not self._holding and (
+                view.estimate_at(self.local_epoch, self.clock.wall_time(), horizon) >= self.target_batch_size
                 or view.averaging_at(self.local_epoch)):
             self._finish_epoch(view)
         else:
             self._publish()
-            if self.pre_schedule:
+            if self.pre_schedule and not self._holding:
                 self._maybe_pre_schedule(view)
         return loss
 
@@ -456,7 +530,7 @@ class CollaborativeOptimizer(TrainerPeer):
 
     def _maybe_pre_schedule(self, view: SwarmView) -> None:
         """About one matchmaking window before the target: start matchmaking for the round now."""
-        if self._scheduled is not None or view.num_peers < 2:
+        if self._scheduled is not None or self._expected_peers(view) < 2:
             return
         have = view.estimate_at(self.local_epoch, self.clock.wall_time(), 4 * self._gossip_interval)
         rate = view.rate_at(self.local_epoch)
@@ -613,8 +687,9 @@ class CollaborativeOptimizer(TrainerPeer):
                         g.div_(n)
         # every live peer of the run is expected, not only those whose record shows this epoch: right
         # after an epoch ends, records still show the previous one for a gossip delay, and a fast peer
-        # that "found itself alone" then would step without the others and drift away
-        expected = view.num_peers
+        # that "found itself alone" then would step without the others and drift away. Only a peer
+        # that downloads the state is not: it joins no round before its download ends
+        expected = self._expected_peers(view)
         gather = {"ep": epoch, "n": n, "bad": self._epoch_nonfinite}
         result, error = None, None
         t1 = self.clock.now()
@@ -768,7 +843,7 @@ class CollaborativeOptimizer(TrainerPeer):
                     g.copy_(acc)
         bad_batches = self._epoch_nonfinite
         self.samples, self._epoch_nonfinite, self._acc_stale = 0, 0, True  # the next epoch accumulates in _acc
-        expected = view.num_peers
+        expected = self._expected_peers(view)
         gather = {"ep": epoch, "n": n, "bad": bad_batches}
         rnd: dict[str, Any] = {"epoch": epoch, "local_samples": n, "expected_peers": expected, "group_size": 1,
                                "samples": n, "excluded": {}, "ok": False, "error": None, "delayed": True}
@@ -890,14 +965,22 @@ class CollaborativeOptimizer(TrainerPeer):
             return False
         self.apply_pending(wait=True)
         log.info("%s: downloading the swarm's state in the background (%s)", self.peer_id[:8], why)
-        self._download = self.averager.load_state_from_peers(timeout=self.load_state_timeout,
-                                                             chunk_timeout=self.state_chunk_timeout,
-                                                             apply=False, wait=False)
+        self._downloading = True  # published: peers hold off their next step meanwhile (catchup_pause)
+        self._publish()
+        try:
+            self._download = self.averager.load_state_from_peers(timeout=self.load_state_timeout,
+                                                                 chunk_timeout=self.state_chunk_timeout,
+                                                                 apply=False, wait=False)
+        except BaseException:
+            self._downloading = False
+            self._publish()
+            raise
         return True
 
     def _finish_download(self) -> None:
         fut, self._download = self._download, None
         assert fut is not None
+        self._downloading = False  # published below, with the adopted state or after the failure
         try:
             meta, arrays = self.clock.result(fut, 0)
             before = self.local_epoch
@@ -905,11 +988,13 @@ class CollaborativeOptimizer(TrainerPeer):
             log.info("%s: adopted the state downloaded in the background: epoch %d -> %d", self.peer_id[:8],
                      before, self.local_epoch)
         except LayoutMismatch:
+            self._publish()
             raise  # another model or optimizer: no retry can fix it (the synchronous path raises it too)
         except ZGossipError as e:
             self._next_sync_try = self.clock.now() + max(1.0, 5 * self._gossip_interval)
             log.warning("%s: background state download failed: %s; training on and retrying later",
                         self.peer_id[:8], e)
+            self._publish()
 
     def load_state_from_peers(self, timeout: float | None = None) -> None:
         self.apply_pending(wait=True)  # the update in flight would otherwise land on top of the loaded state

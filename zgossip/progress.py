@@ -23,7 +23,7 @@ from typing import Any, Mapping
 
 __all__ = ["PeerProgress", "SwarmView", "run_digest", "progress_record", "reference_digest"]
 
-_IN_SYNC, _READY, _WANTS, _AVERAGING, _CLIENT = 1, 2, 4, 8, 16
+_IN_SYNC, _READY, _WANTS, _AVERAGING, _CLIENT, _HOLDING = 1, 2, 4, 8, 16, 32
 
 
 def run_digest(prefix: str) -> str:
@@ -48,12 +48,13 @@ class PeerProgress:
     averaging: bool = False  # it is in (or about to enter) the round that ends `epoch`
     digest: str = ""  # a short digest of its parameters at `epoch` ("" if it does not publish one)
     client: bool = False  # a client-mode peer: it trains and counts, but serves no state to anyone
+    holding: bool = False  # it holds off its next global step while a peer downloads the state (catchup_pause)
 
 
 def progress_record(run: str, p: PeerProgress) -> dict:
     """The dict to `publish`: 12 short scalar entries (the core allows 14; flags share one int)."""
     flags = ((_IN_SYNC * p.in_sync) | (_READY * p.ready) | (_WANTS * p.wants_state) | (_AVERAGING * p.averaging)
-             | (_CLIENT * p.client))  # (a reader that predates a flag ignores its bit)
+             | (_CLIENT * p.client) | (_HOLDING * p.holding))  # (a reader that predates a flag ignores its bit)
     return {
         "run": run, "ep": int(p.epoch), "n": float(p.samples),
         "sps": float(p.samples_per_second) if math.isfinite(p.samples_per_second) else 0.0,
@@ -77,6 +78,7 @@ def _parse(peer_id: str, rec: Mapping[str, Any], run: str) -> PeerProgress | Non
             in_sync=bool(flags & _IN_SYNC), ready=bool(flags & _READY), wants_state=bool(flags & _WANTS),
             state_version=int(rec["sv"]), nonfinite=int(rec["bad"]), time=float(rec["t"]),
             averaging=bool(flags & _AVERAGING), digest=str(rec.get("pd", "")), client=bool(flags & _CLIENT),
+            holding=bool(flags & _HOLDING),
         )
     except (KeyError, TypeError, ValueError):
         return None

@@ -157,6 +157,8 @@ class TrainerPeer:
         self.state_chunk_timeout = float(state_chunk_timeout)
         self._closed = False
         self._averaging = False
+        self._downloading = False  # published (wants_state): peers that pause for newcomers hold off meanwhile
+        self._holding = False  # published: this peer holds off its next global step for a peer that downloads
         self._param_digest = ""  # published by wrappers whose peers must hold identical parameters
         opts = {**TRAINING_DEFAULTS, **(averager_opts or {})}
         bf16_state_compression(opts, self.params)  # the state served begins with the parameters
@@ -352,12 +354,32 @@ class TrainerPeer:
 
     def load_state_from_peers(self, timeout: float | None = None) -> None:
         """Download parameters, optimizer and scheduler state and the epoch from the best peer (the
-        highest epoch, in-sync peers first) and adopt them. Raises `StateUnavailable` or `LayoutMismatch`."""
-        meta, arrays = self.averager.load_state_from_peers(timeout=self.load_state_timeout if timeout is None else timeout,
-                                                           chunk_timeout=self.state_chunk_timeout, apply=False)
-        before = self.local_epoch
-        self._apply_state(meta, arrays)
+        highest epoch, in-sync peers first) and adopt them. Raises `StateUnavailable` or `LayoutMismatch`.
+        While it downloads, this peer's record says so (``wants_state``), so that peers which pause for
+        newcomers (`CollaborativeOptimizer`'s ``catchup_pause``) hold off their next step meanwhile."""
+        self._downloading = True
+        t0 = self.clock.now()
+        try:
+            self._publish()
+            self._before_download()
+            meta, arrays = self.averager.load_state_from_peers(
+                timeout=self.load_state_timeout if timeout is None else timeout,
+                chunk_timeout=self.state_chunk_timeout, apply=False)
+            before = self.local_epoch
+            self._downloading = False
+            self._apply_state(meta, arrays)  # (publishes the new epoch)
+        except BaseException:
+            self._downloading = False  # failed: the record says so at once, not at the next step
+            self._publish()
+            raise
         log.info("%s: loaded state from peers: epoch %d -> %d", self.peer_id[:8], before, self.local_epoch)
+        self._after_download(self.clock.now() - t0)
+
+    def _before_download(self) -> None:
+        """Called once this peer published that it downloads, before the download begins."""
+
+    def _after_download(self, seconds: float) -> None:
+        """Called after a state download of `seconds` was adopted."""
 
     def _try_load_state(self, view: SwarmView, why: str) -> bool:
         now = self.clock.now()
@@ -381,7 +403,8 @@ class TrainerPeer:
         return PeerProgress(self.peer_id, self.local_epoch, self._progress_samples(), self._progress_rate(),
                             self.layout.fingerprint, self.layout.signature, len(self.layout.shapes),
                             in_sync=self.in_sync, nonfinite=self.nonfinite_batches, time=self.clock.wall_time(),
-                            averaging=self._averaging, digest=self._param_digest, client=self.averager.client_mode)
+                            averaging=self._averaging, digest=self._param_digest, client=self.averager.client_mode,
+                            wants_state=self._downloading, holding=self._holding)
 
     def _publish(self) -> None:
         self.averager.publish(**progress_record(self._run, self._me()))

@@ -646,6 +646,10 @@ def test_errors_are_clear():
                                batch_size=-1)
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
         CollaborativeOptimizer(object(), prefix="e", target_batch_size=1)  # type: ignore[arg-type]
+    for bad in (-1, float("nan"), float("inf"), "5", True, None):
+        with pytest.raises(ValueError, match="catchup_pause must be a finite number of seconds >= 0"):
+            CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), prefix="e", target_batch_size=8,
+                                   catchup_pause=bad)
     opt = CollaborativeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), prefix="e", target_batch_size=8,
                                  averager_opts=dict(FAST))
     with opt:
@@ -668,6 +672,7 @@ def test_errors_are_clear():
         finally:
             opt.averager.load_state_from_peers = real
         assert seen == [0, opt.load_state_timeout]
+        assert not opt._me().wants_state  # a failed download does not leave the others holding for it
     with pytest.raises(zgossip.ZGossipError, match="shut down"):
         opt.step(batch_size=1)
 

@@ -71,3 +71,35 @@ def test_a_client_is_never_the_reference_others_would_download_from():
     assert peer.loads == []
     CollaborativeOptimizer._resync_if_needed(peer, view(me, rec("c", 5)))  # type: ignore[arg-type]
     assert peer.loads == ["behind: epoch 4 < swarm's 5"]
+
+
+def test_a_downloading_peer_is_not_expected_and_is_paused_for_once_per_catch_up():
+    """A peer that downloads the state says so (``wants_state``); a peer that holds for it says that too
+    (``holding``). The others expect no downloading peer in a round, and hold off their next global step
+    for it for at most ``catchup_pause`` seconds per catch-up: a new pause only once it was seen caught up
+    (done, at their epoch) or gone -- not at each new download of a peer that keeps falling behind."""
+    v = view(rec("b", 3), rec("a", 0, wants_state=True), rec("c", 3, holding=True))
+    assert [(p.wants_state, p.holding) for p in v.peers] == [(True, False), (False, False), (False, True)]
+    assert CollaborativeOptimizer._expected_peers(v) == 2
+    now = [100.0]
+    peer = SimpleNamespace(catchup_pause=5.0, _catchup_seen={}, local_epoch=3,
+                           clock=SimpleNamespace(now=lambda: now[0]))
+
+    def paused(*others: PeerProgress) -> bool:
+        return CollaborativeOptimizer._paused(peer, view(rec("b", 3), *others))  # type: ignore[arg-type]
+
+    assert paused(rec("a", 0, wants_state=True))
+    now[0] = 104.9
+    assert paused(rec("a", 0, wants_state=True))
+    now[0] = 105.0  # its pause is spent
+    assert not paused(rec("a", 0, wants_state=True))
+    now[0] = 106.0  # between two downloads, still behind: its next download gets no new pause
+    assert not paused(rec("a", 1))
+    assert not paused(rec("a", 1, wants_state=True))
+    now[0] = 107.0  # caught up: a later catch-up of it is paused for again
+    assert not paused(rec("a", 3))
+    assert paused(rec("a", 3, wants_state=True))
+    now[0] = 108.0  # gone: forgotten
+    assert not paused() and peer._catchup_seen == {}
+    peer.catchup_pause = 0.0  # off
+    assert not paused(rec("a", 0, wants_state=True))
