@@ -155,10 +155,10 @@ QUICK = ["home4-1m"]
 #: spread 1.5-7.0 s within one run (a retransmission timeout on a 150 ms path is 0.35 s and more,
 #: and a round waits for the worst of 12 streams); with ten, equal spans read 2.07-2.78 s over
 #: five matrices (23-24 Nov), and bandwidth="auto" 1.86-2.99 s over four runs. More rounds would
-#: not steady it: its rounds are not alike over a run. In six runs (24-25 Nov) rounds 1-9 took a
-#: median 2.03-2.20 s in every run, but rounds 10-19 2.21-4.51 s: in four of the six, rounds stalled
+#: not steady it: its rounds are not alike over a run. In seven runs (24-25 Nov) rounds 1-9 took a
+#: median 2.03-2.20 s in every run, but rounds 10-19 2.21-4.51 s: in four of the seven, rounds stalled
 #: from about the tenth step on (BBR's estimate collapsing, README "Simulator vs testbed"; rounds of
-#: 3-12 s, 23 of 60 above 3 s against 9 of 54 in rounds 1-9; a 40-round run stayed so through round
+#: 3-12 s, 25 of 70 above 3 s against 10 of 63 in rounds 1-9; a 40-round run stayed so through round
 #: 39, median 3.44 s), and `sim.bbr` does not produce that late collapse -- a longer run would
 #: measure more of what the model lacks.
 MIN_ROUNDS = {"home4-loss-1m": 10, "lat150-loss-1m": 20,
