@@ -38,8 +38,10 @@ What ZeroMQ over TCP gives the protocol is a reliable, ordered byte stream per c
   order, so whatever the connection sends after a lost segment reaches the receiver no earlier
   than its repair, in whichever later round its message ends (head-of-line blocking: a burst
   paced out in less than an RTT finishes only an RTT after its lost segment left; before this
-  was modelled only a loss in a message's last round delayed it, and the testbed's lossy
-  300 ms rounds took 1.6-2.6 s where the model's took 1.2-1.9 s). When one of the round's
+  was modelled only a loss in a message's last round delayed it: on the testbed's lossy 300 ms
+  case, `lat150-loss-1m`, rounds 1-9 took a median 2.03-2.20 s in each of seven runs, and the
+  replays of those runs, 5 seeds each, now read 2.03 s (median of their rounds 1-9) and 1.98 s
+  (rounds 10-19) where they read 1.94 and 1.77 s). When one of the round's
   retransmissions (about ``k·p`` of them, at least one) is lost as well, the retransmission
   timeout (RTT + ``rto_min``) comes on top. The window is cut by CUBIC's beta (0.7; Reno 0.5; BBR does
   not cut on loss). The resulting sawtooth gives the usual ~MSS/(RTT sqrt p) steady state.
