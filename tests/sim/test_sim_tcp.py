@@ -431,3 +431,75 @@ def test_down_queue_setting_is_checked():
 
     with pytest.raises(ValueError, match="down_queue"):  # refused at load, before anything runs
         Scenario.from_dict({"peers": 2, "grid": [], "network": {"down_queue": {"seconds": -1}}})
+
+
+class _Draws:
+    """The transport's generator with its loss draws scripted: `random()` gives the values queued in
+    `next`, then 1.0 (no loss, no tail loss, no lost retransmission). A connection's BBR keeps the
+    generator it was made with, so only the transport's own draws are scripted."""
+
+    def __init__(self) -> None:
+        self.next: list[float] = []
+
+    def random(self) -> float:
+        return self.next.pop(0) if self.next else 1.0
+
+
+def _lossy_link(owd: float, **tcp):
+    """A 1 Gbit/s link with 1 % loss whose losses happen only where a test scripts them."""
+    net = NetworkModel(latency=owd, bandwidth=125e6, loss=0.01, transfer="tcp", tcp=tcp)
+    env = simpy.Environment()
+    got: list = []
+    tr = TcpTransport(net, net.tcp, env, np.random.default_rng(0), lambda tok, sent: got.append((tok, env.now)))
+    tr.open("a", "b", 0)  # the handshake's draws come from the real generator: no handshake loss here
+    draws = _Draws()
+    tr.rng = draws
+    return env, tr, got, draws
+
+
+def _send_scripted(env, tr, draws, t, nbytes, tok, script):
+    def go(_e):
+        draws.next[:] = script
+        tr.send("a", "b", 0, nbytes, tok)
+    env.timeout(t).callbacks.append(go)
+
+
+@pytest.mark.parametrize("nbytes, cost", [(100, 0.5), (20 * 1448, 0.8)])
+def test_a_tail_loss_costs_what_linuxs_tail_loss_probe_costs(nbytes, cost):
+    # 300 ms RTT (RTO 0.5 s). The last segment of a flight is lost: nothing sent after it reveals
+    # the loss, so Linux's tail-loss probe resends it (tcp_schedule_loss_probe): 2 SRTT, + RTO_min
+    # for a lone segment, never later than the RTO, re-armed at each ACK -- a lone segment is resent
+    # an RTO (0.5 s) after it left, a longer flight's last an RTT + min(2 SRTT, RTO) after (0.8 s)
+    owd = 0.15
+
+    def arrival(script):
+        env, tr, got, draws = _lossy_link(owd, congestion_control="cubic", slow_start_after_idle=False)
+        _send_scripted(env, tr, draws, 0.0, 4 * MB, "warm-up", [])  # the window opens beyond the flight
+        _send_scripted(env, tr, draws, 10.0, nbytes, "flight", script)
+        env.run()
+        return dict(got)["flight"]
+
+    clean = arrival([])
+    assert clean == pytest.approx(10.0 + owd, abs=0.01)  # one round, no loss
+    assert arrival([0.0, 0.0]) - clean == pytest.approx(cost, abs=0.005)  # lost, and it was the tail
+
+
+def test_a_loss_early_in_a_burst_holds_back_its_end_until_the_repair_arrives():
+    # BBR paces a 256 KiB burst out in less than an RTT (300 ms) once its estimate grew. A segment
+    # lost in the burst's first 10 ms is resent an RTT after it left (SACK), and TCP delivers in
+    # order: the burst cannot reach the receiver before that repair does, an RTT + one way after the
+    # burst began -- whichever later round its last byte left in
+    owd, burst, start = 0.15, 256 << 10, 13.0
+
+    def arrival(script):
+        env, tr, got, draws = _lossy_link(owd, congestion_control="bbr")
+        for k in range(8):  # warm-up bursts 1 s apart: BBR's estimate grows burst by burst
+            _send_scripted(env, tr, draws, 5.0 + k, burst, k, [])
+        _send_scripted(env, tr, draws, start, burst, "burst", script)
+        env.run()
+        return dict(got)["burst"]
+
+    clean = arrival([])
+    repaired = start + 2 * owd + owd
+    assert clean < repaired - 0.05  # without the loss the burst is there well before the repair
+    assert arrival([0.0]) == pytest.approx(repaired, abs=0.015)  # lost in the burst's first round
