@@ -37,7 +37,6 @@ The goal (issue 10): every ratio within 0.85–1.15 and every direction right.
 """
 from __future__ import annotations
 
-import json
 import math
 import platform
 import sys
@@ -47,7 +46,7 @@ from typing import Any, Callable, Sequence
 
 from .compare import compare_runs, replay, replay_scenario
 from .linkfloor import floor_for_scenario
-from .scenario import Scenario
+from .scenario import Scenario, json_text
 
 __all__ = ["CASES", "PAIRS", "QUICK", "case_scenario", "run_case", "run_matrix", "directions", "main"]
 
@@ -381,7 +380,7 @@ def main(args: Any) -> int:
     print(format_table(results, dirs))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"machine": _machine(), "cases": [r.row() for r in results], "directions": dirs,
-                       "runs": {r.name: {"testbed": r.testbed, "simulator": r.simulated} for r in results}},
-                      f, indent=1, sort_keys=True)
+            f.write(json_text({"machine": _machine(), "cases": [r.row() for r in results], "directions": dirs,
+                               "runs": {r.name: {"testbed": r.testbed, "simulator": r.simulated} for r in results}},
+                              indent=1, sort_keys=True))
     return 0
