@@ -195,6 +195,21 @@ def test_members_that_agree_close_their_group_themselves_one_way_trip_after_the_
     assert all(p.node.stats["dropped"] == 0 and p.node.stats["late"] == 0 for p in peers)
 
 
+def _far_calls_late(timeout):
+    """The near peers step at t0; the far one calls at t0 + 0.6 with `timeout`, after the rendezvous
+    window closed. Runs until every step ended; returns the far peer's call time too."""
+    far = _far_index("gossip")
+    cl, peers, cfg = _cluster(far, "gossip")
+    cl.run(until=2.0)
+    near = [p for i, p in enumerate(peers) if i != far]
+    evs = [p.step_tensors(timeout=5.0) for p in near]
+    cl.run(until=cl.env.now + 0.6)
+    start = cl.env.now
+    late = peers[far].step_tensors(timeout=timeout)
+    cl.run(until=cl.env.all_of([*evs, late]))
+    return cl, peers, cfg, far, evs, late, start
+
+
 def test_a_far_peer_that_calls_after_the_window_closed_is_in_no_group_of_the_others():
     """The testbed's far peer in two groups (the message order of
     tests/unit/test_matchmaker.py, on the simulator): the three near peers call at t0, their notes
@@ -203,14 +218,7 @@ def test_a_far_peer_that_calls_after_the_window_closed_is_in_no_group_of_the_oth
     used to form the group of four from the notes it held: a group nobody else was in, whose PARTs
     the others dropped (and ABORTed) while its step failed with PeerLost. Now it leaves the group to
     the rendezvous peer, which has none for it left this round: a plain GroupNotFound."""
-    far = _far_index("gossip")
-    cl, peers, cfg = _cluster(far, "gossip")
-    cl.run(until=2.0)
-    near = [p for i, p in enumerate(peers) if i != far]
-    evs = [p.step_tensors(timeout=5.0) for p in near]
-    cl.run(until=cl.env.now + 0.6)
-    late = peers[far].step_tensors(timeout=1.0)
-    cl.run(until=cl.env.all_of([*evs, late]))
+    cl, peers, cfg, far, evs, late, _ = _far_calls_late(timeout=1.0)
     res = [ev.value.result for ev in evs]
     assert all(r.complete and len(r.members) == N - 1 for r in res), res
     assert len({r.group_id for r in res}) == 1 and peers[far].peer_id not in res[0].members
@@ -224,15 +232,7 @@ def test_a_far_peer_that_calls_after_its_swarm_moved_on_fails_at_once_not_at_its
     one failing each time) until the timeout ran out, 9.9 s. Once a window closed short and every
     other live peer of the key announces a later round, nobody is left to come: it fails at once
     (0.9 s), and joins the next round."""
-    far = _far_index("gossip")
-    cl, peers, cfg = _cluster(far, "gossip")
-    cl.run(until=2.0)
-    near = [p for i, p in enumerate(peers) if i != far]
-    evs = [p.step_tensors(timeout=5.0) for p in near]
-    cl.run(until=cl.env.now + 0.6)
-    start = cl.env.now
-    late = peers[far].step_tensors(timeout=10.0)
-    cl.run(until=cl.env.all_of([*evs, late]))
+    cl, peers, cfg, far, evs, late, start = _far_calls_late(timeout=10.0)
     assert all(ev.value.result.complete and len(ev.value.result.members) == N - 1 for ev in evs)
     assert isinstance(late.value, StepFailed) and isinstance(late.value.error, GroupNotFound), late.value
     assert "went past round" in str(late.value.error) and "call step() when they do" in str(late.value.error)
