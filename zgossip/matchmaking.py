@@ -363,13 +363,11 @@ class Matchmaker:
         self.cancel(now, reason)
         live = len(self.membership.live_ids())
         steps = _summarize(j.history) or "no rendezvous peer answered"
-        if advice:
-            pass
-        elif any(_OTHER_LAYOUT in h for h in j.history):
+        if not advice and any(_OTHER_LAYOUT in h for h in j.history):
             reason = f"{reason}; other peers with this key have different tensors"
             advice = ("Peers average only tensors of the same count, shapes and dtypes: give every peer that "
                       "steps with this prefix the same tensors (or another prefix).")
-        else:
+        elif not advice:
             advice = ("Check that enough peers step with the same prefix and round, or lower min_group_size / "
                       "raise timeout or matchmaking_time.")
         err = GroupNotFound(

@@ -567,17 +567,9 @@ class Node:
 
     def _moved_on(self, key: str, rnd: int, now: float) -> bool:
         """Whether the swarm went past round `rnd` of `key` without this peer (`Matchmaker`): no other
-        live peer may still join it (`_may_join`), and one of its prefix already announced a later round."""
-        if self._may_join(key, rnd, now) - {self.peer_id}:
-            return False
-        horizon = now - self.config.peer_timeout
-        infos = [rec.info for rec in self.membership.peers.values()]
-        infos += [info for info, seen in self._clients.values() if seen >= horizon]
-        for info in infos:
-            a = announce.Announcement.read(info)
-            if a is not None and a.prefix == self._prefix_tag and a.round > rnd:
-                return True
-        return False
+        live peer may still join it (`_may_join`), and one of its prefix already announced a later round
+        (`swarm_round`)."""
+        return not self._may_join(key, rnd, now) - {self.peer_id} and self.swarm_round() > rnd
 
     def _heard_client(self, msg: Message, now: float) -> None:
         """A client-mode peer spoke to us: a rendezvous peer keeps what it announced (in its gossip)
