@@ -146,10 +146,13 @@ def test_trainer_with_zgossip_strategy_three_processes_and_a_late_joiner(tmp_pat
     # target_batch_size samples (the round starts when the gossiped, extrapolated count reaches it);
     # one of them holds more: A keeps accumulating while it holds off its step for C's state download
     # (catchup_pause, docs/training.md): this average was 67-85 in 4 runs before that pause, 80-101 in 5 with it
+    # and 115 in a fresh-clone CI run (the held step grows with C's download time). The average is
+    # bounded at twice the target; the pause itself is checked in virtual time
+    # (tests/sim/test_training_virtual.py, the catch-up tests)
     for r in (a["last_round"], c["last_round"]):
         assert r["ok"] and r["group_size"] == 2 and r["samples"] >= 32, r
     per_step = 16 * (a["local_batches"] + b["local_batches"] + c["local_batches"]) / a["epoch"]
-    assert 48 <= per_step <= 112, per_step
+    assert 48 <= per_step <= 128, per_step
     digests = {k: {int(e): d for e, d in r["digests"].items()} for k, r in res.items()}
     # the late joiner downloaded the state: its first global step is the swarm's, not 0
     assert min(digests["c"]) >= 2, sorted(digests["c"])
